@@ -1,0 +1,1 @@
+"""Configs: `get_config()` files (ml_collections) and their validation."""

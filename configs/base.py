@@ -1,0 +1,82 @@
+"""Every config field, with its default and a one-line comment.
+
+Other configs start from `get_config()` here and change what they need. Load
+with `ml_collections.config_flags.DEFINE_config_file(..., lock_config=True)`
+so that `--config.model.pos_emb=rope` works and a misspelt field fails.
+Choices are checked in one place: `configs/validation.py`.
+"""
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+
+  m = c.model = config_dict.ConfigDict()
+  m.family = "decoder"  # decoder | encoder | encoder_decoder
+  m.vocab_size = 1024  # rows of the embedding; >= the tokenizer's vocab_size
+  m.d_model = 128  # model width d
+  m.num_layers = 2  # layers (the encoder's, for encoder_decoder)
+  m.num_decoder_layers = config_dict.placeholder(int)  # encoder_decoder; None: num_layers
+  m.num_heads = 4  # query heads h
+  m.num_kv_heads = config_dict.placeholder(int)  # KV heads g: h MHA, <h GQA, 1 MQA; None: h
+  m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
+  m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for swiglu)
+  m.max_len = 256  # longest sequence (size of a learned position table)
+  m.pos_emb = "rope"  # none | sinusoidal | learned | rope
+  m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
+  m.rope_scaling = "none"  # none | linear | ntk | yarn (context extension)
+  m.rope_scaling_factor = 1.0  # how many times longer than rope_original_max_len
+  m.rope_original_max_len = 256  # context the RoPE model was trained at (ntk, yarn)
+  m.norm = "rmsnorm"  # layernorm | rmsnorm
+  m.norm_position = "pre"  # pre | post
+  m.norm_eps = 1e-6  # epsilon inside the norm's square root
+  m.mlp = "swiglu"  # gelu | swiglu
+  m.use_bias = False  # biases in the attention and MLP projections
+  m.tie_embeddings = True  # output head = embedding^T
+  m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
+  m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
+  m.param_dtype = "float32"  # parameter dtype: float32 | bfloat16
+  m.init_std = 0.02  # std of the normal initialiser of every weight matrix
+
+  t = c.tokenizer = config_dict.ConfigDict()
+  t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)
+  t.vocab_size = 1024  # vocabulary including the special tokens
+  t.path = ""  # an existing saved tokenizer (dir or .model); "" trains one
+
+  d = c.data = config_dict.ConfigDict()
+  d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord
+  d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord
+  d.jsonl_field = "text"  # the field of each JSONL record that holds the text
+  d.val_percent = 5  # percent of the documents held out for validation
+  d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
+  d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
+  d.num_workers = 0  # Grain worker processes (0: in the main process)
+
+  tr = c.train = config_dict.ConfigDict()
+  tr.objective = "next_token"  # next_token | seq2seq | mlm
+  tr.num_steps = 1000  # optimizer steps
+  tr.batch_size = 16  # sequences per step (global, across all devices)
+  tr.seq_len = 128  # tokens per sequence
+  tr.grad_accum_steps = 1  # micro-batches per step (batch_size must divide)
+  tr.learning_rate = 3e-3  # peak learning rate
+  tr.warmup_steps = 100  # linear warm-up steps
+  tr.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
+  tr.weight_decay = 0.1  # AdamW decay on matrices only (not norms, biases)
+  tr.b1 = 0.9  # Adam beta1
+  tr.b2 = 0.95  # Adam beta2
+  tr.grad_clip = 1.0  # global-norm clipping; 0 disables
+  tr.remat = False  # recompute block activations in the backward pass
+  tr.seed = 0  # parameters, data order, dropout
+  tr.log_every = 10  # steps between metric lines
+  tr.eval_every = 200  # steps between validation passes
+  tr.eval_steps = 10  # validation batches per pass
+  tr.checkpoint_every = 200  # steps between checkpoints
+  tr.keep_checkpoints = 3  # checkpoints kept on disk
+  tr.restore_from = ""  # another workdir (or checkpoint dir) to start from
+  tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
+
+  me = c.mesh = config_dict.ConfigDict()
+  me.data = -1  # data-parallel axis; -1: the devices left over
+  me.fsdp = 1  # parameter/optimizer-state sharding axis
+  me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
+  return c

@@ -1,0 +1,1 @@
+"""Data: the embedded corpora, user files, tokenisation cache, Grain pipelines."""
