@@ -1,0 +1,141 @@
+"""All config checks, in one place.
+
+`validate(config)` runs at start-up of every tool (train.py, eval.py,
+model.summary) and `build_model` runs `validate_model`. A bad value raises a
+`UserError` whose one line names the field, the value and what is allowed.
+"""
+from ml_collections import config_dict
+
+from configs.errors import UserError
+
+CHOICES = {
+    "model.family": ("decoder", "encoder", "encoder_decoder"),
+    "model.pos_emb": ("none", "sinusoidal", "learned", "rope"),
+    "model.rope_scaling": ("none", "linear", "ntk", "yarn"),
+    "model.norm": ("layernorm", "rmsnorm"),
+    "model.norm_position": ("pre", "post"),
+    "model.mlp": ("gelu", "swiglu"),
+    "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.param_dtype": ("float32", "bfloat16"),
+    "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),
+    "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord"),
+    "data.packing": ("packed", "concat"),
+    "train.objective": ("next_token", "seq2seq", "mlm"),
+}
+
+# Which objectives each model family can train with.
+OBJECTIVES = {
+    "decoder": ("next_token", "seq2seq"),
+    "encoder": ("mlm",),
+    "encoder_decoder": ("seq2seq",),
+}
+
+
+def _get(config, dotted: str):
+  node = config
+  for part in dotted.split("."):
+    node = node[part]
+  return node
+
+
+def _fail(field: str, value, why: str) -> None:
+  raise UserError(f"config field {field}={value!r}: {why}")
+
+
+def _check_choice(config, field: str, prefix: str = "") -> None:
+  value = _get(config, field[len(prefix):])
+  if value not in CHOICES[field]:
+    _fail(field, value, f"must be one of {', '.join(CHOICES[field])}")
+
+
+def _check_positive(config, field: str, prefix: str = "", allow_none=False,
+                    allow_zero=False) -> None:
+  value = _get(config, field[len(prefix):])
+  if value is None and allow_none:
+    return
+  if not isinstance(value, int) or isinstance(value, bool) or value < (0 if allow_zero else 1):
+    _fail(field, value, "must be a positive integer" + (" or 0" if allow_zero else ""))
+
+
+def num_kv_heads(m) -> int:
+  """KV heads g (None means g = h, multi-head attention)."""
+  return m.num_heads if m.num_kv_heads is None else m.num_kv_heads
+
+
+def head_dim(m) -> int:
+  """Per-head width d_k (None means d_model // num_heads)."""
+  return m.d_model // m.num_heads if m.head_dim is None else m.head_dim
+
+
+def num_decoder_layers(m) -> int:
+  return m.num_layers if m.num_decoder_layers is None else m.num_decoder_layers
+
+
+def validate_model(m: config_dict.ConfigDict) -> None:
+  """Checks the `model` section; every rule has a test of its message."""
+  p = "model."
+  for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
+                "model.norm_position", "model.mlp", "model.attention_impl",
+                "model.dtype", "model.param_dtype"):
+    _check_choice(m, field, p)
+  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+    _check_positive(m, p + field, p)
+  for field in ("num_kv_heads", "head_dim", "num_decoder_layers"):
+    _check_positive(m, p + field, p, allow_none=True)
+  if m.head_dim is None and m.d_model % m.num_heads:
+    _fail("model.d_model", m.d_model,
+          f"must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
+  if m.num_heads % num_kv_heads(m):
+    _fail("model.num_kv_heads", m.num_kv_heads,
+          f"must divide model.num_heads={m.num_heads} (h query heads share g KV heads)")
+  if m.pos_emb == "rope" and head_dim(m) % 2:
+    _fail("model.head_dim", head_dim(m), "must be even for pos_emb=rope (RoPE rotates pairs)")
+  if m.pos_emb == "sinusoidal" and m.d_model % 2:
+    _fail("model.d_model", m.d_model, "must be even for pos_emb=sinusoidal (sin/cos pairs)")
+  if m.rope_theta <= 0:
+    _fail("model.rope_theta", m.rope_theta, "must be positive")
+  if m.rope_scaling_factor < 1:
+    _fail("model.rope_scaling_factor", m.rope_scaling_factor,
+          "must be >= 1 (how many times longer the context becomes)")
+  if m.rope_scaling != "none" and m.pos_emb != "rope":
+    _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
+  if m.norm_eps <= 0:
+    _fail("model.norm_eps", m.norm_eps, "must be positive")
+
+
+def validate(config: config_dict.ConfigDict) -> None:
+  """Checks a whole run config (model, tokenizer, data, train, mesh)."""
+  validate_model(config.model)
+  for field in ("tokenizer.kind", "data.source", "data.packing", "train.objective"):
+    _check_choice(config, field)
+  for field in ("train.num_steps", "train.batch_size", "train.seq_len",
+                "train.grad_accum_steps", "train.log_every", "train.eval_every",
+                "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
+                "tokenizer.vocab_size"):
+    _check_positive(config, field)
+  _check_positive(config, "train.warmup_steps", allow_zero=True)
+  family, objective = config.model.family, config.train.objective
+  if objective not in OBJECTIVES[family]:
+    _fail("train.objective", objective,
+          f"does not fit model.family={family}; use one of {', '.join(OBJECTIVES[family])}")
+  if config.model.pos_emb == "learned" and config.train.seq_len > config.model.max_len:
+    _fail("train.seq_len", config.train.seq_len,
+          f"exceeds the learned position table (model.max_len={config.model.max_len}); "
+          "raise model.max_len or use another pos_emb")
+  if config.train.batch_size % config.train.grad_accum_steps:
+    _fail("train.grad_accum_steps", config.train.grad_accum_steps,
+          f"must divide train.batch_size={config.train.batch_size}")
+  if config.train.learning_rate <= 0:
+    _fail("train.learning_rate", config.train.learning_rate, "must be positive")
+  if not config.tokenizer.path and config.tokenizer.vocab_size > config.model.vocab_size:
+    _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
+          f"exceeds model.vocab_size={config.model.vocab_size}")
+  if config.data.source in ("files", "jsonl", "arrayrecord") and not config.data.paths:
+    _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
+  if not 0 <= config.data.val_percent < 100:
+    _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")
+  for axis in ("data", "fsdp", "tensor"):
+    value = config.mesh[axis]
+    if not isinstance(value, int) or (value < 1 and value != -1):
+      _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")

@@ -1,0 +1,215 @@
+"""Steps 3 and 4 of the lesson: scaled dot-product and multi-head attention.
+
+`attention(q, k, v, ...)` is the one dispatcher over implementations:
+
+- `reference`: the lesson's math written out: scores Q K^T / sqrt(d_k) in
+  float32, mask, softmax, weighted sum of V. The oracle for every test.
+  Grouped-query attention is an einsum over a [K, G] split of the query
+  heads, so K/V are never repeated in memory.
+- `xla`, `cudnn`: `jax.nn.dot_product_attention` with that implementation.
+- `pallas`: our online-softmax kernel (`model/kernels/flash_attention.py`).
+- `auto`: the fastest correct choice for the device and the inputs (see
+  `choose_implementation`).
+
+Masks, combined by logical AND: `causal` (top-left aligned: query i sees keys
+j <= i), `segment_ids` (packing and padding: a query sees keys of its own
+segment; id 0 marks padding and is never attended), and a dense boolean
+`mask` [B, T, S] (True = may attend). A query whose row is fully masked gets
+zeros, not NaN, from every implementation.
+"""
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.embeddings import apply_rope
+from model.layers import Dense
+
+IMPLEMENTATIONS = ("reference", "xla", "cudnn", "pallas", "auto")
+
+
+def _split_segment_ids(segment_ids):
+  """[B, T] (self-attention) or a (q [B, T], kv [B, S]) pair -> the pair."""
+  if segment_ids is None:
+    return None, None
+  if isinstance(segment_ids, (tuple, list)):
+    return segment_ids
+  return segment_ids, segment_ids
+
+
+def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None):
+  """The boolean [B or 1, T, S] mask that all the masks add up to, or None."""
+  q_seg, kv_seg = _split_segment_ids(segment_ids)
+  out = None
+  if causal:
+    out = jnp.tril(jnp.ones((T, S), bool))[None]
+  if q_seg is not None:
+    seg = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+    out = seg if out is None else out & seg
+  if mask is not None:
+    out = mask if out is None else out & mask
+  return out
+
+
+def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
+                        segment_ids=None, scale=None):
+  """softmax(Q K^T * scale + M) V, in float32, with fully masked rows zeroed."""
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  scale = D ** -0.5 if scale is None else scale
+  q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
+                      preferred_element_type=jnp.float32) * scale
+  valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids)
+  if valid is not None:
+    valid_B11TS = valid[:, None, None]
+    scores = jnp.where(valid_B11TS, scores, jnp.finfo(jnp.float32).min)
+  weights = jax.nn.softmax(scores, axis=-1)
+  if valid is not None:
+    weights = jnp.where(valid_B11TS, weights, 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
+                   preferred_element_type=jnp.float32)
+  return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
+
+
+def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale,
+                   implementation):
+  """`jax.nn.dot_product_attention`, with fully masked rows set to zero."""
+  T, S = q_BTHD.shape[1], k_BSKD.shape[1]
+  valid = combined_mask(T, S, mask=mask, segment_ids=segment_ids)
+  out = jax.nn.dot_product_attention(
+      q_BTHD, k_BSKD, v_BSKD, mask=None if valid is None else valid[:, None],
+      scale=scale, is_causal=causal, implementation=implementation)
+  if valid is None:
+    return out
+  if causal:
+    valid = valid & jnp.tril(jnp.ones((T, S), bool))[None]
+  row_valid_BT11 = valid.any(-1)[:, :, None, None]
+  return jnp.where(row_valid_BT11, out, 0).astype(q_BTHD.dtype)
+
+
+def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale):
+  if mask is not None:
+    raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
+                     "not a dense mask; use 'xla' or 'auto' for a dense mask")
+  from model.kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+  q_seg, kv_seg = _split_segment_ids(segment_ids)
+  return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=q_seg,
+                         kv_segment_ids=kv_seg, scale=scale)
+
+
+@functools.lru_cache(maxsize=None)
+def _log_choice(message: str) -> None:
+  logging.info(message)
+
+
+def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
+  """The `auto` rule.
+
+  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
+  and no dense mask (cuDNN's fused flash attention, the fastest measured in
+  BENCHMARKS.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
+  chosen explicitly until `bench/attention.py` shows it ahead of cuDNN on the
+  device at hand.
+  """
+  D = q_BTHD.shape[-1]
+  if (jax.default_backend() == "gpu" and not has_dense_mask
+      and q_BTHD.dtype in (jnp.bfloat16, jnp.float16) and D % 8 == 0 and D <= 128):
+    choice = "cudnn"
+  else:
+    choice = "xla"
+  _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
+              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask} on {jax.default_backend()}")
+  return choice
+
+
+def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
+              segment_ids=None, scale: float | None = None,
+              implementation: str = "reference"):
+  """Scaled dot-product attention over H query heads and K <= H KV heads.
+
+  q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
+  returns [B, T, H, D] in q's dtype. See the module docstring for the masks.
+  """
+  if implementation == "auto":
+    implementation = choose_implementation(q_BTHD, has_dense_mask=mask is not None)
+  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale)
+  if implementation == "reference":
+    return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
+  if implementation in ("xla", "cudnn"):
+    return _jax_attention(q_BTHD, k_BSKD, v_BSKD, implementation=implementation, **kwargs)
+  if implementation == "pallas":
+    return _pallas_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
+  raise ValueError(f"attention implementation {implementation!r}: must be one of "
+                   f"{', '.join(IMPLEMENTATIONS)}")
+
+
+class Attention(nnx.Module):
+  """Multi-head attention with h query heads and g KV heads (Step 4).
+
+  Self-attention when `context` is None, cross-attention (queries from x,
+  keys and values from the encoder output) otherwise. W_Q is [d, h, d_k],
+  W_K and W_V are [d, g, d_k], W_O is [h, d_k, d].
+  """
+
+  def __init__(self, cfg, *, rope=None, rngs: nnx.Rngs):
+    from configs.validation import head_dim, num_kv_heads  # pylint: disable=import-outside-toplevel
+    d, H, K, Dh = cfg.d_model, cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
+    b = cfg.use_bias
+    self.rope = rope  # (inv_freq, attention_scale) or None
+    self.implementation = cfg.attention_impl
+    self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
+    self.k_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
+                        rngs=rngs)
+    self.v_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
+                        rngs=rngs)
+    self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b, cfg=cfg,
+                        rngs=rngs, in_axes=2)
+
+  def _rotate(self, x_BTHD, positions_BT):
+    if self.rope is None:
+      return x_BTHD
+    inv_freq, attention_scale = self.rope
+    return apply_rope(x_BTHD, positions_BT, inv_freq, attention_scale)
+
+  def project_kv(self, context_BSD, positions_BS=None):
+    """K and V [B, S, g, d_k] (rotated when RoPE is on)."""
+    k_BSKD = self.k_proj(context_BSD)
+    if positions_BS is not None:
+      k_BSKD = self._rotate(k_BSKD, positions_BS)
+    return k_BSKD, self.v_proj(context_BSD)
+
+  def __call__(self, x_BTD, *, positions_BT=None, context_BSD=None, causal=False,
+               segment_ids=None, mask=None):
+    q_BTHD = self.q_proj(x_BTD)
+    if context_BSD is None:
+      q_BTHD = self._rotate(q_BTHD, positions_BT)
+      k_BSKD, v_BSKD = self.project_kv(x_BTD, positions_BT)
+    else:
+      k_BSKD, v_BSKD = self.project_kv(context_BSD)
+    out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
+                         mask=mask, implementation=self.implementation)
+    return self.o_proj(out_BTHD)
+
+  def decode(self, x_BTD, positions_BT, cache):
+    """Self-attention against a KV cache (generation).
+
+    `cache` holds k, v [B, L, g, d_k]; the new keys and values of the tokens
+    at `positions_BT` are written at those slots, and query t of row b sees
+    slots 0..positions_BT[b, t]. Rows may sit at different positions, so a
+    batch of prompts of different lengths decodes exactly like each prompt
+    alone. Returns (output, updated cache).
+    """
+    q_BTHD = self._rotate(self.q_proj(x_BTD), positions_BT)
+    k_BTKD, v_BTKD = self.project_kv(x_BTD, positions_BT)
+    rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+    cache = dict(k=cache["k"].at[rows_B1, positions_BT].set(k_BTKD.astype(cache["k"].dtype)),
+                 v=cache["v"].at[rows_B1, positions_BT].set(v_BTKD.astype(cache["v"].dtype)))
+    slots_L = jnp.arange(cache["k"].shape[1])
+    mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
+    impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
+    out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
+                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, implementation=impl)
+    return self.o_proj(out_BTHD), cache

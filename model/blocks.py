@@ -1,0 +1,52 @@
+"""Step 5 of the lesson: the transformer block.
+
+Pre-norm: x = x + Sublayer(Norm(x)) (an unnormalised residual stream).
+Post-norm (the original paper): x = Norm(x + Sublayer(x)).
+A block is self-attention, then cross-attention (decoder of an
+encoder-decoder only), then the MLP, each wrapped that way.
+"""
+from flax import nnx
+
+from model.attention import Attention
+from model.mlp import MLP
+from model.norms import make_norm
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs):
+    self.pre_norm = cfg.norm_position == "pre"
+    self.attn = Attention(cfg, rope=rope, rngs=rngs)
+    self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
+    self.norm_cross = make_norm(cfg.d_model, cfg=cfg, rngs=rngs) if cross else None
+    self.mlp = MLP(cfg, rngs=rngs)
+    self.norm_mlp = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+
+  def _residual(self, x, norm, sublayer):
+    if self.pre_norm:
+      return x + sublayer(norm(x))
+    return norm(x + sublayer(x))
+
+  def _cross_and_mlp(self, x, context_BSD, cross_segment_ids):
+    if self.cross_attn is not None:
+      x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
+          h, context_BSD=context_BSD, segment_ids=cross_segment_ids))
+    return self._residual(x, self.norm_mlp, self.mlp)
+
+  def __call__(self, x_BTD, *, positions_BT, causal, segment_ids=None, context_BSD=None,
+               cross_segment_ids=None):
+    x_BTD = self._residual(x_BTD, self.norm_attn, lambda h: self.attn(
+        h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids))
+    return self._cross_and_mlp(x_BTD, context_BSD, cross_segment_ids)
+
+  def decode(self, x_BTD, *, positions_BT, cache, context_BSD=None, cross_segment_ids=None):
+    """One generation step against this block's KV cache; returns (x, cache)."""
+    new_cache = {}
+
+    def self_attention(h):
+      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache)
+      return out
+
+    x_BTD = self._residual(x_BTD, self.norm_attn, self_attention)
+    return self._cross_and_mlp(x_BTD, context_BSD, cross_segment_ids), new_cache["kv"]

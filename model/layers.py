@@ -1,0 +1,49 @@
+"""Parameter helpers shared by every module: dtypes and annotated weights.
+
+Each weight carries logical axis names (`vocab`, `embed`, `heads`,
+`kv_heads`, `head_dim`, `mlp`, `norm`); `training/sharding.py` maps them onto
+a device mesh by the rules in the config.
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...],
+          dtype) -> nnx.Param:
+  """A parameter of `shape`, initialised by `init`, annotated with `axes`."""
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes,
+                   eager_sharding=False)
+
+
+def dense_init(std: float):
+  return jax.nn.initializers.normal(std)
+
+
+class Dense(nnx.Module):
+  """y = x . W (+ b) contracting the last axis of x with the first of W.
+
+  `out_shape` may have several axes (for example heads x head_dim), so the
+  query projection is one [d, H, D] weight rather than a reshape of [d, H*D].
+  """
+
+  def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str, ...],
+               *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1):
+    self.in_axes = in_axes
+    self.dtype = DTYPES[cfg.dtype]
+    pdt = DTYPES[cfg.param_dtype]
+    in_shape = (in_features,) if in_axes == 1 else in_features
+    self.kernel = param(rngs, dense_init(cfg.init_std), (*in_shape, *out_shape), axes, pdt)
+    self.bias = (param(rngs, jax.nn.initializers.zeros, out_shape, axes[in_axes:], pdt)
+                 if use_bias else None)
+
+  def __call__(self, x):
+    kernel = self.kernel[...].astype(self.dtype)
+    contract = tuple(range(x.ndim - self.in_axes, x.ndim))
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel,
+                            ((contract, tuple(range(self.in_axes))), ((), ())))
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y

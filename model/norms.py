@@ -1,0 +1,47 @@
+"""Step 5 of the lesson: LayerNorm and RMSNorm, statistics in float32.
+
+LN(x) = gamma * (x - mean) / sqrt(var + eps) + beta;
+RMSNorm(x) = gamma * x / sqrt(mean(x^2) + eps) (no mean, no beta).
+The statistics are computed in float32 whatever the compute dtype (the
+lesson's low-precision pitfall); the result is cast back.
+"""
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from model.layers import DTYPES, param
+
+
+class LayerNorm(nnx.Module):
+
+  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
+    pdt = DTYPES[cfg.param_dtype]
+    self.eps = cfg.norm_eps
+    self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), pdt)
+    self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), pdt)
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    mean = x32.mean(-1, keepdims=True)
+    var = jnp.square(x32 - mean).mean(-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",),
+                       DTYPES[cfg.param_dtype])
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def make_norm(dim: int, *, cfg, rngs: nnx.Rngs) -> nnx.Module:
+  """`model.norm`: layernorm | rmsnorm."""
+  return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](dim, cfg=cfg, rngs=rngs)
