@@ -1,0 +1,249 @@
+"""What a model costs: parameters, KV cache, FLOPs and training memory.
+
+Implements the lesson's "Counting parameters in a decoder layer" (attention
+4d^2 for multi-head attention, MLP 3 d d_ff for SwiGLU, norms 2d; 6.74B for
+the 7B shapes), "Cost: O(n^2) attention and the KV cache" (2 x layers x KV
+heads x head dim x bytes per token) and "Efficient attention variants" (GQA
+and MQA shrink W_K, W_V and the cache by h / g).
+
+Parameters are counted twice: `measured_params` reads the parameter tree of
+the real module under `jax.eval_shape` (nothing is allocated, so the 7B
+preset takes seconds on a CPU) and `formula_params` writes the closed form;
+the tests hold them equal. Both return the same dict:
+
+- `params_total`: every parameter once (a shared embedding counts once).
+- `params_per_layer`: one layer by component, `attention`, `cross_attention`
+  (decoder of an encoder-decoder), `mlp`, `norms` (every norm of the layer)
+  and `total`; the decoder's layers, or the encoder's for family=encoder.
+- `params_per_encoder_layer`: the encoder's layers (encoder_decoder only).
+- `num_layers` (the layers of `params_per_layer`), `num_encoder_layers`.
+- `params_embedding`: input embedding + untied output head + position tables.
+- `params_position_table`: the learned position tables alone.
+- `params_final_norms`: the norm after each stack (pre-norm only).
+
+FLOPs follow the PaLM appendix convention of BENCHMARKS.md, and the memory
+estimate is documented at `activation_bytes_per_token`.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from configs.validation import head_dim, num_decoder_layers, num_kv_heads
+from model import build_model
+from model.layers import DTYPES
+
+# The attribute of a `Block` that owns a parameter -> its component.
+_COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
+               "norm_attn": "norms", "norm_cross": "norms", "norm_mlp": "norms"}
+
+# Attention implementations that write the [T, S] probabilities to memory;
+# the fused kernels (cudnn, pallas, and auto, which picks cuDNN on a GPU in
+# 16-bit) recompute them in the backward pass instead.
+_MATERIALISED_SCORES = ("reference", "xla")
+
+
+def dtype_bytes(name: str) -> int:
+  """Bytes per element of a config dtype name ("bfloat16" -> 2)."""
+  return jnp.dtype(DTYPES[name]).itemsize
+
+
+def _layer_stacks(m) -> list[tuple[str, int, bool]]:
+  """(stack name, layers, has cross-attention) for each stack of blocks."""
+  if m.family == "encoder_decoder":
+    return [("encoder", m.num_layers, False), ("decoder", num_decoder_layers(m), True)]
+  return [(m.family, m.num_layers, False)]
+
+
+def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
+  """The params dict from per-layer breakdowns keyed by stack name."""
+  out = dict(counts)
+  if m.family == "encoder_decoder":
+    out.update(params_per_layer=per_layer["decoder"], num_layers=num_decoder_layers(m),
+               params_per_encoder_layer=per_layer["encoder"], num_encoder_layers=m.num_layers)
+  else:
+    out.update(params_per_layer=per_layer[m.family], num_layers=m.num_layers)
+  return out
+
+
+def parameter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+  """Path ("decoder/layers/0/attn/q_proj/kernel") -> shape of every parameter.
+
+  Built under `jax.eval_shape`, so no parameter is allocated.
+  """
+  state = jax.eval_shape(lambda: nnx.state(build_model(model_cfg, nnx.Rngs(0)), nnx.Param))
+  return {"/".join(map(str, path)): tuple(variable.shape)
+          for path, variable in nnx.to_flat_state(state)}
+
+
+def measured_params(model_cfg) -> dict:
+  """Parameter counts read off the real module's tree (see module docstring).
+
+  The per-layer breakdown is layer 0's; `params_total` sums every leaf, so a
+  layer that differed from layer 0 would show up as a total off the formula.
+  """
+  counts = dict(params_total=0, params_embedding=0, params_position_table=0,
+                params_final_norms=0)
+  per_layer = {stack: {} for stack, _, _ in _layer_stacks(model_cfg)}
+  for path, shape in parameter_shapes(model_cfg).items():
+    size = math.prod(shape)
+    parts = path.split("/")
+    counts["params_total"] += size
+    if parts[1] == "layers":
+      if parts[2] == "0":
+        layer = per_layer[parts[0]]
+        component = _COMPONENTS[parts[3]]
+        layer[component] = layer.get(component, 0) + size
+    elif parts[1] == "final_norm":
+      counts["params_final_norms"] += size
+    else:  # embed/embedding, head/kernel, positions/table
+      counts["params_embedding"] += size
+      if parts[1] == "positions":
+        counts["params_position_table"] += size
+  for layer in per_layer.values():
+    layer["total"] = sum(layer.values())
+  return _assemble(model_cfg, per_layer, **counts)
+
+
+def _attention_params(m) -> int:
+  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; their biases."""
+  d, h, g, dk = m.d_model, m.num_heads, num_kv_heads(m), head_dim(m)
+  biases = h * dk + 2 * g * dk + d if m.use_bias else 0
+  return 2 * d * h * dk + 2 * d * g * dk + biases
+
+
+def _mlp_params(m) -> int:
+  """Two matrices d x d_ff (gelu) or three (swiglu), and their biases."""
+  matrices = 3 if m.mlp == "swiglu" else 2
+  biases = (matrices - 1) * m.d_ff + m.d_model if m.use_bias else 0
+  return matrices * m.d_model * m.d_ff + biases
+
+
+def _norm_params(m) -> int:
+  """gamma (RMSNorm), or gamma and beta (LayerNorm)."""
+  return m.d_model * (2 if m.norm == "layernorm" else 1)
+
+
+def _layer_params(m, cross: bool) -> dict[str, int]:
+  layer = {"attention": _attention_params(m)}
+  if cross:
+    layer["cross_attention"] = _attention_params(m)
+  layer["mlp"] = _mlp_params(m)
+  layer["norms"] = (3 if cross else 2) * _norm_params(m)
+  layer["total"] = sum(layer.values())
+  return layer
+
+
+def formula_params(model_cfg) -> dict:
+  """The closed-form parameter counts, the same dict as `measured_params`."""
+  m = model_cfg
+  stacks = _layer_stacks(m)
+  per_layer = {stack: _layer_params(m, cross) for stack, _, cross in stacks}
+  position_table = (len(stacks) * m.max_len * m.d_model if m.pos_emb == "learned" else 0)
+  head = 0 if m.tie_embeddings else m.d_model * m.vocab_size
+  embedding = m.vocab_size * m.d_model + head + position_table
+  final_norms = len(stacks) * _norm_params(m) if m.norm_position == "pre" else 0
+  layers = sum(num * per_layer[stack]["total"] for stack, num, _ in stacks)
+  return _assemble(m, per_layer, params_total=layers + embedding + final_norms,
+                   params_embedding=embedding, params_position_table=position_table,
+                   params_final_norms=final_norms)
+
+
+def kv_cache_bytes_per_token(model_cfg) -> int:
+  """2 (K and V) x decoder layers x KV heads x head dim x bytes of model.dtype.
+
+  An encoder-only model does not generate, so it has no cache (0). For an
+  encoder-decoder this is the decoder's self-attention cache, as in
+  `EncoderDecoder.init_cache`.
+  """
+  m = model_cfg
+  if m.family == "encoder":
+    return 0
+  layers = num_decoder_layers(m) if m.family == "encoder_decoder" else m.num_layers
+  return 2 * layers * num_kv_heads(m) * head_dim(m) * dtype_bytes(m.dtype)
+
+
+def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
+  """Matmul FLOPs per token, the PaLM convention (BENCHMARKS.md's MFU).
+
+  Forward = 2 N + 4 L S d_attn, with N the parameters without the position
+  tables, S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =
+  heads x head_dim; train = 3 x forward = 6 N + 12 L S d_attn. L counts
+  attention sublayers: the layers of a decoder or encoder; for an
+  encoder-decoder the encoder's self-attention plus the decoder's self- and
+  cross-attention, a "token" then being one source and one target token of
+  equal length S.
+  """
+  m = model_cfg
+  params = formula_params(m)
+  n = params["params_total"] - params["params_position_table"]
+  attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
+  forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * head_dim(m)
+  return 3 * forward if train else forward
+
+
+def _layer_activation_elements(m, seq_len: int, cross: bool) -> int:
+  """Elements one layer keeps per token for the backward pass (no remat)."""
+  d, h, g, dk, f = m.d_model, m.num_heads, num_kv_heads(m), head_dim(m), m.d_ff
+  scores = h * seq_len if m.attention_impl in _MATERIALISED_SCORES else 0
+  attention = d + 2 * h * dk + 2 * g * dk + scores
+  mlp = d + (4 if m.mlp == "swiglu" else 2) * f
+  norms = (3 if cross else 2) * d
+  return (2 if cross else 1) * attention + mlp + norms
+
+
+def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool) -> int:
+  """Activation memory per token of a training step, after Korthikanti et al.
+
+  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+  Transformer Models") count, per layer and 16-bit activations, s b h (34 +
+  5 a s / h) bytes: the inputs every matmul, norm and nonlinearity keeps for
+  its backward pass. Adapted to this model (no dropout, so no masks; GQA;
+  any d_ff; both MLPs) the elements per token per layer are
+
+    attention  d (input of W_Q, W_K, W_V) + 2 h d_k (Q; input of W_O)
+               + 2 g d_k (K, V) + h S (probabilities; only for the
+               reference and xla implementations, fused kernels recompute)
+    mlp        d (input) + 2 d_ff (gelu: its input and output)
+                         or 4 d_ff (swiglu: gate, SiLU(gate), up, product)
+    norms      d per norm (its input)
+
+  times the bytes of model.dtype; cross-attention counts like attention
+  (source as long as target). For MHA, a GELU MLP with d_ff = 4d and 16-bit
+  this is 32 d + 2 h S bytes, the paper's 34 s b h + 5 a s^2 b less the
+  dropout masks and dropout outputs. Outside the layers: the head's input (d
+  elements) and the float32 logits (4 V bytes).
+
+  With remat (train.remat) each block keeps only its input (d elements per
+  layer) and recomputes the rest in the backward pass, where one block's
+  full activations are live at a time.
+  """
+  m = model_cfg
+  stacks = _layer_stacks(m)
+  per_layer = [(num, _layer_activation_elements(m, seq_len, cross)) for _, num, cross in stacks]
+  if remat:
+    layer_elements = (sum(num for num, _ in per_layer) * m.d_model
+                      + max(elements for _, elements in per_layer))
+  else:
+    layer_elements = sum(num * elements for num, elements in per_layer)
+  return (layer_elements + m.d_model) * dtype_bytes(m.dtype) + 4 * m.vocab_size
+
+
+def training_memory_bytes(config) -> dict[str, int]:
+  """Bytes of a training step, summed over all devices (before sharding).
+
+  `parameters` and `gradients` in model.param_dtype; `optimizer_state`:
+  AdamW's two float32 moments; `activations` at train.batch_size x
+  train.seq_len, divided by train.grad_accum_steps (one micro-batch is live
+  at a time; see `activation_bytes_per_token`); `total`: their sum.
+  """
+  m, t = config.model, config.train
+  n = formula_params(m)["params_total"]
+  tokens = t.batch_size // t.grad_accum_steps * t.seq_len
+  memory = dict(parameters=n * dtype_bytes(m.param_dtype),
+                gradients=n * dtype_bytes(m.param_dtype),
+                optimizer_state=2 * n * 4,
+                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat))
+  memory["total"] = sum(memory.values())
+  return memory

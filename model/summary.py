@@ -1,0 +1,111 @@
+"""What a config costs, before training it: the lesson's accounting as a tool.
+
+The parameter count per layer and in total (as in "Counting parameters in a
+decoder layer"), the KV cache per token and per sequence ("Cost: O(n^2)
+attention and the KV cache"), FLOPs per token and a training-memory
+estimate; formulas in `model/accounting.py`.
+
+  python -m model.summary --config configs/llama2_7b.py
+  python -m model.summary --config configs/llama2_7b.py --config.model.num_kv_heads=8 --json
+
+A bad config prints `error: <message>` on one line and exits 2.
+"""
+import json
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from configs.errors import UserError
+from configs.validation import head_dim, num_kv_heads, validate
+from model import accounting
+
+_CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
+_JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+
+
+def summarize(config) -> dict:
+  """Every number of the summary, a JSON-ready dict (bytes, FLOPs, counts)."""
+  m = config.model
+  report = accounting.measured_params(m)
+  per_token = accounting.kv_cache_bytes_per_token(m)
+  report.update(
+      kv_cache_bytes_per_token=per_token,
+      kv_cache_bytes_at_max_len=per_token * m.max_len,
+      flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False),
+      flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True),
+      training_memory_bytes=accounting.training_memory_bytes(config))
+  return report
+
+
+def _count(n: int) -> str:
+  return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _bytes(n: int) -> str:
+  for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if n >= size:
+      return f"{n / size:,.1f} {unit}"
+  return f"{n} B"
+
+
+def _rows(title: str, rows: list[tuple[str, int, str]]) -> list[str]:
+  lines = [title]
+  for label, value, note in rows:
+    lines.append(f"  {label:<34}{value:>20,}  {note}".rstrip())
+  return lines
+
+
+def _layer_rows(name: str, num: int, layer: dict[str, int]) -> list[tuple[str, int, str]]:
+  rows = [(f"{name}: {component}", count, "") for component, count in layer.items()]
+  rows.append((f"{num} {name}s", num * layer["total"], ""))
+  return rows
+
+
+def format_table(config, report: dict) -> str:
+  """The summary as a readable table."""
+  m, t = config.model, config.train
+  head = "tied head" if m.tie_embeddings else "untied head"
+  lines = [f"{m.family}: d={m.d_model}, {m.num_heads} heads ({num_kv_heads(m)} KV) of "
+           f"{head_dim(m)}, {m.mlp} d_ff={m.d_ff}, {m.norm} {m.norm_position}-norm, "
+           f"pos_emb={m.pos_emb}, V={m.vocab_size}, {head}", ""]
+  params = []
+  if "params_per_encoder_layer" in report:
+    params += _layer_rows("encoder layer", report["num_encoder_layers"],
+                          report["params_per_encoder_layer"])
+  name = "decoder layer" if m.family == "encoder_decoder" else "layer"
+  params += _layer_rows(name, report["num_layers"], report["params_per_layer"])
+  total = report["params_total"]
+  params += [("embedding + head + positions", report["params_embedding"], ""),
+             ("final norms", report["params_final_norms"], ""),
+             ("total", total, _count(total))]
+  lines += _rows("Parameters", params) + [""]
+  kv = [("per token", report["kv_cache_bytes_per_token"],
+         f"bytes = {_bytes(report['kv_cache_bytes_per_token'])}"),
+        (f"per sequence at max_len {m.max_len}", report["kv_cache_bytes_at_max_len"],
+         f"bytes = {_bytes(report['kv_cache_bytes_at_max_len'])}")]
+  lines += _rows(f"KV cache ({m.dtype})", kv) + [""]
+  flops = [("forward", report["flops_per_token_forward"], "2N + 4 L S d_attn"),
+           ("train", report["flops_per_token_train"], "3 x forward")]
+  lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
+  memory = [(part, size, _bytes(size)) for part, size in report["training_memory_bytes"].items()]
+  lines += _rows(f"Training memory, bytes (AdamW, batch {t.batch_size} x {t.seq_len}, "
+                 f"grad_accum {t.grad_accum_steps}, remat={t.remat})", memory)
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  config = _CONFIG.value
+  try:
+    validate(config)
+    report = summarize(config)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(json.dumps(report, indent=2) if _JSON.value else format_table(config, report))
+
+
+if __name__ == "__main__":
+  app.run(main)
