@@ -1,0 +1,85 @@
+"""Every validation rule of configs/validation.py has a test of its message."""
+import importlib
+import pathlib
+
+import pytest
+
+from configs import base
+from configs.errors import UserError
+from configs.validation import validate, validate_model
+
+CASES = [
+    (dict(family="gpt"), "model.family='gpt': must be one of decoder, encoder, encoder_decoder"),
+    (dict(pos_emb="alibi"), "model.pos_emb='alibi': must be one of none, sinusoidal, learned"),
+    (dict(rope_scaling="dynamic"), "model.rope_scaling='dynamic': must be one of none, linear"),
+    (dict(norm="batchnorm"), "model.norm='batchnorm': must be one of layernorm, rmsnorm"),
+    (dict(norm_position="sandwich"), "model.norm_position='sandwich': must be one of pre, post"),
+    (dict(mlp="relu"), "model.mlp='relu': must be one of gelu, swiglu"),
+    (dict(attention_impl="flash"), "model.attention_impl='flash': must be one of reference, xla"),
+    (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
+    (dict(param_dtype="float16"), "model.param_dtype='float16': must be one of float32, bfloat16"),
+    (dict(d_model=0), "model.d_model=0: must be a positive integer"),
+    (dict(num_kv_heads=0), "model.num_kv_heads=0: must be a positive integer"),
+    (dict(d_model=130), "model.d_model=130: must be divisible by model.num_heads=4"),
+    (dict(num_kv_heads=3), "model.num_kv_heads=3: must divide model.num_heads=4"),
+    (dict(head_dim=15), "model.head_dim=15: must be even for pos_emb=rope"),
+    (dict(pos_emb="sinusoidal", d_model=129, head_dim=32),
+     "model.d_model=129: must be even for pos_emb=sinusoidal"),
+    (dict(rope_theta=0.0), "model.rope_theta=0.0: must be positive"),
+    (dict(rope_scaling_factor=0.5), "model.rope_scaling_factor=0.5: must be >= 1"),
+    (dict(pos_emb="learned", rope_scaling="linear"),
+     "model.rope_scaling='linear': needs model.pos_emb=rope"),
+    (dict(norm_eps=0.0), "model.norm_eps=0.0: must be positive"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", CASES)
+def test_model_rule_messages(overrides, message):
+  m = base.get_config().model
+  m.update(**overrides)
+  with pytest.raises(UserError) as err:
+    validate_model(m)
+  assert str(err.value).startswith("config field " + message)
+  assert "\n" not in str(err.value)
+
+
+RUN_CASES = [
+    ("train.objective", "mlm", "train.objective='mlm': does not fit model.family=decoder"),
+    ("train.seq_len", 512, "train.seq_len=512: exceeds the learned position table"),
+    ("train.grad_accum_steps", 3, "train.grad_accum_steps=3: must divide train.batch_size=16"),
+    ("train.learning_rate", 0.0, "train.learning_rate=0.0: must be positive"),
+    ("train.num_steps", 0, "train.num_steps=0: must be a positive integer"),
+    ("train.warmup_steps", -1, "train.warmup_steps=-1: must be a positive integer or 0"),
+    ("tokenizer.vocab_size", 4096, "tokenizer.vocab_size=4096: exceeds model.vocab_size=1024"),
+    ("tokenizer.kind", "wordpiece", "tokenizer.kind='wordpiece': must be one of bpe"),
+    ("data.source", "c4", "data.source='c4': must be one of stdlib"),
+    ("data.packing", "pad", "data.packing='pad': must be one of packed, concat"),
+    ("data.val_percent", 100, "data.val_percent=100: must be in [0, 100)"),
+    ("mesh.fsdp", 0, "mesh.fsdp=0: must be a positive integer or -1"),
+]
+
+
+@pytest.mark.parametrize("field,value,message", RUN_CASES)
+def test_run_rule_messages(field, value, message):
+  c = base.get_config()
+  c.model.pos_emb = "learned"
+  section, name = field.split(".")
+  c[section][name] = value
+  with pytest.raises(UserError) as err:
+    validate(c)
+  assert str(err.value).startswith("config field " + message)
+
+
+def test_user_data_needs_paths():
+  c = base.get_config()
+  c.data.source = "jsonl"
+  with pytest.raises(UserError, match="data.paths='': is required for data.source=jsonl"):
+    validate(c)
+
+
+@pytest.mark.parametrize(
+    "path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")))
+def test_every_preset_is_valid(path):
+  if path.stem in ("__init__", "validation", "errors"):
+    return
+  validate(importlib.import_module(f"configs.{path.stem}").get_config())
