@@ -1,0 +1,155 @@
+"""Grain pipelines: the training iterator, validation batches, split statistics.
+
+A batch is a dict of numpy arrays, B rows of T = train.seq_len tokens (see
+`data/packing.py` for what each field holds in each `data.packing` mode):
+
+  inputs       [B, T] int32    tokens fed to the model
+  targets      [B, T] int32    the next token of each input
+  segment_ids  [B, T] int32    document within the row, 1, 2, ...; 0 = padding
+  positions    [B, T] int32    position within the document (packed) or row
+  loss_mask    [B, T] float32  1 where the target is real and within a document
+
+Training: the packed rows of the train split, shuffled with seed train.seed,
+a different order every epoch, repeated forever. Global batch g is rows
+[g * B, (g + 1) * B) of that stream (B = train.batch_size); process p of P
+gets its slice of B / P rows, [g * B + p * B / P, g * B + (p + 1) * B / P).
+The iterator is Grain's, so `get_state()` / `set_state()` resume exactly.
+"""
+import dataclasses
+
+from absl import flags
+import grain
+from ml_collections import config_dict
+import numpy as np
+
+from configs.errors import UserError
+from data import packing
+from data import tokens
+
+Batch = dict[str, np.ndarray]
+
+# Rows are cut from arrays in memory: one thread keeps the next batches ready
+# while the accelerator runs; data.num_workers adds worker processes.
+_READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStats:
+  """Sizes of one split.
+
+  Bits per byte over the split: bpb = mean_loss_nats * num_targets /
+  (num_bytes * ln 2), where mean_loss_nats is the mean over loss_mask of a
+  full pass (`make_eval_batches(..., num_batches=None)`), or an estimate of it
+  from fewer batches.
+  """
+  num_documents: int
+  num_bytes: int  # UTF-8 bytes of the documents' texts
+  num_tokens: int  # document tokens, without BOS/EOS
+  num_targets: int  # targets with loss_mask 1 over the whole split
+  num_rows: int  # packed rows of seq_len + 1 tokens
+
+
+def make_packer(config: config_dict.ConfigDict, tokenizer,
+                split_tokens: tokens.TokenizedSplit) -> packing.RowPacker:
+  """The rows of a tokenised split, per data.packing and train.seq_len."""
+  return packing.RowPacker(split_tokens, config.train.seq_len, config.data.packing,
+                           bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
+                           pad_id=tokenizer.pad_id)
+
+
+def split_stats(config: config_dict.ConfigDict, tokenizer, split: str) -> SplitStats:
+  """Documents, bytes, tokens, targets and rows of `split`."""
+  split_tokens = tokens.load_split(config.data, tokenizer, split)
+  packer = make_packer(config, tokenizer, split_tokens)
+  return SplitStats(num_documents=split_tokens.num_documents,
+                    num_bytes=split_tokens.num_bytes, num_tokens=split_tokens.num_tokens,
+                    num_targets=packer.num_targets, num_rows=packer.num_rows)
+
+
+def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_index: int = 0,
+                        process_count: int = 1) -> grain.DatasetIterator:
+  """An endless, checkpointable iterator of this process's training batches.
+
+  Args:
+    config: the full config (sections `data` and `train`).
+    tokenizer: the tokenizer contract (`encode_batch`, special ids,
+      `fingerprint`).
+    process_index: this process, in [0, process_count).
+    process_count: processes sharing each global batch of train.batch_size rows.
+
+  Returns:
+    A Grain iterator of batches of train.batch_size // process_count rows.
+
+  Raises:
+    UserError: batch size not divisible by the process count, or a train split
+      shorter than one row.
+  """
+  local_batch_size = _local_batch_size(config, process_index, process_count)
+  split_tokens = tokens.load_split(config.data, tokenizer, "train")
+  packer = make_packer(config, tokenizer, split_tokens)
+  if len(packer.stream) < config.train.seq_len + 1:
+    raise UserError(
+        f"the train split of data.source={config.data.source} has {len(packer.stream)} "
+        f"tokens (with BOS/EOS), fewer than one row of train.seq_len + 1 = "
+        f"{config.train.seq_len + 1}; add documents or lower train.seq_len")
+  ds = (grain.MapDataset.range(packer.num_rows)
+        .shuffle(seed=config.train.seed)
+        .repeat()
+        .map(packer)
+        .batch(local_batch_size, drop_remainder=True)  # Exact: the stream is endless.
+        [process_index::process_count]
+        .to_iter_dataset(_READ_OPTIONS))
+  if config.data.num_workers > 0:
+    if not flags.FLAGS.is_parsed():
+      # Grain 0.2.18's workers read its absl flags and fail when a script has
+      # not parsed them (google/grain#1355); their defaults are what we want.
+      flags.FLAGS.mark_as_parsed()
+    ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.num_workers))
+  return iter(ds)
+
+
+def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: int | None = None,
+                      *, process_index: int = 0, process_count: int = 1) -> list[Batch]:
+  """The first validation batches in order; the same list on every call.
+
+  Args:
+    config: the full config (sections `data` and `train`).
+    tokenizer: the tokenizer contract.
+    num_batches: at most this many global batches; None: the whole split.
+    process_index: this process, in [0, process_count).
+    process_count: processes sharing each global batch, as in training.
+
+  Returns:
+    min(num_batches, ceil(rows / train.batch_size)) batches of this process's
+    rows; rows past the end of the split are padding (loss_mask 0).
+
+  Raises:
+    UserError: the validation split has no documents.
+  """
+  local_batch_size = _local_batch_size(config, process_index, process_count)
+  split_tokens = tokens.load_split(config.data, tokenizer, "validation")
+  packer = make_packer(config, tokenizer, split_tokens)
+  if packer.num_targets == 0:
+    raise UserError(
+        f"the validation split of data.source={config.data.source} is empty: "
+        f"data.val_percent={config.data.val_percent} holds out none of the documents; "
+        "raise data.val_percent or add documents")
+  batch_size = config.train.batch_size
+  available = -(-packer.num_rows // batch_size)
+  count = available if num_batches is None else min(num_batches, available)
+  ds = (grain.MapDataset.range(count * batch_size)
+        .map(packer)
+        .batch(local_batch_size)
+        [process_index::process_count])
+  return [ds[i] for i in range(len(ds))]
+
+
+def _local_batch_size(config: config_dict.ConfigDict, process_index: int,
+                      process_count: int) -> int:
+  batch_size = config.train.batch_size
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} not in [0, {process_count})")
+  if batch_size % process_count:
+    raise UserError(f"train.batch_size={batch_size} is not divisible by the "
+                    f"{process_count} processes; use a multiple of {process_count}")
+  return batch_size // process_count

@@ -1,0 +1,135 @@
+"""Documents, as (name, text) pairs, from every `data.source`.
+
+`stdlib`, `pydoc`, `embedded`: the corpora of `data/corpora.py`.
+`files`: each file matched by `data.paths` is one document, named by its path.
+`jsonl`: each non-blank line is one JSON object, one document whose text is
+  the field `data.jsonl_field`; named `path:line`.
+`arrayrecord`: each record is one document: UTF-8 text, or a JSON object whose
+  field `data.jsonl_field` holds the text; named `path:index`.
+
+Documents whose text is empty or only whitespace are dropped. Every source is
+split into `train` and `validation` the same way, deterministically by document
+name (`corpora.is_validation` with `data.val_percent`), so the split does not
+depend on the order of files or on the machine.
+"""
+import glob
+import json
+import os
+
+import grain
+from ml_collections import config_dict
+
+from configs.errors import UserError
+from data import corpora
+
+SPLITS = ("train", "validation")
+EMBEDDED_SOURCES = ("stdlib", "pydoc", "embedded")
+FILE_SOURCES = ("files", "jsonl", "arrayrecord")
+
+Document = tuple[str, str]  # (name, text)
+
+
+def load_documents(data_config: config_dict.ConfigDict, split: str) -> list[Document]:
+  """The documents of `split` (`train` or `validation`) of the `data` section."""
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  return corpora.split(all_documents(data_config), split, data_config.val_percent)
+
+
+def all_documents(data_config: config_dict.ConfigDict) -> list[Document]:
+  """Every non-empty document of the source, both splits.
+
+  Raises:
+    UserError: an unknown source, a path that matches nothing, a file that is
+      not UTF-8, a bad JSONL line or record, or no non-empty document at all.
+  """
+  source = data_config.source
+  if source in EMBEDDED_SOURCES:
+    docs = corpora.embedded_documents(source)
+  elif source in FILE_SOURCES:
+    reader = {"files": _text_documents, "jsonl": _jsonl_documents,
+              "arrayrecord": _arrayrecord_documents}[source]
+    docs = []
+    for path in expand_paths(data_config.paths, source):
+      docs.extend(reader(path, data_config.jsonl_field))
+  else:
+    choices = ", ".join(EMBEDDED_SOURCES + FILE_SOURCES)
+    raise UserError(f"data.source={source!r}: must be one of {choices}")
+  docs = [(name, text) for name, text in docs if text.strip()]
+  if not docs:
+    raise UserError(f"data.source={source} data.paths={data_config.paths!r}: no "
+                    "non-empty documents; point data.paths at files that hold text")
+  return docs
+
+
+def expand_paths(paths: str, source: str) -> list[str]:
+  """The files named by comma-separated paths or globs, in order, no repeats."""
+  patterns = [p.strip() for p in paths.split(",") if p.strip()]
+  if not patterns:
+    raise UserError(f"data.paths is empty: data.source={source} needs files or "
+                    "globs, e.g. --config.data.paths='corpus/*.txt'")
+  files = []
+  for pattern in patterns:
+    matches = sorted(glob.glob(os.path.expanduser(pattern), recursive=True))
+    matches = [m for m in matches if os.path.isfile(m)]
+    if not matches:
+      raise UserError(f"data.paths={paths!r}: no file matches {pattern!r}; check "
+                      "the path (a directory needs a glob such as dir/*.txt)")
+    files.extend(m for m in matches if m not in files)
+  return files
+
+
+def _decode(data: bytes, where: str) -> str:
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise UserError(f"{where}: not UTF-8 text (bad byte at offset {e.start}); "
+                    "convert it to UTF-8 or leave it out of data.paths") from None
+
+
+def _text_documents(path: str, field: str) -> list[Document]:
+  del field  # Plain text files have no fields.
+  with open(path, "rb") as f:
+    return [(path, _decode(f.read(), path))]
+
+
+def _jsonl_documents(path: str, field: str) -> list[Document]:
+  with open(path, "rb") as f:
+    lines = _decode(f.read(), path).splitlines()
+  docs = []
+  for line_number, line in enumerate(lines, start=1):
+    if line.strip():
+      name = f"{path}:{line_number}"
+      docs.append((name, _text_field(line, field, name, "line")))
+  return docs
+
+
+def _arrayrecord_documents(path: str, field: str) -> list[Document]:
+  try:
+    records = grain.sources.ArrayRecordDataSource([path])
+    num_records = len(records)
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"{path}: not an ArrayRecord file ({e}); use "
+                    "data.source=files or jsonl for text") from None
+  docs = []
+  for index in range(num_records):
+    name = f"{path}:{index}"
+    text = _decode(records[index], f"{path} record {index}")
+    if text.lstrip().startswith("{"):
+      text = _text_field(text, field, name, "record")
+    docs.append((name, text))
+  return docs
+
+
+def _text_field(line: str, field: str, name: str, what: str) -> str:
+  """The string `field` of the JSON object `line` (a JSONL line or a record)."""
+  try:
+    record = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{name}: {what} is not valid JSON ({e.msg}); each {what} "
+                    "must be one JSON object") from None
+  if not isinstance(record, dict) or not isinstance(record.get(field), str):
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise UserError(f"{name}: {what} has no string field {field!r} (has {keys}); "
+                    "set data.jsonl_field to the field that holds the text")
+  return record[field]

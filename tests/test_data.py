@@ -1,0 +1,402 @@
+"""Tests of the data pipeline: sources, token cache, packing, Grain iterators."""
+import json
+import os
+
+import numpy as np
+import pytest
+from array_record.python import array_record_module
+
+from configs import base
+from configs.errors import UserError
+from data import corpora
+from data import packing
+from data import pipeline
+from data import sources
+from data import tokens
+
+PAD, BOS, EOS = 0, 1, 2
+FIELDS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
+          "positions": np.int32, "loss_mask": np.float32}
+
+
+class ByteTokenizer:
+  """Stand-in for the tokenizer contract: UTF-8 bytes + 4; ids 0..3 special."""
+  vocab_size = 260
+  pad_id, bos_id, eos_id, mask_id = PAD, BOS, EOS, 3
+
+  def __init__(self, fingerprint: str = "bytes-v1"):
+    self.fingerprint = fingerprint
+    self.encode_calls = 0
+
+  def encode(self, text: str) -> list[int]:
+    return [b + 4 for b in text.encode("utf-8")]
+
+  def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    self.encode_calls += 1
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: list[int]) -> str:
+    return bytes(i - 4 for i in ids if i >= 4).decode("utf-8", errors="replace")
+
+
+def make_config(tmp_path, **data):
+  config = base.get_config()
+  config.data.cache_dir = str(tmp_path / "cache")
+  config.train.batch_size = 4
+  config.train.seq_len = 16
+  for key, value in data.items():
+    config.data[key] = value
+  return config
+
+
+def write_files(directory, texts: dict[str, str]) -> None:
+  for name, text in texts.items():
+    (directory / name).parent.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(text, encoding="utf-8")
+
+
+def split_of(token_lists: list[list[int]]) -> tokens.TokenizedSplit:
+  lengths = [len(t) for t in token_lists]
+  return tokens.TokenizedSplit(
+      tokens=np.array([i for t in token_lists for i in t], np.uint16),
+      offsets=np.cumsum([0] + lengths, dtype=np.int64), num_bytes=sum(lengths))
+
+
+def packer_rows(split, seq_len, mode) -> list[dict[str, np.ndarray]]:
+  packer = packing.RowPacker(split, seq_len, mode, bos_id=BOS, eos_id=EOS, pad_id=PAD)
+  return [packer(r) for r in range(packer.num_rows)]
+
+
+def assert_batches_equal(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for key in x:
+      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
+
+
+# Packing.
+
+def test_packed_rows_worked_example():
+  # Stream: BOS 5 6 7 EOS BOS 8 EOS; rows of 5 tokens overlapping by one.
+  row0, row1 = packer_rows(split_of([[5, 6, 7], [8]]), 4, "packed")
+  np.testing.assert_array_equal(row0["inputs"], [BOS, 5, 6, 7])
+  np.testing.assert_array_equal(row0["targets"], [5, 6, 7, EOS])
+  np.testing.assert_array_equal(row0["segment_ids"], [1, 1, 1, 1])
+  np.testing.assert_array_equal(row0["positions"], [0, 1, 2, 3])
+  np.testing.assert_array_equal(row0["loss_mask"], [1, 1, 1, 1])
+  np.testing.assert_array_equal(row1["inputs"], [EOS, BOS, 8, PAD])
+  np.testing.assert_array_equal(row1["targets"], [BOS, 8, EOS, PAD])
+  np.testing.assert_array_equal(row1["segment_ids"], [1, 2, 2, 0])
+  np.testing.assert_array_equal(row1["positions"], [0, 0, 1, 0])
+  np.testing.assert_array_equal(row1["loss_mask"], [0, 1, 1, 0])
+
+
+def test_concat_rows_worked_example():
+  # Stream: BOS 5 6 7 EOS 8 EOS.
+  row0, row1 = packer_rows(split_of([[5, 6, 7], [8]]), 4, "concat")
+  np.testing.assert_array_equal(row0["inputs"], [BOS, 5, 6, 7])
+  np.testing.assert_array_equal(row0["targets"], [5, 6, 7, EOS])
+  np.testing.assert_array_equal(row1["inputs"], [EOS, 8, PAD, PAD])
+  np.testing.assert_array_equal(row1["targets"], [8, EOS, PAD, PAD])
+  np.testing.assert_array_equal(row1["segment_ids"], [1, 1, 0, 0])
+  np.testing.assert_array_equal(row1["positions"], [0, 1, 0, 0])
+  np.testing.assert_array_equal(row1["loss_mask"], [1, 1, 0, 0])
+
+
+@pytest.mark.parametrize("mode", ["packed", "concat"])
+def test_packing_loses_and_repeats_no_token(mode):
+  rng = np.random.default_rng(0)
+  docs = [list(rng.integers(4, 260, size=n)) for n in (1, 30, 7, 3, 64, 2, 11)]
+  seq_len = 8
+  rows = packer_rows(split_of(docs), seq_len, mode)
+  real_targets = np.concatenate([r["targets"][r["loss_mask"] == 1] for r in rows])
+  np.testing.assert_array_equal(real_targets, [i for d in docs for i in d + [EOS]])
+  for prev, row in zip(rows, rows[1:]):  # Rows overlap by one token.
+    assert row["inputs"][0] == prev["targets"][-1]
+  for row in rows:
+    for key, dtype in FIELDS.items():
+      assert row[key].shape == (seq_len,) and row[key].dtype == dtype
+    real = row["segment_ids"] > 0
+    n = real.sum()
+    assert real[:n].all() and not real[n:].any()  # Padding only at the end.
+    np.testing.assert_array_equal(row["inputs"][1:n], row["targets"][:n - 1])
+    assert (row["inputs"][~real] == PAD).all() and (row["loss_mask"][~real] == 0).all()
+    seg, pos = row["segment_ids"][:n], row["positions"][:n]
+    if mode == "concat":
+      assert (seg == 1).all() and (pos == np.arange(n)).all() and row["loss_mask"][:n].all()
+      continue
+    assert seg[0] == 1 and set(np.diff(seg)) <= {0, 1}
+    new_doc = np.concatenate([[True], np.diff(seg) == 1])
+    np.testing.assert_array_equal(pos[new_doc], 0)
+    np.testing.assert_array_equal(pos[1:][~new_doc[1:]], pos[:-1][~new_doc[1:]] + 1)
+    # No loss across a boundary: exactly the EOS -> next BOS steps are masked.
+    crossing = (row["inputs"][:n] == EOS) & (row["targets"][:n] == BOS)
+    np.testing.assert_array_equal(row["loss_mask"][:n] == 0, crossing)
+
+
+def test_rows_past_the_end_are_padding():
+  packer = packing.RowPacker(split_of([[5, 6]]), 4, "packed", bos_id=BOS, eos_id=EOS,
+                             pad_id=PAD)
+  row = packer(packer.num_rows)
+  assert (row["inputs"] == PAD).all() and (row["segment_ids"] == 0).all()
+  assert (row["loss_mask"] == 0).all()
+
+
+# Training iterator.
+
+def take(iterator, n):
+  return [next(iterator) for _ in range(n)]
+
+
+def test_train_batches_format_and_exact_resume(tmp_path):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+  iterator = pipeline.make_train_iterator(config, tok)
+  first = take(iterator, 3)
+  for key, dtype in FIELDS.items():
+    assert first[0][key].shape == (4, 16) and first[0][key].dtype == dtype
+  state = iterator.get_state()
+  expected = take(iterator, 5)
+  restored = pipeline.make_train_iterator(config, tok)
+  restored.set_state(state)
+  assert_batches_equal(take(restored, 5), expected)
+  again = pipeline.make_train_iterator(config, tok)
+  assert_batches_equal(take(again, 3), first)  # Same seed, same order.
+
+
+def test_process_shards_are_disjoint_and_form_the_global_batch(tmp_path):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+  global_batches = take(pipeline.make_train_iterator(config, tok), 4)
+  shards = [take(pipeline.make_train_iterator(config, tok, process_index=p,
+                                              process_count=2), 4) for p in range(2)]
+  for step, global_batch in enumerate(global_batches):
+    s0, s1 = shards[0][step], shards[1][step]
+    assert s0["inputs"].shape == (2, 16)
+    assert not {tuple(r) for r in s0["inputs"]} & {tuple(r) for r in s1["inputs"]}
+    for key in FIELDS:
+      np.testing.assert_array_equal(np.concatenate([s0[key], s1[key]]), global_batch[key])
+
+
+def test_epochs_cover_every_row_in_a_new_order(tmp_path):
+  write_files(tmp_path, {f"d{i}.txt": f"document number {i}" for i in range(6)})
+  config = make_config(tmp_path, source="files", paths=str(tmp_path / "*.txt"),
+                       val_percent=0)
+  config.train.batch_size = 1
+  config.train.seq_len = 8
+  tok = ByteTokenizer()
+  split_tokens = tokens.load_split(config.data, tok, "train")
+  packer = pipeline.make_packer(config, tok, split_tokens)
+  all_rows = sorted(tuple(packer(r)["inputs"]) for r in range(packer.num_rows))
+  seen = [tuple(b["inputs"][0]) for b in
+          take(pipeline.make_train_iterator(config, tok), 2 * packer.num_rows)]
+  epoch1, epoch2 = seen[:packer.num_rows], seen[packer.num_rows:]
+  assert sorted(epoch1) == all_rows and sorted(epoch2) == all_rows
+  assert epoch1 != epoch2
+
+
+def test_worker_processes_give_the_same_batches(tmp_path):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+  expected = take(pipeline.make_train_iterator(config, tok), 3)
+  config.data.num_workers = 1
+  iterator = pipeline.make_train_iterator(config, tok)
+  try:
+    assert_batches_equal(take(iterator, 3), expected)
+  finally:
+    iterator.close()
+
+
+def test_train_split_shorter_than_a_row(tmp_path):
+  write_files(tmp_path, {"a.txt": "tiny"})
+  config = make_config(tmp_path, source="files", paths=str(tmp_path / "a.txt"),
+                       val_percent=0)
+  with pytest.raises(UserError, match="fewer than one row"):
+    pipeline.make_train_iterator(config, ByteTokenizer())
+
+
+def test_batch_size_not_divisible_by_processes(tmp_path):
+  config = make_config(tmp_path, source="pydoc")
+  with pytest.raises(UserError, match="train.batch_size=4 is not divisible"):
+    pipeline.make_train_iterator(config, ByteTokenizer(), process_index=0, process_count=3)
+
+
+# Validation batches and statistics.
+
+def test_eval_batches_are_deterministic_and_cover_the_split(tmp_path):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+  batches = pipeline.make_eval_batches(config, tok, 3)
+  assert len(batches) == 3 and batches[0]["inputs"].shape == (4, 16)
+  assert_batches_equal(pipeline.make_eval_batches(config, tok, 3), batches)
+  stats = pipeline.split_stats(config, tok, "validation")
+  docs = sources.load_documents(config.data, "validation")
+  assert stats.num_documents == len(docs)
+  assert stats.num_bytes == sum(len(t.encode("utf-8")) for _, t in docs)
+  full_pass = pipeline.make_eval_batches(config, tok)
+  assert len(full_pass) == -(-stats.num_rows // 4)
+  assert sum(b["loss_mask"].sum() for b in full_pass) == stats.num_targets
+
+
+def test_small_validation_split_is_padded(tmp_path):
+  write_files(tmp_path, {f"d{i}.txt": f"text {i}" for i in range(20)})
+  config = make_config(tmp_path, source="files", paths=str(tmp_path / "*.txt"),
+                       val_percent=10)
+  tok = ByteTokenizer()
+  stats = pipeline.split_stats(config, tok, "validation")
+  assert 0 < stats.num_rows < config.train.batch_size
+  (batch,) = pipeline.make_eval_batches(config, tok, 5)
+  assert batch["inputs"].shape == (4, 16)
+  assert batch["loss_mask"].sum() == stats.num_targets
+  assert (batch["loss_mask"][stats.num_rows:] == 0).all()
+
+
+def test_empty_validation_split(tmp_path):
+  config = make_config(tmp_path, source="pydoc", val_percent=0)
+  with pytest.raises(UserError, match="data.val_percent=0 holds out none"):
+    pipeline.make_eval_batches(config, ByteTokenizer(), 1)
+
+
+# Token cache.
+
+def cache_files(tmp_path) -> list[str]:
+  return sorted(os.listdir(tmp_path / "cache" / "tokens"))
+
+
+def test_second_load_comes_from_the_cache(tmp_path, monkeypatch):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+  first = tokens.load_split(config.data, tok, "train")
+  assert tok.encode_calls > 0
+  monkeypatch.setattr(tok, "encode_batch", lambda texts: pytest.fail("re-encoded"))
+  second = tokens.load_split(config.data, tok, "train")
+  np.testing.assert_array_equal(second.tokens, first.tokens)
+  np.testing.assert_array_equal(second.offsets, first.offsets)
+  assert second.num_bytes == first.num_bytes and second.tokens.dtype == np.uint16
+  (meta_name,) = [f for f in cache_files(tmp_path) if f.endswith(".json")]
+  with open(tmp_path / "cache" / "tokens" / meta_name, encoding="utf-8") as f:
+    assert json.load(f)["num_tokens"] == first.num_tokens
+
+
+def test_other_tokenizer_or_corpus_gets_another_entry(tmp_path):
+  write_files(tmp_path, {"a.txt": "alpha " * 20})
+  config = make_config(tmp_path, source="files", paths=str(tmp_path / "a.txt"),
+                       val_percent=0)
+  tokens.load_split(config.data, ByteTokenizer("bytes-v1"), "train")
+  tokens.load_split(config.data, ByteTokenizer("bytes-v2"), "train")
+  write_files(tmp_path, {"a.txt": "beta " * 20})
+  edited = tokens.load_split(config.data, ByteTokenizer("bytes-v1"), "train")
+  assert ByteTokenizer().decode(edited.tokens.tolist()) == "beta " * 20
+  assert len([f for f in cache_files(tmp_path) if f.endswith(".json")]) == 3
+
+
+def test_failed_encoding_leaves_no_cache_file(tmp_path, monkeypatch):
+  config = make_config(tmp_path, source="pydoc")
+  tok = ByteTokenizer()
+
+  def fail(texts):
+    raise RuntimeError("tokenizer crashed")
+
+  monkeypatch.setattr(tok, "encode_batch", fail)
+  with pytest.raises(RuntimeError, match="tokenizer crashed"):
+    tokens.load_split(config.data, tok, "train")
+  assert not os.path.exists(tmp_path / "cache" / "tokens") or not cache_files(tmp_path)
+
+
+def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+  config = make_config(tmp_path, source="pydoc")
+
+  def write_half_then_fail(f, array):
+    f.write(b"\x93NUMPY partial")
+    raise OSError("disk full")
+
+  monkeypatch.setattr(tokens.np, "save", write_half_then_fail)
+  with pytest.raises(OSError, match="disk full"):
+    tokens.load_split(config.data, ByteTokenizer(), "train")
+  assert not cache_files(tmp_path)
+  monkeypatch.undo()
+  tok = ByteTokenizer()
+  tokens.load_split(config.data, tok, "train")  # A later run writes the entry.
+  assert tok.encode_calls > 0 and len(cache_files(tmp_path)) == 3
+
+
+# Sources.
+
+def test_embedded_split_is_deterministic_and_disjoint():
+  data_config = base.get_config().data
+  for source in ("stdlib", "pydoc"):
+    data_config.source = source
+    train = [name for name, _ in sources.load_documents(data_config, "train")]
+    validation = [name for name, _ in sources.load_documents(data_config, "validation")]
+    assert train and validation and not set(train) & set(validation)
+    assert sorted(train + validation) == sorted(n for n, _ in sources.all_documents(data_config))
+    assert all(corpora.is_validation(n, data_config.val_percent) for n in validation)
+  assert [n for n, _ in sources.load_documents(data_config, "validation")] == validation
+
+
+def test_files_and_globs(tmp_path):
+  write_files(tmp_path, {f"t{i}.txt": f"text {i}\n" for i in range(10)})
+  write_files(tmp_path, {"sub/readme.md": "# readme\n", "blank.txt": "  \n"})
+  paths = f"{tmp_path}/*.txt, {tmp_path}/**/*.md"
+  data_config = make_config(tmp_path, source="files", paths=paths, val_percent=50).data
+  docs = sources.all_documents(data_config)
+  assert [n for n, _ in docs] == sorted(f"{tmp_path}/t{i}.txt" for i in range(10)) + [
+      f"{tmp_path}/sub/readme.md"]  # blank.txt holds no text.
+  assert docs[0][1] == "text 0\n"
+  validation = sources.load_documents(data_config, "validation")
+  train = sources.load_documents(data_config, "train")
+  assert sorted(train + validation) == sorted(docs)
+  assert all(corpora.is_validation(n, 50) for n, _ in validation)
+
+
+def test_jsonl_field(tmp_path):
+  records = [{"body": "first doc", "id": 1}, {"body": "second doc"}]
+  lines = [json.dumps(records[0]), "", json.dumps(records[1])]
+  (tmp_path / "d.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+  data_config = make_config(tmp_path, source="jsonl", paths=str(tmp_path / "d.jsonl"),
+                            jsonl_field="body").data
+  assert sources.all_documents(data_config) == [
+      (f"{tmp_path}/d.jsonl:1", "first doc"), (f"{tmp_path}/d.jsonl:3", "second doc")]
+
+
+def test_arrayrecord_text_and_json_records(tmp_path):
+  path = str(tmp_path / "d.arrayrecord")
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  writer.write("plain text ✓".encode("utf-8"))
+  writer.write(json.dumps({"text": "from json"}).encode("utf-8"))
+  writer.close()
+  data_config = make_config(tmp_path, source="arrayrecord", paths=path).data
+  assert sources.all_documents(data_config) == [
+      (f"{path}:0", "plain text ✓"), (f"{path}:1", "from json")]
+
+
+@pytest.mark.parametrize("source,files,message", [
+    ("files", {}, r"data.paths=.*: no file matches '.*missing\*.txt'"),
+    ("files", {"a.txt": " \n", "b.txt": ""}, "no non-empty documents"),
+    ("jsonl", {"a.jsonl": '{"text": "ok"}\n{"text": oops}\n'},
+     r"a.jsonl:2: line is not valid JSON"),
+    ("jsonl", {"a.jsonl": '{"text": "ok"}\n\n{"body": "x"}\n'},
+     r"a.jsonl:3: line has no string field 'text' \(has \['body'\]\); set data.jsonl_field"),
+    ("arrayrecord", {"a.arrayrecord": "not an array record"}, "a.arrayrecord: not an ArrayRecord"),
+])
+def test_bad_input_is_a_user_error(tmp_path, source, files, message):
+  write_files(tmp_path, files)
+  pattern = str(tmp_path / "missing*.txt") if not files else str(tmp_path / "a.*")
+  data_config = make_config(tmp_path, source=source, paths=pattern).data
+  with pytest.raises(UserError, match=message):
+    sources.all_documents(data_config)
+
+
+def test_non_utf8_file_is_named(tmp_path):
+  (tmp_path / "good.txt").write_text("fine", encoding="utf-8")
+  (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+  data_config = make_config(tmp_path, source="files", paths=str(tmp_path / "*.txt")).data
+  with pytest.raises(UserError, match=r"latin1.txt: not UTF-8 text \(bad byte at offset 3\)"):
+    sources.all_documents(data_config)
+
+
+def test_empty_paths(tmp_path):
+  data_config = make_config(tmp_path, source="jsonl", paths=" ").data
+  with pytest.raises(UserError, match="data.paths is empty: data.source=jsonl needs"):
+    sources.all_documents(data_config)
