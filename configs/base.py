@@ -74,9 +74,12 @@ def get_config() -> config_dict.ConfigDict:
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # another workdir (or checkpoint dir) to start from
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
+  tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
 
   me = c.mesh = config_dict.ConfigDict()
   me.data = -1  # data-parallel axis; -1: the devices left over
   me.fsdp = 1  # parameter/optimizer-state sharding axis
   me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
+  me.rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
+              ("mlp", "tensor"), ("head_dim", None), ("norm", None))  # logical -> mesh axis or None
   return c

@@ -53,9 +53,12 @@ def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None):
   return out
 
 
-def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
-                        segment_ids=None, scale=None):
-  """softmax(Q K^T * scale + M) V, in float32, with fully masked rows zeroed."""
+def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=None,
+                      scale=None):
+  """softmax(Q K^T * scale + M) in float32, [B, K, G, T, S] (H = K * G heads).
+
+  Fully masked rows are all zeros.
+  """
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   scale = D ** -0.5 if scale is None else scale
@@ -63,12 +66,19 @@ def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
   valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids)
-  if valid is not None:
-    valid_B11TS = valid[:, None, None]
-    scores = jnp.where(valid_B11TS, scores, jnp.finfo(jnp.float32).min)
-  weights = jax.nn.softmax(scores, axis=-1)
-  if valid is not None:
-    weights = jnp.where(valid_B11TS, weights, 0.0)
+  if valid is None:
+    return jax.nn.softmax(scores, axis=-1)
+  valid_B11TS = valid[:, None, None]
+  scores = jnp.where(valid_B11TS, scores, jnp.finfo(jnp.float32).min)
+  return jnp.where(valid_B11TS, jax.nn.softmax(scores, axis=-1), 0.0)
+
+
+def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
+                        segment_ids=None, scale=None):
+  """The lesson's math: weights from `attention_weights`, times V."""
+  B, T, H, D = q_BTHD.shape
+  weights = attention_weights(q_BTHD, k_BSKD, causal=causal, mask=mask,
+                              segment_ids=segment_ids, scale=scale)
   out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
@@ -192,6 +202,14 @@ class Attention(nnx.Module):
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
                          mask=mask, implementation=self.implementation)
     return self.o_proj(out_BTHD)
+
+  def weights(self, x_BTD, *, positions_BT, causal):
+    """Self-attention weights [B, h, T, T] (for plots)."""
+    q_BTHD = self._rotate(self.q_proj(x_BTD), positions_BT)
+    k_BSKD, _ = self.project_kv(x_BTD, positions_BT)
+    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal)
+    B, K, G, T, S = w_BKGTS.shape
+    return w_BKGTS.reshape(B, K * G, T, S)
 
   def decode(self, x_BTD, positions_BT, cache):
     """Self-attention against a KV cache (generation).

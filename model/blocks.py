@@ -40,6 +40,11 @@ class Block(nnx.Module):
         h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids))
     return self._cross_and_mlp(x_BTD, context_BSD, cross_segment_ids)
 
+  def attention_weights(self, x_BTD, *, positions_BT, causal):
+    """This block's self-attention weights [B, h, T, T] for input x."""
+    h = self.norm_attn(x_BTD) if self.pre_norm else x_BTD
+    return self.attn.weights(h, positions_BT=positions_BT, causal=causal)
+
   def decode(self, x_BTD, *, positions_BT, cache, context_BSD=None, cross_segment_ids=None):
     """One generation step against this block's KV cache; returns (x, cache)."""
     new_cache = {}

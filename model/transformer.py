@@ -70,6 +70,14 @@ class _Stack(nnx.Module):
         x_BTD = layer(x_BTD, **kwargs)
     return self.final_norm(x_BTD) if self.final_norm is not None else x_BTD
 
+  def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
+    """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
+    positions_BT = _default_positions(tokens_BT, None)
+    x_BTD = self.embed_tokens(tokens_BT, positions_BT)
+    for block in list(self.layers)[:layer]:
+      x_BTD = block(x_BTD, positions_BT=positions_BT, causal=causal)
+    return self.layers[layer].attention_weights(x_BTD, positions_BT=positions_BT, causal=causal)
+
 
 def _default_positions(tokens_BT, positions_BT):
   if positions_BT is not None:

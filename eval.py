@@ -1,0 +1,48 @@
+"""Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
+[--prompt TEXT --max-new-tokens N]
+
+Restores the checkpoint with its own config and tokenizer, writes
+eval_report.json, loss_curves.png and attention_maps.png into the workdir.
+"""
+import json
+import sys
+
+from absl import app, flags, logging
+
+from configs.errors import UserError
+
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+_DATA = flags.DEFINE_string("data", None, "stdlib | pydoc | embedded, or files/globs "
+                            "(comma-separated; .jsonl and .arrayrecord by extension).")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "A tokenizer to use instead of the "
+                                 "run's (refused unless it is the same one).")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt(s) to complete.")
+_MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
+_TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
+_TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
+_TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+flags.mark_flag_as_required("workdir")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  from training import evaluate  # pylint: disable=import-outside-toplevel
+  try:
+    evaluate.raise_if_not_run(_WORKDIR.value)
+    report = evaluate.run_eval(
+        _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
+        prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
+        top_k=_TOP_K.value, top_p=_TOP_P.value)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  files = report.pop("files")
+  print(json.dumps(report, indent=2))
+  print("wrote " + ", ".join(files))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,32 @@
+"""Train a model: python train.py --config configs/tiny.py --workdir runs/tiny
+
+Any field can be overridden: --config.model.pos_emb=rope. Running the same
+command on the same workdir resumes from its newest checkpoint.
+"""
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from configs.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created or resumed).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO.
+  from training.loop import train  # pylint: disable=import-outside-toplevel
+  try:
+    train(_CONFIG.value, _WORKDIR.value)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+  app.run(main)

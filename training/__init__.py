@@ -1,0 +1,1 @@
+"""Training library: state, steps, checkpoints, sharding, metrics, evaluation."""

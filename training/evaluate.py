@@ -1,0 +1,175 @@
+"""Evaluation of a saved run, behind eval.py.
+
+Restores a checkpoint with the run's own config and tokenizer (a different
+tokenizer is refused), and writes `<workdir>/eval_report.json` with the
+step, loss, perplexity, token accuracy and bits per byte over the whole
+validation split, the unigram baseline (cross-entropy of the train split's
+token frequencies on the same targets: a model must beat it to have learned
+anything beyond counts), and samples; and two plots: `loss_curves.png` from
+metrics.jsonl and `attention_maps.png` (every head of one layer on a short
+input).
+
+Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
+does not depend on the tokenizer, so runs with different vocabularies compare.
+"""
+import json
+import math
+import os
+
+import jax
+import matplotlib
+import numpy as np
+from flax import nnx
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
+
+from configs.errors import UserError  # pylint: disable=wrong-import-position
+from data import pipeline, tokens  # pylint: disable=wrong-import-position
+from model import build_model  # pylint: disable=wrong-import-position
+from model.generate import generate  # pylint: disable=wrong-import-position
+import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
+from training.checkpoint import Checkpointer, resolve_step  # pylint: disable=wrong-import-position
+from training.loop import evaluate  # pylint: disable=wrong-import-position
+from training.metrics import read_metrics  # pylint: disable=wrong-import-position
+from training.optim import make_optimizer  # pylint: disable=wrong-import-position
+from training.steps import init_state, jit_eval_step  # pylint: disable=wrong-import-position
+
+EMBEDDED = ("stdlib", "pydoc", "embedded")
+
+
+def apply_data_flag(config, data: str) -> None:
+  """`--data`: an embedded corpus name (its validation split) or files.
+
+  Files are comma-separated paths or globs; all their documents are
+  evaluated. `.jsonl` files are read as JSONL (field data.jsonl_field),
+  `.arrayrecord` / `.array_record` as ArrayRecord, anything else as text.
+  """
+  if data in EMBEDDED:
+    config.data.source = data
+    return
+  first = data.split(",")[0]
+  if first.endswith(".jsonl"):
+    config.data.source = "jsonl"
+  elif first.endswith((".arrayrecord", ".array_record")):
+    config.data.source = "arrayrecord"
+  else:
+    config.data.source = "files"
+  config.data.paths = data
+  config.data.val_percent = 100  # every document is held out
+
+
+def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None = None):
+  """(config, tokenizer, model, step) of a checkpoint of `workdir`."""
+  config = workdir_lib.load_config(workdir)
+  checkpointer = Checkpointer(workdir, asynchronous=False)
+  try:
+    step = resolve_step(checkpointer, step, f"eval of {workdir}")
+    meta = checkpointer.restore_meta(step)
+    tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
+    tokenizer_lib.check_fingerprint(meta["tokenizer_fingerprint"], tok)
+    model = nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0)))
+    graphdef, abstract_params = nnx.split(model)
+    tx = make_optimizer(config.train)
+    abstract = jax.eval_shape(lambda: init_state(abstract_params, tx, 0))
+    state, _ = checkpointer.restore(step, abstract)
+  finally:
+    checkpointer.close()
+  return config, tok, nnx.merge(graphdef, state["params"]), step
+
+
+def unigram_loss(config, tok) -> float:
+  """Cross-entropy (nats) of add-one-smoothed train token frequencies on validation."""
+  train = tokens.load_split(config.data, tok, "train").tokens
+  val = tokens.load_split(config.data, tok, "validation").tokens
+  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
+  logp = np.log(counts / counts.sum())
+  return float(-logp[val].mean()) if len(val) else float("nan")
+
+
+def plot_loss_curves(workdir: str, path: str) -> bool:
+  records = read_metrics(workdir)
+  if not records:
+    return False
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for split in ("train", "validation"):
+    rows = [r for r in records if r["split"] == split]
+    if rows:
+      ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=split,
+              marker="o" if split == "validation" else None)
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats per token)")
+  ax.set_title(os.path.basename(os.path.abspath(workdir)))
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return True
+
+
+def plot_attention(model, config, tok, text: str, path: str, layer: int = 0) -> None:
+  ids = tok.encode(text)[:32]
+  stack = model.encoder if config.model.family != "decoder" else model.decoder
+  causal = config.model.family == "decoder"
+  weights = np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
+  labels = [tok.decode([i]) for i in ids]
+  heads = weights.shape[0]
+  cols = min(heads, 4)
+  rows = -(-heads // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
+  for h, ax in enumerate(axes.flat):
+    if h >= heads:
+      ax.axis("off")
+      continue
+    ax.imshow(weights[h], cmap="viridis", vmin=0.0)
+    ax.set_title(f"layer {layer} head {h}", fontsize=9)
+    ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=6)
+    ax.set_yticks(range(len(ids)), labels, fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+
+
+def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
+             tokenizer_path: str | None = None, prompts: list[str] | None = None,
+             max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
+             top_p: float = 1.0) -> dict:
+  """Evaluates a checkpoint; writes the report and plots into the workdir."""
+  config, tok, model, step = load_run(workdir, step, tokenizer_path)
+  if data:
+    apply_data_flag(config, data)
+  graphdef, params = nnx.split(model)
+  batches = pipeline.make_eval_batches(config, tok, None)
+  metrics = evaluate(jit_eval_step(graphdef, config.train.objective), params, batches)
+  stats = pipeline.split_stats(config, tok, "validation")
+  report = {"step": step, "data": config.data.source, "loss": metrics["loss"],
+            "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
+            "bits_per_byte": metrics["loss"] * metrics["targets"] / (stats.num_bytes * math.log(2)),
+            "unigram_loss": unigram_loss(config, tok), "targets": int(metrics["targets"]),
+            "bytes": stats.num_bytes}
+  if config.model.family == "decoder":
+    prompts = prompts or ["def ", "class ", "import "]
+    outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
+                    max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                    temperature=temperature, top_k=top_k, top_p=top_p)
+    report["samples"] = [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
+  report_path = os.path.join(workdir, "eval_report.json")
+  with open(report_path, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  report["files"] = [report_path]
+  loss_png = os.path.join(workdir, "loss_curves.png")
+  if plot_loss_curves(workdir, loss_png):
+    report["files"].append(loss_png)
+  attn_png = os.path.join(workdir, "attention_maps.png")
+  if config.model.family != "encoder_decoder":
+    plot_attention(model, config, tok, (prompts or ["def add(a, b):\n    return a + b"])[0]
+                   + "(x)", attn_png)
+    report["files"].append(attn_png)
+  return report
+
+
+def raise_if_not_run(workdir: str) -> None:
+  if not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir}: no such directory")

@@ -1,0 +1,200 @@
+"""The training loop behind train.py.
+
+Resumes from the newest checkpoint of the workdir (state and data position),
+runs the jitted step, logs metrics, validates, checkpoints, and stops
+cleanly: SIGTERM or SIGINT finish the current step, save and return; a
+non-finite loss stops the run naming the step, with the last good checkpoint
+kept (no checkpoint is written after a bad step).
+"""
+import math
+import signal
+import sys
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+from configs.errors import UserError
+from configs.validation import validate
+from data import pipeline
+from model import accounting, build_model
+from training import workdir as workdir_lib
+from training.checkpoint import Checkpointer
+from training.metrics import MetricsWriter
+from training.optim import learning_rate_schedule, make_optimizer
+from training.steps import init_state, jit_eval_step, jit_train_step
+
+# Dense bf16 peak per device, TFLOP/s (datasheets), for MFU.
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
+               "TPU v4": 275.0, "TPU v5": 459.0, "TPU v5 lite": 197.0}
+
+
+def peak_flops(config) -> float | None:
+  """Peak FLOP/s of all devices together, or None when unknown (CPU)."""
+  if config.train.peak_tflops > 0:
+    per_device = config.train.peak_tflops
+  else:
+    kind = jax.devices()[0].device_kind
+    matches = [v for k, v in PEAK_TFLOPS.items() if k in kind]
+    if not matches:
+      return None
+    per_device = matches[0]
+  return per_device * 1e12 * jax.device_count()
+
+
+class StopRequest:
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+
+  def __init__(self):
+    self.signal_name = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      self._previous[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def _handle(self, signum, _frame):
+    self.signal_name = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+
+def evaluate(eval_fn, params, batches) -> dict:
+  """Loss, perplexity and token accuracy over `batches` (sums, then ratios)."""
+  loss_sum = count = correct = 0.0
+  for batch in batches:
+    sums = [float(x) for x in jax.device_get(eval_fn(params, batch))]
+    loss_sum, count, correct = loss_sum + sums[0], count + sums[1], correct + sums[2]
+  loss = loss_sum / max(count, 1.0)
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+          "accuracy": correct / max(count, 1.0), "targets": count}
+
+
+def _check_finite(state) -> None:
+  bad = int(jax.device_get(state["bad_step"]))
+  if bad >= 0:
+    raise UserError(f"loss or gradient became NaN/Inf at step {bad + 1}; training stopped and "
+                    "the last good checkpoint is kept (lower train.learning_rate or check the data)")
+
+
+def _meta(config, tokenizer) -> dict:
+  return {"config": workdir_lib.config_to_dict(config),
+          "tokenizer_fingerprint": tokenizer.fingerprint}
+
+
+def train(config, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming it); returns the last metrics."""
+  validate(config)
+  workdir_lib.prepare(config, workdir)
+  tokenizer = workdir_lib.setup_tokenizer(config, workdir)
+  tc = config.train
+
+  def make_model():
+    return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
+
+  graphdef, _ = nnx.split(nnx.eval_shape(make_model))
+  tx, schedule = make_optimizer(tc), learning_rate_schedule(tc)
+
+  def make_state():
+    return init_state(nnx.split(make_model())[1], tx, tc.seed)
+
+  data_iter = pipeline.make_train_iterator(config, tokenizer, process_index=jax.process_index(),
+                                           process_count=jax.process_count())
+  eval_batches = pipeline.make_eval_batches(config, tokenizer, tc.eval_steps)
+  checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
+  start = checkpointer.latest_step()
+  if start is not None:
+    state, meta = checkpointer.restore(start, jax.eval_shape(make_state), data_iter)
+    if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
+      raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
+                      f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
+    print(f"Resuming {workdir} from step {start}.", flush=True)
+  else:
+    state = make_state()
+    if tc.restore_from:
+      state["params"] = restore_params(tc.restore_from, state["params"])
+    start = 0
+
+  step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps)
+  eval_fn = jit_eval_step(graphdef, tc.objective)
+  writer = MetricsWriter(workdir)
+  flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
+  peak = peak_flops(config)
+  last = {}
+  step = start
+  try:
+    with StopRequest() as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
+                                      unit="step", disable=None, file=sys.stderr) as bar:
+      window_start, window_steps, window_metrics = time.perf_counter(), 0, []
+      while step < tc.num_steps:
+        state, metrics = step_fn(state, next(data_iter))
+        step += 1
+        window_steps += 1
+        window_metrics.append(metrics)
+        bar.update(1)
+        if step % tc.log_every == 0 or step == tc.num_steps:
+          _check_finite(state)
+          last = _train_scalars(jax.device_get(window_metrics), window_steps,
+                                time.perf_counter() - window_start, tc, flops_per_token, peak)
+          writer.write(step, "train", last)
+          bar.set_postfix(loss=f"{last['loss']:.3f}")
+          print(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in last.items()),
+                flush=True)
+          window_start, window_steps, window_metrics = time.perf_counter(), 0, []
+        if step % tc.eval_every == 0 or step == tc.num_steps:
+          val = evaluate(eval_fn, state["params"], eval_batches)
+          writer.write(step, "validation", val)
+          print(f"step {step}: validation loss={val['loss']:.4f} "
+                f"perplexity={val['perplexity']:.2f}", flush=True)
+          last.update({f"val_{k}": v for k, v in val.items()})
+        stopping = stop.signal_name is not None
+        if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
+          _check_finite(state)
+          checkpointer.save(step, state, data_iter, _meta(config, tokenizer), force=stopping)
+        if stopping:
+          checkpointer.wait()
+          print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
+                f"command: python train.py --config ... --workdir {workdir}", flush=True)
+          break
+  finally:
+    checkpointer.wait()
+    checkpointer.close()
+    writer.close()
+  return last
+
+
+def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
+  tokens_per_second = steps * tc.batch_size * tc.seq_len / max(seconds, 1e-9)
+  loss = float(np.mean([m["loss"] for m in window]))
+  out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+         "accuracy": float(np.mean([m["accuracy"] for m in window])),
+         "grad_norm": float(window[-1]["grad_norm"]),
+         "learning_rate": float(window[-1]["learning_rate"]),
+         "tokens_per_second": tokens_per_second}
+  if peak is not None:
+    out["mfu"] = tokens_per_second * flops_per_token / peak
+  return out
+
+
+def restore_params(source: str, abstract_params):
+  """Parameters of the newest checkpoint of another workdir (fine-tuning)."""
+  source_config = workdir_lib.load_config(source)
+  checkpointer = Checkpointer(source, asynchronous=False)
+  try:
+    step = checkpointer.latest_step()
+    if step is None:
+      raise UserError(f"train.restore_from={source!r}: it has no checkpoint")
+    tx = make_optimizer(source_config.train)
+    graphdef_model = build_model(source_config.model, nnx.Rngs(0))
+    abstract = jax.eval_shape(lambda: init_state(nnx.split(graphdef_model)[1], tx, 0))
+    state, _ = checkpointer.restore(step, abstract)
+  finally:
+    checkpointer.close()
+  if jax.tree.map(np.shape, state["params"]) != jax.tree.map(np.shape, abstract_params):
+    raise UserError(f"train.restore_from={source!r}: its parameters have other shapes")
+  return state["params"]

@@ -1,0 +1,95 @@
+"""The jitted train and eval steps over a functional train state.
+
+The model is split once (`nnx.split`) into a static graph definition and a
+parameter State; the step merges them inside `jax.jit` (no `nnx.jit`
+overhead), takes `jax.grad` of the objective, and applies the optimizer.
+The state is donated, so parameters and optimizer moments are updated in
+place. Gradient accumulation runs the micro-batches in a `lax.scan` and
+adds the gradients of the summed losses, so a step with accumulation equals
+the step on the whole batch.
+
+A step whose loss or gradient norm is not finite leaves the parameters
+untouched and records its number in `state["bad_step"]` (-1 while all is
+well); the loop checks it before writing any checkpoint.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from training.objectives import batch_loss
+
+
+def init_state(params, tx, seed: int) -> dict:
+  return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
+          "bad_step": jnp.full((), -1, jnp.int32), "rng": jax.random.key_data(
+              jax.random.key(seed))}
+
+
+def _loss_sums(graphdef, params, batch, objective):
+  return batch_loss(objective, nnx.merge(graphdef, params), batch)
+
+
+def _grads(graphdef, params, batch, objective, accum_steps):
+  """Gradient of the summed loss and the sums, over accum_steps micro-batches."""
+
+  def sum_loss(p, micro):
+    loss_sum, count, correct = _loss_sums(graphdef, p, micro, objective)
+    return loss_sum, (loss_sum, count, correct)
+
+  grad_fn = jax.grad(sum_loss, has_aux=True)
+  if accum_steps == 1:
+    return grad_fn(params, batch)
+  micro = jax.tree.map(lambda x: x.reshape(accum_steps, -1, *x.shape[1:]), batch)
+
+  def body(carry, mb):
+    g, sums = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, carry, (g, sums)), None
+
+  zeros = (jax.tree.map(jnp.zeros_like, params), (0.0, 0.0, 0.0))
+  (grads, sums), _ = jax.lax.scan(body, zeros, micro)
+  return grads, sums
+
+
+def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int):
+  grads, (loss_sum, count, correct) = _grads(graphdef, state["params"], batch, objective,
+                                             accum_steps)
+  count = jnp.maximum(count, 1.0)
+  grads = jax.tree.map(lambda g: g / count, grads)
+  loss = loss_sum / count
+  grad_norm = optax.global_norm(grads)
+  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+
+  def apply(_):
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    return optax.apply_updates(state["params"], updates), opt_state
+
+  params, opt_state = jax.lax.cond(ok, apply, lambda _: (state["params"], state["opt_state"]),
+                                   None)
+  bad_step = jnp.where((state["bad_step"] < 0) & ~ok, state["step"], state["bad_step"])
+  new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state,
+               "bad_step": bad_step}
+  metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
+             "accuracy": correct / count, "targets": count}
+  return new_state, metrics
+
+
+def eval_step(params, batch, *, graphdef, objective: str):
+  """(loss sum, target count, correct count) of one batch."""
+  return _loss_sums(graphdef, params, batch, objective)
+
+
+def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
+                   batch_sharding=None):
+  fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
+                         objective=objective, accum_steps=accum_steps)
+  if state_sharding is None:
+    return jax.jit(fn, donate_argnums=(0,))
+  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding),
+                 out_shardings=(state_sharding, None))
+
+
+def jit_eval_step(graphdef, objective):
+  return jax.jit(functools.partial(eval_step, graphdef=graphdef, objective=objective))

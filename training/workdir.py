@@ -1,0 +1,78 @@
+"""A run is a directory: the resolved config, the tokenizer, checkpoints,
+metrics and reports. This module sets one up and reads one back.
+
+`<workdir>/config.json`   the resolved config of the first run in it
+`<workdir>/tokenizer/`    the tokenizer every checkpoint was trained with
+`<workdir>/checkpoints/`  Orbax checkpoints (see training/checkpoint.py)
+"""
+import json
+import os
+
+from ml_collections import config_dict
+
+from configs.errors import UserError
+from data import sources
+from model import accounting
+import tokenizer as tokenizer_lib
+
+CONFIG_FILE = "config.json"
+TOKENIZER_DIR = "tokenizer"
+
+
+def config_to_dict(config: config_dict.ConfigDict) -> dict:
+  return json.loads(config.to_json())
+
+
+def load_config(workdir: str) -> config_dict.ConfigDict:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.exists(path):
+    raise UserError(f"{workdir} is not a run directory (no {CONFIG_FILE}); "
+                    "train into it first with python train.py --workdir ...")
+  with open(path, encoding="utf-8") as f:
+    return config_dict.ConfigDict(json.load(f))
+
+
+def _write_json_atomic(path: str, obj) -> None:
+  tmp = path + ".tmp"
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2, sort_keys=True)
+  os.replace(tmp, path)
+
+
+def check_same_shapes(saved: config_dict.ConfigDict, config: config_dict.ConfigDict,
+                      workdir: str) -> None:
+  """Refuses to resume a workdir whose parameters have other shapes."""
+  if accounting.parameter_shapes(saved.model) == accounting.parameter_shapes(config.model):
+    return
+  diffs = [f"model.{k}={saved.model[k]!r} (now {config.model[k]!r})"
+           for k in config.model if k in saved.model and saved.model[k] != config.model[k]]
+  raise UserError(f"workdir {workdir} holds a model of other shapes: {', '.join(diffs)}; "
+                  "use a new --workdir, or start from it with --config.train.restore_from")
+
+
+def prepare(config: config_dict.ConfigDict, workdir: str) -> None:
+  """Creates the workdir, or checks that resuming it is compatible."""
+  os.makedirs(workdir, exist_ok=True)
+  path = os.path.join(workdir, CONFIG_FILE)
+  if os.path.exists(path):
+    check_same_shapes(load_config(workdir), config, workdir)
+  _write_json_atomic(path, config_to_dict(config))
+
+
+def setup_tokenizer(config: config_dict.ConfigDict, workdir: str):
+  """The run's tokenizer: the workdir's, a given one copied in, or trained once."""
+  run_dir = os.path.join(workdir, TOKENIZER_DIR)
+  if os.path.isdir(run_dir):
+    tok = tokenizer_lib.load_tokenizer(run_dir)
+  else:
+    if config.tokenizer.path:
+      tok = tokenizer_lib.load_tokenizer(config.tokenizer.path)
+    else:
+      texts = (text for _, text in sources.load_documents(config.data, "train"))
+      tok = tokenizer_lib.train_tokenizer(config.tokenizer.kind, config.tokenizer.vocab_size,
+                                          texts)
+    tok.save(run_dir)
+  if tok.vocab_size > config.model.vocab_size:
+    raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size="
+                    f"{config.model.vocab_size}; raise model.vocab_size")
+  return tok
