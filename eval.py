@@ -9,6 +9,7 @@ import sys
 
 from absl import app, flags, logging
 
+from configs.cli import parse_flags
 from configs.errors import UserError
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.")
@@ -45,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -8,6 +8,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from configs.cli import parse_flags
 from configs.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
@@ -29,4 +30,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -16,6 +16,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+from configs.cli import parse_flags
 from configs.errors import UserError
 from configs.validation import head_dim, num_kv_heads, validate
 from model import accounting
@@ -108,4 +109,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,220 @@
+"""Sharding on 8 CPU devices: meshes, rules, parameter and batch shardings.
+
+JAX fixes its device count when it first initialises, and other test files in
+the same pytest process import it first, so each check runs in a fresh Python
+with 8 host devices and prints its measurements as one JSON line.
+"""
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+PRELUDE = """
+import json
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs import base
+from configs.errors import UserError
+from model import build_model
+from training import sharding
+
+RULES = base.get_config().mesh.rules
+
+
+def mesh_cfg(data, fsdp, tensor):
+  c = base.get_config().mesh
+  c.update(data=data, fsdp=fsdp, tensor=tensor)
+  return c
+
+
+def small_model():
+  c = base.get_config().model
+  c.update(vocab_size=256, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, d_ff=128,
+           max_len=32, attention_impl="reference")
+  return c
+
+
+def flat(tree):
+  leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+  return {jax.tree_util.keystr(path, simple=True, separator="/"): leaf
+          for path, leaf in leaves}
+
+
+def error(fn):
+  try:
+    fn()
+  except UserError as e:
+    return str(e)
+  return None
+"""
+
+
+def run_on_8_devices(code: str) -> dict:
+  """Runs PRELUDE + `code` in a fresh Python with 8 CPU devices; its JSON line."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+MESH_CHECKS = """
+out = {"devices": jax.device_count()}
+out["shapes"] = [list(sharding.make_mesh(mesh_cfg(*s)).devices.shape)
+                 for s in [(2, 2, 2), (1, 8, 1), (8, 1, 1), (-1, 2, 1), (2, -1, 2), (1, 1, -1)]]
+out["names"] = list(sharding.make_mesh(mesh_cfg(2, 2, 2)).axis_names)
+out["one_device"] = list(sharding.make_mesh(mesh_cfg(1, 1, 1), jax.devices()[:1]).devices.shape)
+out["bad_product"] = error(lambda: sharding.make_mesh(mesh_cfg(2, 2, 3)))
+out["bad_rest"] = error(lambda: sharding.make_mesh(mesh_cfg(3, -1, 1)))
+out["two_rest"] = error(lambda: sharding.make_mesh(mesh_cfg(-1, -1, 1)))
+
+abstract = nnx.state(nnx.eval_shape(lambda: build_model(small_model(), nnx.Rngs(0))))
+layer = "decoder/layers/0/"
+
+
+def specs(shape, rules=RULES):
+  s = flat(sharding.param_partition_specs(abstract, sharding.make_mesh(mesh_cfg(*shape)), rules))
+  return {name: list(s[name + "/value"]) for name in (
+      "decoder/embed/embedding", layer + "mlp/up/kernel", layer + "mlp/down/kernel",
+      layer + "attn/q_proj/kernel", layer + "attn/k_proj/kernel", layer + "attn/o_proj/kernel",
+      layer + "norm_mlp/scale")}
+
+
+out["specs_222"] = specs((2, 2, 2))
+out["specs_118"] = specs((1, 1, 8))
+out["specs_same_axis_twice"] = specs((1, 1, 8), (("embed", "tensor"), ("mlp", "tensor")))
+out["bad_logical"] = error(lambda: specs((2, 2, 2), (("embd", "fsdp"),)))
+out["bad_axis"] = error(lambda: specs((2, 2, 2), (("embed", "model"),)))
+out["twice"] = error(lambda: specs((2, 2, 2), (("embed", "fsdp"), ("embed", None))))
+
+mesh = sharding.make_mesh(mesh_cfg(2, 2, 2))
+batch = sharding.shard_batch({"inputs": np.zeros((8, 16), np.int32)}, mesh)
+out["batch_spec"] = list(batch["inputs"].sharding.spec)
+out["batch_shard"] = list(batch["inputs"].addressable_shards[0].data.shape)
+out["bad_batch"] = error(lambda: sharding.shard_batch({"inputs": np.zeros((6, 16))}, mesh))
+print(json.dumps(out))
+"""
+
+
+def test_meshes_rules_and_batches():
+  out = run_on_8_devices(MESH_CHECKS)
+  assert out["devices"] == 8
+  assert out["shapes"] == [[2, 2, 2], [1, 8, 1], [8, 1, 1], [4, 2, 1], [2, 2, 2], [1, 1, 8]]
+  assert out["names"] == ["data", "fsdp", "tensor"]
+  assert out["one_device"] == [1, 1, 1]
+  for key in ("bad_product", "bad_rest"):
+    assert "mesh.data" in out[key] and "mesh.tensor" in out[key], out[key]
+    assert "8 devices" in out[key], out[key]
+  assert "mesh.data=2 x mesh.fsdp=2 x mesh.tensor=3 multiply to 12" in out["bad_product"]
+  assert "at most one" in out["two_rest"]
+
+  s = out["specs_222"]
+  assert s["decoder/embed/embedding"] == ["tensor", "fsdp"]
+  assert s["decoder/layers/0/mlp/up/kernel"] == ["fsdp", "tensor"]
+  assert s["decoder/layers/0/mlp/down/kernel"] == ["tensor", "fsdp"]
+  assert s["decoder/layers/0/attn/q_proj/kernel"] == ["fsdp", "tensor", None]
+  assert s["decoder/layers/0/attn/k_proj/kernel"] == ["fsdp", "tensor", None]
+  assert s["decoder/layers/0/attn/o_proj/kernel"] == ["tensor", None, "fsdp"]
+  assert s["decoder/layers/0/norm_mlp/scale"] == [None]
+  # 2 KV heads do not split 8 ways: replicated; 4 query heads neither; d_ff=128 does.
+  s = out["specs_118"]
+  assert s["decoder/layers/0/attn/k_proj/kernel"] == ["fsdp", None, None]
+  assert s["decoder/layers/0/attn/q_proj/kernel"] == ["fsdp", None, None]
+  assert s["decoder/layers/0/mlp/up/kernel"] == ["fsdp", "tensor"]
+  # A mesh axis shards at most one dimension of a parameter.
+  assert out["specs_same_axis_twice"]["decoder/layers/0/mlp/up/kernel"] == ["tensor", None]
+  assert "mesh.rules" in out["bad_logical"] and "'embd'" in out["bad_logical"]
+  assert "mesh.rules" in out["bad_axis"] and "'model'" in out["bad_axis"]
+  assert "twice" in out["twice"]
+
+  assert out["batch_spec"] == [["data", "fsdp"]]
+  assert out["batch_shard"] == [2, 16]
+  assert "6 rows" in out["bad_batch"] and "multiple of 4" in out["bad_batch"]
+
+
+MODEL_CHECKS = """
+cfg = small_model()
+tokens = np.random.RandomState(0).randint(0, 256, (8, 17)).astype(np.int32)
+host_batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+reference_logits = np.asarray(build_model(cfg, nnx.Rngs(0))(jnp.asarray(host_batch["inputs"])))
+tx = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
+out = {}
+
+
+def train_losses(name, mesh):
+  model = sharding.create_sharded_model(cfg, mesh, RULES, seed=0)
+  graphdef, params = nnx.split(model)
+  param_sh = sharding.state_shardings(params, mesh, RULES)
+  opt_sh = sharding.opt_state_shardings(jax.eval_shape(tx.init, params), params, mesh, RULES)
+  batch_sh = sharding.batch_sharding(mesh)
+  batch = sharding.shard_batch(host_batch, mesh)
+  flat_params, flat_sh = flat(params), flat(param_sh)
+  out[name] = {
+      "placed": all(flat_params[k].sharding.is_equivalent_to(flat_sh[k], flat_params[k].ndim)
+                    for k in flat_params),
+      "specs": {k: list(flat_params[k].sharding.spec) for k in (
+          "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value")},
+      "shards": {k: [list(flat_params[k].shape),
+                     list(flat_params[k].addressable_shards[0].data.shape)] for k in (
+          "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value")},
+  }
+  logits = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, batch["inputs"])
+  out[name]["logits_diff"] = float(np.abs(np.asarray(logits) - reference_logits).max())
+
+  def step(params, opt_state, batch):
+    def loss_fn(p):
+      logits = nnx.merge(graphdef, p)(batch["inputs"])
+      return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  step = jax.jit(step, in_shardings=(param_sh, opt_sh, {"inputs": batch_sh, "targets": batch_sh}),
+                 out_shardings=(param_sh, opt_sh, NamedSharding(mesh, P())))
+  opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
+  flat_opt = flat(opt_state)
+  out[name]["opt"] = {k: list(v.sharding.spec) for k, v in flat_opt.items()
+                      if k.endswith("mu/decoder/layers/0/mlp/up/kernel/value")
+                      or k.endswith("count")}
+  losses = []
+  for _ in range(3):
+    params, opt_state, loss = step(params, opt_state, batch)
+    losses.append(float(loss))
+  out[name]["losses"] = losses
+
+
+train_losses("one", sharding.make_mesh(mesh_cfg(1, 1, 1), jax.devices()[:1]))
+train_losses("222", sharding.make_mesh(mesh_cfg(2, 2, 2)))
+train_losses("181", sharding.make_mesh(mesh_cfg(1, 8, 1)))
+print(json.dumps(out))
+"""
+
+
+def test_sharded_model_matches_one_device():
+  out = run_on_8_devices(MODEL_CHECKS)
+  embedding, up = "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value"
+  for name in ("one", "222", "181"):
+    assert out[name]["placed"], name
+    assert out[name]["logits_diff"] < 1e-5, (name, out[name]["logits_diff"])
+  assert out["222"]["specs"] == {embedding: ["tensor", "fsdp"], up: ["fsdp", "tensor"]}
+  assert out["222"]["shards"] == {embedding: [[256, 64], [128, 32]], up: [[64, 128], [32, 64]]}
+  assert out["181"]["shards"] == {embedding: [[256, 64], [256, 8]], up: [[64, 128], [8, 128]]}
+  for name in ("222", "181"):
+    opt = out[name]["opt"]
+    assert [spec for k, spec in opt.items() if k.endswith("kernel/value")] == [
+        out[name]["specs"][up]], opt
+    assert all(spec == [] for k, spec in opt.items() if k.endswith("count")), opt
+    for loss, reference in zip(out[name]["losses"], out["one"]["losses"]):
+      assert abs(loss - reference) <= 1e-5 * abs(reference), (name, out[name]["losses"],
+                                                               out["one"]["losses"])
+  assert out["one"]["losses"][2] < out["one"]["losses"][0]

@@ -1,0 +1,225 @@
+"""End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM, NaN,
+leftover temporary checkpoints, and one-line errors for bad input."""
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from configs import base
+from configs.errors import UserError
+import tokenizer as tokenizer_lib
+from data import sources
+from training import loop
+from training.checkpoint import Checkpointer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+  """A small BPE tokenizer trained once on the pydoc train split."""
+  c = small_config("")
+  texts = [t for _, t in sources.load_documents(c.data, "train")]
+  out = tmp_path_factory.mktemp("tok") / "bpe"
+  tokenizer_lib.train_tokenizer("bpe", 300, texts).save(out)
+  return str(out)
+
+
+def small_config(tok_path: str, cache_dir: str = "/tmp/transformer_lab_test_cache"):
+  c = base.get_config()
+  c.model.update(vocab_size=320, d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64,
+                 attention_impl="xla")
+  c.tokenizer.update(vocab_size=300, path=tok_path)
+  c.data.update(source="pydoc", cache_dir=cache_dir)
+  c.train.update(num_steps=30, batch_size=4, seq_len=32, learning_rate=3e-3, warmup_steps=5,
+                 log_every=5, eval_every=15, eval_steps=2, checkpoint_every=5)
+  return c
+
+
+def overrides(c) -> list[str]:
+  """The command-line flags that turn configs/base.py into `c`."""
+  flat = []
+  for section in ("model", "tokenizer", "data", "train"):
+    for key, value in c[section].items():
+      if value != base.get_config()[section][key]:
+        flat.append(f"--config.{section}.{key}={value}")
+  return flat
+
+
+def train_cmd(c, workdir) -> list[str]:
+  return [sys.executable, "train.py", "--config", "configs/base.py", "--workdir", str(workdir),
+          *overrides(c)]
+
+
+def final_params(workdir):
+  ck = Checkpointer(str(workdir), asynchronous=False)
+  step = ck.latest_step()
+  path = pathlib.Path(ck.directory) / str(step) / "state"
+  ck.close()
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  restored = ocp.StandardCheckpointer().restore(path)
+  return step, restored["params"]
+
+
+def test_loss_falls_on_the_embedded_corpus(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.update(num_steps=60, eval_every=60, learning_rate=1e-2)
+  last = loop.train(c, str(tmp_path / "run"))
+  assert last["val_loss"] < 5.0  # log(300) = 5.70 for a uniform guess
+  records = [r for r in __import__("training.metrics", fromlist=["x"]).read_metrics(
+      str(tmp_path / "run")) if r["split"] == "train"]
+  assert records[-1]["loss"] < records[0]["loss"] - 0.5
+
+
+def test_sigkill_then_resume_is_bit_identical(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  straight, killed = tmp_path / "straight", tmp_path / "killed"
+  subprocess.run(train_cmd(c, straight), cwd=ROOT, check=True, capture_output=True)
+  proc = subprocess.Popen(train_cmd(c, killed), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL)
+  deadline = time.time() + 120
+  while not (killed / "checkpoints" / "10").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert proc.returncode == -signal.SIGKILL
+  subprocess.run(train_cmd(c, killed), cwd=ROOT, check=True, capture_output=True)
+  step_a, params_a = final_params(straight)
+  step_b, params_b = final_params(killed)
+  assert step_a == step_b == 30
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sigterm_saves_exits_zero_and_resumes(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.update(num_steps=400, checkpoint_every=1000, log_every=1000, eval_every=1000)
+  workdir = tmp_path / "run"
+  proc = subprocess.Popen(train_cmd(c, workdir), cwd=ROOT, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+  deadline = time.time() + 120
+  while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
+    time.sleep(0.05)
+  time.sleep(3)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0
+  assert "SIGTERM received: saved step" in out and "Resume with the same command" in out
+  saved = Checkpointer(str(workdir), asynchronous=False).latest_step()
+  assert 0 < saved < 400
+  c.train.num_steps = saved + 3
+  result = subprocess.run(train_cmd(c, workdir), cwd=ROOT, capture_output=True, text=True,
+                          check=True)
+  assert f"Resuming {workdir} from step {saved}." in result.stdout
+  assert final_params(workdir)[0] == saved + 3
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tok_dir, tmp_path, monkeypatch):
+  real = loop.jit_train_step
+
+  def poisoned(*args, **kwargs):
+    step_fn = real(*args, **kwargs)
+
+    def step(state, batch):
+      if int(state["step"]) == 12:  # the 13th step
+        batch = {**batch, "loss_mask": batch["loss_mask"] * np.nan}
+      return step_fn(state, batch)
+    return step
+
+  monkeypatch.setattr(loop, "jit_train_step", poisoned)
+  workdir = tmp_path / "run"
+  with pytest.raises(UserError, match="NaN/Inf at step 13"):
+    loop.train(small_config(tok_dir), str(workdir))
+  ck = Checkpointer(str(workdir), asynchronous=False)
+  assert ck.latest_step() == 10
+  step, params = final_params(workdir)
+  assert step == 10 and all(np.isfinite(np.asarray(p)).all() for p in jax.tree.leaves(params))
+
+
+def test_leftover_temporary_checkpoint_is_ignored(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.num_steps = 10
+  workdir = tmp_path / "run"
+  loop.train(c, str(workdir))
+  junk = workdir / "checkpoints" / "15.orbax-checkpoint-tmp-1234"
+  junk.mkdir()
+  (junk / "half_written").write_text("x")
+  c.train.num_steps = 12
+  loop.train(c, str(workdir))
+  assert Checkpointer(str(workdir), asynchronous=False).all_steps()[-1] == 12
+
+
+def _run(args):
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300)
+
+
+def _assert_one_line_error(result, *fragments):
+  assert result.returncode != 0
+  assert "Traceback" not in result.stderr
+  lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
+  assert any(all(f in l for f in fragments) for l in lines), result.stderr
+
+
+@pytest.mark.parametrize("flags,fragments", [
+    (["--config.model.colour=red"], ["colour"]),
+    (["--config.model.pos_emb=alibi"], ["model.pos_emb='alibi'", "must be one of"]),
+    (["--config.data.source=files", "--config.data.paths=/nonexistent/*.txt"],
+     ["/nonexistent/*.txt", "no file matches"]),
+    (["--config.model.pos_emb=learned", "--config.train.seq_len=100"],
+     ["train.seq_len=100", "learned position table"]),
+])
+def test_bad_training_input_is_one_line(tok_dir, tmp_path, flags, fragments):
+  c = small_config(tok_dir)
+  result = _run(train_cmd(c, tmp_path / "run")[1:] + flags)
+  _assert_one_line_error(result, *fragments)
+
+
+def test_empty_data_is_one_line(tok_dir, tmp_path):
+  (tmp_path / "empty.txt").write_text("   \n")
+  c = small_config(tok_dir)
+  result = _run(train_cmd(c, tmp_path / "run")[1:] + [
+      "--config.data.source=files", f"--config.data.paths={tmp_path}/empty.txt"])
+  _assert_one_line_error(result, "no non-empty documents")
+
+
+def test_eval_on_empty_workdir_is_one_line(tmp_path):
+  (tmp_path / "run").mkdir()
+  result = _run(["eval.py", "--workdir", str(tmp_path / "run")])
+  _assert_one_line_error(result, "not a run directory")
+
+
+def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.num_steps = 10
+  workdir = tmp_path / "run"
+  loop.train(c, str(workdir))
+  result = _run(["eval.py", "--workdir", str(workdir), "--max_new_tokens", "5"])
+  assert result.returncode == 0, result.stderr
+  import json  # pylint: disable=import-outside-toplevel
+  report = json.loads((workdir / "eval_report.json").read_text())
+  for key in ("step", "loss", "perplexity", "token_accuracy", "bits_per_byte", "samples"):
+    assert key in report
+  assert report["step"] == 10 and report["bits_per_byte"] > 0
+  assert (workdir / "loss_curves.png").stat().st_size > 0
+  assert (workdir / "attention_maps.png").stat().st_size > 0
+  other = tmp_path / "other_tok"
+  texts = [t for _, t in sources.load_documents(c.data, "train")][:50]
+  tokenizer_lib.train_tokenizer("bpe", 290, texts).save(other)
+  result = _run(["eval.py", "--workdir", str(workdir), "--tokenizer", str(other)])
+  _assert_one_line_error(result, "trained with tokenizer")
+
+
+def test_resuming_with_other_shapes_is_refused(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.num_steps = 5
+  loop.train(c, str(tmp_path / "run"))
+  c.model.d_model = 64
+  with pytest.raises(UserError, match="other shapes: model.d_model=32 \\(now 64\\)"):
+    loop.train(c, str(tmp_path / "run"))

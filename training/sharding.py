@@ -1,0 +1,207 @@
+"""SPMD sharding: the device mesh, parameter and batch shardings.
+
+Every parameter carries logical axis names (`model/layers.py`); `mesh.rules`
+in the config maps each name to one mesh axis or to None (replicated). The
+mesh has three axes:
+
+- `data`: batch split, parameters replicated (data parallelism).
+- `fsdp`: batch split and parameters (and so optimizer state) split along
+  `embed` (fully sharded data parallelism, ZeRO-3 style).
+- `tensor`: heads, KV heads, MLP hidden and vocabulary split (tensor
+  parallelism).
+
+A dimension is sharded over its mesh axis only when the axis size divides it;
+otherwise that dimension is replicated (for example 4 KV heads on tensor=8:
+every tensor shard holds all 4 heads). A mesh axis is used at most once per
+parameter: a second dimension mapped to the same axis is replicated. One
+device is the trivial 1x1x1 mesh, on which every spec is a no-op.
+
+The model is built sharded from the start (`create_sharded_model`): its
+initialiser runs under `jax.jit` with the parameter shardings as
+`out_shardings`, so the full parameters never sit on one device.
+"""
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from configs.errors import UserError
+from model import build_model
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+# The logical names that parameters carry (model/layers.py).
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+
+
+def make_mesh(mesh_cfg, devices=None) -> Mesh:
+  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices).
+
+  Args:
+    mesh_cfg: the `mesh` config section; at most one of data, fsdp, tensor
+      may be -1, meaning the devices left over by the other two.
+    devices: the devices to lay out; None means `jax.devices()` (every
+      device of every process).
+
+  Returns:
+    A mesh whose axis sizes multiply to the number of devices.
+
+  Raises:
+    UserError: more than one -1, or sizes that do not fit the device count.
+  """
+  devices = jax.devices() if devices is None else list(devices)
+  n = len(devices)
+  sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
+  fields = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+  rest = [axis for axis, size in sizes.items() if size == -1]
+  if len(rest) > 1:
+    raise UserError(f"{fields}: at most one mesh axis may be -1 (the devices left over)")
+  fixed = int(np.prod([size for size in sizes.values() if size != -1]))
+  if rest:
+    if n % fixed:
+      raise UserError(f"{fields}: the fixed sizes multiply to {fixed}, which does not "
+                      f"divide the {n} devices")
+    sizes[rest[0]] = n // fixed
+  elif fixed != n:
+    raise UserError(f"{fields} multiply to {fixed}, not to the {n} devices; "
+                    "make the product equal the device count or set one axis to -1")
+  shape = tuple(sizes[axis] for axis in MESH_AXES)
+  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                       devices=devices)
+
+
+def _rules_dict(rules) -> dict:
+  """Checks `mesh.rules` (pairs of logical name, mesh axis or None) -> a dict."""
+  out = {}
+  for rule in rules:
+    if len(rule) != 2:
+      raise UserError(f"config field mesh.rules: {rule!r} is not a (logical axis, mesh "
+                      "axis or None) pair")
+    logical, axis = rule
+    if logical not in LOGICAL_AXES:
+      raise UserError(f"config field mesh.rules: logical axis {logical!r} must be one of "
+                      f"{', '.join(LOGICAL_AXES)}")
+    if axis is not None and axis not in MESH_AXES:
+      raise UserError(f"config field mesh.rules: mesh axis {axis!r} (for {logical!r}) must "
+                      f"be one of {', '.join(MESH_AXES)} or None")
+    if logical in out:
+      raise UserError(f"config field mesh.rules: logical axis {logical!r} appears twice")
+    out[logical] = axis
+  return out
+
+
+def logical_to_mesh_spec(logical_axes, shape, mesh: Mesh, rules) -> P:
+  """The mesh PartitionSpec of one array from its logical axis names.
+
+  A dimension whose logical name has no rule, maps to None, maps to a mesh
+  axis whose size does not divide it, or maps to a mesh axis already used by
+  an earlier dimension is replicated.
+  """
+  rules = _rules_dict(rules)
+  used = set()
+  spec = []
+  for name, dim in zip(logical_axes, shape):
+    axis = rules.get(name)
+    if axis is None or axis in used or dim % mesh.shape[axis]:
+      spec.append(None)
+    else:
+      spec.append(axis)
+      used.add(axis)
+  return P(*spec)
+
+
+def param_partition_specs(abstract_state, mesh: Mesh, rules):
+  """Mesh PartitionSpecs for an nnx State (abstract, e.g. from `nnx.eval_shape`).
+
+  Returns a tree of the state's structure whose leaves are PartitionSpecs;
+  variables without logical names are replicated.
+  """
+  logical = nnx.get_partition_spec(abstract_state)
+  return jax.tree.map(lambda axes, x: logical_to_mesh_spec(axes, x.shape, mesh, rules),
+                      logical, abstract_state)
+
+
+def state_shardings(abstract_state, mesh: Mesh, rules):
+  """NamedShardings for an nnx State, usable as jit in/out_shardings."""
+  return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                      param_partition_specs(abstract_state, mesh, rules))
+
+
+def create_sharded_model(model_cfg, mesh: Mesh, rules, seed: int, *,
+                         remat: bool = False) -> nnx.Module:
+  """Builds the model with every parameter created directly in its shards.
+
+  The initialiser is traced abstractly first to read the parameter shapes and
+  logical axes, then run under `jax.jit` with their shardings as
+  `out_shardings`, so XLA computes each shard on its own device. The values
+  equal those of `build_model(model_cfg, nnx.Rngs(seed))` on one device.
+  """
+
+  def build():
+    return build_model(model_cfg, nnx.Rngs(seed), remat=remat)
+
+  graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+  state = jax.jit(lambda: nnx.state(build()),
+                  out_shardings=state_shardings(abstract_state, mesh, rules))()
+  return nnx.merge(graphdef, state)
+
+
+def _path_names(path) -> tuple[str, ...]:
+  """A pytree key path as plain names: ("opt_state", "0", "mu", "decoder", ...)."""
+  return tuple(jax.tree_util.keystr((key,), simple=True) for key in path)
+
+
+def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, rules):
+  """NamedShardings for an optimizer state (abstract, e.g. from `jax.eval_shape`).
+
+  A leaf whose key path ends with a parameter's key path and whose shape
+  equals that parameter's (Adam's mu and nu, momentum, ...) takes the
+  parameter's sharding; every other leaf (step counts, scalars, factored
+  statistics) is replicated. Matching by path and shape, rather than through
+  `optax.tree_map_params`, needs no optimizer object, so any tree that holds
+  copies of the parameters works, for example a whole train-state dict
+  {"params": ..., "opt_state": ..., "step": ...}.
+  """
+  shardings = jax.tree.leaves(state_shardings(abstract_params, mesh, rules))
+  params = {_path_names(path): (x.shape, sharding) for (path, x), sharding in zip(
+      jax.tree_util.tree_flatten_with_path(abstract_params)[0], shardings)}
+  replicated = NamedSharding(mesh, P())
+
+  def leaf_sharding(path, x):
+    names = _path_names(path)
+    for start in range(len(names)):
+      shape, sharding = params.get(names[start:], (None, None))
+      if shape == x.shape:
+        return sharding
+    return replicated
+
+  return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt_state)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """[B, ...] arrays with the batch split over the data and fsdp axes."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def shard_batch(batch: dict, mesh: Mesh) -> dict:
+  """Puts a host-local batch (a dict of numpy [B_local, ...]) onto the mesh.
+
+  With one process the batch is the global batch (`jax.device_put`); with
+  several, each process passes its own rows and the global batch is their
+  concatenation (`jax.make_array_from_process_local_data`).
+
+  Raises:
+    UserError: the global batch does not split over data x fsdp devices.
+  """
+  sharding = batch_sharding(mesh)
+  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  for name, x in batch.items():
+    rows = x.shape[0] * jax.process_count()
+    if rows % split:
+      raise UserError(f"batch field {name!r} has {rows} rows, which do not split over "
+                      f"mesh.data x mesh.fsdp = {split} devices; make train.batch_size "
+                      f"(per micro-batch) a multiple of {split}")
+  if jax.process_count() == 1:
+    return jax.device_put(batch, sharding)
+  return {name: jax.make_array_from_process_local_data(sharding, x)
+          for name, x in batch.items()}
