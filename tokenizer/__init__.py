@@ -1,0 +1,77 @@
+"""Step 1 of the lesson, tokenization: train, save, load and check tokenizers.
+
+Kinds: `bpe` (our byte-level BPE, `tokenizer/bpe.py`), `spm_bpe` and
+`spm_unigram` (SentencePiece, `tokenizer/spm.py`). All share the interface of
+`tokenizer.base.Tokenizer`. A saved tokenizer is a directory holding the
+kind's file (`bpe.json` or `spm.model`) and a `tokenizer.json` manifest with
+the kind and the fingerprint, which `load_tokenizer` verifies.
+"""
+import json
+import pathlib
+from collections.abc import Iterable
+
+from configs.errors import UserError
+from tokenizer import bpe, spm
+from tokenizer.base import MANIFEST, Tokenizer, check_fingerprint
+
+KINDS = ("bpe", "spm_bpe", "spm_unigram")
+
+__all__ = ["KINDS", "Tokenizer", "check_fingerprint", "load_tokenizer",
+           "train_tokenizer"]
+
+
+def train_tokenizer(kind: str, vocab_size: int,
+                    texts: Iterable[str]) -> Tokenizer:
+  """Step 1: learns a `kind` vocabulary of `vocab_size` ids, specials included.
+
+  `kind` is `bpe`, `spm_bpe` or `spm_unigram`; `texts` are the documents.
+  """
+  if kind == "bpe":
+    return bpe.train_bpe(texts, vocab_size)
+  if kind in spm.KINDS:
+    return spm.train_spm(kind, vocab_size, texts)
+  raise UserError(f"unknown tokenizer kind {kind!r}; choose one of "
+                  f"{', '.join(KINDS)}")
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
+  """Loads a saved tokenizer directory or a bare SentencePiece `.model` file.
+
+  For a directory, the kind comes from `tokenizer.json`, and the fingerprint of
+  what was loaded must equal the manifest's: otherwise the files were changed
+  or damaged and a UserError names the file.
+  """
+  path = pathlib.Path(path)
+  if path.name == MANIFEST:
+    path = path.parent
+  if path.is_file():
+    return spm.load_spm_model(path)
+  if not path.is_dir():
+    raise UserError(f"no tokenizer at {path}: no such file or directory")
+  manifest_path = path / MANIFEST
+  if not manifest_path.is_file():
+    raise UserError(f"{path} is not a saved tokenizer: it has no {MANIFEST}")
+  try:
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    kind = manifest["kind"]
+    expected = manifest["fingerprint"]
+    if not isinstance(kind, str) or not isinstance(expected, str):
+      raise TypeError("kind and fingerprint must be strings")
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise UserError(f"corrupted tokenizer manifest {manifest_path}: "
+                    f"{type(e).__name__}: {e}") from None
+  if kind == "bpe":
+    data_path = path / bpe.FILENAME
+    tok = bpe.load_bpe(path)
+  elif kind in spm.KINDS:
+    data_path = path / spm.FILENAME
+    tok = spm.load_spm_model(data_path)
+  else:
+    raise UserError(f"corrupted tokenizer manifest {manifest_path}: unknown "
+                    f"kind {kind!r}")
+  if tok.fingerprint != expected:
+    raise UserError(
+        f"corrupted tokenizer file {data_path}: its fingerprint "
+        f"{tok.fingerprint[:12]} ({tok.kind}) does not match "
+        f"{expected[:12]} ({kind}) recorded in {manifest_path}")
+  return tok
