@@ -143,14 +143,18 @@ class Encoder(_WithHead):
                           rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
-  def hidden(self, tokens_BT, padding_mask=None):
-    positions = _default_positions(tokens_BT, None)
+  def hidden(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
+    positions = _default_positions(tokens_BT, positions)
     x_BTD = self.encoder.embed_tokens(tokens_BT, positions)
+    if segment_ids is None:
+      segment_ids = _padding_segments(padding_mask, tokens_BT.shape)
     return self.encoder.run_blocks(x_BTD, positions_BT=positions, causal=False,
-                                   segment_ids=_padding_segments(padding_mask, tokens_BT.shape))
+                                   segment_ids=segment_ids)
 
-  def __call__(self, tokens_BT, padding_mask=None):
-    return self.logits(self.encoder, self.hidden(tokens_BT, padding_mask))
+  def __call__(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
+    """MLM logits; `padding_mask` (True = real) or packed `segment_ids` (0 = pad)."""
+    return self.logits(self.encoder, self.hidden(tokens_BT, padding_mask, segment_ids,
+                                                 positions))
 
 
 class EncoderDecoder(_WithHead):

@@ -1,7 +1,16 @@
 """Training objectives: the loss of a batch, summed over its real targets.
 
-`next_token`: a decoder predicts token t+1 from tokens <= t (the lesson's
-"trained with cross-entropy on next-token prediction"). Cross-entropy is
+- `next_token` (decoder): predict token t+1 from tokens <= t (the lesson's
+  "trained with cross-entropy on next-token prediction").
+- `seq2seq` with a decoder (prefix LM): source and target in one sequence,
+  the same next-token loss with `loss_mask` set only on target tokens.
+- `seq2seq` with an encoder-decoder: teacher forcing; the encoder reads
+  `src` (padding masked by `src_mask`), the decoder reads `tgt_in` (BOS +
+  target) and predicts `tgt_out` (target + EOS) through cross-attention.
+- `mlm` (encoder): the batch's `inputs` have the selected positions masked
+  (BERT 80/10/10, done by the data pipeline); the loss is on those only.
+
+Cross-entropy is
 computed from float32 logits. Each objective returns (sum of per-target
 losses, number of targets, number of correct argmax predictions), so that
 micro-batches and evaluation passes add up exactly.
@@ -24,8 +33,21 @@ def next_token_loss(model, batch):
   return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
 
 
-OBJECTIVES = {"next_token": next_token_loss}
+def encoder_decoder_loss(model, batch):
+  logits_BTV = model(batch["src"], batch["tgt_in"], src_padding_mask=batch["src_mask"] > 0)
+  return cross_entropy_sums(logits_BTV, batch["tgt_out"], batch["loss_mask"])
+
+
+def masked_lm_loss(model, batch):
+  logits_BTV = model(batch["inputs"], segment_ids=batch["segment_ids"],
+                     positions=batch["positions"])
+  return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
 
 
 def batch_loss(objective: str, model, batch):
-  return OBJECTIVES[objective](model, batch)
+  """(loss sum, target count, correct count) of `batch` for `objective`."""
+  if objective == "mlm":
+    return masked_lm_loss(model, batch)
+  if objective == "seq2seq" and "src" in batch:
+    return encoder_decoder_loss(model, batch)
+  return next_token_loss(model, batch)
