@@ -51,6 +51,8 @@ class _Stack(nnx.Module):
                             for _ in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
+    self.kv_shape = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads,
+                     head_dim(cfg))
 
   def embed_tokens(self, tokens_BT, positions_BT):
     x_BTD = self.embed(tokens_BT)
@@ -69,6 +71,23 @@ class _Stack(nnx.Module):
       else:
         x_BTD = layer(x_BTD, **kwargs)
     return self.final_norm(x_BTD) if self.final_norm is not None else x_BTD
+
+  def init_cache(self, batch: int, length: int, dtype=jnp.float32):
+    """Zeros for every layer: k, v [batch, length, g, d_k]."""
+    shape = (batch, length, *self.kv_shape)
+    return [dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in self.layers]
+
+  def decode_step(self, tokens_BT, positions_BT, cache, **cross):
+    """Hidden states of `tokens_BT` at `positions_BT` given the cache; new cache."""
+    x_BTD = self.embed_tokens(tokens_BT, positions_BT)
+    new_cache = []
+    for layer, layer_cache in zip(self.layers, cache):
+      x_BTD, layer_cache = layer.decode(x_BTD, positions_BT=positions_BT, cache=layer_cache,
+                                        **cross)
+      new_cache.append(layer_cache)
+    if self.final_norm is not None:
+      x_BTD = self.final_norm(x_BTD)
+    return x_BTD, new_cache
 
   def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
@@ -105,8 +124,6 @@ class Decoder(_WithHead):
     self.decoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, embed=None,
                           rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
-    self.num_kv_heads_and_dim = (cfg.num_heads if cfg.num_kv_heads is None
-                                 else cfg.num_kv_heads, head_dim(cfg))
 
   def hidden(self, tokens_BT, segment_ids=None, positions=None):
     positions = _default_positions(tokens_BT, positions)
@@ -118,21 +135,12 @@ class Decoder(_WithHead):
     return self.logits(self.decoder, self.hidden(tokens_BT, segment_ids, positions))
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-    """Zeros for every layer: k, v [batch, length, g, d_k]."""
-    K, Dh = self.num_kv_heads_and_dim
-    return [dict(k=jnp.zeros((batch, length, K, Dh), dtype),
-                 v=jnp.zeros((batch, length, K, Dh), dtype)) for _ in self.decoder.layers]
+    return self.decoder.init_cache(batch, length, dtype)
 
   def decode_step(self, tokens_BT, positions_BT, cache):
     """Logits of `tokens_BT` at `positions_BT` given the cache; new cache."""
-    x_BTD = self.decoder.embed_tokens(tokens_BT, positions_BT)
-    new_cache = []
-    for layer, layer_cache in zip(self.decoder.layers, cache):
-      x_BTD, layer_cache = layer.decode(x_BTD, positions_BT=positions_BT, cache=layer_cache)
-      new_cache.append(layer_cache)
-    if self.decoder.final_norm is not None:
-      x_BTD = self.decoder.final_norm(x_BTD)
-    return self.logits(self.decoder, x_BTD), new_cache
+    x_BTD, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache)
+    return self.logits(self.decoder, x_BTD), cache
 
 
 class Encoder(_WithHead):
@@ -169,8 +177,6 @@ class EncoderDecoder(_WithHead):
     self.decoder = _Stack(cfg, num_layers=num_decoder_layers(cfg), cross=True,
                           embed=self.encoder.embed, rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
-    self.num_kv_heads_and_dim = (cfg.num_heads if cfg.num_kv_heads is None
-                                 else cfg.num_kv_heads, head_dim(cfg))
 
   def encode(self, src_BS, src_padding_mask=None):
     positions = _default_positions(src_BS, None)
@@ -195,19 +201,10 @@ class EncoderDecoder(_WithHead):
     return self.decode(tgt_BT, self.encode(src_BS, src_padding_mask), src_padding_mask)
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-    K, Dh = self.num_kv_heads_and_dim
-    return [dict(k=jnp.zeros((batch, length, K, Dh), dtype),
-                 v=jnp.zeros((batch, length, K, Dh), dtype)) for _ in self.decoder.layers]
+    return self.decoder.init_cache(batch, length, dtype)
 
   def decode_step(self, tokens_BT, positions_BT, cache, encoded_BSD, src_padding_mask=None):
-    x_BTD = self.decoder.embed_tokens(tokens_BT, positions_BT)
-    cross_segments = self._cross_segments(tokens_BT, src_padding_mask)
-    new_cache = []
-    for layer, layer_cache in zip(self.decoder.layers, cache):
-      x_BTD, layer_cache = layer.decode(x_BTD, positions_BT=positions_BT, cache=layer_cache,
-                                        context_BSD=encoded_BSD,
-                                        cross_segment_ids=cross_segments)
-      new_cache.append(layer_cache)
-    if self.decoder.final_norm is not None:
-      x_BTD = self.decoder.final_norm(x_BTD)
-    return self.logits(self.decoder, x_BTD), new_cache
+    x_BTD, cache = self.decoder.decode_step(
+        tokens_BT, positions_BT, cache, context_BSD=encoded_BSD,
+        cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask))
+    return self.logits(self.decoder, x_BTD), cache
