@@ -218,7 +218,10 @@ class Attention(nnx.Module):
     at `positions_BT` are written at those slots, and query t of row b sees
     slots 0..positions_BT[b, t]. Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
-    alone. Returns (output, updated cache).
+    alone. The slot mask is dense, so `cudnn` and `pallas` (which take
+    causal and segment masks only) run this step with `xla`; a single
+    decoding query is memory-bound and gains nothing from a fused kernel.
+    Returns (output, updated cache).
     """
     q_BTHD = self._rotate(self.q_proj(x_BTD), positions_BT)
     k_BTKD, v_BTKD = self.project_kv(x_BTD, positions_BT)
