@@ -62,12 +62,13 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   grad_norm = optax.global_norm(grads)
   ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-  def apply(_):
-    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    return optax.apply_updates(state["params"], updates), opt_state
-
-  params, opt_state = jax.lax.cond(ok, apply, lambda _: (state["params"], state["opt_state"]),
-                                   None)
+  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+  params = optax.apply_updates(state["params"], updates)
+  # Keep the old values after a bad step; a select fuses into the update (a
+  # lax.cond here made XLA copy the donated buffers: 10% slower on CPU).
+  keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+  params = keep_if_bad(params, state["params"])
+  opt_state = keep_if_bad(opt_state, state["opt_state"])
   bad_step = jnp.where((state["bad_step"] < 0) & ~ok, state["step"], state["bad_step"])
   new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state,
                "bad_step": bad_step}
