@@ -5,8 +5,15 @@ runs the jitted step, logs metrics, validates, checkpoints, and stops
 cleanly: SIGTERM or SIGINT finish the current step, save and return; a
 non-finite loss stops the run naming the step, with the last good checkpoint
 kept (no checkpoint is written after a bad step).
+
+The train state lives sharded on the device mesh of `config.mesh`
+(`training/sharding.py`): it is created in its shards, checkpoints are
+restored straight onto the current mesh (so a run saved on 8 devices resumes
+or evaluates on 1), and each process puts its own rows of every batch on the
+mesh. On one device the mesh is 1x1x1 and nothing is split.
 """
 import math
+import os
 import signal
 import sys
 import time
@@ -24,6 +31,7 @@ from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
 from training.metrics import MetricsWriter
 from training.optim import learning_rate_schedule, make_optimizer
+from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
 from training.steps import init_state, jit_eval_step, jit_train_step
 
 # Dense bf16 peak per device, TFLOP/s (datasheets), for MFU.
@@ -75,6 +83,53 @@ def evaluate(eval_fn, params, batches) -> dict:
           "accuracy": correct / max(count, 1.0), "targets": count}
 
 
+def maybe_initialize_distributed() -> None:
+  """Joins a multi-process run (`jax.distributed`) when the environment describes one.
+
+  SLURM (SLURM_NTASKS > 1) and Open MPI (OMPI_COMM_WORLD_SIZE > 1) are
+  detected by JAX itself; elsewhere set JAX_COORDINATOR_ADDRESS (host:port of
+  process 0), JAX_NUM_PROCESSES and JAX_PROCESS_ID on every process. Runs
+  before anything touches a device; does nothing for a single process.
+  """
+  env = os.environ
+  multi_process = (int(env.get("SLURM_NTASKS", "1")) > 1
+                   or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+                   or "JAX_COORDINATOR_ADDRESS" in env)
+  if not multi_process or jax.distributed.is_initialized():
+    return
+
+  def env_int(name):
+    return int(env[name]) if name in env else None
+
+  jax.distributed.initialize(num_processes=env_int("JAX_NUM_PROCESSES"),
+                             process_id=env_int("JAX_PROCESS_ID"))
+
+
+def _print(message: str) -> None:
+  """Prints on process 0 only."""
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def train_state_shardings(abstract_state, mesh, rules):
+  """NamedShardings of a train state, usable as jit in/out_shardings.
+
+  Parameters and their optimizer moments are split by `mesh.rules`;
+  everything else (step, counts, RNG) is replicated.
+  """
+  return opt_state_shardings(abstract_state, abstract_state["params"], mesh, rules)
+
+
+def with_shardings(abstract_state, shardings):
+  """The abstract state with each leaf carrying its target sharding.
+
+  Given to Orbax as the restore target, it puts every array directly into its
+  shards on the current mesh, whatever mesh the checkpoint was saved from.
+  """
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract_state, shardings)
+
+
 def _check_finite(state) -> None:
   bad = int(jax.device_get(state["bad_step"]))
   if bad >= 0:
@@ -89,10 +144,12 @@ def _meta(config, tokenizer) -> dict:
 
 def train(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming it); returns the last metrics."""
+  maybe_initialize_distributed()
   validate(config)
   workdir_lib.prepare(config, workdir)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir)
   tc = config.train
+  mesh, rules = make_mesh(config.mesh), config.mesh.rules
 
   def make_model():
     return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
@@ -103,36 +160,43 @@ def train(config, workdir: str) -> dict:
   def make_state():
     return init_state(nnx.split(make_model())[1], tx, tc.seed)
 
-  data_iter = pipeline.make_train_iterator(config, tokenizer, process_index=jax.process_index(),
-                                           process_count=jax.process_count())
-  eval_batches = pipeline.make_eval_batches(config, tokenizer, tc.eval_steps)
+  abstract_state = jax.eval_shape(make_state)
+  state_sharding = train_state_shardings(abstract_state, mesh, rules)
+  process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+  data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
+  eval_batches = [shard_batch(batch, mesh) for batch in
+                  pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
   start = checkpointer.latest_step()
   if start is not None:
-    state, meta = checkpointer.restore(start, jax.eval_shape(make_state), data_iter)
+    state, meta = checkpointer.restore(start, with_shardings(abstract_state, state_sharding),
+                                       data_iter)
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
-    print(f"Resuming {workdir} from step {start}.", flush=True)
+    _print(f"Resuming {workdir} from step {start}.")
   else:
-    state = make_state()
+    # Created under jit in its shards: the full state never sits on one device.
+    state = jax.jit(make_state, out_shardings=state_sharding)()
     if tc.restore_from:
-      state["params"] = restore_params(tc.restore_from, state["params"])
+      state["params"] = restore_params(tc.restore_from, abstract_state["params"], mesh, rules)
     start = 0
 
-  step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps)
+  step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
+                           state_sharding=state_sharding, batch_sharding=batch_sharding(mesh))
   eval_fn = jit_eval_step(graphdef, tc.objective)
   writer = MetricsWriter(workdir)
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
   last = {}
   step = start
+  hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
     with StopRequest() as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
-                                      unit="step", disable=None, file=sys.stderr) as bar:
+                                      unit="step", disable=hide_bar, file=sys.stderr) as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
-        state, metrics = step_fn(state, next(data_iter))
+        state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
         window_steps += 1
         window_metrics.append(metrics)
@@ -143,14 +207,13 @@ def train(config, workdir: str) -> dict:
                                 time.perf_counter() - window_start, tc, flops_per_token, peak)
           writer.write(step, "train", last)
           bar.set_postfix(loss=f"{last['loss']:.3f}")
-          print(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in last.items()),
-                flush=True)
+          _print(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in last.items()))
           window_start, window_steps, window_metrics = time.perf_counter(), 0, []
         if step % tc.eval_every == 0 or step == tc.num_steps:
           val = evaluate(eval_fn, state["params"], eval_batches)
           writer.write(step, "validation", val)
-          print(f"step {step}: validation loss={val['loss']:.4f} "
-                f"perplexity={val['perplexity']:.2f}", flush=True)
+          _print(f"step {step}: validation loss={val['loss']:.4f} "
+                 f"perplexity={val['perplexity']:.2f}")
           last.update({f"val_{k}": v for k, v in val.items()})
         stopping = stop.signal_name is not None
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
@@ -158,8 +221,8 @@ def train(config, workdir: str) -> dict:
           checkpointer.save(step, state, data_iter, _meta(config, tokenizer), force=stopping)
         if stopping:
           checkpointer.wait()
-          print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
-                f"command: python train.py --config ... --workdir {workdir}", flush=True)
+          _print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
+                 f"command: python train.py --config ... --workdir {workdir}")
           break
   finally:
     checkpointer.wait()
@@ -181,8 +244,8 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
   return out
 
 
-def restore_params(source: str, abstract_params):
-  """Parameters of the newest checkpoint of another workdir (fine-tuning)."""
+def restore_params(source: str, abstract_params, mesh, rules):
+  """Parameters of the newest checkpoint of another workdir (fine-tuning), on `mesh`."""
   source_config = workdir_lib.load_config(source)
   checkpointer = Checkpointer(source, asynchronous=False)
   try:
@@ -192,7 +255,8 @@ def restore_params(source: str, abstract_params):
     tx = make_optimizer(source_config.train)
     graphdef_model = build_model(source_config.model, nnx.Rngs(0))
     abstract = jax.eval_shape(lambda: init_state(nnx.split(graphdef_model)[1], tx, 0))
-    state, _ = checkpointer.restore(step, abstract)
+    state, _ = checkpointer.restore(
+        step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
   finally:
     checkpointer.close()
   if jax.tree.map(np.shape, state["params"]) != jax.tree.map(np.shape, abstract_params):
