@@ -15,15 +15,23 @@ computed from float32 logits. Each objective returns (sum of per-target
 losses, number of targets, number of correct argmax predictions), so that
 micro-batches and evaluation passes add up exactly.
 """
+import jax
 import jax.numpy as jnp
-import optax
 
 
 def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
-  """(sum of weighted losses, sum of weights, weighted count of correct)."""
-  losses_BT = optax.softmax_cross_entropy_with_integer_labels(
-      logits_BTV.astype(jnp.float32), targets_BT)
-  correct_BT = (jnp.argmax(logits_BTV, axis=-1) == targets_BT).astype(jnp.float32)
+  """(sum of weighted losses, sum of weights, weighted count of correct).
+
+  loss = logsumexp(logits) - logit[target], in float32; a prediction is
+  correct when the target's logit is the maximum, which reuses the max of
+  the logsumexp instead of a separate argmax pass over the vocabulary.
+  """
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
+  lse_BT = max_BT + jnp.log(jnp.exp(logits_BTV - max_BT[..., None]).sum(axis=-1))
+  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  losses_BT = lse_BT - target_BT
+  correct_BT = (target_BT >= max_BT).astype(jnp.float32)
   return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum())
 
 
