@@ -1,0 +1,337 @@
+"""Attention speed and memory: our Pallas kernel beside its competitors.
+
+The grid of BENCHMARKS.md (batch x seq = 16,384 tokens, heads x head_dim =
+2048, bfloat16, layout [B, S, H, D]; D 64 and 128; S 1k, 4k, 16k; causal on
+and off), a grouped-query case (32 query heads, 8 KV heads) and the GPT-2
+small training shape (batch 8, S 1024, 12 heads, D 64, causal). Every case
+runs, in this one process:
+
+- `ours`: `model.kernels.flash_attention.flash_attention`;
+- `xla`, `cudnn`: `jax.nn.dot_product_attention(implementation=...)`;
+- `jax_pallas`: JAX's bundled Triton kernel
+  `jax.experimental.pallas.ops.gpu.attention.mha` (K/V repeated per query
+  head for GQA, which it does not support).
+
+Times are the median of timed repeats after warm-up, each ended by
+`block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
+FLOPs = 4 * B * S^2 * H * D, halved when causal; forward+backward = 3.5 x
+forward. Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
+arguments + outputs + temporaries (`memory_analysis`), and, where the device
+reports it, `peak_bytes_in_use` measured in a fresh process per competitor
+(the peak counter cannot be reset within one process).
+
+A competitor that fails shows "error: <message>" in its cell.
+
+  python bench/attention.py --out bench/attention.json          # GPU
+  python bench/attention.py --quick --out /tmp/attention.json   # CPU check
+  python bench/attention.py --tune                               # our tiles
+"""
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
+
+COMPETITORS = ("ours", "xla", "cudnn", "jax_pallas")
+MEMORY_SEQ = 32768
+
+
+def grid_cases(quick: bool) -> list[dict]:
+  """The shapes to time: dicts of B, S, H, K, D, causal and a label."""
+  if quick:
+    tokens, width, seqs, dims = 256, 64, (128, 256), (16, 32)
+  else:
+    tokens, width, seqs, dims = 16384, 2048, (1024, 4096, 16384), (64, 128)
+  cases = []
+  for D in dims:
+    for S in seqs:
+      for causal in (True, False):
+        cases.append(dict(label="grid", B=tokens // S, S=S, H=width // D,
+                          K=width // D, D=D, causal=causal))
+  if quick:
+    cases.append(dict(label="gqa", B=2, S=128, H=4, K=2, D=16, causal=True))
+    cases.append(dict(label="gpt2-small", B=2, S=128, H=2, K=2, D=16,
+                      causal=True))
+  else:
+    cases.append(dict(label="gqa", B=4, S=4096, H=32, K=8, D=64, causal=True))
+    cases.append(dict(label="gpt2-small", B=8, S=1024, H=12, K=12, D=64,
+                      causal=True))
+  return cases
+
+
+def memory_case(quick: bool, D: int) -> dict:
+  S = 512 if quick else MEMORY_SEQ
+  width = 64 if quick else 2048
+  return dict(label="memory", B=1, S=S, H=width // D, K=width // D, D=D,
+              causal=True)
+
+
+def attention_fn(name: str, case: dict, block_q=None, block_k=None):
+  """The competitor `name` as a function (q, k, v) -> out for `case`."""
+  causal, scale = case["causal"], 1.0 / math.sqrt(case["D"])
+  on_gpu = jax.default_backend() == "gpu"
+  if name == "ours":
+    return functools.partial(flash_attention, causal=causal, scale=scale,
+                             block_q=block_q, block_k=block_k)
+  if name in ("xla", "cudnn"):
+    return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                             scale=scale, implementation=name)
+  if name == "jax_pallas":
+    from jax.experimental.pallas.ops.gpu import attention as jax_attention  # pylint: disable=import-outside-toplevel
+    group = case["H"] // case["K"]
+
+    def fn(q, k, v):
+      k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+      return jax_attention.mha(q, k, v, None, sm_scale=scale, causal=causal,
+                               interpret=not on_gpu)
+    return fn
+  raise ValueError(f"unknown competitor {name!r}")
+
+
+def make_inputs(case: dict, seed: int = 0):
+  B, S, H, K, D = (case[x] for x in "BSHKD")
+  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (B, S, K, D), jnp.bfloat16)
+  do = jax.random.normal(keys[3], (B, S, H, D), jnp.bfloat16)
+  return q, k, v, do
+
+
+def forward_and_backward(fn):
+  """(q, k, v, do) -> (dq, dk, dv): the forward pass and its VJP."""
+  def step(q, k, v, do):
+    _, vjp = jax.vjp(fn, q, k, v)
+    return vjp(do)
+  return step
+
+
+def time_median(fn, args, warmup: int, repeats: int) -> float:
+  """Median seconds of `fn(*args)` over `repeats` runs after `warmup` runs."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def forward_flops(case: dict) -> float:
+  flops = 4.0 * case["B"] * case["S"] ** 2 * case["H"] * case["D"]
+  return flops / 2 if case["causal"] else flops
+
+
+def short_error(exc: Exception) -> str:
+  lines = [line for line in str(exc).splitlines() if line.strip()]
+  message = lines[0] if lines else type(exc).__name__
+  return f"error: {type(exc).__name__}: {message[:80]}"
+
+
+def measure(name: str, case: dict, inputs, warmup: int, repeats: int,
+            block_q=None, block_k=None) -> dict:
+  """Forward and forward+backward times and TFLOP/s, or an error each."""
+  q, k, v, do = inputs
+  fn = attention_fn(name, case, block_q, block_k)
+  result = {}
+  for mode, step, args, factor in (
+      ("fwd", jax.jit(fn), (q, k, v), 1.0),
+      ("fwd_bwd", jax.jit(forward_and_backward(fn)), (q, k, v, do), 3.5)):
+    try:
+      seconds = time_median(step, args, warmup, repeats)
+      result[mode] = dict(ms=seconds * 1e3,
+                          tflops=factor * forward_flops(case) / seconds / 1e12)
+    except Exception as exc:  # pylint: disable=broad-except
+      result[mode] = dict(error=short_error(exc))
+  return result
+
+
+def compiled_bytes(name: str, case: dict) -> dict:
+  """Arguments + outputs + temporaries of the compiled fwd+bwd program."""
+  q = jax.ShapeDtypeStruct((case["B"], case["S"], case["H"], case["D"]),
+                           jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((case["B"], case["S"], case["K"], case["D"]),
+                            jnp.bfloat16)
+  try:
+    step = jax.jit(forward_and_backward(attention_fn(name, case)))
+    stats = step.lower(q, kv, kv, q).compile().memory_analysis()
+    total = (stats.argument_size_in_bytes + stats.output_size_in_bytes
+             + stats.temp_size_in_bytes)
+    return dict(bytes=int(total))
+  except Exception as exc:  # pylint: disable=broad-except
+    return dict(error=short_error(exc))
+
+
+def peak_bytes_child(name: str, case: dict) -> dict:
+  """In this (fresh) process: run fwd+bwd once, report peak_bytes_in_use."""
+  stats = jax.devices()[0].memory_stats()
+  if not stats or "peak_bytes_in_use" not in stats:
+    return dict(error="n/a: device has no memory_stats")
+  inputs = make_inputs(case)
+  try:
+    step = jax.jit(forward_and_backward(attention_fn(name, case)))
+    jax.block_until_ready(step(*inputs))
+  except Exception as exc:  # pylint: disable=broad-except
+    return dict(error=short_error(exc))
+  return dict(bytes=int(jax.devices()[0].memory_stats()["peak_bytes_in_use"]))
+
+
+def peak_bytes(name: str, case: dict) -> dict:
+  """`peak_bytes_child` in a fresh Python process."""
+  if jax.devices()[0].memory_stats() is None:
+    return dict(error="n/a: device has no memory_stats")
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  command = [sys.executable, __file__, "--peak-child",
+             json.dumps(dict(name=name, case=case))]
+  try:
+    done = subprocess.run(command, env=env, capture_output=True, text=True,
+                          timeout=900, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+  except Exception as exc:  # pylint: disable=broad-except
+    return dict(error=short_error(exc))
+
+
+def cell(result: dict) -> str:
+  """'fwd / fwd+bwd' TFLOP/s, or the error(s)."""
+  parts = [result[mode].get("error") or f"{result[mode]['tflops']:.3g}"
+           for mode in ("fwd", "fwd_bwd")]
+  return parts[0] if parts[0] == parts[1] and "error" in parts[0] else " / ".join(parts)
+
+
+def speed_table(rows: list[dict]) -> str:
+  header = ("| case | B | S | H/K | D | causal | "
+            + " | ".join(f"{c} fwd / fwd+bwd" for c in COMPETITORS) + " |")
+  lines = [header, "|" + "---|" * (6 + len(COMPETITORS))]
+  for row in rows:
+    c = row["case"]
+    lines.append(
+        f"| {c['label']} | {c['B']} | {c['S']} | {c['H']}/{c['K']} | {c['D']} "
+        f"| {'yes' if c['causal'] else 'no'} | "
+        + " | ".join(cell(row["results"][name]) for name in COMPETITORS) + " |")
+  return "\n".join(lines)
+
+
+def memory_table(rows: list[dict]) -> str:
+  def mib(entry):
+    return entry.get("error") or f"{entry['bytes'] / 2**20:.1f}"
+  lines = ["| D | S | H | competitor | compiled MiB (args+out+temp) | "
+           "peak_bytes_in_use MiB |", "|---|---|---|---|---|---|"]
+  for row in rows:
+    c = row["case"]
+    lines.append(f"| {c['D']} | {c['S']} | {c['H']} | {row['name']} | "
+                 f"{mib(row['compiled'])} | {mib(row['peak'])} |")
+  return "\n".join(lines)
+
+
+def tune_table(rows: list[dict]) -> str:
+  lines = ["| case | S | D | causal | block_q x block_k: fwd / fwd+bwd TFLOP/s |",
+           "|---|---|---|---|---|"]
+  for row in rows:
+    c = row["case"]
+    cells = ", ".join(f"{bq}x{bk}: {cell(r)}" for (bq, bk), r in row["results"])
+    lines.append(f"| {c['label']} | {c['S']} | {c['D']} | "
+                 f"{'yes' if c['causal'] else 'no'} | {cells} |")
+  return "\n".join(lines)
+
+
+def git_commit() -> str:
+  try:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout
+    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
+                           capture_output=True, text=True, check=True).stdout
+    return commit.strip() + ("+dirty" if dirty.strip() else "")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="tiny shapes; runs on a CPU in the interpreter")
+  parser.add_argument("--out", type=pathlib.Path, help="write JSON here")
+  parser.add_argument("--warmup", type=int, default=None)
+  parser.add_argument("--repeats", type=int, default=None)
+  parser.add_argument("--tune", action="store_true",
+                      help="also time our kernel over block_q x block_k")
+  parser.add_argument("--no-memory", action="store_true",
+                      help="skip the S = 32k memory measurement")
+  parser.add_argument("--peak-child", help=argparse.SUPPRESS)
+  args = parser.parse_args()
+
+  if args.peak_child:
+    request = json.loads(args.peak_child)
+    print(json.dumps(peak_bytes_child(request["name"], request["case"])))
+    return
+
+  warmup = args.warmup if args.warmup is not None else (1 if args.quick else 3)
+  repeats = args.repeats if args.repeats is not None else (2 if args.quick else 10)
+  device = jax.devices()[0]
+  meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+              device=device.device_kind, backend=jax.default_backend(),
+              jax=jax.__version__, commit=git_commit(),
+              command=" ".join([pathlib.Path(sys.executable).name] + sys.argv),
+              warmup=warmup, repeats=repeats, dtype="bfloat16")
+  print(f"# Attention benchmark: {meta['device']} ({meta['backend']}), "
+        f"jax {meta['jax']}, commit {meta['commit']}, {meta['date']}")
+  print(f"# median of {repeats} after {warmup} warm-up; TFLOP/s fwd / fwd+bwd\n",
+        flush=True)
+
+  speed_rows = []
+  for case in grid_cases(args.quick):
+    inputs = make_inputs(case)
+    results = {name: measure(name, case, inputs, warmup, repeats)
+               for name in COMPETITORS}
+    speed_rows.append(dict(case=case, results=results))
+    table = speed_table(speed_rows).splitlines()
+    print("\n".join(table if len(speed_rows) == 1 else table[-1:]), flush=True)
+  report = dict(meta=meta, speed=speed_rows)
+
+  if args.tune:
+    tiles = (16, 32) if args.quick else (64, 128)
+    tune_rows = []
+    for case in grid_cases(args.quick):
+      inputs = make_inputs(case)
+      results = [((bq, bk), measure("ours", case, inputs, warmup, repeats,
+                                    block_q=bq, block_k=bk))
+                 for bq in tiles for bk in tiles]
+      tune_rows.append(dict(case=case, results=results))
+    print("\n" + tune_table(tune_rows))
+    report["tune"] = [dict(case=r["case"], results=[
+        dict(block_q=bq, block_k=bk, **res) for (bq, bk), res in r["results"]])
+                      for r in tune_rows]
+
+  if not args.no_memory:
+    memory_rows = []
+    for D in ((16, 32) if args.quick else (64, 128)):
+      case = memory_case(args.quick, D)
+      for name in COMPETITORS:
+        memory_rows.append(dict(case=case, name=name,
+                                compiled=compiled_bytes(name, case),
+                                peak=peak_bytes(name, case)))
+    print("\n" + memory_table(memory_rows))
+    report["memory"] = memory_rows
+
+  if args.out:
+    args.out.write_text(json.dumps(report, indent=2))
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()

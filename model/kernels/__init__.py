@@ -1,0 +1,1 @@
+"""Pallas kernels: one file per kernel."""

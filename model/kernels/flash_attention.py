@@ -1,0 +1,539 @@
+"""FlashAttention forward and backward as portable Pallas kernels.
+
+The lesson's "Efficient attention variants" section, made concrete: exact
+attention computed tile by tile with the online softmax, so the T x S score
+matrix never exists in memory.
+
+- Forward (`_forward_kernel`): one program per (query tile, batch, head). It
+  keeps a running maximum m, normaliser l and float32 accumulator o, and for
+  each key tile s updates m' = max(m, max(s)), l' = l * exp(m - m') +
+  sum(exp(s - m')), o' = o * exp(m - m') + exp(s - m') V; at the end it writes
+  o / l and the log-sum-exp m + log(l) of every query row.
+- Backward (`_dkdv_kernel`, `_dq_kernel`): the tiles of P = exp(s - lse) are
+  recomputed from the saved log-sum-exp, never stored. With
+  delta = rowsum(dO * O): dV = P^T dO, dS = P * (dO V^T - delta),
+  dK = scale * dS^T Q, dQ = scale * dS K.
+
+The exponentials are taken base 2 (exp2 is the native GPU instruction): the
+scores are multiplied by scale * log2(e) and the saved log-sum-exp is in
+base 2 as well.
+
+Masks: causal (top-left aligned, key j visible to query i iff j <= i) with
+the tiles above the diagonal skipped and the mask applied only on the tiles
+that cross it; segment ids (query i sees key j iff their ids are equal and
+the key's id is not 0, the padding id); keys past the true length when the
+sequence was padded up to a whole number of tiles. A query whose keys are all
+masked gets a zero output and zero gradients.
+
+Grouped-query and multi-query attention (H query heads, K KV heads): query
+head h reads KV head h // (H // K) through the BlockSpec index map, and dK,
+dV of a KV head are summed over its H // K query heads inside one program, so
+K and V are never copied per query head.
+
+The kernels are plain `pl.pallas_call`s: Triton lowering on an NVIDIA GPU,
+the Pallas interpreter everywhere else.
+"""
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+_LOG2_E = math.log2(math.e)
+_MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tile sizes and launch parameters of the three kernels.
+
+  Attributes:
+    block_q, block_k: query and key tile of the forward kernel.
+    block_q_dkv, block_k_dkv: tiles of the dK/dV kernel (one key tile per
+      program, looping over query tiles).
+    block_q_dq, block_k_dq: tiles of the dQ kernel (one query tile per
+      program, looping over key tiles).
+    num_warps, num_stages: Triton warps per program and software-pipeline
+      depth of the forward kernel.
+    num_warps_bwd, num_stages_bwd: the same for the two backward kernels.
+  """
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_k_dkv: int
+  block_q_dq: int
+  block_k_dq: int
+  num_warps: int
+  num_stages: int
+  num_warps_bwd: int
+  num_stages_bwd: int
+
+  @property
+  def q_multiple(self) -> int:
+    """The query length is padded to a multiple of this."""
+    return max(self.block_q, self.block_q_dkv, self.block_q_dq)
+
+  @property
+  def kv_multiple(self) -> int:
+    """The key length is padded to a multiple of this."""
+    return max(self.block_k, self.block_k_dkv, self.block_k_dq)
+
+
+def _fit(block: int, length: int) -> int:
+  """`block`, shrunk to the smallest power of two >= 16 that covers `length`."""
+  return min(block, max(_MIN_BLOCK, pl.next_power_of_2(length)))
+
+
+def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, *,
+                       backend: str, device_kind: str = "") -> BlockSizes:
+  """Picks tile sizes and pipeline depth for a device and a shape.
+
+  The rule, per device:
+
+  - Hopper (H100, H200, H800, GH200; 228 KiB of shared memory per SM):
+    forward query tile 128; key tile 128 for head_dim <= 64 and 64 for
+    head_dim 128, so that three pipeline stages of K and V tiles fit in
+    shared memory; 4 warps for head_dim <= 64, 8 above (so the float32
+    accumulator takes about 64 registers a thread). Backward: the dK/dV
+    kernel holds a key tile of 128 (64 for head_dim > 64) and streams query
+    tiles of 64; the dQ kernel is the mirror image. 2 stages, 8 warps (two
+    float32 accumulators, dK and dV).
+  - Any other GPU (Ampere and older, smaller shared memory): tiles of 64,
+    2 stages, 4 warps.
+  - No GPU (the Pallas interpreter): tiles of 128. The interpreter's cost is
+    per grid step and per loop iteration, so fewer, larger tiles are faster;
+    warps and stages are ignored.
+
+  Every tile is then shrunk to the smallest power of two >= 16 that covers
+  the sequence, so a short sequence (decoding, T = 1) is one small tile.
+  These are starting points; `bench/attention.py --tune` measures the
+  alternatives on the card at hand.
+  """
+  if backend == "gpu" and any(name in device_kind
+                              for name in ("H100", "H200", "H800", "GH200")):
+    wide = 128 if head_dim <= 64 else 64
+    blocks = BlockSizes(
+        block_q=128, block_k=wide, block_q_dkv=64, block_k_dkv=wide,
+        block_q_dq=wide, block_k_dq=64,
+        num_warps=4 if head_dim <= 64 else 8, num_stages=3,
+        num_warps_bwd=8, num_stages_bwd=2)
+  elif backend == "gpu":
+    blocks = BlockSizes(
+        block_q=64, block_k=64, block_q_dkv=64, block_k_dkv=64,
+        block_q_dq=64, block_k_dq=64,
+        num_warps=4, num_stages=2, num_warps_bwd=4, num_stages_bwd=2)
+  else:
+    blocks = BlockSizes(
+        block_q=128, block_k=128, block_q_dkv=128, block_k_dkv=128,
+        block_q_dq=128, block_k_dq=128,
+        num_warps=4, num_stages=1, num_warps_bwd=4, num_stages_bwd=1)
+  return dataclasses.replace(
+      blocks,
+      block_q=_fit(blocks.block_q, q_len),
+      block_k=_fit(blocks.block_k, kv_len),
+      block_q_dkv=_fit(blocks.block_q_dkv, q_len),
+      block_k_dkv=_fit(blocks.block_k_dkv, kv_len),
+      block_q_dq=_fit(blocks.block_q_dq, q_len),
+      block_k_dq=_fit(blocks.block_k_dq, kv_len))
+
+
+def _compiler_params(num_warps: int, num_stages: int):
+  """The one backend-specific call: Triton launch parameters.
+
+  `pltriton.CompilerParams` selects the Triton lowering of `pl.pallas_call`
+  on a GPU under both jax 0.10 and 0.11 (without it, 0.10 would pick Mosaic
+  GPU); the interpreter ignores it. If Triton lowering moves, change it here.
+  """
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static description of one call, shared by the forward and backward."""
+  scale: float
+  causal: bool
+  q_len: int  # true query length (the arrays may be padded past it)
+  kv_len: int  # true key length
+  num_kv_heads: int
+  blocks: BlockSizes
+  interpret: bool
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+  """2-D matmul contracting the given axes, accumulated in float32."""
+  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _tile_mask(q_start, k_start, block_q: int, block_k: int, *, causal: bool,
+               kv_len: int | None, q_seg_T, kv_seg_S):
+  """Which (query, key) pairs of a tile may attend: [block_q, block_k] or None.
+
+  `kv_len` is the true key length when the tile may hold padded keys, else
+  None; `q_seg_T`, `kv_seg_S` are the tile's segment ids or None.
+  """
+  mask = None
+  k_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
+  if causal:
+    q_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
+    mask = k_pos[None, :] <= q_pos[:, None]
+  if kv_len is not None:
+    in_range = jnp.broadcast_to(k_pos[None, :] < kv_len, (block_q, block_k))
+    mask = in_range if mask is None else mask & in_range
+  if q_seg_T is not None:
+    same = (q_seg_T[:, None] == kv_seg_S[None, :]) & (kv_seg_S[None, :] != 0)
+    mask = same if mask is None else mask & same
+  return mask
+
+
+def _scores(q_TD, k_SD, mask, scale: float):
+  """Base-2 scores of a tile, masked entries -inf: [block_q, block_k] float32."""
+  s_TS = _dot(q_TD, k_SD, 1, 1) * (scale * _LOG2_E)
+  return s_TS if mask is None else jnp.where(mask, s_TS, -jnp.inf)
+
+
+def _causal_kv_tiles(q_start, block_q: int, block_k: int, num_kv_tiles: int):
+  """Key tiles [0, full) lie wholly below the diagonal of a query tile,
+  [full, visible) cross it, and the rest are skipped."""
+  visible = jnp.minimum(lax.div(q_start + block_q + block_k - 1, block_k),
+                        num_kv_tiles)
+  full = jnp.minimum(lax.div(q_start + 1, block_k), visible)
+  return full, visible
+
+
+def _causal_q_tiles(k_start, block_q: int, block_k: int, num_q_tiles: int):
+  """Query tiles [first, full) cross the diagonal of a key tile, [full, end)
+  see all of it, and those before `first` see none of it."""
+  first = jnp.minimum(lax.div(k_start, block_q), num_q_tiles)
+  full = jnp.minimum(lax.div(k_start + block_k + block_q - 2, block_q),
+                     num_q_tiles)
+  return first, full
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
+                    *, cfg: _Config):
+  """Forward pass: the online softmax over the key tiles of one query tile."""
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
+  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
+  q_start = pl.program_id(0) * block_q
+  q_TD = q_ref[...]
+  q_seg_T = None if q_seg_ref is None else q_seg_ref[...]
+
+  def tile(kv_tile, carry, causal):
+    o_TD, m_T, l_T = carry
+    k_slice = pl.ds(kv_tile * block_k, block_k)
+    kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[k_slice]
+    mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
+                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
+                      kv_seg_S=kv_seg_S)
+    s_TS = _scores(q_TD, k_ref[k_slice, :], mask, cfg.scale)
+    m_new_T = jnp.maximum(m_T, jnp.max(s_TS, axis=1))
+    # A row with no visible key so far keeps m = -inf; subtracting 0 instead
+    # keeps exp2(-inf - m) = 0 rather than NaN.
+    m_safe_T = jnp.where(m_new_T == -jnp.inf, 0.0, m_new_T)
+    correction_T = jnp.exp2(m_T - m_safe_T)
+    p_TS = jnp.exp2(s_TS - m_safe_T[:, None])
+    l_T = correction_T * l_T + jnp.sum(p_TS, axis=1)
+    v_SD = v_ref[k_slice, :]
+    o_TD = correction_T[:, None] * o_TD + _dot(p_TS.astype(v_SD.dtype), v_SD, 1, 0)
+    return o_TD, m_new_T, l_T
+
+  carry = (jnp.zeros(q_TD.shape, jnp.float32),
+           jnp.full((block_q,), -jnp.inf, jnp.float32),
+           jnp.zeros((block_q,), jnp.float32))
+  if cfg.causal:
+    full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
+    carry = lax.fori_loop(0, full, functools.partial(tile, causal=False), carry)
+    carry = lax.fori_loop(full, visible, functools.partial(tile, causal=True),
+                          carry)
+  else:
+    carry = lax.fori_loop(0, num_kv_tiles,
+                          functools.partial(tile, causal=False), carry)
+  o_TD, m_T, l_T = carry
+  empty_T = l_T == 0.0
+  o_ref[...] = (o_TD / jnp.where(empty_T, 1.0, l_T)[:, None]).astype(o_ref.dtype)
+  # +inf for an empty row makes the backward's exp2(s - lse) exactly 0.
+  lse_ref[...] = jnp.where(empty_T, jnp.inf, m_T + jnp.log2(l_T))
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
+                 kv_seg_ref, dk_ref, dv_ref, *, cfg: _Config):
+  """Backward, dK and dV of one key tile: loop over the query heads that share
+  this KV head and over their query tiles, recomputing P from the lse."""
+  block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+  num_q_tiles = pl.cdiv(cfg.q_len, block_q)
+  group = q_ref.shape[1]
+  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
+  k_start = pl.program_id(0) * block_k
+  k_SD = k_ref[...]
+  v_SD = v_ref[...]
+  kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[...]
+
+  def tile(q_tile, carry, head, causal):
+    dk_SD, dv_SD = carry
+    q_slice = pl.ds(q_tile * block_q, block_q)
+    q_TD = q_ref[q_slice, head, :]
+    do_TD = do_ref[q_slice, head, :]
+    q_seg_T = None if q_seg_ref is None else q_seg_ref[q_slice]
+    mask = _tile_mask(q_tile * block_q, k_start, block_q, block_k,
+                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
+                      kv_seg_S=kv_seg_S)
+    s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
+    p_TS = jnp.exp2(s_TS - lse_ref[head, q_slice][:, None])
+    dv_SD = dv_SD + _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
+    dp_TS = _dot(do_TD, v_SD, 1, 1)
+    ds_TS = p_TS * (dp_TS - delta_ref[head, q_slice][:, None])
+    dk_SD = dk_SD + _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
+    return dk_SD, dv_SD
+
+  def head_loop(head, carry):
+    if cfg.causal:
+      first, full = _causal_q_tiles(k_start, block_q, block_k, num_q_tiles)
+      carry = lax.fori_loop(
+          first, full, functools.partial(tile, head=head, causal=True), carry)
+      return lax.fori_loop(
+          full, num_q_tiles, functools.partial(tile, head=head, causal=False),
+          carry)
+    return lax.fori_loop(
+        0, num_q_tiles, functools.partial(tile, head=head, causal=False), carry)
+
+  zeros_SD = jnp.zeros(k_SD.shape, jnp.float32)
+  dk_SD, dv_SD = lax.fori_loop(0, group, head_loop, (zeros_SD, zeros_SD))
+  dk_ref[...] = (dk_SD * cfg.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv_SD.astype(dv_ref.dtype)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
+               kv_seg_ref, dq_ref, *, cfg: _Config):
+  """Backward, dQ of one query tile: loop over the key tiles, recomputing P."""
+  block_q, block_k = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+  num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
+  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
+  q_start = pl.program_id(0) * block_q
+  q_TD = q_ref[...]
+  do_TD = do_ref[...]
+  lse_T = lse_ref[...]
+  delta_T = delta_ref[...]
+  q_seg_T = None if q_seg_ref is None else q_seg_ref[...]
+
+  def tile(kv_tile, dq_TD, causal):
+    k_slice = pl.ds(kv_tile * block_k, block_k)
+    kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[k_slice]
+    mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
+                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
+                      kv_seg_S=kv_seg_S)
+    k_SD = k_ref[k_slice, :]
+    s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
+    p_TS = jnp.exp2(s_TS - lse_T[:, None])
+    dp_TS = _dot(do_TD, v_ref[k_slice, :], 1, 1)
+    ds_TS = p_TS * (dp_TS - delta_T[:, None])
+    return dq_TD + _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
+
+  dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
+  if cfg.causal:
+    full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
+    dq_TD = lax.fori_loop(0, full, functools.partial(tile, causal=False), dq_TD)
+    dq_TD = lax.fori_loop(full, visible, functools.partial(tile, causal=True),
+                          dq_TD)
+  else:
+    dq_TD = lax.fori_loop(0, num_kv_tiles, functools.partial(tile, causal=False),
+                          dq_TD)
+  dq_ref[...] = (dq_TD * cfg.scale).astype(dq_ref.dtype)
+
+
+def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  """Launches the forward kernel: (out [B, T, H, D], lse [B, H, T] base 2)."""
+  B, T, H, D = q_BTHD.shape
+  S = k_BSKD.shape[1]
+  group = H // cfg.num_kv_heads
+  block_q = cfg.blocks.block_q
+  kv_spec = pl.BlockSpec((None, S, None, D),
+                         lambda t, b, h: (b, 0, lax.div(h, group), 0))
+  q_spec = pl.BlockSpec((None, block_q, None, D), lambda t, b, h: (b, t, h, 0))
+  has_seg = q_seg_BT is not None
+  in_specs = [
+      q_spec, kv_spec, kv_spec,
+      pl.BlockSpec((None, block_q), lambda t, b, h: (b, t)) if has_seg else None,
+      pl.BlockSpec((None, S), lambda t, b, h: (b, 0)) if has_seg else None,
+  ]
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, cfg=cfg),
+      grid=(T // block_q, B, H),
+      in_specs=in_specs,
+      out_specs=[q_spec,
+                 pl.BlockSpec((None, None, block_q), lambda t, b, h: (b, h, t))],
+      out_shape=[jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
+                 jax.ShapeDtypeStruct((B, H, T), jnp.float32)],
+      compiler_params=_compiler_params(cfg.blocks.num_warps,
+                                       cfg.blocks.num_stages),
+      interpret=cfg.interpret,
+      name="flash_attention_forward",
+  )(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
+
+
+def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
+              do_BTHD, cfg: _Config):
+  """Launches the dK/dV and dQ kernels: (dq, dk, dv)."""
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  group = H // K
+  blocks = cfg.blocks
+  has_seg = q_seg_BT is not None
+  delta_BHT = jnp.sum(o_BTHD.astype(jnp.float32) * do_BTHD.astype(jnp.float32),
+                      axis=-1).transpose(0, 2, 1)
+  params = _compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd)
+  args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT,
+          kv_seg_BS)
+
+  # dK, dV: grid over (key tile, batch, KV head); all query heads of the group.
+  block_k = blocks.block_k_dkv
+  group_q_spec = pl.BlockSpec((None, T, group, D), lambda s, b, g: (b, 0, g, 0))
+  group_row_spec = pl.BlockSpec((None, group, T), lambda s, b, g: (b, g, 0))
+  kv_tile_spec = pl.BlockSpec((None, block_k, None, D),
+                              lambda s, b, g: (b, s, g, 0))
+  dk_BSKD, dv_BSKD = pl.pallas_call(
+      functools.partial(_dkdv_kernel, cfg=cfg),
+      grid=(S // block_k, B, K),
+      in_specs=[
+          group_q_spec, kv_tile_spec, kv_tile_spec, group_q_spec,
+          group_row_spec, group_row_spec,
+          pl.BlockSpec((None, T), lambda s, b, g: (b, 0)) if has_seg else None,
+          pl.BlockSpec((None, block_k), lambda s, b, g: (b, s)) if has_seg else None,
+      ],
+      out_specs=[kv_tile_spec, kv_tile_spec],
+      out_shape=[jax.ShapeDtypeStruct(k_BSKD.shape, k_BSKD.dtype),
+                 jax.ShapeDtypeStruct(v_BSKD.shape, v_BSKD.dtype)],
+      compiler_params=params,
+      interpret=cfg.interpret,
+      name="flash_attention_dkdv",
+  )(*args)
+
+  # dQ: grid over (query tile, batch, query head).
+  block_q = blocks.block_q_dq
+  q_tile_spec = pl.BlockSpec((None, block_q, None, D),
+                             lambda t, b, h: (b, t, h, 0))
+  row_spec = pl.BlockSpec((None, None, block_q), lambda t, b, h: (b, h, t))
+  kv_spec = pl.BlockSpec((None, S, None, D),
+                         lambda t, b, h: (b, 0, lax.div(h, group), 0))
+  dq_BTHD = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg),
+      grid=(T // block_q, B, H),
+      in_specs=[
+          q_tile_spec, kv_spec, kv_spec, q_tile_spec, row_spec, row_spec,
+          pl.BlockSpec((None, block_q), lambda t, b, h: (b, t)) if has_seg else None,
+          pl.BlockSpec((None, S), lambda t, b, h: (b, 0)) if has_seg else None,
+      ],
+      out_specs=q_tile_spec,
+      out_shape=jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
+      compiler_params=params,
+      interpret=cfg.interpret,
+      name="flash_attention_dq",
+  )(*args)
+  return dq_BTHD, dk_BSKD, dv_BSKD
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  """Attention on tile-aligned arrays, differentiable by the custom VJP."""
+  return _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)[0]
+
+
+def _flash_fwd(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  o_BTHD, lse_BHT = _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)
+  return o_BTHD, (q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT)
+
+
+def _flash_bwd(cfg: _Config, residuals, do_BTHD):
+  q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT = residuals
+  dq, dk, dv = _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD,
+                         lse_BHT, do_BTHD, cfg)
+  return dq, dk, dv, None, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_axis(x, axis: int, size: int):
+  """Zero-pads `x` along `axis` up to `size` (no copy when already there)."""
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths)
+
+
+def _round_up(n: int, multiple: int) -> int:
+  return -(-n // multiple) * multiple
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "causal", "scale", "block_q", "block_k", "interpret"))
+def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
+                    q_segment_ids=None, kv_segment_ids=None,
+                    scale: float | None = None, block_q: int | None = None,
+                    block_k: int | None = None, interpret: bool | None = None):
+  """Exact attention by tiles with the online softmax (FlashAttention).
+
+  Args:
+    q_BTHD: queries [B, T, H, D].
+    k_BSKD, v_BSKD: keys and values [B, S, K, D], H % K == 0.
+    causal: query i sees key j only if j <= i (top-left aligned when T != S).
+    q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither;
+      query i sees key j only if the ids are equal and the key's is not 0.
+    scale: score multiplier, default 1 / sqrt(D).
+    block_q, block_k: query and key tile (powers of two >= 16) of every
+      kernel, forward and backward; default `choose_block_sizes`.
+    interpret: run the Pallas interpreter; default: when not on a GPU.
+
+  Returns:
+    [B, T, H, D] in q's dtype; rows with no visible key are zeros.
+  """
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  if k_BSKD.shape != (B, S, K, D) or v_BSKD.shape != k_BSKD.shape:
+    raise ValueError(f"flash_attention: q {q_BTHD.shape}, k {k_BSKD.shape}, "
+                     f"v {v_BSKD.shape}: want q [B, T, H, D] and k, v "
+                     "[B, S, K, D] with the same B and D")
+  if H % K:
+    raise ValueError(f"flash_attention: {H} query heads is not a multiple of "
+                     f"{K} KV heads")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("flash_attention: give both q_segment_ids and "
+                     "kv_segment_ids, or neither")
+  for name, block in (("block_q", block_q), ("block_k", block_k)):
+    if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
+      raise ValueError(f"flash_attention: {name}={block} must be a power of "
+                       f"two >= {_MIN_BLOCK}")
+  if interpret is None:
+    interpret = jax.default_backend() != "gpu"
+  blocks = choose_block_sizes(T, S, D, backend=jax.default_backend(),
+                              device_kind=jax.devices()[0].device_kind)
+  if block_q is not None:
+    blocks = dataclasses.replace(blocks, block_q=block_q, block_q_dkv=block_q,
+                                 block_q_dq=block_q)
+  if block_k is not None:
+    blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dkv=block_k,
+                                 block_k_dq=block_k)
+  cfg = _Config(scale=D ** -0.5 if scale is None else float(scale),
+                causal=causal, q_len=T, kv_len=S, num_kv_heads=K,
+                blocks=blocks, interpret=interpret)
+
+  # Tile alignment: zero-pad the head dim to a power of two >= 16 and the
+  # lengths to whole tiles. Padded keys are masked (kv_len, segment id 0);
+  # padded query rows are cut off below, so their gradients are zero.
+  T_pad = _round_up(T, blocks.q_multiple)
+  S_pad = _round_up(S, blocks.kv_multiple)
+  D_pad = max(_MIN_BLOCK, pl.next_power_of_2(D))
+  q = _pad_axis(_pad_axis(q_BTHD, 1, T_pad), 3, D_pad)
+  k = _pad_axis(_pad_axis(k_BSKD, 1, S_pad), 3, D_pad)
+  v = _pad_axis(_pad_axis(v_BSKD, 1, S_pad), 3, D_pad)
+  q_seg = kv_seg = None
+  if q_segment_ids is not None:
+    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, T_pad)
+    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, S_pad)
+  return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T, :, :D]
