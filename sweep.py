@@ -1,0 +1,108 @@
+"""Ablation sweeps: python sweep.py run | status | report
+
+  python sweep.py run --sweep configs/sweeps/pos_norm.py [--config configs/tiny.py]
+      [--root runs/sweeps/pos_norm] [--launcher local|slurm] [--parallel N] [--dry_run]
+      [--config.train.num_steps=200 ...]     # overrides for every variant
+  python sweep.py status --root runs/sweeps/pos_norm
+  python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
+
+Running `run` again resumes the unfinished variants and skips the done ones.
+The library is training/sweep.py; SLURM details in docs/slurm.md.
+"""
+import os
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from configs.cli import parse_flags
+from configs.errors import UserError
+from training import sweep as sweep_lib
+
+_SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "
+                                          "sweep's CONFIG); --config.a.b=v for every variant.")
+_ROOT = flags.DEFINE_string("root", None, "The sweep's directory (run: runs/sweeps/<name>).")
+_LAUNCHER = flags.DEFINE_enum("launcher", "local", ["local", "slurm"], "Where variants run.")
+_PARALLEL = flags.DEFINE_integer("parallel", None, "Variants at once: local processes "
+                                 "(default 1) or the SLURM array's %N.", lower_bound=1)
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands (and the submitit "
+                             "parameters and sbatch script); run nothing.")
+_NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
+_TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
+_GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
+_CPUS = flags.DEFINE_integer("cpus_per_task", 8, "SLURM: CPUs per process.")
+_TIMEOUT = flags.DEFINE_integer("timeout_min", 240, "SLURM: time limit of a job, minutes.")
+_PARTITION = flags.DEFINE_string("partition", None, "SLURM: partition.")
+_ACCOUNT = flags.DEFINE_string("account", None, "SLURM: account to charge.")
+_SETUP = flags.DEFINE_multi_string("slurm_setup", [], "SLURM: shell line before srun.")
+_MAX_TIMEOUTS = flags.DEFINE_integer("max_timeouts", 3, "SLURM: requeues after time-outs "
+                                     "(preemptions: always requeued).")
+
+
+def _parse(argv: list[str]) -> list[str]:
+  """parse_flags, with the sweep's CONFIG as the default --config; main also gets
+  the --config.* overrides, to hand them on to train.py."""
+  try:
+    argv = sweep_lib.with_default_config(argv)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  return parse_flags(argv) + [arg for arg in argv if arg.startswith("--config.")]
+
+
+def run(overrides: list[str]) -> int:
+  if _SWEEP.value is None:
+    raise UserError("run needs --sweep (a configs/sweeps/*.py file)")
+  sweep = sweep_lib.load_sweep(_SWEEP.value)
+  if _CONFIG.value is None:
+    raise UserError("run needs --config (or CONFIG in the sweep file)")
+  config = config_flags.get_config_filename(flags.FLAGS["config"])
+  root = _ROOT.value or os.path.join("runs", "sweeps", sweep.name)
+  variants = sweep_lib.make_variants(sweep, config, overrides, root)
+  todo = sweep_lib.unfinished(variants)
+  folder, params = os.path.join(root, "slurm"), sweep_lib.slurm_parameters(
+      sweep.name, nodes=_NODES.value, tasks_per_node=_TASKS.value, gpus_per_node=_GPUS.value,
+      cpus_per_task=_CPUS.value, timeout_min=_TIMEOUT.value, partition=_PARTITION.value,
+      account=_ACCOUNT.value, parallel=_PARALLEL.value, setup=_SETUP.value)
+  if _DRY_RUN.value:
+    print("\n".join(sweep_lib.describe(todo)))
+    if _LAUNCHER.value == "slurm":
+      print(sweep_lib.slurm_preview(params, folder, len(todo), _MAX_TIMEOUTS.value))
+    return 0
+  sweep_lib.write_manifest(root, sweep, config, overrides, variants)
+  if _LAUNCHER.value == "local":
+    return 1 if sweep_lib.run_local(todo, _PARALLEL.value or 1) else 0
+  for job, variant in zip(sweep_lib.submit_slurm(todo, folder, params, _MAX_TIMEOUTS.value), todo):
+    print(f"submitted {job.job_id}  {variant.name}")
+  print(f"job files and logs in {folder}; follow with: python sweep.py status --root {root}")
+  return 0
+
+
+def main(argv):
+  commands = [arg for arg in argv[1:] if not arg.startswith("--config.")]
+  overrides = argv[1 + len(commands):]
+  if len(commands) != 1 or commands[0] not in ("run", "status", "report"):
+    raise app.UsageError("give one command: run, status or report")
+  if overrides and commands[0] != "run":
+    raise app.UsageError(f"{commands[0]} takes no --config.* overrides")
+  try:
+    if commands[0] == "run":
+      sys.exit(run(overrides))
+    if _ROOT.value is None:
+      raise UserError(f"{commands[0]} needs --root (the sweep's directory)")
+    if commands[0] == "status":
+      print("\n".join(sweep_lib.status_lines(_ROOT.value)))
+    else:
+      print("wrote " + ", ".join(sweep_lib.write_report(_ROOT.value)))
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except KeyboardInterrupt:
+    print("interrupted: the running variants saved; run the same command to resume",
+          file=sys.stderr)
+    sys.exit(130)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=_parse)

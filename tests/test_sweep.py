@@ -1,0 +1,306 @@
+"""Sweeps: expansion into named variants, one-line errors for bad sweep files, a
+2-variant local sweep with status and report, a variant run as a submitit job,
+and the requeue path (checkpoint() stops train.py with SIGTERM)."""
+import csv
+import os
+import pathlib
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import submitit
+
+from configs.errors import UserError
+from training import sweep as sweep_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.py")
+POS_NORM = str(ROOT / "configs" / "sweeps" / "pos_norm.py")
+TWO_VARIANTS = """
+def get_sweep():
+  return [{"model.pos_emb": "rope", "model.norm_position": "pre"},
+          {"model.pos_emb": "none", "model.norm_position": "post"}]
+"""
+
+
+def small_flags(cache_dir) -> list[str]:
+  """A model and run small enough that train.py and eval.py take seconds."""
+  return ["--config.model.d_model=32", "--config.model.num_layers=1",
+          "--config.model.num_heads=2", "--config.model.d_ff=64",
+          "--config.train.num_steps=6", "--config.train.batch_size=4",
+          "--config.train.seq_len=32", "--config.train.log_every=2",
+          "--config.train.eval_every=3", "--config.train.checkpoint_every=3",
+          "--config.train.eval_steps=1", "--config.data.source=pydoc",
+          "--config.tokenizer.vocab_size=300", "--config.model.vocab_size=320",
+          f"--config.data.cache_dir={cache_dir}"]
+
+
+def write_sweep(tmp_path, text: str, name: str = "s.py") -> str:
+  path = tmp_path / name
+  path.write_text(text)
+  return str(path)
+
+
+def sweep_cli(*args) -> subprocess.CompletedProcess:
+  return subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True,
+                        text=True, timeout=300, check=False)
+
+
+def test_grid_expands_in_order_with_deterministic_names(tmp_path):
+  sweep = sweep_lib.load_sweep(POS_NORM)
+  assert (sweep.name, sweep.config) == ("pos_norm", "configs/tiny.py")
+  variants = sweep_lib.make_variants(sweep, TINY, ["--config.train.num_steps=20"],
+                                     str(tmp_path / "root"))
+  assert [v.name for v in variants] == [
+      f"pos_emb={p},norm_position={n}" for p in ("none", "sinusoidal", "learned", "rope")
+      for n in ("pre", "post")]
+  v = variants[5]
+  assert v.overrides == {"model.pos_emb": "learned", "model.norm_position": "post"}
+  assert v.workdir == str(tmp_path / "root" / v.name) and v.num_steps == 20
+  assert v.train_command[1:] == [
+      str(ROOT / "train.py"), "--config", TINY, "--workdir", v.workdir,
+      "--config.train.num_steps=20", "--config.model.pos_emb=learned",
+      "--config.model.norm_position=post"]
+  assert v.eval_command[1:] == [str(ROOT / "eval.py"), "--workdir", v.workdir]
+
+
+def test_list_sweep_values_round_trip_through_train_flags(tmp_path):
+  path = write_sweep(tmp_path, """
+def get_sweep():
+  return [{}, {"model.use_bias": True, "train.learning_rate": 1e-4, "model.num_kv_heads": 2},
+          {"model.vocab_size": 2048, "tokenizer.vocab_size": 2048, "data.paths": "a/*.txt"}]
+""")
+  variants = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY, [], str(tmp_path))
+  assert [v.name for v in variants] == [
+      "base", "use_bias=true,learning_rate=0.0001,num_kv_heads=2",
+      "model.vocab_size=2048,tokenizer.vocab_size=2048,paths=a__.txt"]
+  config = sweep_lib.load_config(TINY, variants[1].train_command[6:])
+  assert (config.model.use_bias, config.train.learning_rate, config.model.num_kv_heads) == (
+      True, 1e-4, 2)
+
+
+@pytest.mark.parametrize("body,message", [
+    ('{"model.pos_embb": ["rope"]}', "model.pos_embb: no such config field (did you mean "
+     "model.pos_emb?)"),
+    ("{}", "get_sweep() returned an empty grid"),
+    ("[]", "get_sweep() returned an empty list"),
+    ('{"model.pos_emb": []}', "grid field model.pos_emb needs a non-empty list of values"),
+    ('["rope"]', "each variant must be a dict of field -> value"),
+    ('[{"model.num_kv_heads": None}]', "a value must be a str, int, float or bool"),
+    ('{"model.pos_emb": ["alibi"]}', "variant pos_emb=alibi: config field model.pos_emb='alibi': "
+     "must be one of none, sinusoidal, learned, rope"),
+    ('{"model.num_layers": ["two"]}', "variant num_layers=two: flag --config.model.num_layers=two"),
+    ('{"train.num_steps": [5]}', "train.num_steps is set both by sweep"),
+    ('[{"model.d_model": 64}, {"model.d_model": 64}]', "2 variants are named d_model=64"),
+])
+def test_bad_sweep_is_one_line_user_error(tmp_path, body, message):
+  path = write_sweep(tmp_path, f"def get_sweep():\n  return {body}\n")
+  with pytest.raises(UserError) as err:
+    sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY, ["--config.train.num_steps=9"],
+                            str(tmp_path))
+  assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_bad_sweep_file_on_the_command_line_exits_2_with_one_line(tmp_path):
+  path = write_sweep(tmp_path, "def get_sweep():\n  return {'model.colour': ['red']}\n")
+  result = sweep_cli("run", "--config", TINY, "--sweep", path, "--root", str(tmp_path / "r"))
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      f"error: sweep {path}: model.colour: no such config field"]
+  broken = write_sweep(tmp_path, "def get_sweep(:\n", "broken.py")
+  with pytest.raises(UserError, match=r"cannot load it \(SyntaxError"):
+    sweep_lib.load_sweep(broken)
+
+
+def test_slurm_dry_run_prints_the_commands_and_submitits_sbatch_script(tmp_path):
+  result = sweep_cli("run", "--sweep", POS_NORM, "--root", str(tmp_path / "r"), "--launcher",
+                     "slurm", "--dry_run", "--partition", "gpu", "--account", "lab",
+                     "--nodes", "2", "--tasks_per_node", "4", "--gpus_per_node", "4",
+                     "--parallel", "3", "--config.train.num_steps=50")
+  assert result.returncode == 0, result.stderr
+  out = result.stdout
+  assert ("--config.train.num_steps=50 --config.model.pos_emb=rope "
+          "--config.model.norm_position=post") in out
+  for line in ("#SBATCH --array=0-7%3", "#SBATCH --partition=gpu", "#SBATCH --account=lab",
+               "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4", "#SBATCH --gpus-per-node=4",
+               "#SBATCH --requeue", "#SBATCH --signal=USR2@90", f"cd {ROOT}"):
+    assert line in out
+  assert "srun --unbuffered" in out and "submitit.core._submit" in out
+  assert not (tmp_path / "r").exists()
+
+
+@pytest.fixture(scope="module")
+def local_sweep(tmp_path_factory):
+  """A 2-variant sweep run with the local launcher, 2 at a time."""
+  tmp = tmp_path_factory.mktemp("sweep")
+  path = write_sweep(tmp, TWO_VARIANTS)
+  root = tmp / "root"
+  args = ["--config", TINY, "--sweep", path, "--root", str(root), *small_flags(tmp / "cache")]
+  result = sweep_cli("run", *args, "--parallel", "2")
+  return root, args, result
+
+
+def test_local_sweep_runs_every_variant_and_skips_them_when_run_again(local_sweep):
+  root, args, result = local_sweep
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "done    pos_emb=rope,norm_position=pre: step 6, val loss" in result.stdout
+  for name in ("pos_emb=rope,norm_position=pre", "pos_emb=none,norm_position=post"):
+    assert (root / name / "eval_report.json").exists() and (root / name / "sweep.log").exists()
+  again = sweep_cli("run", *args)
+  assert again.returncode == 0, again.stderr
+  assert "skip pos_emb=rope,norm_position=pre: done" in again.stdout
+  assert "running 0 variant(s)" in again.stdout
+
+
+def test_status_reports_done_failed_partial_and_not_started(local_sweep, tmp_path):
+  root, _, _ = local_sweep
+  out = sweep_cli("status", "--root", str(root)).stdout.splitlines()
+  assert "(2 done)" in out[0]
+  assert out[1].split()[:3] == ["done", "pos_emb=rope,norm_position=pre", "step"]
+  # A sweep whose variants failed, stopped part-way or never started.
+  manifest, variants = sweep_lib.read_manifest(str(root))
+  variants[0].workdir = str(tmp_path / "failed")
+  variants[0].train_command = [sys.executable, "-c", "raise SystemExit('error: bad config')"]
+  with pytest.raises(sweep_lib.VariantFailed, match="train.py exited with status 1: error: bad"):
+    sweep_lib.VariantJob()(variants[0])
+  assert sweep_lib.variant_state(variants[0]).state == "failed"
+  assert "error: bad config (train.py exited with status 1" in sweep_lib.variant_state(
+      variants[0]).detail
+  partial = tmp_path / "partial"
+  partial.mkdir()
+  (partial / "metrics.jsonl").write_text('{"step": 4, "split": "train", "loss": 5.0}\n')
+  state = sweep_lib.variant_state(sweep_lib.Variant("p", {}, str(partial), 6, [], []))
+  assert (state.state, state.step, state.detail) == ("running/partial", 4, "step 4/6")
+  assert sweep_lib.variant_state(
+      sweep_lib.Variant("n", {}, str(tmp_path / "none"), 6, [], [])).state == "not started"
+
+
+def test_report_writes_the_table_and_the_validation_curves(local_sweep):
+  root, _, _ = local_sweep
+  result = sweep_cli("report", "--root", str(root))
+  assert result.returncode == 0, result.stderr
+  with open(root / "report.csv", encoding="utf-8") as f:
+    rows = list(csv.DictReader(f))
+  assert [r["variant"] for r in rows] == ["pos_emb=rope,norm_position=pre",
+                                          "pos_emb=none,norm_position=post"]
+  assert rows[1]["model.pos_emb"] == "none" and rows[1]["model.norm_position"] == "post"
+  for row in rows:
+    assert row["state"] == "done" and row["step"] == "6"
+    assert 0 < float(row["loss"]) < 7 and float(row["perplexity"]) > 1
+    assert 0 <= float(row["token_accuracy"]) <= 1 and float(row["bits_per_byte"]) > 0
+  md = (root / "report.md").read_text()
+  assert ("| variant | model.pos_emb | model.norm_position | state | step | val loss | "
+          "perplexity | token accuracy | bits per byte |") in md
+  loss = float(rows[1]["loss"])
+  assert f"| pos_emb=none,norm_position=post | none | post | done | 6 | {loss:.4f} |" in md
+  for png in ("validation_curves.png", "curves/pos_emb=rope,norm_position=pre.png",
+              "curves/pos_emb=none,norm_position=post.png"):
+    assert (root / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
+
+
+def test_a_variant_runs_to_completion_as_a_submitit_job(tmp_path, monkeypatch):
+  monkeypatch.chdir(ROOT)  # the job imports training.sweep from its working directory
+  path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'learned'}]\n")
+  variants = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY,
+                                     small_flags(tmp_path / "cache"), str(tmp_path / "root"))
+  params = sweep_lib.slurm_parameters("t", nodes=1, tasks_per_node=1, gpus_per_node=0,
+                                      cpus_per_task=2, timeout_min=10, partition="p",
+                                      account=None, parallel=None, setup=[])
+  [job] = sweep_lib.submit_slurm(variants, str(tmp_path / "root" / "slurm"), params,
+                                 max_timeouts=1, cluster="local")
+  result = job.result()
+  assert result["state"] == "done" and result["step"] == 6, job.stderr()
+  assert result["report"]["step"] == 6
+  assert sweep_lib.variant_state(variants[0]).state == "done"
+
+
+def fake_trainer() -> list[str]:
+  """A train.py stand-in: prints READY, and SAVED on SIGTERM, then exits 0 (the
+  words are built at run time so that the command line in the log lacks them)."""
+  return [sys.executable, "-c",
+          "import signal, sys, time\n"
+          "def save(*_):\n"
+          "  print('saved'.upper(), flush=True)\n"
+          "  sys.exit(0)\n"
+          "signal.signal(signal.SIGTERM, save)\n"
+          "print('ready'.upper(), flush=True)\n"
+          "time.sleep(60)\n"]
+
+
+def test_checkpoint_stops_train_py_with_sigterm_and_resubmits_the_same_call(tmp_path):
+  """As under submitit: checkpoint() runs as a signal handler in the thread
+  that is waiting for train.py."""
+  variant = sweep_lib.Variant("v", {}, str(tmp_path / "v"), 6, fake_trainer(), [])
+  job, delayed, alive_after_usr2 = sweep_lib.VariantJob(), [], []
+  log = tmp_path / "v" / "sweep.log"
+
+  def preempt():
+    while not (log.exists() and "READY" in log.read_text()):
+      time.sleep(0.1)
+    os.kill(job._child.pid, signal.SIGUSR2)  # SLURM's time-limit signal: blocked in train.py
+    time.sleep(0.5)
+    alive_after_usr2.append(job._child.poll() is None)
+    os.kill(os.getpid(), signal.SIGUSR1)
+
+  previous = signal.signal(signal.SIGUSR1, lambda *_: delayed.append(job.checkpoint(variant)))
+  try:
+    threading.Thread(target=preempt, daemon=True).start()
+    start = time.time()
+    result = job(variant)
+  finally:
+    signal.signal(signal.SIGUSR1, previous)
+  assert time.time() - start < sweep_lib.STOP_TIMEOUT_S / 2
+  assert alive_after_usr2 == [True] and "SAVED" in log.read_text()
+  assert result == {"name": "v", "state": "stopped", "step": 0}
+  assert isinstance(delayed[0], submitit.helpers.DelayedSubmission)
+  assert delayed[0].function is job and delayed[0].args == (variant,)
+  assert pickle.loads(pickle.dumps(delayed[0])).function._child is None
+
+
+def process_of(*words) -> int | None:
+  """The pid of a running process whose command line holds all `words`."""
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+      cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+      continue
+    if all(any(word in part for part in cmdline) for word in words):
+      return int(pid)
+  return None
+
+
+@pytest.mark.slow
+def test_preempted_submitit_job_saves_requeues_and_resumes(tmp_path, monkeypatch):
+  """submitit's preemption signal (USR2) reaches the job: train.py saves on
+  SIGTERM, the job is requeued, and the second run resumes and finishes."""
+  monkeypatch.chdir(ROOT)
+  path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'rope'}]\n")
+  variants = sweep_lib.make_variants(
+      sweep_lib.load_sweep(path), TINY,
+      small_flags(tmp_path / "cache")[:4] + [
+          "--config.train.num_steps=600", "--config.train.batch_size=4",
+          "--config.train.seq_len=32", "--config.train.log_every=10",
+          "--config.train.eval_every=600", "--config.train.checkpoint_every=300",
+          "--config.train.eval_steps=1"] + small_flags(tmp_path / "cache")[-4:],
+      str(tmp_path / "root"))
+  params = sweep_lib.slurm_parameters("t", nodes=1, tasks_per_node=1, gpus_per_node=0,
+                                      cpus_per_task=2, timeout_min=60, partition=None,
+                                      account=None, parallel=None, setup=[])
+  [job] = sweep_lib.submit_slurm(variants, str(tmp_path / "root" / "slurm"), params,
+                                 max_timeouts=1, cluster="local")
+  workdir = pathlib.Path(variants[0].workdir)
+  deadline = time.time() + 120
+  while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
+    time.sleep(0.1)
+  trainer = process_of("train.py", str(workdir))
+  task = int(pathlib.Path(f"/proc/{trainer}/stat").read_text().rsplit(")", 1)[1].split()[1])
+  os.kill(task, signal.SIGUSR2)
+  result = job.result()
+  assert result["state"] == "done" and result["step"] == 600, job.stderr()
+  log = (workdir / "sweep.log").read_text()
+  assert "SIGTERM received: saved step" in log and "Resuming" in log
+  assert "preempted" in job.stderr()
