@@ -25,7 +25,7 @@ test-slow: $(STAMP)
 ## Train configs/tiny.py on the embedded corpus, evaluate it, plot it.
 train: $(STAMP)
 	$(BIN)/python train.py --config configs/tiny.py --workdir runs/tiny
-	$(BIN)/python eval.py --workdir runs/tiny --prompt "def " --max-new-tokens 120
+	$(BIN)/python eval.py --workdir runs/tiny --prompt "def " --max_new_tokens 120
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -22,9 +22,15 @@ def parse_flags(argv: list[str]) -> list[str]:
   except flags.Error as e:
     message = str(e)
   except (AttributeError, KeyError, TypeError, ValueError) as e:
-    message = str(e).strip("\"'")
-    override = next((a for a in argv if a.startswith("--config.") and message in a), None)
+    # ml_collections wraps a KeyError "'name'\nDid you mean ..." in an AttributeError.
+    while e.args and isinstance(e.args[0], Exception):
+      e = e.args[0]
+    lines = str(e.args[0] if e.args else e).splitlines() or [""]
+    name = lines[0].strip("'")
+    override = next((a for a in argv if a.startswith("--config.") and f".{name}" in a), None)
+    message = "; ".join(lines)
     if override:
-      message = f"{override.split('=')[0][2:]}: no such config field ({message!r} is unknown)"
+      hint = f"; {lines[1][0].lower()}{lines[1][1:]}" if len(lines) > 1 else ""
+      message = f"{override.split('=')[0][2:]}: no such config field{hint}"
   print(f"error: {message}", file=sys.stderr)
   sys.exit(2)
