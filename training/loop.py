@@ -19,6 +19,7 @@ import sys
 import time
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -53,11 +54,28 @@ def peak_flops(config) -> float | None:
 
 
 class StopRequest:
-  """Turns SIGTERM/SIGINT into a flag the loop checks after each step."""
+  """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
 
-  def __init__(self):
+  With several processes the decision must be collective (every process
+  saves the same step): `should_stop(step)` then agrees on it with an
+  all-gather every `every` steps only, so that steps between stay
+  asynchronous; SLURM's `--signal=TERM@<seconds>` leaves time for that.
+  """
+
+  def __init__(self, every: int):
     self.signal_name = None
+    self._every = every
     self._previous = {}
+
+  def should_stop(self, step: int) -> bool:
+    if jax.process_count() == 1:
+      return self.signal_name is not None
+    if step % self._every:
+      return False
+    flags = multihost_utils.process_allgather(np.array(self.signal_name is not None))
+    if flags.any() and self.signal_name is None:
+      self.signal_name = "SIGTERM (on another process)"
+    return bool(flags.any())
 
   def __enter__(self):
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -192,7 +210,7 @@ def train(config, workdir: str) -> dict:
   step = start
   hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
-    with StopRequest() as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
+    with StopRequest(tc.log_every) as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
                                       unit="step", disable=hide_bar, file=sys.stderr) as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
@@ -215,7 +233,7 @@ def train(config, workdir: str) -> dict:
           _print(f"step {step}: validation loss={val['loss']:.4f} "
                  f"perplexity={val['perplexity']:.2f}")
           last.update({f"val_{k}": v for k, v in val.items()})
-        stopping = stop.signal_name is not None
+        stopping = stop.should_stop(step)
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
           _check_finite(state)
           checkpointer.save(step, state, data_iter, _meta(config, tokenizer), force=stopping)
