@@ -1,8 +1,10 @@
 """Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
-[--prompt TEXT --max-new-tokens N]
+[--prompt TEXT --max_new_tokens N] [--beam_size K --length_penalty A --max_examples N]
 
 Restores the checkpoint with its own config and tokenizer, writes
 eval_report.json, loss_curves.png and attention_maps.png into the workdir.
+Seq2seq runs are scored by generation (greedy and beam search), masked-LM
+runs by masked-token accuracy; both beside their baselines.
 """
 import json
 import sys
@@ -23,6 +25,11 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per pr
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+_BEAM_SIZE = flags.DEFINE_integer("beam_size", 4, "seq2seq: beams of the beam search.")
+_ALPHA = flags.DEFINE_float("length_penalty", 0.6, "seq2seq: beam scores are log p / "
+                            "((5 + length) / 6)^alpha; 0: none.")
+_MAX_EXAMPLES = flags.DEFINE_integer("max_examples", 0, "seq2seq: held-out pairs to "
+                                     "generate for (0: all).")
 flags.mark_flag_as_required("workdir")
 
 
@@ -36,7 +43,8 @@ def main(argv):
     report = evaluate.run_eval(
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
-        top_k=_TOP_K.value, top_p=_TOP_P.value)
+        top_k=_TOP_K.value, top_p=_TOP_P.value, beam_size=_BEAM_SIZE.value,
+        alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

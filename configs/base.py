@@ -51,12 +51,22 @@ def get_config() -> config_dict.ConfigDict:
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
   d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
   d.num_workers = 0  # Grain worker processes (0: in the main process)
+  d.task = "none"  # seq2seq task: none | reverse | sort | addition | code_summary | pairs
+  d.task_size = 20000  # reverse | sort | addition: training examples drawn
+  d.task_test_size = 500  # reverse | sort | addition: held-out (validation) examples
+  d.task_min_len = 4  # reverse | sort | addition: shortest string (digits per number)
+  d.task_max_len = 24  # reverse | sort | addition: longest string (digits per number)
+  d.task_test_min_len = 0  # shortest held-out string; 0: task_min_len (raise it to test longer)
+  d.task_seed = 0  # reverse | sort | addition: which examples are drawn
+  d.src_field = "src"  # pairs: JSONL field or TSV header column of the source
+  d.tgt_field = "tgt"  # pairs: JSONL field or TSV header column of the target
 
   tr = c.train = config_dict.ConfigDict()
   tr.objective = "next_token"  # next_token | seq2seq | mlm
   tr.num_steps = 1000  # optimizer steps
   tr.batch_size = 16  # sequences per step (global, across all devices)
-  tr.seq_len = 128  # tokens per sequence
+  tr.seq_len = 128  # tokens per sequence (seq2seq: prefix-LM row, or encoder-decoder source)
+  tr.tgt_seq_len = 0  # encoder_decoder seq2seq: target tokens (tgt_in/tgt_out); 0: seq_len
   tr.grad_accum_steps = 1  # micro-batches per step (batch_size must divide)
   tr.learning_rate = 3e-3  # peak learning rate
   tr.warmup_steps = 100  # linear warm-up steps

@@ -21,6 +21,7 @@ CHOICES = {
     "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),
     "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord"),
     "data.packing": ("packed", "concat"),
+    "data.task": ("none", "reverse", "sort", "addition", "code_summary", "pairs"),
     "train.objective": ("next_token", "seq2seq", "mlm"),
 }
 
@@ -107,22 +108,27 @@ def validate_model(m: config_dict.ConfigDict) -> None:
 def validate(config: config_dict.ConfigDict) -> None:
   """Checks a whole run config (model, tokenizer, data, train, mesh)."""
   validate_model(config.model)
-  for field in ("tokenizer.kind", "data.source", "data.packing", "train.objective"):
+  for field in ("tokenizer.kind", "data.source", "data.packing", "data.task",
+                "train.objective"):
     _check_choice(config, field)
   for field in ("train.num_steps", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "train.log_every", "train.eval_every",
                 "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
-                "tokenizer.vocab_size"):
+                "tokenizer.vocab_size", "data.task_size", "data.task_test_size",
+                "data.task_min_len", "data.task_max_len"):
     _check_positive(config, field)
-  _check_positive(config, "train.warmup_steps", allow_zero=True)
+  for field in ("train.warmup_steps", "train.tgt_seq_len", "data.task_test_min_len"):
+    _check_positive(config, field, allow_zero=True)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
     _fail("train.objective", objective,
           f"does not fit model.family={family}; use one of {', '.join(OBJECTIVES[family])}")
-  if config.model.pos_emb == "learned" and config.train.seq_len > config.model.max_len:
-    _fail("train.seq_len", config.train.seq_len,
-          f"exceeds the learned position table (model.max_len={config.model.max_len}); "
-          "raise model.max_len or use another pos_emb")
+  _validate_tasks(config)
+  for field in ("train.seq_len", "train.tgt_seq_len"):
+    if config.model.pos_emb == "learned" and _get(config, field) > config.model.max_len:
+      _fail(field, _get(config, field),
+            f"exceeds the learned position table (model.max_len={config.model.max_len}); "
+            "raise model.max_len or use another pos_emb")
   if config.train.batch_size % config.train.grad_accum_steps:
     _fail("train.grad_accum_steps", config.train.grad_accum_steps,
           f"must divide train.batch_size={config.train.batch_size}")
@@ -135,7 +141,26 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:
     _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")
+  if not 0 < config.train.mlm_probability < 1:
+    _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "tensor"):
     value = config.mesh[axis]
     if not isinstance(value, int) or (value < 1 and value != -1):
       _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")
+
+
+def _validate_tasks(config: config_dict.ConfigDict) -> None:
+  """The seq2seq task fields (data.task and its lengths)."""
+  d = config.data
+  if d.task != "none" and config.train.objective != "seq2seq":
+    _fail("data.task", d.task, f"needs train.objective=seq2seq (is "
+          f"{config.train.objective}); set data.task=none for {config.train.objective}")
+  if d.task_max_len < d.task_min_len:
+    _fail("data.task_max_len", d.task_max_len,
+          f"must be >= data.task_min_len={d.task_min_len}")
+  if d.task_test_min_len and not d.task_min_len <= d.task_test_min_len <= d.task_max_len:
+    _fail("data.task_test_min_len", d.task_test_min_len,
+          f"must be 0 or in [data.task_min_len, data.task_max_len] = "
+          f"[{d.task_min_len}, {d.task_max_len}]")
+  if d.task == "pairs" and not d.paths:
+    _fail("data.paths", d.paths, "is required for data.task=pairs (.tsv or .jsonl files)")

@@ -9,7 +9,17 @@ A batch is a dict of numpy arrays, B rows of T = train.seq_len tokens (see
   positions    [B, T] int32    position within the document (packed) or row
   loss_mask    [B, T] float32  1 where the target is real and within a document
 
-Training: the packed rows of the train split, shuffled with seed train.seed,
+The objective and data.task choose the rows (`rows_of_split`):
+
+- `next_token`: packed rows of documents, as above.
+- `mlm`: the same packed rows, masked BERT-style (`data/masking.py`):
+  `inputs` with the selected tokens replaced, `targets` the original tokens,
+  `loss_mask` on the selected positions only.
+- `seq2seq` (data.task, `data/tasks.py`): one pair per row
+  (`data/seq2seq.py`): the prefix-LM fields above for a decoder, or
+  src/src_mask/tgt_in/tgt_out/loss_mask for an encoder-decoder.
+
+Training: the rows of the train split, shuffled with seed train.seed,
 a different order every epoch, repeated forever. Global batch g is rows
 [g * B, (g + 1) * B) of that stream (B = train.batch_size); process p of P
 gets its slice of B / P rows, [g * B + p * B / P, g * B + (p + 1) * B / P).
@@ -23,7 +33,11 @@ from ml_collections import config_dict
 import numpy as np
 
 from configs.errors import UserError
+from data import masking
 from data import packing
+from data import seq2seq
+from data import sources
+from data import tasks
 from data import tokens
 
 Batch = dict[str, np.ndarray]
@@ -66,6 +80,40 @@ def split_stats(config: config_dict.ConfigDict, tokenizer, split: str) -> SplitS
                     num_targets=packer.num_targets, num_rows=packer.num_rows)
 
 
+def tokenizer_texts(data_config: config_dict.ConfigDict):
+  """The texts a run's tokenizer trains on: the task's train pairs, or the train documents."""
+  if data_config.task != "none":
+    return tasks.tokenizer_texts(data_config)
+  return (text for _, text in sources.load_documents(data_config, "train"))
+
+
+def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str):
+  """(number of rows, row index -> row) of `split` for the objective and data.task."""
+  if config.train.objective == "seq2seq":
+    rows = seq2seq.load_rows(config, tokenizer, split)
+    return rows.num_pairs, rows
+  packer = make_packer(config, tokenizer, tokens.load_split(config.data, tokenizer, split))
+  if split == "train" and len(packer.stream) < config.train.seq_len + 1:
+    raise UserError(
+        f"the train split of data.source={config.data.source} has {len(packer.stream)} "
+        f"tokens (with BOS/EOS), fewer than one row of train.seq_len + 1 = "
+        f"{config.train.seq_len + 1}; add documents or lower train.seq_len")
+  if split == "validation" and packer.num_targets == 0:
+    raise UserError(
+        f"the validation split of data.source={config.data.source} is empty: "
+        f"data.val_percent={config.data.val_percent} holds out none of the documents; "
+        "raise data.val_percent or add documents")
+  return packer.num_rows, packer
+
+
+def _masked(config: config_dict.ConfigDict, tokenizer, ds: grain.MapDataset) -> grain.MapDataset:
+  """`mlm`: BERT masking, seeded by (train.seed, element index); else `ds`."""
+  if config.train.objective != "mlm":
+    return ds
+  return ds.random_map(masking.for_tokenizer(config.train.mlm_probability, tokenizer),
+                       seed=config.train.seed)
+
+
 def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_index: int = 0,
                         process_count: int = 1) -> grain.DatasetIterator:
   """An endless, checkpointable iterator of this process's training batches.
@@ -85,17 +133,12 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
       shorter than one row.
   """
   local_batch_size = _local_batch_size(config, process_index, process_count)
-  split_tokens = tokens.load_split(config.data, tokenizer, "train")
-  packer = make_packer(config, tokenizer, split_tokens)
-  if len(packer.stream) < config.train.seq_len + 1:
-    raise UserError(
-        f"the train split of data.source={config.data.source} has {len(packer.stream)} "
-        f"tokens (with BOS/EOS), fewer than one row of train.seq_len + 1 = "
-        f"{config.train.seq_len + 1}; add documents or lower train.seq_len")
-  ds = (grain.MapDataset.range(packer.num_rows)
+  num_rows, row_fn = rows_of_split(config, tokenizer, "train")
+  ds = (grain.MapDataset.range(num_rows)
         .shuffle(seed=config.train.seed)
         .repeat()
-        .map(packer)
+        .map(row_fn))
+  ds = (_masked(config, tokenizer, ds)
         .batch(local_batch_size, drop_remainder=True)  # Exact: the stream is endless.
         [process_index::process_count]
         .to_iter_dataset(_READ_OPTIONS))
@@ -127,18 +170,11 @@ def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: in
     UserError: the validation split has no documents.
   """
   local_batch_size = _local_batch_size(config, process_index, process_count)
-  split_tokens = tokens.load_split(config.data, tokenizer, "validation")
-  packer = make_packer(config, tokenizer, split_tokens)
-  if packer.num_targets == 0:
-    raise UserError(
-        f"the validation split of data.source={config.data.source} is empty: "
-        f"data.val_percent={config.data.val_percent} holds out none of the documents; "
-        "raise data.val_percent or add documents")
+  num_rows, row_fn = rows_of_split(config, tokenizer, "validation")
   batch_size = config.train.batch_size
-  available = -(-packer.num_rows // batch_size)
+  available = -(-num_rows // batch_size)
   count = available if num_batches is None else min(num_batches, available)
-  ds = (grain.MapDataset.range(count * batch_size)
-        .map(packer)
+  ds = (_masked(config, tokenizer, grain.MapDataset.range(count * batch_size).map(row_fn))
         .batch(local_batch_size)
         [process_index::process_count])
   return [ds[i] for i in range(len(ds))]

@@ -10,8 +10,17 @@ prompt are never seen (they are overwritten before they become visible), and
 each row decodes exactly as it would alone. This sidesteps the left- vs
 right-padding mismatch: positions are never shifted by padding.
 
-Sampling: greedy (temperature 0), temperature, top-k and top-p (nucleus),
-each row with its own random key derived from (seed, step, row).
+Sampling (`generate`): greedy (temperature 0), temperature, top-k and top-p
+(nucleus), each row with its own random key derived from (seed, step, row).
+
+Beam search (`beam_search`): each row keeps K hypotheses, K cache rows. At
+every step each live hypothesis proposes every token (its log-probability
+plus the token's) and each finished one (it emitted EOS) proposes only
+itself, padded, unchanged; the K best proposals of the row by length-normalised
+score, log p / ((5 + n) / 6)^alpha (GNMT's length penalty, n = tokens
+generated incl. EOS), survive, and their caches are gathered from their
+parents. The answer is the best of the K at the end. With K = 1 every
+proposal has the same length, so beam search picks the argmax: greedy.
 """
 import functools
 
@@ -45,12 +54,13 @@ def sample_logits(logits_BV, rng, *, temperature: float = 0.0, top_k: int = 0,
   return jax.vmap(jax.random.categorical)(keys, logits_BV).astype(jnp.int32)
 
 
-def _pad_prompts(prompts: list[list[int]], pad_id: int):
+def _pad_prompts(prompts: list[list[int]], pad_id: int, width: int | None = None):
+  """[B, max(width, longest)] right-padded tokens and the [B] lengths."""
   if not prompts or any(len(p) == 0 for p in prompts):
     raise UserError("generation needs at least one prompt, each with at least one token "
                     "(start the prompt with the BOS token)")
   lengths = np.array([len(p) for p in prompts], np.int32)
-  tokens = np.full((len(prompts), lengths.max()), pad_id, np.int32)
+  tokens = np.full((len(prompts), max(lengths.max(), width or 0)), pad_id, np.int32)
   for row, p in enumerate(prompts):
     tokens[row, :len(p)] = p
   return jnp.asarray(tokens), jnp.asarray(lengths)
@@ -60,6 +70,37 @@ def _check_length(model_cfg, total: int) -> None:
   if model_cfg.pos_emb == "learned" and total > model_cfg.max_len:
     raise UserError(f"prompt plus max_new_tokens = {total} exceeds the learned position "
                     f"table (model.max_len={model_cfg.max_len}); generate fewer tokens")
+
+
+def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_tokens: int,
+             copies: int):
+  """Reads the prompts (and encodes the sources) into a fresh KV cache.
+
+  Returns (step, first logits [B * copies, V], cache of B * copies rows): each
+  row repeated `copies` times in a row (the beams of a prompt are adjacent),
+  `step(tokens, positions, cache)` the decoder step against the (repeated)
+  encoder output.
+  """
+  B, P = tokens_BP.shape
+  step = model.decode_step
+
+  def repeat(x):
+    return jnp.repeat(x, copies, axis=0)
+
+  if src_BS is not None:
+    src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
+    encoded_BSD = model.encode(src_BS, src_mask_BS)
+    step = functools.partial(model.decode_step, encoded_BSD=encoded_BSD,
+                             src_padding_mask=src_mask_BS)
+  cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
+  logits_BPV, cache = step(tokens_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
+  first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
+  if copies == 1:
+    return step, first_BV, cache
+  if src_BS is not None:
+    step = functools.partial(model.decode_step, encoded_BSD=repeat(encoded_BSD),
+                             src_padding_mask=repeat(src_mask_BS))
+  return step, repeat(first_BV), jax.tree.map(repeat, cache)
 
 
 def _decode_loop(step, first_logits_BV, lengths_B, cache, rng, *, max_new_tokens: int,
@@ -81,37 +122,64 @@ def _decode_loop(step, first_logits_BV, lengths_B, cache, rng, *, max_new_tokens
   return jax.lax.fori_loop(0, max_new_tokens, body, carry)[2]
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id",
-                                             "pad_id", "sampling_items"))
-def _generate_decoder(graphdef, state, tokens_BP, lengths_B, rng, *, max_new_tokens,
-                      eos_id, pad_id, sampling_items):
-  model = nnx.merge(graphdef, state)
-  B, P = tokens_BP.shape
-  cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
-  positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
-  logits_BPV, cache = model.decode_step(tokens_BP, positions_BP, cache)
-  first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
-  return _decode_loop(model.decode_step, first_BV, lengths_B, cache, rng,
-                      max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                      sampling=dict(sampling_items))
+def length_penalty(num_tokens, alpha: float):
+  """GNMT's ((5 + n) / 6)^alpha; beam scores are log p divided by it (alpha 0: none)."""
+  return ((5.0 + num_tokens) / 6.0) ** alpha
+
+
+def _beam_loop(step, first_logits_RV, lengths_B, cache, *, beam_size: int,
+               max_new_tokens: int, eos_id: int, pad_id: int, alpha: float):
+  """Beam search over R = B * K cache rows; the best hypothesis [B, N] of each row."""
+  K = beam_size
+  R, V = first_logits_RV.shape
+  B = R // K
+  neg_inf = jnp.float32(-jnp.inf)
+  lengths_R = jnp.repeat(lengths_B, K)
+  is_pad_V = jnp.arange(V) == pad_id
+
+  def body(t, carry):
+    logits_RV, cache, out_BKN, logp_BK, num_BK, done_BK = carry
+    token_logp_BKV = jax.nn.log_softmax(logits_RV.astype(jnp.float32)).reshape(B, K, V)
+    live_BKV = logp_BK[..., None] + token_logp_BKV
+    finished_BKV = jnp.where(is_pad_V, logp_BK[..., None], neg_inf)
+    proposal_BKV = jnp.where(done_BK[..., None], finished_BKV, live_BKV)
+    proposal_num_BK = jnp.where(done_BK, num_BK, t + 1)
+    score_BKV = proposal_BKV / length_penalty(proposal_num_BK, alpha)[..., None]
+    _, best_BK = jax.lax.top_k(score_BKV.reshape(B, K * V), K)
+    parent_BK, token_BK = best_BK // V, (best_BK % V).astype(jnp.int32)
+    logp_BK = jnp.take_along_axis(proposal_BKV.reshape(B, K * V), best_BK, axis=1)
+    num_BK = jnp.take_along_axis(proposal_num_BK, parent_BK, axis=1)
+    done_BK = jnp.take_along_axis(done_BK, parent_BK, axis=1) | (token_BK == eos_id)
+    out_BKN = jnp.take_along_axis(out_BKN, parent_BK[..., None], axis=1).at[:, :, t].set(token_BK)
+    rows_R = (jnp.arange(B)[:, None] * K + parent_BK).reshape(R)
+    cache = jax.tree.map(lambda c: c[rows_R], cache)
+    logits_R1V, cache = step(token_BK.reshape(R, 1), (lengths_R + t)[:, None], cache)
+    return logits_R1V[:, 0], cache, out_BKN, logp_BK, num_BK, done_BK
+
+  # Only beam 0 is live at the start, so the first step's K best are distinct tokens.
+  logp_BK = jnp.where(jnp.arange(K) == 0, 0.0, neg_inf)[None].repeat(B, axis=0)
+  carry = (first_logits_RV, cache, jnp.full((B, K, max_new_tokens), pad_id, jnp.int32),
+           logp_BK, jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), bool))
+  _, _, out_BKN, logp_BK, num_BK, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
+  best_B = jnp.argmax(logp_BK / length_penalty(num_BK, alpha), axis=1)
+  return out_BKN[jnp.arange(B), best_B]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id",
-                                             "pad_id", "sampling_items"))
-def _generate_seq2seq(graphdef, state, src_BS, src_lengths_B, tgt_BP, tgt_lengths_B, rng, *,
-                      max_new_tokens, eos_id, pad_id, sampling_items):
+                                             "pad_id", "search"))
+def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng, *,
+              max_new_tokens, eos_id, pad_id, search):
+  """`search` is ("sample", sampling items) or ("beam", beam size, alpha)."""
   model = nnx.merge(graphdef, state)
-  src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
-  encoded = model.encode(src_BS, src_mask_BS)
-  B, P = tgt_BP.shape
-  cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
-  step = functools.partial(model.decode_step, encoded_BSD=encoded,
-                           src_padding_mask=src_mask_BS)
-  logits_BPV, cache = step(tgt_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
-  first_BV = logits_BPV[jnp.arange(B), tgt_lengths_B - 1]
-  return _decode_loop(step, first_BV, tgt_lengths_B, cache, rng,
+  copies = search[1] if search[0] == "beam" else 1
+  step, first_RV, cache = _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B,
+                                   max_new_tokens=max_new_tokens, copies=copies)
+  if search[0] == "beam":
+    return _beam_loop(step, first_RV, lengths_B, cache, beam_size=search[1],
                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                      sampling=dict(sampling_items))
+                      alpha=search[2])
+  return _decode_loop(step, first_RV, lengths_B, cache, rng, max_new_tokens=max_new_tokens,
+                      eos_id=eos_id, pad_id=pad_id, sampling=dict(search[1]))
 
 
 def _trim(out_BN, eos_id: int) -> list[list[int]]:
@@ -121,33 +189,57 @@ def _trim(out_BN, eos_id: int) -> list[list[int]]:
   return rows
 
 
+def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, seed, search,
+         prompt_width, source_width) -> list[list[int]]:
+  tokens_BP, lengths_B = _pad_prompts(prompts, pad_id, prompt_width)
+  _check_length(model_cfg, tokens_BP.shape[1] + max_new_tokens)
+  src_BS = src_lengths_B = None
+  if model_cfg.family == "encoder_decoder":
+    if sources is None or len(sources) != len(prompts):
+      raise UserError("an encoder-decoder generates from `sources`, one per prompt")
+    src_BS, src_lengths_B = _pad_prompts(sources, pad_id, source_width)
+  elif model_cfg.family != "decoder":
+    raise UserError(f"model.family={model_cfg.family!r} does not generate text; "
+                    "use a decoder or an encoder_decoder")
+  graphdef, state = nnx.split(model)
+  out_BN = _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B,
+                     jax.random.key(seed), max_new_tokens=max_new_tokens, eos_id=eos_id,
+                     pad_id=pad_id, search=search)
+  return _trim(out_BN, eos_id)
+
+
 def generate(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
              eos_id: int = -1, pad_id: int = 0, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0, seed: int = 0, sources: list[list[int]] | None = None
+             top_p: float = 1.0, seed: int = 0, sources: list[list[int]] | None = None,
+             prompt_width: int | None = None, source_width: int | None = None
              ) -> list[list[int]]:
   """New tokens for each prompt (up to and including EOS), with a KV cache.
 
   For a decoder, `prompts` are the token prefixes. For an encoder-decoder,
   `sources` are the encoder inputs and `prompts` the decoder prefixes
-  (usually just [bos]).
+  (usually just [bos]). `prompt_width`/`source_width` pad every batch to at
+  least that many tokens, so that batches of other lengths reuse one
+  compiled function (the output does not change).
   """
-  tokens_BP, lengths_B = _pad_prompts(prompts, pad_id)
-  _check_length(model_cfg, tokens_BP.shape[1] + max_new_tokens)
-  graphdef, state = nnx.split(model)
   sampling_items = tuple(sorted(dict(temperature=float(temperature), top_k=int(top_k),
                                      top_p=float(top_p)).items()))
-  kwargs = dict(max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
-                sampling_items=sampling_items)
-  rng = jax.random.key(seed)
-  if model_cfg.family == "decoder":
-    out_BN = _generate_decoder(graphdef, state, tokens_BP, lengths_B, rng, **kwargs)
-  elif model_cfg.family == "encoder_decoder":
-    if sources is None or len(sources) != len(prompts):
-      raise UserError("an encoder-decoder generates from `sources`, one per prompt")
-    src_BS, src_lengths_B = _pad_prompts(sources, pad_id)
-    out_BN = _generate_seq2seq(graphdef, state, src_BS, src_lengths_B, tokens_BP, lengths_B,
-                               rng, **kwargs)
-  else:
-    raise UserError(f"model.family={model_cfg.family!r} does not generate text; "
-                    "use a decoder or an encoder_decoder")
-  return _trim(out_BN, eos_id)
+  return _run(model, model_cfg, prompts, sources, max_new_tokens=max_new_tokens,
+              eos_id=eos_id, pad_id=pad_id, seed=seed, search=("sample", sampling_items),
+              prompt_width=prompt_width, source_width=source_width)
+
+
+def beam_search(model, model_cfg, prompts: list[list[int]], *, beam_size: int,
+                max_new_tokens: int, eos_id: int = -1, pad_id: int = 0, alpha: float = 0.6,
+                sources: list[list[int]] | None = None, prompt_width: int | None = None,
+                source_width: int | None = None) -> list[list[int]]:
+  """The best of `beam_size` hypotheses for each prompt, as `generate` returns them.
+
+  Scores are log p / ((5 + n) / 6)^alpha (see the module docstring); beam 1
+  is greedy. Arguments as in `generate`.
+  """
+  if not 1 <= beam_size <= model_cfg.vocab_size:
+    raise UserError(f"beam size {beam_size}: must be in [1, model.vocab_size="
+                    f"{model_cfg.vocab_size}]")
+  return _run(model, model_cfg, prompts, sources, max_new_tokens=max_new_tokens,
+              eos_id=eos_id, pad_id=pad_id, seed=0, search=("beam", int(beam_size), float(alpha)),
+              prompt_width=prompt_width, source_width=source_width)

@@ -56,6 +56,15 @@ RUN_CASES = [
     ("data.packing", "pad", "data.packing='pad': must be one of packed, concat"),
     ("data.val_percent", 100, "data.val_percent=100: must be in [0, 100)"),
     ("mesh.fsdp", 0, "mesh.fsdp=0: must be a positive integer or -1"),
+    ("data.task", "translate", "data.task='translate': must be one of none, reverse, sort"),
+    ("data.task", "sort", "data.task='sort': needs train.objective=seq2seq (is next_token)"),
+    ("data.task_size", 0, "data.task_size=0: must be a positive integer"),
+    ("data.task_max_len", 2, "data.task_max_len=2: must be >= data.task_min_len=4"),
+    ("data.task_test_min_len", 30, "data.task_test_min_len=30: must be 0 or in "
+     "[data.task_min_len, data.task_max_len] = [4, 24]"),
+    ("train.tgt_seq_len", 512, "train.tgt_seq_len=512: exceeds the learned position table"),
+    ("train.tgt_seq_len", -1, "train.tgt_seq_len=-1: must be a positive integer or 0"),
+    ("train.mlm_probability", 1.5, "train.mlm_probability=1.5: must be in (0, 1)"),
 ]
 
 
@@ -70,6 +79,18 @@ def test_run_rule_messages(field, value, message):
   assert str(err.value).startswith("config field " + message)
 
 
+@pytest.mark.parametrize("family,objective,allowed", [
+    ("encoder", "seq2seq", "mlm"), ("encoder_decoder", "next_token", "seq2seq"),
+    ("decoder", "mlm", "next_token, seq2seq")])
+def test_objective_must_fit_the_family(family, objective, allowed):
+  c = base.get_config()
+  c.model.family, c.train.objective = family, objective
+  with pytest.raises(UserError) as err:
+    validate(c)
+  assert str(err.value) == (f"config field train.objective={objective!r}: does not fit "
+                            f"model.family={family}; use one of {allowed}")
+
+
 def test_user_data_needs_paths():
   c = base.get_config()
   c.data.source = "jsonl"
@@ -80,6 +101,6 @@ def test_user_data_needs_paths():
 @pytest.mark.parametrize(
     "path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")))
 def test_every_preset_is_valid(path):
-  if path.stem in ("__init__", "validation", "errors"):
+  if path.stem in ("__init__", "validation", "errors", "cli"):
     return
   validate(importlib.import_module(f"configs.{path.stem}").get_config())

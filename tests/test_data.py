@@ -240,7 +240,12 @@ def test_eval_batches_are_deterministic_and_cover_the_split(tmp_path):
 
 
 def test_small_validation_split_is_padded(tmp_path):
-  write_files(tmp_path, {f"d{i}.txt": f"text {i}" for i in range(20)})
+  # Document names are paths under tmp_path, so the split varies by run: write
+  # files until one of them falls in the validation split.
+  count = 20
+  while not any(corpora.is_validation(str(tmp_path / f"d{i}.txt"), 10) for i in range(count)):
+    count += 1
+  write_files(tmp_path, {f"d{i}.txt": f"text {i}" for i in range(count)})
   config = make_config(tmp_path, source="files", paths=str(tmp_path / "*.txt"),
                        val_percent=10)
   tok = ByteTokenizer()

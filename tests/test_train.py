@@ -99,20 +99,21 @@ def test_sigkill_then_resume_is_bit_identical(tok_dir, tmp_path):
 
 def test_sigterm_saves_exits_zero_and_resumes(tok_dir, tmp_path):
   c = small_config(tok_dir)
-  c.train.update(num_steps=400, checkpoint_every=1000, log_every=1000, eval_every=1000)
+  c.train.update(num_steps=100_000, checkpoint_every=100_000, log_every=100_000,
+                 eval_every=100_000)
   workdir = tmp_path / "run"
   proc = subprocess.Popen(train_cmd(c, workdir), cwd=ROOT, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
   deadline = time.time() + 120
   while not (workdir / "metrics.jsonl").exists() and time.time() < deadline:
     time.sleep(0.05)
-  time.sleep(3)
+  time.sleep(2)  # the handler is installed right after metrics.jsonl is opened
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
   assert proc.returncode == 0
   assert "SIGTERM received: saved step" in out and "Resume with the same command" in out
   saved = Checkpointer(str(workdir), asynchronous=False).latest_step()
-  assert 0 < saved < 400
+  assert 0 < saved < 100_000
   c.train.num_steps = saved + 3
   result = subprocess.run(train_cmd(c, workdir), cwd=ROOT, capture_output=True, text=True,
                           check=True)

@@ -11,6 +11,14 @@ input).
 
 Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
 does not depend on the tokenizer, so runs with different vocabularies compare.
+
+That is the report of a `next_token` run. An `mlm` run (encoder) reports the
+masked-token accuracy and loss beside the unigram baseline on the same masked
+targets. A `seq2seq` run reports teacher-forced loss and token accuracy, then
+generates for the held-out pairs with the KV cache, batched, greedy and with
+beam search (length penalty alpha): exact match, BLEU and chrF (sacrebleu),
+samples with their references, and for code_summary the
+copy-the-function-name baseline; no attention plot for an encoder-decoder.
 """
 import json
 import math
@@ -19,15 +27,16 @@ import os
 import jax
 import matplotlib
 import numpy as np
+import sacrebleu
 from flax import nnx
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 from configs.errors import UserError  # pylint: disable=wrong-import-position
-from data import pipeline, tokens  # pylint: disable=wrong-import-position
+from data import pipeline, seq2seq, tasks, tokens  # pylint: disable=wrong-import-position
 from model import build_model  # pylint: disable=wrong-import-position
-from model.generate import generate  # pylint: disable=wrong-import-position
+from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpointer, resolve_step  # pylint: disable=wrong-import-position
@@ -45,7 +54,16 @@ def apply_data_flag(config, data: str) -> None:
   Files are comma-separated paths or globs; all their documents are
   evaluated. `.jsonl` files are read as JSONL (field data.jsonl_field),
   `.arrayrecord` / `.array_record` as ArrayRecord, anything else as text.
+  A data.task=pairs run takes .tsv/.jsonl pair files; other tasks refuse it.
   """
+  if config.data.task not in ("none", "pairs"):
+    raise UserError(f"--data {data}: a data.task={config.data.task} run is evaluated on its "
+                    "own held-out pairs; --data takes text corpora or, for data.task=pairs, "
+                    ".tsv/.jsonl files")
+  if config.data.task == "pairs":
+    config.data.paths = data
+    config.data.val_percent = 100  # every pair is held out
+    return
   if data in EMBEDDED:
     config.data.source = data
     return
@@ -61,7 +79,11 @@ def apply_data_flag(config, data: str) -> None:
 
 
 def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None = None):
-  """(config, tokenizer, model, step) of a checkpoint of `workdir`."""
+  """(config, tokenizer, model, step) of a checkpoint of `workdir`.
+
+  The state is restored onto this process's first device, whatever mesh it
+  was saved from (for example a run trained on 8 devices).
+  """
   config = workdir_lib.load_config(workdir)
   checkpointer = Checkpointer(workdir, asynchronous=False)
   try:
@@ -72,7 +94,10 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
     model = nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0)))
     graphdef, abstract_params = nnx.split(model)
     tx = make_optimizer(config.train)
-    abstract = jax.eval_shape(lambda: init_state(abstract_params, tx, 0))
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
+        jax.eval_shape(lambda: init_state(abstract_params, tx, 0)))
     state, _ = checkpointer.restore(step, abstract)
   finally:
     checkpointer.close()
@@ -135,26 +160,41 @@ def plot_attention(model, config, tok, text: str, path: str, layer: int = 0) -> 
 def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              tokenizer_path: str | None = None, prompts: list[str] | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-             top_p: float = 1.0) -> dict:
-  """Evaluates a checkpoint; writes the report and plots into the workdir."""
+             top_p: float = 1.0, beam_size: int = 4, alpha: float = 0.6,
+             max_examples: int = 0) -> dict:
+  """Evaluates a checkpoint; writes the report and plots into the workdir.
+
+  `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
+  seq2seq runs.
+  """
   config, tok, model, step = load_run(workdir, step, tokenizer_path)
   if data:
     apply_data_flag(config, data)
   graphdef, params = nnx.split(model)
   batches = pipeline.make_eval_batches(config, tok, None)
   metrics = evaluate(jit_eval_step(graphdef, config.train.objective), params, batches)
-  stats = pipeline.split_stats(config, tok, "validation")
   report = {"step": step, "data": config.data.source, "loss": metrics["loss"],
             "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
-            "bits_per_byte": metrics["loss"] * metrics["targets"] / (stats.num_bytes * math.log(2)),
-            "unigram_loss": unigram_loss(config, tok), "targets": int(metrics["targets"]),
-            "bytes": stats.num_bytes}
-  if config.model.family == "decoder":
+            "targets": int(metrics["targets"])}
+  attention_text = (prompts or ["def add(a, b):\n    return a + b"])[0] + "(x)"
+  if config.train.objective == "next_token":
+    stats = pipeline.split_stats(config, tok, "validation")
+    report.update(
+        bits_per_byte=metrics["loss"] * metrics["targets"] / (stats.num_bytes * math.log(2)),
+        unigram_loss=unigram_loss(config, tok), bytes=stats.num_bytes)
     prompts = prompts or ["def ", "class ", "import "]
     outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
                     max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
                     temperature=temperature, top_k=top_k, top_p=top_p)
     report["samples"] = [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
+  elif config.train.objective == "mlm":
+    report.update(masked_lm_report(config, tok, batches, metrics))
+  else:
+    rows = seq2seq.load_rows(config, tok, "validation")
+    report["data"] = f"task={config.data.task}"
+    report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
+                                 max_examples=max_examples))
+    attention_text = rows.src_texts[0]
   report_path = os.path.join(workdir, "eval_report.json")
   with open(report_path, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=2)
@@ -164,9 +204,97 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report["files"].append(loss_png)
   attn_png = os.path.join(workdir, "attention_maps.png")
   if config.model.family != "encoder_decoder":
-    plot_attention(model, config, tok, (prompts or ["def add(a, b):\n    return a + b"])[0]
-                   + "(x)", attn_png)
+    plot_attention(model, config, tok, attention_text, attn_png)
     report["files"].append(attn_png)
+  return report
+
+
+def masked_lm_report(config, tok, batches, metrics) -> dict:
+  """Masked-token accuracy against the unigram baseline on the same masked targets.
+
+  The baseline predicts the most frequent train token at every masked
+  position (its accuracy) and the add-one-smoothed train token frequencies
+  (its cross-entropy).
+  """
+  train = tokens.load_split(config.data, tok, "train").tokens
+  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
+  logp = np.log(counts / counts.sum())
+  targets = np.concatenate([np.asarray(b["targets"])[np.asarray(b["loss_mask"]) > 0]
+                            for b in batches])
+  return {"masked_token_accuracy": metrics["accuracy"], "masked_tokens": int(len(targets)),
+          "unigram_accuracy": float(np.mean(targets == np.argmax(counts))),
+          "unigram_loss": float(-logp[targets].mean())}
+
+
+_GENERATION_BATCH = 64  # prompts per generation call (beam search: times the beam size)
+
+
+def predict(model, config, tok, rows, count: int, *, beam_size: int, alpha: float) -> list[str]:
+  """Texts generated for the first `count` pairs of `rows`: greedy (beam 1) or beam search.
+
+  Every call has the same shapes (the last batch is filled with copies of its
+  last prompt), so one compiled function serves them all. The budget of new
+  tokens is the longest target (with EOS) that the rows could hold.
+  """
+  t = config.train
+  prompts = [rows.prompt(i) for i in range(count)]
+  sources = [rows.src_ids[i].tolist() for i in range(count)]
+  prompt_width = max(len(p) for p in prompts)
+  if config.model.family == "decoder":
+    budget = t.seq_len + 1 - min(len(p) for p in prompts)
+    kwargs = {}
+  else:
+    budget = t.tgt_seq_len or t.seq_len
+    kwargs = {"source_width": max(max(len(s) for s in sources), 1)}
+  if config.model.pos_emb == "learned":
+    budget = min(budget, config.model.max_len - prompt_width)
+  outs = []
+  for start in range(0, count, _GENERATION_BATCH):
+    batch = list(range(start, min(start + _GENERATION_BATCH, count)))
+    batch += [batch[-1]] * (_GENERATION_BATCH - len(batch))
+    if config.model.family == "encoder_decoder":
+      kwargs["sources"] = [sources[i] for i in batch]
+    new = beam_search(model, config.model, [prompts[i] for i in batch], beam_size=beam_size,
+                      alpha=alpha, max_new_tokens=budget, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                      prompt_width=prompt_width, **kwargs)
+    outs.extend(new[:min(_GENERATION_BATCH, count - start)])
+  return [tok.decode(o) for o in outs]
+
+
+def text_scores(predictions: list[str], references: list[str], *,
+                bleu_tokenize: str = "13a") -> dict:
+  """Exact match (fraction), corpus BLEU and chrF (sacrebleu, 0-100).
+
+  BLEU splits words with sacrebleu's `13a` tokenizer; the synthetic tasks'
+  answers are single words, so they use `char` (BLEU over characters).
+  """
+  bleu = sacrebleu.corpus_bleu(predictions, [references], tokenize=bleu_tokenize)
+  return {"exact_match": float(np.mean([p == r for p, r in zip(predictions, references)])),
+          "bleu": bleu.score, "chrf": sacrebleu.corpus_chrf(predictions, [references]).score}
+
+
+def seq2seq_report(model, config, tok, rows, *, beam_size: int, alpha: float,
+                   max_examples: int = 0, num_samples: int = 10) -> dict:
+  """Greedy and beam-search scores on the validation pairs, with samples.
+
+  For code_summary also the copy-the-function-name baseline (the name split
+  on underscores) on the same pairs.
+  """
+  count = rows.num_pairs if not max_examples else min(max_examples, rows.num_pairs)
+  references = rows.tgt_texts[:count]
+  tokenize = "char" if config.data.task in tasks.SYNTHETIC_TASKS else "13a"
+  greedy = predict(model, config, tok, rows, count, beam_size=1, alpha=alpha)
+  beam = predict(model, config, tok, rows, count, beam_size=beam_size, alpha=alpha)
+  report = {"examples": count, "bleu_tokenize": tokenize,
+            "greedy": text_scores(greedy, references, bleu_tokenize=tokenize),
+            "beam": {"beam_size": beam_size, "alpha": alpha,
+                     **text_scores(beam, references, bleu_tokenize=tokenize)}}
+  if config.data.task == "code_summary":
+    report["name_baseline"] = text_scores(
+        [tasks.name_baseline(src) for src in rows.src_texts[:count]], references)
+  report["samples"] = [
+      {"source": rows.src_texts[i], "reference": references[i], "greedy": greedy[i],
+       "beam": beam[i]} for i in range(min(num_samples, count))]
   return report
 
 

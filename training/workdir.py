@@ -8,10 +8,12 @@ metrics and reports. This module sets one up and reads one back.
 import json
 import os
 
+import jax
+from jax.experimental import multihost_utils
 from ml_collections import config_dict
 
 from configs.errors import UserError
-from data import sources
+from data import pipeline
 from model import accounting
 import tokenizer as tokenizer_lib
 
@@ -51,27 +53,44 @@ def check_same_shapes(saved: config_dict.ConfigDict, config: config_dict.ConfigD
 
 
 def prepare(config: config_dict.ConfigDict, workdir: str) -> None:
-  """Creates the workdir, or checks that resuming it is compatible."""
+  """Creates the workdir, or checks that resuming it is compatible.
+
+  Process 0 writes; every process of a multi-host run checks (the workdir is
+  on a file system they share).
+  """
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, CONFIG_FILE)
   if os.path.exists(path):
     check_same_shapes(load_config(workdir), config, workdir)
-  _write_json_atomic(path, config_to_dict(config))
+  _barrier("prepare_workdir")
+  if jax.process_index() == 0:
+    _write_json_atomic(path, config_to_dict(config))
+
+
+def _barrier(name: str) -> None:
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
 
 
 def setup_tokenizer(config: config_dict.ConfigDict, workdir: str):
-  """The run's tokenizer: the workdir's, a given one copied in, or trained once."""
+  """The run's tokenizer: the workdir's, a given one copied in, or trained once.
+
+  Process 0 trains or copies it into the workdir; every process then loads
+  that copy, so all of them encode with the same vocabulary.
+
+  A trained one learns from the train split: its documents, or for a seq2seq
+  task every source and target of its train pairs.
+  """
   run_dir = os.path.join(workdir, TOKENIZER_DIR)
-  if os.path.isdir(run_dir):
-    tok = tokenizer_lib.load_tokenizer(run_dir)
-  else:
+  if jax.process_index() == 0 and not os.path.isdir(run_dir):
     if config.tokenizer.path:
       tok = tokenizer_lib.load_tokenizer(config.tokenizer.path)
     else:
-      texts = (text for _, text in sources.load_documents(config.data, "train"))
       tok = tokenizer_lib.train_tokenizer(config.tokenizer.kind, config.tokenizer.vocab_size,
-                                          texts)
+                                          pipeline.tokenizer_texts(config.data))
     tok.save(run_dir)
+  _barrier("setup_tokenizer")
+  tok = tokenizer_lib.load_tokenizer(run_dir)
   if tok.vocab_size > config.model.vocab_size:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size="
                     f"{config.model.vocab_size}; raise model.vocab_size")

@@ -1,0 +1,21 @@
+"""Add two multi-digit numbers (with carries) with a decoder-only prefix LM.
+
+Sources "a+b" with 1..8 digits per number, targets the sum; held-out pairs
+are 6..8 digits per number. 4 layers, d=128, learned positions, byte-level
+vocabulary; scored by exact match.
+"""
+from configs import base
+
+
+def get_config():
+  c = base.get_config()
+  c.model.update(family="decoder", vocab_size=260, d_model=128, num_layers=4, num_heads=4,
+                 d_ff=512, max_len=32, pos_emb="learned", norm="layernorm", mlp="gelu",
+                 attention_impl="xla")
+  c.tokenizer.update(kind="bpe", vocab_size=260)
+  c.data.update(task="addition", task_min_len=1, task_max_len=8, task_test_min_len=6,
+                task_size=50000, task_test_size=500)
+  c.train.update(objective="seq2seq", num_steps=1500, batch_size=64, seq_len=32,
+                 learning_rate=2e-3, warmup_steps=100, weight_decay=0.01, log_every=50,
+                 eval_every=500, eval_steps=4, checkpoint_every=500)
+  return c

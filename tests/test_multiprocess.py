@@ -1,0 +1,55 @@
+"""Two processes on one machine (coordinator on 127.0.0.1) train, checkpoint
+and resume together, with the losses of a single-process run."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import numpy as np
+
+from tests.test_train import ROOT, small_config, tok_dir, train_cmd  # pylint: disable=unused-import
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _train_losses(workdir) -> dict[int, float]:
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["loss"] for r in rows if r["split"] == "train"}
+
+
+def _two_processes(cmd):
+  port = _free_port()
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
+    procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True))
+  outs = [p.communicate(timeout=300)[0] for p in procs]
+  for p, out in zip(procs, outs):
+    assert p.returncode == 0, out
+  return outs
+
+
+def test_two_processes_train_checkpoint_and_resume(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.update(num_steps=6, log_every=1, checkpoint_every=3, eval_every=6)
+  single, multi = tmp_path / "single", tmp_path / "multi"
+  subprocess.run(train_cmd(c, single), cwd=ROOT, check=True, capture_output=True,
+                 env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  c.train.num_steps = 4
+  outs = _two_processes(train_cmd(c, multi))
+  assert "step 4:" in outs[0] and "step 4:" not in outs[1]  # only process 0 prints
+  c.train.num_steps = 6
+  outs = _two_processes(train_cmd(c, multi))
+  assert f"Resuming {multi} from step 4." in outs[0]
+  want, got = _train_losses(single), _train_losses(multi)
+  assert sorted(got) == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
+                             rtol=1e-5)
