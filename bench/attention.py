@@ -45,6 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
+from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
 from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
 
 COMPETITORS = ("ours", "xla", "cudnn", "jax_pallas")
@@ -248,17 +249,6 @@ def tune_table(rows: list[dict]) -> str:
     lines.append(f"| {c['label']} | {c['S']} | {c['D']} | "
                  f"{'yes' if c['causal'] else 'no'} | {cells} |")
   return "\n".join(lines)
-
-
-def git_commit() -> str:
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout
-    return commit.strip() + ("+dirty" if dirty.strip() else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def main():

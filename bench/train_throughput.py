@@ -37,7 +37,6 @@ import json
 import pathlib
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 
@@ -46,6 +45,7 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 # pylint: disable=wrong-import-position
+from bench.bench_utils import git_commit
 import flax
 import jax
 import numpy as np
@@ -76,18 +76,6 @@ _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Per-device peak TFLOP/s f
 _TOKENS_ONLY_ROW = flags.DEFINE_boolean("tokens_only_row", False, "Also time the plain step "
                                         "calling model(inputs) without segment ids/positions.")
 flags.mark_flags_as_required(["config"])
-
-
-def git_commit() -> str:
-  """`git rev-parse --short HEAD`, with +dirty for a changed tree; "unknown" on failure."""
-  try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT,
-                           capture_output=True, text=True, check=True).stdout
-    return commit.strip() + ("+dirty" if dirty.strip() else "")
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
 
 
 def random_batch(vocab_size: int, batch_size: int, seq_len: int, seed: int) -> dict:
