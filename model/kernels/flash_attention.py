@@ -205,6 +205,20 @@ def _causal_kv_tiles(q_start, block_q: int, block_k: int, num_kv_tiles: int):
   return full, visible
 
 
+def _loop_over_kv_tiles(tile, carry, *, causal: bool, q_start, block_q: int, block_k: int,
+                        num_kv_tiles: int):
+  """Runs `tile(j, carry, causal=...)` over the key tiles a query tile sees.
+
+  Causal: the tiles below the diagonal without a mask, the tiles crossing it
+  with one, the rest skipped. Otherwise every tile, without a mask.
+  """
+  if not causal:
+    return lax.fori_loop(0, num_kv_tiles, functools.partial(tile, causal=False), carry)
+  full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
+  carry = lax.fori_loop(0, full, functools.partial(tile, causal=False), carry)
+  return lax.fori_loop(full, visible, functools.partial(tile, causal=True), carry)
+
+
 def _causal_q_tiles(k_start, block_q: int, block_k: int, num_q_tiles: int):
   """Query tiles [first, full) cross the diagonal of a key tile, [full, end)
   see all of it, and those before `first` see none of it."""
@@ -246,14 +260,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
   carry = (jnp.zeros(q_TD.shape, jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  if cfg.causal:
-    full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
-    carry = lax.fori_loop(0, full, functools.partial(tile, causal=False), carry)
-    carry = lax.fori_loop(full, visible, functools.partial(tile, causal=True),
-                          carry)
-  else:
-    carry = lax.fori_loop(0, num_kv_tiles,
-                          functools.partial(tile, causal=False), carry)
+  carry = _loop_over_kv_tiles(tile, carry, causal=cfg.causal, q_start=q_start,
+                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles)
   o_TD, m_T, l_T = carry
   empty_T = l_T == 0.0
   o_ref[...] = (o_TD / jnp.where(empty_T, 1.0, l_T)[:, None]).astype(o_ref.dtype)
@@ -335,14 +343,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     return dq_TD + _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
 
   dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
-  if cfg.causal:
-    full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
-    dq_TD = lax.fori_loop(0, full, functools.partial(tile, causal=False), dq_TD)
-    dq_TD = lax.fori_loop(full, visible, functools.partial(tile, causal=True),
-                          dq_TD)
-  else:
-    dq_TD = lax.fori_loop(0, num_kv_tiles, functools.partial(tile, causal=False),
-                          dq_TD)
+  dq_TD = _loop_over_kv_tiles(tile, dq_TD, causal=cfg.causal, q_start=q_start,
+                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles)
   dq_ref[...] = (dq_TD * cfg.scale).astype(dq_ref.dtype)
 
 
