@@ -39,7 +39,6 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from training import evaluate  # pylint: disable=import-outside-toplevel
   try:
-    evaluate.raise_if_not_run(_WORKDIR.value)
     report = evaluate.run_eval(
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,

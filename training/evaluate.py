@@ -296,8 +296,3 @@ def seq2seq_report(model, config, tok, rows, *, beam_size: int, alpha: float,
       {"source": rows.src_texts[i], "reference": references[i], "greedy": greedy[i],
        "beam": beam[i]} for i in range(min(num_samples, count))]
   return report
-
-
-def raise_if_not_run(workdir: str) -> None:
-  if not os.path.isdir(workdir):
-    raise UserError(f"--workdir {workdir}: no such directory")

@@ -26,6 +26,8 @@ def config_to_dict(config: config_dict.ConfigDict) -> dict:
 
 
 def load_config(workdir: str) -> config_dict.ConfigDict:
+  if not os.path.isdir(workdir):
+    raise UserError(f"--workdir {workdir}: no such directory")
   path = os.path.join(workdir, CONFIG_FILE)
   if not os.path.exists(path):
     raise UserError(f"{workdir} is not a run directory (no {CONFIG_FILE}); "
