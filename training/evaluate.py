@@ -35,15 +35,13 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import pipeline, seq2seq, tasks, tokens  # pylint: disable=wrong-import-position
-from model import build_model  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpointer, resolve_step  # pylint: disable=wrong-import-position
 from training.loop import evaluate  # pylint: disable=wrong-import-position
 from training.metrics import read_metrics  # pylint: disable=wrong-import-position
-from training.optim import make_optimizer  # pylint: disable=wrong-import-position
-from training.steps import init_state, jit_eval_step  # pylint: disable=wrong-import-position
+from training.steps import abstract_state, jit_eval_step  # pylint: disable=wrong-import-position
 
 EMBEDDED = ("stdlib", "pydoc", "embedded")
 
@@ -91,13 +89,10 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
     meta = checkpointer.restore_meta(step)
     tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
     tokenizer_lib.check_fingerprint(meta["tokenizer_fingerprint"], tok)
-    model = nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0)))
-    graphdef, abstract_params = nnx.split(model)
-    tx = make_optimizer(config.train)
+    graphdef, abstract = abstract_state(config)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device),
-        jax.eval_shape(lambda: init_state(abstract_params, tx, 0)))
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
     state, _ = checkpointer.restore(step, abstract)
   finally:
     checkpointer.close()

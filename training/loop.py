@@ -33,7 +33,7 @@ from training.checkpoint import Checkpointer
 from training.metrics import MetricsWriter
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
-from training.steps import init_state, jit_eval_step, jit_train_step
+from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
 
 # Dense bf16 peak per device, TFLOP/s (datasheets), for MFU.
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
@@ -270,9 +270,7 @@ def restore_params(source: str, abstract_params, mesh, rules):
     step = checkpointer.latest_step()
     if step is None:
       raise UserError(f"train.restore_from={source!r}: it has no checkpoint")
-    tx = make_optimizer(source_config.train)
-    graphdef_model = build_model(source_config.model, nnx.Rngs(0))
-    abstract = jax.eval_shape(lambda: init_state(nnx.split(graphdef_model)[1], tx, 0))
+    _, abstract = abstract_state(source_config)
     state, _ = checkpointer.restore(
         step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
   finally:

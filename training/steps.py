@@ -19,13 +19,25 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from model import build_model
 from training.objectives import batch_loss
+from training.optim import make_optimizer
 
 
 def init_state(params, tx, seed: int) -> dict:
   return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
           "bad_step": jnp.full((), -1, jnp.int32), "rng": jax.random.key_data(
               jax.random.key(seed))}
+
+
+def abstract_state(config):
+  """(graphdef, train state of ShapeDtypeStructs) of a run config, nothing allocated.
+
+  The restore target for a checkpoint saved with `config`.
+  """
+  graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0))))
+  tx = make_optimizer(config.train)
+  return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
 
 def _loss_sums(graphdef, params, batch, objective):
