@@ -31,7 +31,10 @@ dV of a KV head are summed over its H // K query heads inside one program, so
 K and V are never copied per query head.
 
 The kernels are plain `pl.pallas_call`s: Triton lowering on an NVIDIA GPU,
-the Pallas interpreter everywhere else.
+the Pallas interpreter everywhere else. On Hopper (H100/H200), inputs the
+Mosaic GPU kernels of `flash_attention_hopper.py` take (16-bit, head_dim 64
+or 128, no segment ids) go there instead: `choose_lowering` is the rule and
+`flash_attention(lowering=...)` overrides it.
 """
 import dataclasses
 import functools
@@ -43,8 +46,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from model.kernels import flash_attention_hopper as hopper
+
 _LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
+
+
+def _is_hopper(device_kind: str) -> bool:
+  return any(name in device_kind for name in ("H100", "H200", "H800", "GH200"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,8 +122,7 @@ def choose_block_sizes(q_len: int, kv_len: int, head_dim: int, *,
   These are starting points; `bench/attention.py --tune` measures the
   alternatives on the card at hand.
   """
-  if backend == "gpu" and any(name in device_kind
-                              for name in ("H100", "H200", "H800", "GH200")):
+  if backend == "gpu" and _is_hopper(device_kind):
     wide = 128 if head_dim <= 64 else 64
     blocks = BlockSizes(
         block_q=128, block_k=wide, block_q_dkv=64, block_k_dkv=wide,
@@ -473,12 +481,28 @@ def _round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 
 
+LOWERINGS = ("triton", "mosaic_gpu")
+
+
+def choose_lowering(q_BTHD, k_BSKD, *, has_segments: bool, backend: str,
+                    device_kind: str) -> str:
+  """Which kernel runs: "mosaic_gpu" (`flash_attention_hopper.py`: wgmma,
+  TMA, warp specialisation) on a Hopper GPU for the inputs it takes, else
+  "triton" (this file: every GPU, every mask; the one the interpreter runs
+  on CPU)."""
+  if backend == "gpu" and _is_hopper(device_kind) and hopper.supports(
+      q_BTHD, k_BSKD, has_segments=has_segments) is None:
+    return "mosaic_gpu"
+  return "triton"
+
+
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "scale", "block_q", "block_k", "interpret"))
+    "causal", "scale", "block_q", "block_k", "interpret", "lowering"))
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                     q_segment_ids=None, kv_segment_ids=None,
                     scale: float | None = None, block_q: int | None = None,
-                    block_k: int | None = None, interpret: bool | None = None):
+                    block_k: int | None = None, interpret: bool | None = None,
+                    lowering: str | None = None):
   """Exact attention by tiles with the online softmax (FlashAttention).
 
   Args:
@@ -491,6 +515,10 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
     interpret: run the Pallas interpreter; default: when not on a GPU.
+    lowering: "triton" (the portable kernels of this file) or "mosaic_gpu"
+      (the Hopper kernels, 16-bit, head_dim 64/128, no segment ids; only
+      block_k applies, query tiles are 64 rows per warpgroup); default
+      `choose_lowering`.
 
   Returns:
     [B, T, H, D] in q's dtype; rows with no visible key are zeros.
@@ -513,6 +541,29 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                        f"two >= {_MIN_BLOCK}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  scale = D ** -0.5 if scale is None else float(scale)
+  has_segments = q_segment_ids is not None
+  if lowering is None:
+    lowering = choose_lowering(q_BTHD, k_BSKD, has_segments=has_segments,
+                               backend=jax.default_backend(),
+                               device_kind=jax.devices()[0].device_kind)
+  if lowering == "mosaic_gpu":
+    reason = hopper.supports(q_BTHD, k_BSKD, has_segments=has_segments)
+    if reason is not None:
+      raise ValueError(f"flash_attention: lowering='mosaic_gpu' does not take "
+                       f"{reason}; use lowering='triton'")
+    if block_q is not None:
+      raise ValueError("flash_attention: lowering='mosaic_gpu' has query tiles "
+                       f"of {hopper.ROWS} rows per warpgroup; drop block_q={block_q}")
+    blocks = hopper.choose_hopper_blocks(D)
+    if block_k is not None:
+      blocks = dataclasses.replace(blocks, block_k=block_k)
+    return hopper.hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal,
+                                         scale=scale, blocks=blocks,
+                                         interpret=interpret)
+  if lowering != "triton":
+    raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
+                     f"{LOWERINGS}")
   blocks = choose_block_sizes(T, S, D, backend=jax.default_backend(),
                               device_kind=jax.devices()[0].device_kind)
   if block_q is not None:
@@ -521,8 +572,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if block_k is not None:
     blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dkv=block_k,
                                  block_k_dq=block_k)
-  cfg = _Config(scale=D ** -0.5 if scale is None else float(scale),
-                causal=causal, q_len=T, kv_len=S, num_kv_heads=K,
+  cfg = _Config(scale=scale, causal=causal, q_len=T, kv_len=S, num_kv_heads=K,
                 blocks=blocks, interpret=interpret)
 
   # Tile alignment: zero-pad the head dim to a power of two >= 16 and the
