@@ -58,6 +58,8 @@ def get_config() -> config_dict.ConfigDict:
   d.task_max_len = 24  # reverse | sort | addition: longest string (digits per number)
   d.task_test_min_len = 0  # shortest held-out string; 0: task_min_len (raise it to test longer)
   d.task_seed = 0  # reverse | sort | addition: which examples are drawn
+  d.task_addition_format = "plain"  # addition: plain ("12+5" -> "17") | aligned (numbers
+  # zero-padded to task_max_len digits, sum least-significant digit first: "012+005" -> "7100")
   d.src_field = "src"  # pairs: JSONL field or TSV header column of the source
   d.tgt_field = "tgt"  # pairs: JSONL field or TSV header column of the target
 

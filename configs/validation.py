@@ -22,6 +22,7 @@ CHOICES = {
     "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord"),
     "data.packing": ("packed", "concat"),
     "data.task": ("none", "reverse", "sort", "addition", "code_summary", "pairs"),
+    "data.task_addition_format": ("plain", "aligned"),
     "train.objective": ("next_token", "seq2seq", "mlm"),
 }
 
@@ -109,7 +110,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   """Checks a whole run config (model, tokenizer, data, train, mesh)."""
   validate_model(config.model)
   for field in ("tokenizer.kind", "data.source", "data.packing", "data.task",
-                "train.objective"):
+                "data.task_addition_format", "train.objective"):
     _check_choice(config, field)
   for field in ("train.num_steps", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "train.log_every", "train.eval_every",

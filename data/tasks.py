@@ -6,8 +6,15 @@ LM, `data/seq2seq.py`). `data.task` selects the pairs:
 
 - `reverse`: a random lowercase string -> the string reversed.
 - `sort`: a random string of digits -> its digits in ascending order.
-- `addition`: "a+b" with a and b of task_min_len..task_max_len digits ->
-  str(a + b) (carries across digits).
+- `addition`: a and b of task_min_len..task_max_len digits, written as
+  data.task_addition_format says:
+  `plain`: "a+b" -> the sum, "12+5" -> "17";
+  `aligned`: both numbers zero-padded to task_max_len digits, the sum
+  zero-padded to task_max_len + 1 digits and written least-significant digit
+  first, so each digit of the sum sits a fixed distance from the digits it
+  depends on and is written after the carry into it: with task_max_len=3,
+  "012+005" -> "7100". A target is the sum and nothing else in both formats,
+  so exact match on it is exact match on the sum.
   These three are synthetic and exactly scorable: drawn from
   np.random.default_rng((data.task_seed, split)), lengths uniform in
   [task_min_len, task_max_len] for train and [task_test_min_len or
@@ -66,7 +73,8 @@ def tokenizer_texts(data_config: config_dict.ConfigDict) -> list[str]:
 
 # Synthetic tasks.
 
-def make_example(task: str, rng: np.random.Generator, min_len: int, max_len: int) -> Pair:
+def make_example(task: str, rng: np.random.Generator, min_len: int, max_len: int,
+                 addition_format: str = "plain") -> Pair:
   """One example of a synthetic task, lengths uniform in [min_len, max_len]."""
   if task == "reverse":
     src = "".join(rng.choice(_LETTERS, rng.integers(min_len, max_len + 1)))
@@ -76,8 +84,17 @@ def make_example(task: str, rng: np.random.Generator, min_len: int, max_len: int
     return src, "".join(sorted(src))
   if task == "addition":
     a, b = (_random_number(rng, int(rng.integers(min_len, max_len + 1))) for _ in range(2))
-    return f"{a}+{b}", str(a + b)
+    return addition_pair(a, b, addition_format, max_len)
   raise ValueError(f"not a synthetic task: {task!r}")
+
+
+def addition_pair(a: int, b: int, addition_format: str, width: int) -> Pair:
+  """a + b in `addition_format` (`plain` or `aligned` to `width` digits; see the top)."""
+  if addition_format == "plain":
+    return f"{a}+{b}", str(a + b)
+  if addition_format == "aligned":
+    return f"{a:0{width}d}+{b:0{width}d}", str(a + b).zfill(width + 1)[::-1]
+  raise ValueError(f"not an addition format: {addition_format!r}")
 
 
 def _random_number(rng: np.random.Generator, digits: int) -> int:
@@ -89,18 +106,22 @@ def _random_number(rng: np.random.Generator, digits: int) -> int:
 def synthetic_pairs(data_config: config_dict.ConfigDict, split: str) -> list[Pair]:
   d = data_config
   test_min_len = d.task_test_min_len or d.task_min_len
+  # Runs saved before data.task_addition_format existed were plain.
+  addition_format = d.get("task_addition_format", "plain")
   held_out = _draw(d.task, d.task_seed, "validation", d.task_test_size, test_min_len,
-                   d.task_max_len)
+                   d.task_max_len, addition_format)
   if split == "validation":
     return held_out
   held_out_sources = {src for src, _ in held_out}
-  train = _draw(d.task, d.task_seed, "train", d.task_size, d.task_min_len, d.task_max_len)
+  train = _draw(d.task, d.task_seed, "train", d.task_size, d.task_min_len, d.task_max_len,
+                addition_format)
   return [pair for pair in train if pair[0] not in held_out_sources]
 
 
-def _draw(task: str, seed: int, split: str, count: int, min_len: int, max_len: int) -> list[Pair]:
+def _draw(task: str, seed: int, split: str, count: int, min_len: int, max_len: int,
+          addition_format: str) -> list[Pair]:
   rng = np.random.default_rng((seed, _SPLIT_IDS[split]))
-  return [make_example(task, rng, min_len, max_len) for _ in range(count)]
+  return [make_example(task, rng, min_len, max_len, addition_format) for _ in range(count)]
 
 
 # Code summarisation on the standard library.

@@ -59,6 +59,8 @@ RUN_CASES = [
     ("data.task", "translate", "data.task='translate': must be one of none, reverse, sort"),
     ("data.task", "sort", "data.task='sort': needs train.objective=seq2seq (is next_token)"),
     ("data.task_size", 0, "data.task_size=0: must be a positive integer"),
+    ("data.task_addition_format", "reversed",
+     "data.task_addition_format='reversed': must be one of plain, aligned"),
     ("data.task_max_len", 2, "data.task_max_len=2: must be >= data.task_min_len=4"),
     ("data.task_test_min_len", 30, "data.task_test_min_len=30: must be 0 or in "
      "[data.task_min_len, data.task_max_len] = [4, 24]"),

@@ -193,6 +193,30 @@ def test_addition_carries():
   assert all(int(t) == sum(map(int, s.split("+"))) for s, t in pairs)
 
 
+def test_addition_formats():
+  assert tasks.addition_pair(12, 5, "plain", 3) == ("12+5", "17")
+  assert tasks.addition_pair(12, 5, "aligned", 3) == ("012+005", "7100")
+  assert tasks.addition_pair(999, 1, "aligned", 3) == ("999+001", "0001")
+  assert tasks.addition_pair(0, 0, "aligned", 2) == ("00+00", "000")
+
+
+def test_aligned_addition_draws_the_plain_numbers():
+  c = task_config(data__task="addition", data__task_min_len=1, data__task_max_len=5,
+                  data__task_test_min_len=4)
+  plain = {split: tasks.load_pairs(c.data, split) for split in ("train", "validation")}
+  c.data.task_addition_format = "aligned"
+  aligned = {split: tasks.load_pairs(c.data, split) for split in ("train", "validation")}
+  for split in ("train", "validation"):
+    assert len(aligned[split]) == len(plain[split])
+    for (src, tgt), (plain_src, plain_tgt) in zip(aligned[split], plain[split]):
+      a, b = src.split("+")
+      assert len(a) == len(b) == 5 and len(tgt) == 6
+      assert f"{int(a)}+{int(b)}" == plain_src and int(tgt[::-1]) == int(plain_tgt)
+  assert min(len(n.lstrip("0")) for s, _ in aligned["validation"] for n in s.split("+")) == 4
+  del c.data.task_addition_format  # a run saved before the field existed: plain
+  assert tasks.load_pairs(c.data, "validation") == plain["validation"]
+
+
 SNIPPET = '''
 import os
 
