@@ -18,10 +18,13 @@ from configs.errors import UserError
 
 class Checkpointer:
 
-  def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True):
+  def __init__(self, workdir: str, *, keep: int = 3, asynchronous: bool = True,
+               read_only: bool = False):
+    """`read_only`: for reading another run, which may be saving right now: creates
+    nothing and leaves its temporary directories (saves in progress) alone."""
     self.directory = os.path.abspath(os.path.join(workdir, "checkpoints"))
     options = ocp.CheckpointManagerOptions(
-        max_to_keep=keep, create=True, cleanup_tmp_directories=True,
+        max_to_keep=keep, create=not read_only, cleanup_tmp_directories=not read_only,
         enable_async_checkpointing=asynchronous)
     self.manager = ocp.CheckpointManager(
         self.directory, options=options,

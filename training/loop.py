@@ -164,8 +164,6 @@ def train(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming it); returns the last metrics."""
   maybe_initialize_distributed()
   validate(config)
-  workdir_lib.prepare(config, workdir)
-  tokenizer = workdir_lib.setup_tokenizer(config, workdir)
   tc = config.train
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
 
@@ -180,6 +178,12 @@ def train(config, workdir: str) -> dict:
 
   abstract_state = jax.eval_shape(make_state)
   state_sharding = train_state_shardings(abstract_state, mesh, rules)
+  source_params = None
+  if tc.restore_from and not _has_checkpoint(workdir):
+    # Before anything is written to the workdir: a bad source leaves it untouched.
+    source_params = restore_params(tc.restore_from, abstract_state["params"], mesh, rules)
+  workdir_lib.prepare(config, workdir)
+  tokenizer = workdir_lib.setup_tokenizer(config, workdir)
   process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
   eval_batches = [shard_batch(batch, mesh) for batch in
@@ -196,8 +200,8 @@ def train(config, workdir: str) -> dict:
   else:
     # Created under jit in its shards: the full state never sits on one device.
     state = jax.jit(make_state, out_shardings=state_sharding)()
-    if tc.restore_from:
-      state["params"] = restore_params(tc.restore_from, abstract_state["params"], mesh, rules)
+    if source_params is not None:  # fresh optimizer state and step 0
+      state["params"] = source_params
     start = 0
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
@@ -262,19 +266,32 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
   return out
 
 
+def _has_checkpoint(workdir: str) -> bool:
+  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
+  try:
+    return checkpointer.latest_step() is not None
+  finally:
+    checkpointer.close()
+
+
 def restore_params(source: str, abstract_params, mesh, rules):
-  """Parameters of the newest checkpoint of another workdir (fine-tuning), on `mesh`."""
-  source_config = workdir_lib.load_config(source)
-  checkpointer = Checkpointer(source, asynchronous=False)
+  """Parameters of the newest checkpoint of another workdir (fine-tuning), on `mesh`.
+
+  Only reads `source`, which may still be training.
+  """
+  if not os.path.exists(os.path.join(source, workdir_lib.CONFIG_FILE)):
+    raise UserError(f"train.restore_from={source!r}: not a run directory "
+                    f"(no {workdir_lib.CONFIG_FILE})")
+  _, abstract = abstract_state(workdir_lib.load_config(source))
+  if jax.tree.map(np.shape, abstract["params"]) != jax.tree.map(np.shape, abstract_params):
+    raise UserError(f"train.restore_from={source!r}: its parameters have other shapes")
+  checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
     step = checkpointer.latest_step()
     if step is None:
       raise UserError(f"train.restore_from={source!r}: it has no checkpoint")
-    _, abstract = abstract_state(source_config)
     state, _ = checkpointer.restore(
         step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
   finally:
     checkpointer.close()
-  if jax.tree.map(np.shape, state["params"]) != jax.tree.map(np.shape, abstract_params):
-    raise UserError(f"train.restore_from={source!r}: its parameters have other shapes")
   return state["params"]
