@@ -1,9 +1,10 @@
 """The Hopper (Mosaic GPU) FlashAttention kernels against the reference.
 
-The kernels run in the Mosaic GPU interpreter on CPU (warpgroups, shared
+On CPU the kernels run in the Mosaic GPU interpreter (warpgroups, shared
 memory, TMA copies and barriers simulated; wgmma replaced by a dot, see
 `flash_attention_hopper._Ops`), forward and all three gradients, and their
-Mosaic GPU lowering for CUDA is built (not compiled: no GPU here).
+Mosaic GPU lowering for CUDA is built (not compiled). On a Hopper GPU the
+same cases run the compiled kernels.
 
 Tolerance, as max |kernel - oracle| / max(max |oracle|, 1) against the float32
 reference on the same rounded inputs: 1e-2 for float16, 3e-2 for bfloat16
@@ -30,24 +31,42 @@ def _inputs(B, T, S, H, K, D, dtype, seed=0):
   return q, k, v, do
 
 
-@pytest.mark.parametrize("B,T,S,H,K,D,causal,dtype,blocks", [
-    # GQA, causal, lengths off the tile grid (padded queries, masked keys).
-    (1, 130, 200, 2, 1, 64, True, jnp.float16, None),
+def _segments(B, L, seed):
+  """Packed segment ids [B, L]: ascending ids 1..3, trailing 0 padding."""
+  rng = np.random.RandomState(seed)
+  ids = np.sort(rng.randint(1, 4, size=(B, L)), axis=1)
+  ids[:, L - L // 5:] = 0
+  return jnp.asarray(ids, jnp.int32)
+
+
+@pytest.mark.parametrize("B,T,S,H,K,D,causal,segments,dtype,blocks", [
+    # GQA, causal, packed segments with empty rows, lengths off the tile grid
+    # (padded queries, masked keys).
+    (1, 130, 200, 2, 1, 64, True, True, jnp.float16, None),
     # head_dim 128, four key tiles through a two-slot ring, two KV heads.
-    (1, 128, 256, 2, 2, 128, False, jnp.bfloat16, hopper.HopperBlocks(64, 64, 2)),
-    # T > S causal: whole query tiles past the keys, warpgroups that skip
-    # steps their neighbour needs, MQA over three query heads.
-    (1, 256, 128, 3, 1, 64, True, jnp.bfloat16, hopper.HopperBlocks(64, 64, 2)),
+    (1, 128, 256, 2, 2, 128, False, False, jnp.bfloat16,
+     hopper.HopperBlocks(64, 64, 2)),
+    # T > S causal: whole query tiles past the keys, unmasked and masked key
+    # tiles, warpgroups that skip steps their neighbour needs, MQA over three
+    # query heads.
+    (1, 256, 128, 3, 1, 64, True, False, jnp.bfloat16,
+     hopper.HopperBlocks(64, 64, 2)),
 ])
-def test_interpreted_matches_reference(B, T, S, H, K, D, causal, dtype, blocks):
+def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
   q, k, v, do = _inputs(B, T, S, H, K, D, dtype)
+  # The first 5 queries get id 9, which no key has: rows that see nothing.
+  q_seg = _segments(B, T, 0).at[:, :5].set(9) if segments else None
+  kv_seg = _segments(B, S, 1) if segments else None
+  interpret = jax.default_backend() != "gpu"
 
   def kernel(q, k, v):
-    return hopper.hopper_flash_attention(q, k, v, causal=causal, scale=D ** -0.5,
-                                         blocks=blocks, interpret=True)
+    return hopper.hopper_flash_attention(
+        q, k, v, causal=causal, scale=D ** -0.5, q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg, blocks=blocks, interpret=interpret)
 
   def oracle(q, k, v):
-    return attention(q, k, v, causal=causal, implementation="reference")
+    return attention(q, k, v, causal=causal, implementation="reference",
+                     segment_ids=None if q_seg is None else (q_seg, kv_seg))
 
   out, vjp = jax.vjp(kernel, q, k, v)
   got = (out, *vjp(do))
@@ -60,18 +79,23 @@ def test_interpreted_matches_reference(B, T, S, H, K, D, causal, dtype, blocks):
     assert np.isfinite(a).all(), f"{name}: not finite"
     err = np.abs(a - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1.0)
     assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+  if segments:  # queries that see no key: exactly zero output and gradient
+    assert not np.asarray(got[0][:, :5]).any() and not np.asarray(got[1][:, :5]).any()
 
 
-@pytest.mark.parametrize("D,causal", [(64, True), (128, False)])
-def test_mosaic_gpu_lowering_builds(D, causal):
+@pytest.mark.parametrize("D,causal,segments", [(64, True, False), (128, False, True)])
+def test_mosaic_gpu_lowering_builds(D, causal, segments):
   """Forward, dQ and dK/dV lower through Pallas' Mosaic GPU backend for CUDA
   (to the Mosaic GPU dialect; ptxas runs only on a GPU)."""
   q = jax.ShapeDtypeStruct((2, 512, 4, D), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 384, 2, D), jnp.bfloat16)
+  q_seg = jnp.ones((2, 512), jnp.int32) if segments else None
+  kv_seg = jnp.ones((2, 384), jnp.int32) if segments else None
 
   def grads(q, k, v):
     def loss(q, k, v):
       out = flash_attention(q, k, v, causal=causal, interpret=False,
+                            q_segment_ids=q_seg, kv_segment_ids=kv_seg,
                             lowering="mosaic_gpu")
       return out.astype(jnp.float32).sum()
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -86,28 +110,26 @@ def test_choose_lowering():
   """Mosaic GPU on Hopper for what it takes; Triton for the rest."""
   bf16 = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
   h200 = dict(backend="gpu", device_kind="NVIDIA H200")
-  assert choose_lowering(bf16, bf16, has_segments=False, **h200) == "mosaic_gpu"
-  assert choose_lowering(bf16, bf16, has_segments=True, **h200) == "triton"
+  assert choose_lowering(bf16, bf16, **h200) == "mosaic_gpu"
   f32 = bf16.astype(jnp.float32)
-  assert choose_lowering(f32, f32, has_segments=False, **h200) == "triton"
+  assert choose_lowering(f32, f32, **h200) == "triton"
   d32 = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
-  assert choose_lowering(d32, d32, has_segments=False, **h200) == "triton"
-  assert choose_lowering(bf16, bf16, has_segments=False, backend="gpu",
+  assert choose_lowering(d32, d32, **h200) == "triton"
+  assert choose_lowering(bf16, bf16, backend="gpu",
                          device_kind="NVIDIA A100-SXM4-80GB") == "triton"
-  assert choose_lowering(bf16, bf16, has_segments=False, backend="cpu",
-                         device_kind="cpu") == "triton"
+  assert choose_lowering(bf16, bf16, backend="cpu", device_kind="cpu") == "triton"
 
 
 def test_mosaic_gpu_refuses_what_it_does_not_take():
   q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
-  seg = jnp.ones((1, 128), jnp.int32)
-  with pytest.raises(ValueError, match="segment ids.*lowering='triton'"):
-    flash_attention(q, q, q, q_segment_ids=seg, kv_segment_ids=seg,
-                    lowering="mosaic_gpu")
-  with pytest.raises(ValueError, match="float32"):
+  with pytest.raises(ValueError, match="float32.*lowering='triton'"):
     flash_attention(q.astype(jnp.float32), q.astype(jnp.float32),
                     q.astype(jnp.float32), lowering="mosaic_gpu")
+  with pytest.raises(ValueError, match="head_dim 32"):
+    flash_attention(q[..., :32], q[..., :32], q[..., :32], lowering="mosaic_gpu")
   with pytest.raises(ValueError, match="block_q"):
     flash_attention(q, q, q, block_q=64, lowering="mosaic_gpu")
+  with pytest.raises(ValueError, match="block_k"):
+    flash_attention(q, q, q, block_k=32, lowering="mosaic_gpu")
   with pytest.raises(ValueError, match="lowering="):
     flash_attention(q, q, q, lowering="mosaic")

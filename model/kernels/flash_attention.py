@@ -33,7 +33,7 @@ K and V are never copied per query head.
 The kernels are plain `pl.pallas_call`s: Triton lowering on an NVIDIA GPU,
 the Pallas interpreter everywhere else. On Hopper (H100/H200), inputs the
 Mosaic GPU kernels of `flash_attention_hopper.py` take (16-bit, head_dim 64
-or 128, no segment ids) go there instead: `choose_lowering` is the rule and
+or 128) go there instead: `choose_lowering` is the rule and
 `flash_attention(lowering=...)` overrides it.
 """
 import dataclasses
@@ -484,14 +484,13 @@ def _round_up(n: int, multiple: int) -> int:
 LOWERINGS = ("triton", "mosaic_gpu")
 
 
-def choose_lowering(q_BTHD, k_BSKD, *, has_segments: bool, backend: str,
-                    device_kind: str) -> str:
+def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
   """Which kernel runs: "mosaic_gpu" (`flash_attention_hopper.py`: wgmma,
   TMA, warp specialisation) on a Hopper GPU for the inputs it takes, else
   "triton" (this file: every GPU, every mask; the one the interpreter runs
   on CPU)."""
   if backend == "gpu" and _is_hopper(device_kind) and hopper.supports(
-      q_BTHD, k_BSKD, has_segments=has_segments) is None:
+      q_BTHD, k_BSKD) is None:
     return "mosaic_gpu"
   return "triton"
 
@@ -516,7 +515,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       kernel, forward and backward; default `choose_block_sizes`.
     interpret: run the Pallas interpreter; default: when not on a GPU.
     lowering: "triton" (the portable kernels of this file) or "mosaic_gpu"
-      (the Hopper kernels, 16-bit, head_dim 64/128, no segment ids; only
+      (the Hopper kernels: 16-bit, head_dim 64 or 128; only
       block_k applies, query tiles are 64 rows per warpgroup); default
       `choose_lowering`.
 
@@ -542,25 +541,27 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   scale = D ** -0.5 if scale is None else float(scale)
-  has_segments = q_segment_ids is not None
   if lowering is None:
-    lowering = choose_lowering(q_BTHD, k_BSKD, has_segments=has_segments,
-                               backend=jax.default_backend(),
+    lowering = choose_lowering(q_BTHD, k_BSKD, backend=jax.default_backend(),
                                device_kind=jax.devices()[0].device_kind)
   if lowering == "mosaic_gpu":
-    reason = hopper.supports(q_BTHD, k_BSKD, has_segments=has_segments)
+    reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:
       raise ValueError(f"flash_attention: lowering='mosaic_gpu' does not take "
                        f"{reason}; use lowering='triton'")
     if block_q is not None:
       raise ValueError("flash_attention: lowering='mosaic_gpu' has query tiles "
                        f"of {hopper.ROWS} rows per warpgroup; drop block_q={block_q}")
+    if block_k is not None and block_k not in (64, 128, 256):
+      raise ValueError(f"flash_attention: lowering='mosaic_gpu' takes block_k "
+                       f"64, 128 or 256, not {block_k}")
     blocks = hopper.choose_hopper_blocks(D)
     if block_k is not None:
       blocks = dataclasses.replace(blocks, block_k=block_k)
-    return hopper.hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal,
-                                         scale=scale, blocks=blocks,
-                                         interpret=interpret)
+    return hopper.hopper_flash_attention(
+        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        blocks=blocks, interpret=interpret)
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")

@@ -19,10 +19,11 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   tile is the wgmma M): dV += P^T dO, dK += dS^T Q, summed over the query
   heads of a KV head inside the kernel (GQA/MQA without copying K/V).
 
-What it takes: float16/bfloat16, head_dim 64 or 128, causal or not, grouped
-heads, any lengths (padded to whole tiles, padded keys masked). Segment ids
-go to the portable kernel (`flash_attention.py`), which also covers every
-other GPU, float32 and other head dims; `supports` says which applies.
+What it takes: float16/bfloat16, head_dim 64 or 128, causal or not, segment
+ids (packing, padding; a query with no visible key gets zeros), grouped
+heads, any lengths (padded to whole tiles, padded keys masked). The portable
+kernel (`flash_attention.py`) covers every other GPU, float32 and other head
+dims; `supports` says which applies.
 
 On CPU the same kernel bodies run in the Mosaic GPU interpreter, which
 simulates the warpgroups, shared memory, TMA and barriers; it does not model
@@ -73,10 +74,8 @@ def choose_hopper_blocks(head_dim: int) -> HopperBlocks:
                       stages=3 if head_dim <= 64 else 2)
 
 
-def supports(q_BTHD, k_BSKD, *, has_segments: bool) -> str | None:
+def supports(q_BTHD, k_BSKD) -> str | None:
   """None if this kernel takes these inputs, else the reason it does not."""
-  if has_segments:
-    return "segment ids"
   if q_BTHD.dtype not in DTYPES or k_BSKD.dtype != q_BTHD.dtype:
     return f"dtype {q_BTHD.dtype} (wants float16 or bfloat16)"
   if q_BTHD.shape[-1] not in HEAD_DIMS:
@@ -108,7 +107,8 @@ class _Ops:
     return self.tile(lax.broadcasted_iota(jnp.int32, shape, dim))
 
   def load_vector(self, ref, along: int):
-    """A 1-D float32 tile broadcastable along rows (1) or columns (0)."""
+    """A 1-D tile (lse, delta, segment ids) as a vector with one entry per
+    row (along=1) or per column (along=0) of a wgmma tile."""
     if self.interpret:
       return ref[...]
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(along))
@@ -150,6 +150,7 @@ class _Config:
   """Static description of one call, shared by the three kernels."""
   scale: float
   causal: bool
+  segments: bool  # segment ids given: mask by them, rows may be empty
   q_len: int  # padded query length (a multiple of 2 * ROWS)
   kv_len: int  # true key length
   kv_len_padded: int  # a multiple of block_k and of 2 * ROWS
@@ -159,8 +160,9 @@ class _Config:
 
   @property
   def ragged(self) -> bool:
-    """Whether the last key tile holds padding that must be masked."""
-    return self.kv_len % self.blocks.block_k != 0
+    """Whether padded keys need a mask of their own (segment id 0 already
+    hides them when segments are given)."""
+    return not self.segments and self.kv_len % self.blocks.block_k != 0
 
 
 def _smem(shape, dtype):
@@ -201,18 +203,31 @@ def _pass(lo, hi, stages: int, full, free):
   _steps(lo, hi, step)
 
 
+def _copy_in(pairs, barrier):
+  """TMA copies of (source, destination) pairs (None skipped), all arriving
+  on `barrier`, which counts one arrival per copy (see `_arrivals`)."""
+  for src, dst in pairs:
+    if src is not None:
+      plgpu.copy_gmem_to_smem(src, dst, barrier)
+
+
+def _arrivals(*refs) -> int:
+  return sum(ref is not None for ref in refs)
+
+
 def _kv_tiles_seen(q_end, cfg: _Config):
   """Key tiles a query tile ending (exclusive) at `q_end` sees."""
-  num_tiles = cfg.kv_len_padded // cfg.blocks.block_k
+  tiles = pl.cdiv(cfg.kv_len, cfg.blocks.block_k)
   if not cfg.causal:
-    return jnp.int32(pl.cdiv(cfg.kv_len, cfg.blocks.block_k))
+    return jnp.int32(tiles)
   seen = lax.div(q_end + cfg.blocks.block_k - 1, cfg.blocks.block_k)
-  return jnp.minimum(jnp.minimum(seen, pl.cdiv(cfg.kv_len, cfg.blocks.block_k)),
-                     num_tiles)
+  return jnp.minimum(seen, tiles)
 
 
 def _kv_tiles_unmasked(q_start, cfg: _Config):
   """Leading key tiles every row of the query tile at `q_start` sees whole."""
+  if cfg.segments:
+    return jnp.int32(0)
   whole = cfg.kv_len // cfg.blocks.block_k
   if not cfg.causal:
     return jnp.int32(whole)
@@ -229,20 +244,28 @@ def _cta_q_start(cfg: _Config):
   return index * (_COMPUTE_WGS * ROWS)
 
 
-def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool):
-  """-inf where a key may not be seen: after the query (causal) or padding.
+def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool,
+          q_seg=None, kv_seg=None):
+  """-inf where a key may not be seen: after the query (causal), padding, or
+  another segment (ids differ, or the key's id is 0).
 
-  `s` is [queries, keys], or [keys, queries] when `transposed`.
+  `s` is [queries, keys], or [keys, queries] when `transposed`; `q_seg` and
+  `kv_seg` are the tile's segment ids, vectors along those axes.
   """
-  q_pos = ops.iota(s.shape, 1 if transposed else 0) + q_start
-  k_pos = ops.iota(s.shape, 0 if transposed else 1) + k_start
-  visible = None
+  q_axis, k_axis = (1, 0) if transposed else (0, 1)
+  visible = []
   if cfg.causal:
-    visible = k_pos <= q_pos
+    visible.append(ops.iota(s.shape, k_axis) + k_start
+                   <= ops.iota(s.shape, q_axis) + q_start)
   if cfg.ragged:
-    in_range = k_pos < cfg.kv_len
-    visible = in_range if visible is None else visible & in_range
-  return s if visible is None else jnp.where(visible, s, -jnp.inf)
+    visible.append(ops.iota(s.shape, k_axis) + k_start < cfg.kv_len)
+  if cfg.segments:
+    kv_ids = lax.broadcast_in_dim(kv_seg, s.shape, [k_axis])
+    visible.append((lax.broadcast_in_dim(q_seg, s.shape, [q_axis]) == kv_ids)
+                   & (kv_ids != 0))
+  if not visible:
+    return s
+  return jnp.where(functools.reduce(jnp.logical_and, visible), s, -jnp.inf)
 
 
 def _rows(vector, shape):
@@ -250,8 +273,26 @@ def _rows(vector, shape):
   return lax.broadcast_in_dim(vector, shape, [0])
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
-                    lse_smem, q_full, kv_full, kv_free, *, cfg: _Config, ops: _Ops):
+def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free,
+               num_steps, cfg: _Config, ops: _Ops):
+  """The producer of the forward and dQ kernels: K, V (and key segment ids)
+  tiles 0 .. num_steps - 1 of this CTA's KV head, through the ring."""
+  ops.set_registers(producer=True)
+  b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
+  block_k = cfg.blocks.block_k
+
+  def issue(j, slot, barrier):
+    keys = pl.ds(j * block_k, block_k)
+    _copy_in([(k_ref.at[b, keys, kv_head], k_smem.at[slot]),
+              (v_ref.at[b, keys, kv_head], v_smem.at[slot]),
+              (None if kv_seg_ref is None else kv_seg_ref.at[b, keys],
+               None if kv_seg_smem is None else kv_seg_smem.at[slot])], barrier)
+  _produce(num_steps, cfg.blocks.stages, full, free, issue)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
+                    q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
+                    q_full, kv_full, kv_free, *, cfg: _Config, ops: _Ops):
   """Forward: online softmax of two query tiles against streamed K/V tiles."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_k, stages = cfg.blocks.block_k, cfg.blocks.stages
@@ -260,14 +301,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    ops.set_registers(producer=True)
-    kv_head = lax.div(h, cfg.group)
-
-    def issue(j, slot, full):
-      rows = (b, pl.ds(j * block_k, block_k), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], full)
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], full)
-    _produce(cta_steps, stages, kv_full, kv_free, issue)
+    _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, kv_full,
+               kv_free, cta_steps, cfg, ops)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -275,9 +310,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
     q_start = cta_q + wg * ROWS
     q_tile = q_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_full.at[wg])
+    _copy_in([(q_ref.at[q_rows], q_tile),
+              (None if q_seg_ref is None else q_seg_ref.at[b, pl.ds(q_start, ROWS)],
+               None if q_seg_smem is None else q_seg_smem.at[wg])], q_full.at[wg])
     plgpu.barrier_wait(q_full.at[wg])
-    D = q_tile.shape[-1]
+    q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
 
     def step(j, carry, masked: bool):
       o, m, l = carry
@@ -285,10 +322,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
       plgpu.barrier_wait(kv_full.at[slot])
       s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
       if masked:
-        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False)
+        kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
+        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False,
+                  q_seg=q_seg, kv_seg=kv_seg)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
-      alpha = jnp.exp2(m - m_new)
-      p = jnp.exp2(s - _rows(m_new, s.shape))
+      if cfg.segments:  # a row with no visible key yet keeps m = -inf
+        m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      else:
+        m_new_safe = m_new
+      alpha = jnp.exp2(m - m_new_safe)
+      p = jnp.exp2(s - _rows(m_new_safe, s.shape))
       l = l * alpha + jnp.sum(p, axis=1)
       o = ops.matmul(p.astype(q_tile.dtype), v_smem.at[slot], transpose_b=False,
                      acc=o * _rows(alpha, o.shape))
@@ -296,7 +339,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
       return o, m_new, l
 
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    carry = (ops.tile(jnp.zeros((ROWS, D), jnp.float32)),
+    carry = (ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
              ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
              ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
     unmasked = _kv_tiles_unmasked(q_start, cfg)
@@ -305,17 +348,23 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
     o, m, l = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
     _pass(seen, cta_steps, stages, kv_full, kv_free)
 
+    lse = m + jnp.log2(l)
+    if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
+      empty = l == 0.0
+      l = jnp.where(empty, 1.0, l)
+      lse = jnp.where(empty, jnp.inf, lse)
     q_tile[...] = (o / _rows(l, o.shape)).astype(q_tile.dtype)
-    lse_smem.at[wg][...] = m + jnp.log2(l)
+    lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, o_ref.at[q_rows])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem,
-               do_smem, lse_smem, delta_smem, k_smem, v_smem, q_full, kv_full,
-               kv_free, *, cfg: _Config, ops: _Ops):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
+               kv_seg_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
+               q_seg_smem, k_smem, v_smem, kv_seg_smem, q_full, kv_full, kv_free,
+               *, cfg: _Config, ops: _Ops):
   """Backward, dQ of two query tiles: recompute P from the lse per K/V tile."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_k, stages = cfg.blocks.block_k, cfg.blocks.stages
@@ -324,14 +373,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem,
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    ops.set_registers(producer=True)
-    kv_head = lax.div(h, cfg.group)
-
-    def issue(j, slot, full):
-      rows = (b, pl.ds(j * block_k, block_k), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], full)
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], full)
-    _produce(cta_steps, stages, kv_full, kv_free, issue)
+    _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, kv_full,
+               kv_free, cta_steps, cfg, ops)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -340,20 +383,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem,
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
-    plgpu.copy_gmem_to_smem(q_ref.at[q_rows], q_tile, q_full.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[q_rows], do_tile, q_full.at[wg])
-    plgpu.copy_gmem_to_smem(lse_ref.at[vec_rows], lse_smem.at[wg], q_full.at[wg])
-    plgpu.copy_gmem_to_smem(delta_ref.at[vec_rows], delta_smem.at[wg], q_full.at[wg])
+    _copy_in([(q_ref.at[q_rows], q_tile), (do_ref.at[q_rows], do_tile),
+              (lse_ref.at[vec_rows], lse_smem.at[wg]),
+              (delta_ref.at[vec_rows], delta_smem.at[wg]),
+              (None if q_seg_ref is None else q_seg_ref.at[b, pl.ds(q_start, ROWS)],
+               None if q_seg_smem is None else q_seg_smem.at[wg])], q_full.at[wg])
     plgpu.barrier_wait(q_full.at[wg])
     lse = ops.load_vector(lse_smem.at[wg], along=1)
     delta = ops.load_vector(delta_smem.at[wg], along=1)
+    q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
 
     def step(j, dq, masked: bool):
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
       s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
       if masked:
-        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False)
+        kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
+        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False,
+                  q_seg=q_seg, kv_seg=kv_seg)
       p = jnp.exp2(s - _rows(lse, s.shape))
       dp = ops.matmul(do_tile, v_smem.at[slot], transpose_b=True)
       ds = p * (dp - _rows(delta, dp.shape))
@@ -377,19 +424,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, q_smem,
 
 def _q_tiles(k_start, cfg: _Config):
   """Query tiles of the dK/dV kernel for the key tile at `k_start`:
-  [first, full) cross the causal diagonal, [full, end) see the whole tile."""
+  [first, full) need a mask, [full, end) see the whole key tile."""
   block_q = cfg.blocks.block_q_dkv
   end = cfg.q_len // block_q
   if not cfg.causal:
-    return jnp.int32(0), jnp.int32(0), end
+    return jnp.int32(0), jnp.int32(end if cfg.segments else 0), end
   first = jnp.minimum(lax.div(k_start, block_q), end)
+  if cfg.segments:
+    return first, jnp.int32(end), end
   full = jnp.minimum(lax.div(k_start + ROWS - 1 + block_q - 1, block_q), end)
   return first, full, end
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-                 k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, kv_full,
-                 q_full, q_free, *, cfg: _Config, ops: _Ops):
+def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
+                 kv_seg_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem, q_smem,
+                 do_smem, lse_smem, delta_smem, q_seg_smem, kv_full, q_full, q_free,
+                 *, cfg: _Config, ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
   query tile) pairs, recompute P^T from the lse, accumulate over both."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
@@ -402,15 +452,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
   def _producer():
     ops.set_registers(producer=True)
 
-    def issue(j, slot, full):
+    def issue(j, slot, barrier):
       head = kv_head * cfg.group + lax.div(j, per_head)
-      q_start = (cta_first + lax.rem(j, per_head)) * block_q
-      rows = (b, pl.ds(q_start, block_q), head)
-      vec_rows = (b, head, pl.ds(q_start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], full)
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], full)
-      plgpu.copy_gmem_to_smem(lse_ref.at[vec_rows], lse_smem.at[slot], full)
-      plgpu.copy_gmem_to_smem(delta_ref.at[vec_rows], delta_smem.at[slot], full)
+      queries = pl.ds((cta_first + lax.rem(j, per_head)) * block_q, block_q)
+      _copy_in([(q_ref.at[b, queries, head], q_smem.at[slot]),
+                (do_ref.at[b, queries, head], do_smem.at[slot]),
+                (lse_ref.at[b, head, queries], lse_smem.at[slot]),
+                (delta_ref.at[b, head, queries], delta_smem.at[slot]),
+                (None if q_seg_ref is None else q_seg_ref.at[b, queries],
+                 None if q_seg_smem is None else q_seg_smem.at[slot])], barrier)
     _produce(cfg.group * per_head, stages, q_full, q_free, issue)
 
   @pl.when(wg < _COMPUTE_WGS)
@@ -419,20 +469,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref
     k_start = cta_k + wg * ROWS
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
     k_rows = (b, pl.ds(k_start, ROWS), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[k_rows], k_tile, kv_full.at[wg])
-    plgpu.copy_gmem_to_smem(v_ref.at[k_rows], v_tile, kv_full.at[wg])
+    _copy_in([(k_ref.at[k_rows], k_tile), (v_ref.at[k_rows], v_tile),
+              (None if kv_seg_ref is None else kv_seg_ref.at[b, pl.ds(k_start, ROWS)],
+               None if kv_seg_smem is None else kv_seg_smem.at[wg])], kv_full.at[wg])
     plgpu.barrier_wait(kv_full.at[wg])
+    kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
 
     def step(i, carry, head_step0, masked: bool):
       dk, dv = carry
-      j = head_step0 + i - cta_first
-      slot = lax.rem(j, stages)
+      slot = lax.rem(head_step0 + i - cta_first, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       s_t = ops.matmul(k_tile, q_tile, transpose_b=True) * (cfg.scale * _LOG2_E)
       if masked:
-        s_t = _mask(s_t, i * block_q, k_start, ops, cfg, transposed=True)
+        q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
+        s_t = _mask(s_t, i * block_q, k_start, ops, cfg, transposed=True,
+                    q_seg=q_seg, kv_seg=kv_seg)
       lse = ops.load_vector(lse_smem.at[slot], along=0)
       p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
       dv = ops.matmul(p_t.astype(k_tile.dtype), do_tile, transpose_b=False, acc=dv)
@@ -475,76 +528,92 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
       interpret=interpret, kernel_name=f"flash_attention_hopper_{name}")
 
 
-def _forward(q_BTHD, k_BSKD, v_BSKD, cfg: _Config):
+def _vectors(n: int, length: int, dtype, present: bool = True):
+  """Shared memory for n 1-D tiles (lse, delta, segment ids), or None."""
+  return plgpu.SMEM((n, length), dtype) if present else None
+
+
+def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
   """(out [B, T, H, D], lse [B, H, T] base 2)."""
   B, T, H, D = q_BTHD.shape
-  dtype, blocks = q_BTHD.dtype, cfg.blocks
+  dtype, blocks, seg = q_BTHD.dtype, cfg.blocks, cfg.segments
   ring = (blocks.stages, blocks.block_k, D)
   scratch = [
-      _smem((_COMPUTE_WGS, ROWS, D), dtype), _smem(ring, dtype), _smem(ring, dtype),
-      plgpu.SMEM((_COMPUTE_WGS, ROWS), jnp.float32),
-      plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=2, num_barriers=blocks.stages),
+      _smem((_COMPUTE_WGS, ROWS, D), dtype),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
+      _smem(ring, dtype), _smem(ring, dtype),
+      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
+      plgpu.Barrier(num_arrivals=1 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
   ]
   out_type = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
               jax.ShapeDtypeStruct((B, H, T), jnp.float32))
   grid = (T // (_COMPUTE_WGS * ROWS), B, H)
-  return _kernel("forward", _forward_kernel, out_type, scratch, grid, ("q", "b", "h"), cfg)(
-      q_BTHD, k_BSKD, v_BSKD)
+  return _kernel("forward", _forward_kernel, out_type, scratch, grid,
+                 ("q", "b", "h"), cfg)(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
 
 
-def _backward(q_BTHD, k_BSKD, v_BSKD, o_BTHD, lse_BHT, do_BTHD, cfg: _Config):
+def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
+              do_BTHD, cfg: _Config):
   """(dq, dk, dv) from the dQ kernel and the dK/dV kernel."""
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  dtype, blocks = q_BTHD.dtype, cfg.blocks
+  dtype, blocks, seg = q_BTHD.dtype, cfg.blocks, cfg.segments
   delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
                          do_BTHD.astype(jnp.float32))
-  args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT)
+  args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT, kv_seg_BS)
   own = (_COMPUTE_WGS, ROWS, D)
-  own_vec = plgpu.SMEM((_COMPUTE_WGS, ROWS), jnp.float32)
 
   ring = (blocks.stages, blocks.block_k, D)
   dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype), [
-      _smem(own, dtype), _smem(own, dtype), own_vec, own_vec,
+      _smem(own, dtype), _smem(own, dtype),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
       _smem(ring, dtype), _smem(ring, dtype),
-      plgpu.Barrier(num_arrivals=4, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=2, num_barriers=blocks.stages),
+      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
+      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
   ], (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(*args)
 
   ring = (blocks.stages, blocks.block_q_dkv, D)
-  ring_vec = plgpu.SMEM((blocks.stages, blocks.block_q_dkv), jnp.float32)
   dk, dv = _kernel("dkdv", _dkdv_kernel, (jax.ShapeDtypeStruct(k_BSKD.shape, dtype),
-                                  jax.ShapeDtypeStruct(v_BSKD.shape, dtype)), [
+                                          jax.ShapeDtypeStruct(v_BSKD.shape, dtype)), [
       _smem(own, dtype), _smem(own, dtype),
-      _smem(ring, dtype), _smem(ring, dtype), ring_vec, ring_vec,
-      plgpu.Barrier(num_arrivals=2, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=4, num_barriers=blocks.stages),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
+      _smem(ring, dtype), _smem(ring, dtype),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg),
+      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
   ], (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(*args)
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _flash(q_BTHD, k_BSKD, v_BSKD, cfg: _Config):
-  return _forward(q_BTHD, k_BSKD, v_BSKD, cfg)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  return _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)[0]
 
 
-def _flash_fwd(q_BTHD, k_BSKD, v_BSKD, cfg: _Config):
-  o_BTHD, lse_BHT = _forward(q_BTHD, k_BSKD, v_BSKD, cfg)
-  return o_BTHD, (q_BTHD, k_BSKD, v_BSKD, o_BTHD, lse_BHT)
+def _flash_fwd(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  o_BTHD, lse_BHT = _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)
+  return o_BTHD, (q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT)
 
 
 def _flash_bwd(cfg: _Config, residuals, do_BTHD):
-  return _backward(*residuals, do_BTHD, cfg)
+  return (*_backward(*residuals, do_BTHD, cfg), None, None)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def _pad_to(x, axis: int, multiple: int):
+  """Zero-pads `x` along `axis` to a multiple of `multiple`."""
   extra = -x.shape[axis] % multiple
   if not extra:
     return x
@@ -554,23 +623,30 @@ def _pad_to(x, axis: int, multiple: int):
 
 
 def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
+                           q_segment_ids=None, kv_segment_ids=None,
                            blocks: HopperBlocks | None = None, interpret: bool):
-  """Attention [B, T, H, D] for inputs `supports` accepts (no segment ids).
+  """Attention [B, T, H, D] for inputs `supports` accepts.
 
   Query and key lengths are zero-padded to whole tiles (padded keys are
-  masked, padded query rows cut off), so any T and S work; causal is top-left
-  aligned, as in `flash_attention`.
+  masked, padded query rows cut off), so any T and S work. Causal is top-left
+  aligned; segment ids [B, T] and [B, S] (both or neither) mask keys of other
+  segments and keys with id 0; a query that sees no key gets zeros. The same
+  semantics as `flash_attention`.
   """
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   blocks = blocks or choose_hopper_blocks(D)
   pair = _COMPUTE_WGS * ROWS
-  kv_multiple = math.lcm(blocks.block_k, pair, blocks.block_q_dkv)
+  kv_multiple = math.lcm(blocks.block_k, pair)
   q_multiple = math.lcm(pair, blocks.block_q_dkv)
   q = _pad_to(q_BTHD, 1, q_multiple)
   k = _pad_to(k_BSKD, 1, kv_multiple)
   v = _pad_to(v_BSKD, 1, kv_multiple)
-  cfg = _Config(scale=scale, causal=causal, q_len=q.shape[1], kv_len=S,
-                kv_len_padded=k.shape[1], group=H // K, blocks=blocks,
-                interpret=interpret)
-  return _flash(q, k, v, cfg)[:, :T]
+  q_seg = kv_seg = None
+  if q_segment_ids is not None:
+    q_seg = _pad_to(q_segment_ids.astype(jnp.int32), 1, q_multiple)
+    kv_seg = _pad_to(kv_segment_ids.astype(jnp.int32), 1, kv_multiple)
+  cfg = _Config(scale=scale, causal=causal, segments=q_seg is not None,
+                q_len=q.shape[1], kv_len=S, kv_len_padded=k.shape[1],
+                group=H // K, blocks=blocks, interpret=interpret)
+  return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T]
