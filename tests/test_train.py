@@ -1,5 +1,5 @@
 """End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM, NaN,
-leftover temporary checkpoints, and one-line errors for bad input."""
+leftover temporary checkpoints, train.restore_from, and one-line errors for bad input."""
 import os
 import pathlib
 import signal
@@ -224,3 +224,104 @@ def test_resuming_with_other_shapes_is_refused(tok_dir, tmp_path):
   c.model.d_model = 64
   with pytest.raises(UserError, match="other shapes: model.d_model=32 \\(now 64\\)"):
     loop.train(c, str(tmp_path / "run"))
+
+
+# train.restore_from: a new run starts from another workdir's newest parameters,
+# with a fresh optimizer state and step 0; only a run without a checkpoint of
+# its own restores (running the same command again resumes it).
+
+@pytest.fixture(scope="module")
+def source_run(tok_dir, tmp_path_factory):
+  """A 3-step run to restore from (its last checkpoint is step 3)."""
+  c = small_config(tok_dir)
+  c.train.update(num_steps=3, eval_steps=1)
+  workdir = tmp_path_factory.mktemp("source") / "run"
+  loop.train(c, str(workdir))
+  return workdir
+
+
+def record_steps(monkeypatch) -> list:
+  """(state before, state after) of every train step from now on, copied to the host."""
+  real = loop.jit_train_step
+  calls = []
+
+  def recording(*args, **kwargs):
+    step_fn = real(*args, **kwargs)
+
+    def step(state, batch):
+      before = jax.device_get(state)  # copied now: step_fn donates `state`
+      new_state, metrics = step_fn(state, batch)
+      calls.append((before, jax.device_get(new_state)))
+      return new_state, metrics
+    return step
+
+  monkeypatch.setattr(loop, "jit_train_step", recording)
+  return calls
+
+
+def snapshot(directory) -> dict:
+  """Path -> (size, mtime) of everything under `directory`."""
+  return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
+          for p in pathlib.Path(directory).rglob("*")}
+
+
+def assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_restore_from_starts_from_the_source_parameters_with_a_fresh_optimizer(
+    tok_dir, source_run, tmp_path, monkeypatch):
+  step, source_final = final_params(source_run)
+  assert step == 3
+  # A save of the source in progress (it may still be training): left alone.
+  (source_run / "checkpoints" / "7.orbax-checkpoint-tmp-1").mkdir(exist_ok=True)
+  before = snapshot(source_run)
+  c = small_config(tok_dir)
+  c.train.update(seed=1, num_steps=1, eval_steps=1, restore_from=str(source_run))
+  calls = record_steps(monkeypatch)
+  loop.train(c, str(tmp_path / "run"))
+
+  (first, _), (_, last) = calls[0], calls[-1]
+  assert int(first["step"]) == 0
+  assert len(jax.tree.leaves(first["params"])) == len(jax.tree.leaves(source_final))
+  for x, y in zip(jax.tree.leaves(first["params"]), jax.tree.leaves(source_final)):
+    np.testing.assert_array_equal(x, np.asarray(y))
+  opt_leaves = jax.tree.leaves(first["opt_state"])
+  assert opt_leaves and not any(np.any(x) for x in opt_leaves)  # Adam moments, counts: 0
+  assert Checkpointer(str(tmp_path / "run"), asynchronous=False).latest_step() == 1
+  assert snapshot(source_run) == before
+
+  # The same command again resumes this run (step 1), not the source.
+  calls.clear()
+  c.train.num_steps = 2
+  loop.train(c, str(tmp_path / "run"))
+  assert int(calls[0][0]["step"]) == 1
+  assert_trees_equal(calls[0][0]["params"], last["params"])
+  assert_trees_equal(calls[0][0]["opt_state"], last["opt_state"])
+
+
+@pytest.mark.parametrize("case,message", [
+    ("missing", "not a run directory"),
+    ("checkpoints_dir", "not a run directory"),
+    ("never_saved", "it has no checkpoint"),
+    ("other_d_model", "its parameters have other shapes"),
+])
+def test_bad_restore_from_is_one_line_and_writes_nothing(tok_dir, source_run, tmp_path, case,
+                                                         message):
+  (tmp_path / "never_saved").mkdir()  # a run dir without a checkpoint
+  (tmp_path / "never_saved" / "config.json").write_text((source_run / "config.json").read_text())
+  path = {"missing": tmp_path / "missing", "checkpoints_dir": source_run / "checkpoints",
+          "never_saved": tmp_path / "never_saved", "other_d_model": source_run}[case]
+  before = snapshot(source_run), snapshot(tmp_path)
+  c = small_config(tok_dir)
+  if case == "other_d_model":
+    c.model.d_model = 64
+  c.train.update(num_steps=2, restore_from=str(path))
+  with pytest.raises(UserError) as error:
+    loop.train(c, str(tmp_path / "new"))
+  assert str(error.value).startswith(f"train.restore_from={str(path)!r}: {message}")
+  assert "\n" not in str(error.value)
+  assert not (tmp_path / "new").exists()
+  assert (snapshot(source_run), snapshot(tmp_path)) == before
