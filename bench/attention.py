@@ -6,11 +6,19 @@ and off), a grouped-query case (32 query heads, 8 KV heads) and the GPT-2
 small training shape (batch 8, S 1024, 12 heads, D 64, causal). Every case
 runs, in this one process:
 
-- `ours`: `model.kernels.flash_attention.flash_attention`;
+- `ours_mosaic`: `model.kernels.flash_attention.flash_attention` with
+  lowering="mosaic_gpu" (the Hopper kernels: wgmma, TMA, warp groups);
+- `ours_triton`: the same with lowering="triton" (the portable kernels);
 - `xla`, `cudnn`: `jax.nn.dot_product_attention(implementation=...)`;
 - `jax_pallas`: JAX's bundled Triton kernel
   `jax.experimental.pallas.ops.gpu.attention.mha` (K/V repeated per query
-  head for GQA, which it does not support).
+  head for GQA, which it does not support);
+- `jax_mosaic`: JAX's bundled Mosaic GPU kernel
+  `jax.experimental.pallas.ops.gpu.attention_mgpu.attention`, run in
+  float16 (its bfloat16 path fails in JAX 0.11.2; inputs are converted
+  before timing), block_q 64, block_kv 128, backward tiles 64 (its backward
+  is non-causal only; it has no softmax scale argument, which does not
+  change its time).
 
 Times are the median of timed repeats after warm-up, each ended by
 `block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
@@ -25,6 +33,9 @@ A competitor that fails shows "error: <message>" in its cell.
   python bench/attention.py --out bench/attention.json          # GPU
   python bench/attention.py --quick --out /tmp/attention.json   # CPU check
   python bench/attention.py --tune                               # our tiles
+
+`--tune` times our kernels over their tiles: block_q x block_k for Triton,
+block_k x stages for Mosaic GPU (query tiles are 64 rows per warpgroup).
 """
 import argparse
 import datetime
@@ -46,16 +57,18 @@ if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
+from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
 from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
 
-COMPETITORS = ("ours", "xla", "cudnn", "jax_pallas")
+COMPETITORS = ("ours_mosaic", "ours_triton", "xla", "cudnn", "jax_pallas",
+               "jax_mosaic")
 MEMORY_SEQ = 32768
 
 
 def grid_cases(quick: bool) -> list[dict]:
   """The shapes to time: dicts of B, S, H, K, D, causal and a label."""
   if quick:
-    tokens, width, seqs, dims = 256, 64, (128, 256), (16, 32)
+    tokens, width, seqs, dims = 256, 128, (128, 256), (64,)
   else:
     tokens, width, seqs, dims = 16384, 2048, (1024, 4096, 16384), (64, 128)
   cases = []
@@ -65,9 +78,7 @@ def grid_cases(quick: bool) -> list[dict]:
         cases.append(dict(label="grid", B=tokens // S, S=S, H=width // D,
                           K=width // D, D=D, causal=causal))
   if quick:
-    cases.append(dict(label="gqa", B=2, S=128, H=4, K=2, D=16, causal=True))
-    cases.append(dict(label="gpt2-small", B=2, S=128, H=2, K=2, D=16,
-                      causal=True))
+    cases.append(dict(label="gqa", B=1, S=128, H=4, K=2, D=64, causal=True))
   else:
     cases.append(dict(label="gqa", B=4, S=4096, H=32, K=8, D=64, causal=True))
     cases.append(dict(label="gpt2-small", B=8, S=1024, H=12, K=12, D=64,
@@ -82,13 +93,25 @@ def memory_case(quick: bool, D: int) -> dict:
               causal=True)
 
 
-def attention_fn(name: str, case: dict, block_q=None, block_k=None):
-  """The competitor `name` as a function (q, k, v) -> out for `case`."""
+def attention_fn(name: str, case: dict, tiles=None):
+  """The competitor `name` as a function (q, k, v) -> out for `case`.
+
+  `tiles`: for `ours_triton` (block_q, block_k), for `ours_mosaic`
+  (block_k, stages); None: the kernel's own choice.
+  """
   causal, scale = case["causal"], 1.0 / math.sqrt(case["D"])
   on_gpu = jax.default_backend() == "gpu"
-  if name == "ours":
+  if name == "ours_triton":
+    block_q, block_k = tiles or (None, None)
     return functools.partial(flash_attention, causal=causal, scale=scale,
-                             block_q=block_q, block_k=block_k)
+                             block_q=block_q, block_k=block_k, lowering="triton")
+  if name == "ours_mosaic" and tiles is None:
+    return functools.partial(flash_attention, causal=causal, scale=scale,
+                             lowering="mosaic_gpu")
+  if name == "ours_mosaic":
+    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1])
+    return functools.partial(hopper.hopper_flash_attention, causal=causal,
+                             scale=scale, blocks=blocks, interpret=not on_gpu)
   if name in ("xla", "cudnn"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              scale=scale, implementation=name)
@@ -101,16 +124,28 @@ def attention_fn(name: str, case: dict, block_q=None, block_k=None):
       return jax_attention.mha(q, k, v, None, sm_scale=scale, causal=causal,
                                interpret=not on_gpu)
     return fn
+  if name == "jax_mosaic":
+    from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
+    config = attention_mgpu.TuningConfig(
+        block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+        block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+
+    return functools.partial(attention_mgpu.attention, config=config)
   raise ValueError(f"unknown competitor {name!r}")
 
 
-def make_inputs(case: dict, seed: int = 0):
+def input_dtype(name: str):
+  """bfloat16, but float16 for `jax_mosaic` (see the module docstring)."""
+  return jnp.float16 if name == "jax_mosaic" else jnp.bfloat16
+
+
+def make_inputs(case: dict, seed: int = 0, dtype=jnp.bfloat16):
   B, S, H, K, D = (case[x] for x in "BSHKD")
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], (B, S, H, D), jnp.bfloat16)
-  k = jax.random.normal(keys[1], (B, S, K, D), jnp.bfloat16)
-  v = jax.random.normal(keys[2], (B, S, K, D), jnp.bfloat16)
-  do = jax.random.normal(keys[3], (B, S, H, D), jnp.bfloat16)
+  q = jax.random.normal(keys[0], (B, S, H, D), dtype)
+  k = jax.random.normal(keys[1], (B, S, K, D), dtype)
+  v = jax.random.normal(keys[2], (B, S, K, D), dtype)
+  do = jax.random.normal(keys[3], (B, S, H, D), dtype)
   return q, k, v, do
 
 
@@ -146,10 +181,10 @@ def short_error(exc: Exception) -> str:
 
 
 def measure(name: str, case: dict, inputs, warmup: int, repeats: int,
-            block_q=None, block_k=None) -> dict:
+            tiles=None) -> dict:
   """Forward and forward+backward times and TFLOP/s, or an error each."""
-  q, k, v, do = inputs
-  fn = attention_fn(name, case, block_q, block_k)
+  q, k, v, do = (x.astype(input_dtype(name)) for x in inputs)
+  fn = attention_fn(name, case, tiles)
   result = {}
   for mode, step, args, factor in (
       ("fwd", jax.jit(fn), (q, k, v), 1.0),
@@ -166,9 +201,9 @@ def measure(name: str, case: dict, inputs, warmup: int, repeats: int,
 def compiled_bytes(name: str, case: dict) -> dict:
   """Arguments + outputs + temporaries of the compiled fwd+bwd program."""
   q = jax.ShapeDtypeStruct((case["B"], case["S"], case["H"], case["D"]),
-                           jnp.bfloat16)
+                           input_dtype(name))
   kv = jax.ShapeDtypeStruct((case["B"], case["S"], case["K"], case["D"]),
-                            jnp.bfloat16)
+                            input_dtype(name))
   try:
     step = jax.jit(forward_and_backward(attention_fn(name, case)))
     stats = step.lower(q, kv, kv, q).compile().memory_analysis()
@@ -184,7 +219,7 @@ def peak_bytes_child(name: str, case: dict) -> dict:
   stats = jax.devices()[0].memory_stats()
   if not stats or "peak_bytes_in_use" not in stats:
     return dict(error="n/a: device has no memory_stats")
-  inputs = make_inputs(case)
+  inputs = make_inputs(case, dtype=input_dtype(name))
   try:
     step = jax.jit(forward_and_backward(attention_fn(name, case)))
     jax.block_until_ready(step(*inputs))
@@ -241,12 +276,12 @@ def memory_table(rows: list[dict]) -> str:
 
 
 def tune_table(rows: list[dict]) -> str:
-  lines = ["| case | S | D | causal | block_q x block_k: fwd / fwd+bwd TFLOP/s |",
-           "|---|---|---|---|---|"]
+  lines = ["| kernel | case | S | D | causal | tiles: fwd / fwd+bwd TFLOP/s |",
+           "|---|---|---|---|---|---|"]
   for row in rows:
     c = row["case"]
-    cells = ", ".join(f"{bq}x{bk}: {cell(r)}" for (bq, bk), r in row["results"])
-    lines.append(f"| {c['label']} | {c['S']} | {c['D']} | "
+    cells = ", ".join(f"{a}x{b}: {cell(r)}" for (a, b), r in row["results"])
+    lines.append(f"| {row['name']} | {c['label']} | {c['S']} | {c['D']} | "
                  f"{'yes' if c['causal'] else 'no'} | {cells} |")
   return "\n".join(lines)
 
@@ -294,22 +329,26 @@ def main():
   report = dict(meta=meta, speed=speed_rows)
 
   if args.tune:
-    tiles = (16, 32) if args.quick else (64, 128)
+    triton_tiles = [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
+    mosaic_tiles = [(bk, stages) for bk in (64, 128) for stages in (2, 3, 4)]
+    if args.quick:
+      triton_tiles, mosaic_tiles = [(32, 64), (64, 64)], [(64, 2), (128, 2)]
     tune_rows = []
     for case in grid_cases(args.quick):
       inputs = make_inputs(case)
-      results = [((bq, bk), measure("ours", case, inputs, warmup, repeats,
-                                    block_q=bq, block_k=bk))
-                 for bq in tiles for bk in tiles]
-      tune_rows.append(dict(case=case, results=results))
+      for name, tiles in (("ours_mosaic", mosaic_tiles),
+                          ("ours_triton", triton_tiles)):
+        results = [(t, measure(name, case, inputs, warmup, repeats, tiles=t))
+                   for t in tiles]
+        tune_rows.append(dict(name=name, case=case, results=results))
     print("\n" + tune_table(tune_rows))
-    report["tune"] = [dict(case=r["case"], results=[
-        dict(block_q=bq, block_k=bk, **res) for (bq, bk), res in r["results"]])
+    report["tune"] = [dict(name=r["name"], case=r["case"], results=[
+        dict(tiles=list(t), **res) for t, res in r["results"]])
                       for r in tune_rows]
 
   if not args.no_memory:
     memory_rows = []
-    for D in ((16, 32) if args.quick else (64, 128)):
+    for D in ((64,) if args.quick else (64, 128)):
       case = memory_case(args.quick, D)
       for name in COMPETITORS:
         memory_rows.append(dict(case=case, name=name,
