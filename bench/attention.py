@@ -139,6 +139,11 @@ def input_dtype(name: str):
   return jnp.float16 if name == "jax_mosaic" else jnp.bfloat16
 
 
+def row_label(case: dict) -> str:
+  """D:S:causal, the name `--rows` selects a grid row by."""
+  return f"{case['D']}:{case['S']}:{'yes' if case['causal'] else 'no'}"
+
+
 def make_inputs(case: dict, seed: int = 0, dtype=jnp.bfloat16):
   B, S, H, K, D = (case[x] for x in "BSHKD")
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
@@ -297,6 +302,9 @@ def main():
                       help="also time our kernel over block_q x block_k")
   parser.add_argument("--no-memory", action="store_true",
                       help="skip the S = 32k memory measurement")
+  parser.add_argument("--rows", nargs="+", metavar="LABEL",
+                      help="only these rows: D:S:causal (e.g. 128:16384:yes), "
+                           "gqa or gpt2-small")
   parser.add_argument("--peak-child", help=argparse.SUPPRESS)
   args = parser.parse_args()
 
@@ -318,8 +326,13 @@ def main():
   print(f"# median of {repeats} after {warmup} warm-up; TFLOP/s fwd / fwd+bwd\n",
         flush=True)
 
+  cases = [c for c in grid_cases(args.quick)
+           if args.rows is None or row_label(c) in args.rows or c["label"] in args.rows]
+  if not cases:
+    parser.error(f"--rows {' '.join(args.rows)} matches no row; rows are "
+                 + ", ".join(row_label(c) for c in grid_cases(args.quick)))
   speed_rows = []
-  for case in grid_cases(args.quick):
+  for case in cases:
     inputs = make_inputs(case)
     results = {name: measure(name, case, inputs, warmup, repeats)
                for name in COMPETITORS}
@@ -334,7 +347,7 @@ def main():
     if args.quick:
       triton_tiles, mosaic_tiles = [(32, 64), (64, 64)], [(64, 2), (128, 2)]
     tune_rows = []
-    for case in grid_cases(args.quick):
+    for case in cases:
       inputs = make_inputs(case)
       for name, tiles in (("ours_mosaic", mosaic_tiles),
                           ("ours_triton", triton_tiles)):
