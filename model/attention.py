@@ -7,7 +7,8 @@
   Grouped-query attention is an einsum over a [K, G] split of the query
   heads, so K/V are never repeated in memory.
 - `xla`, `cudnn`: `jax.nn.dot_product_attention` with that implementation.
-- `pallas`: our online-softmax kernel (`model/kernels/flash_attention.py`).
+- `pallas`: our online-softmax kernels (`model/kernels/`): Mosaic GPU on
+  H100/H200 for 16-bit inputs with head_dim 64 or 128, Triton elsewhere.
 - `auto`: the fastest correct choice for the device and the inputs (see
   `choose_implementation`).
 
