@@ -325,3 +325,15 @@ def test_bad_restore_from_is_one_line_and_writes_nothing(tok_dir, source_run, tm
   assert "\n" not in str(error.value)
   assert not (tmp_path / "new").exists()
   assert (snapshot(source_run), snapshot(tmp_path)) == before
+
+
+def test_eval_only_reads_the_checkpoints(source_run):
+  """eval of a run that may be training: its save in progress (a temporary
+  directory) stays, and nothing in checkpoints/ is created or changed."""
+  from training import evaluate  # pylint: disable=import-outside-toplevel
+  (source_run / "checkpoints" / "8.orbax-checkpoint-tmp-2").mkdir(exist_ok=True)
+  (source_run / "checkpoints" / "8.orbax-checkpoint-tmp-2" / "part").write_text("in progress")
+  before = snapshot(source_run / "checkpoints")
+  report = evaluate.run_eval(str(source_run), max_new_tokens=2, prompts=["def "])
+  assert report["step"] == 3
+  assert snapshot(source_run / "checkpoints") == before

@@ -80,10 +80,11 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
   """(config, tokenizer, model, step) of a checkpoint of `workdir`.
 
   The state is restored onto this process's first device, whatever mesh it
-  was saved from (for example a run trained on 8 devices).
+  was saved from (for example a run trained on 8 devices). The checkpoints are
+  only read: the run may still be training, its save in progress is left alone.
   """
   config = workdir_lib.load_config(workdir)
-  checkpointer = Checkpointer(workdir, asynchronous=False)
+  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
   try:
     step = resolve_step(checkpointer, step, f"eval of {workdir}")
     meta = checkpointer.restore_meta(step)
