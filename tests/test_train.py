@@ -337,3 +337,21 @@ def test_eval_only_reads_the_checkpoints(source_run):
   report = evaluate.run_eval(str(source_run), max_new_tokens=2, prompts=["def "])
   assert report["step"] == 3
   assert snapshot(source_run / "checkpoints") == before
+
+
+def test_restore_from_casts_the_parameters_to_this_runs_param_dtype(tok_dir, source_run, tmp_path,
+                                                                     monkeypatch):
+  _, source_final = final_params(source_run)
+  c = small_config(tok_dir)
+  c.model.param_dtype = "bfloat16"  # the source trained in float32
+  c.train.update(num_steps=1, eval_steps=1, restore_from=str(source_run))
+  calls = record_steps(monkeypatch)
+  loop.train(c, str(tmp_path / "run"))
+
+  first = jax.tree.leaves(calls[0][0]["params"])
+  source = jax.tree.leaves(source_final)
+  assert len(first) == len(source)
+  for x, y in zip(first, source):
+    assert y.dtype == np.float32 and x.dtype == jax.numpy.bfloat16
+    np.testing.assert_array_equal(x, np.asarray(y).astype(jax.numpy.bfloat16))
+  assert all(x.dtype == jax.numpy.bfloat16 for x in jax.tree.leaves(calls[0][1]["params"]))

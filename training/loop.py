@@ -277,7 +277,10 @@ def _has_checkpoint(workdir: str) -> bool:
 def restore_params(source: str, abstract_params, mesh, rules):
   """Parameters of the newest checkpoint of another workdir (fine-tuning), on `mesh`.
 
-  Only reads `source`, which may still be training.
+  They come in the dtypes of `abstract_params` (this run's model.param_dtype):
+  Orbax casts each array to its target's dtype while reading it, so a float32
+  run can be fine-tuned in bfloat16 and back. Only reads `source`, which may
+  still be training.
   """
   if not os.path.exists(os.path.join(source, workdir_lib.CONFIG_FILE)):
     raise UserError(f"train.restore_from={source!r}: not a run directory "
@@ -290,6 +293,7 @@ def restore_params(source: str, abstract_params, mesh, rules):
     step = checkpointer.latest_step()
     if step is None:
       raise UserError(f"train.restore_from={source!r}: it has no checkpoint")
+    abstract = dict(abstract, params=abstract_params)  # the same shapes, this run's dtypes
     state, _ = checkpointer.restore(
         step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
   finally:
