@@ -84,7 +84,8 @@ def get_config() -> config_dict.ConfigDict:
   tr.eval_steps = 10  # validation batches per pass
   tr.checkpoint_every = 200  # steps between checkpoints
   tr.keep_checkpoints = 3  # checkpoints kept on disk
-  tr.restore_from = ""  # a run's workdir: start from its newest parameters (new optimizer, step 0)
+  tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to
+  # model.param_dtype, and its tokenizer (a tokenizer.path must be that one); new optimizer, step 0
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
   tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
 

@@ -327,6 +327,44 @@ def test_bad_restore_from_is_one_line_and_writes_nothing(tok_dir, source_run, tm
   assert (snapshot(source_run), snapshot(tmp_path)) == before
 
 
+def test_restore_from_without_tokenizer_path_uses_the_source_tokenizer(source_run, tmp_path,
+                                                                        monkeypatch):
+  def train_tokenizer(*args, **kwargs):
+    raise AssertionError("the new run trained a tokenizer of its own")
+  monkeypatch.setattr(tokenizer_lib, "train_tokenizer", train_tokenizer)
+  c = small_config("")  # no tokenizer.path
+  c.train.update(num_steps=1, eval_steps=1, restore_from=str(source_run))
+  loop.train(c, str(tmp_path / "run"))
+
+  expected = tokenizer_lib.load_tokenizer(source_run / "tokenizer").fingerprint
+  assert tokenizer_lib.load_tokenizer(tmp_path / "run" / "tokenizer").fingerprint == expected
+  checkpointer = Checkpointer(str(tmp_path / "run"), asynchronous=False, read_only=True)
+  assert checkpointer.restore_meta(1)["tokenizer_fingerprint"] == expected
+  checkpointer.close()
+
+
+@pytest.mark.parametrize("case,message", [
+    ("tokenizer_path", "but tokenizer.path='.*' is [0-9a-f]{12}; leave tokenizer.path empty"),
+    ("workdir_tokenizer", "new/tokenizer is another tokenizer than the one its parameters were "
+                          "trained with"),
+])
+def test_restore_from_with_another_tokenizer_is_one_line_and_writes_nothing(
+    tok_dir, source_run, tmp_path, case, message):
+  texts = [t for _, t in sources.load_documents(small_config("").data, "train")][:5]
+  other = tokenizer_lib.train_tokenizer("bpe", 270, texts)
+  c = small_config(tok_dir)
+  if case == "tokenizer_path":
+    c.tokenizer.path = str(other.save(tmp_path / "other_tok"))
+  else:  # a workdir that holds another tokenizer and no checkpoint
+    other.save(tmp_path / "new" / "tokenizer")
+  c.train.update(num_steps=1, restore_from=str(source_run))
+  before = snapshot(source_run), snapshot(tmp_path)
+  with pytest.raises(UserError, match=message) as error:
+    loop.train(c, str(tmp_path / "new"))
+  assert "\n" not in str(error.value)
+  assert (snapshot(source_run), snapshot(tmp_path)) == before
+
+
 def test_eval_only_reads_the_checkpoints(source_run):
   """eval of a run that may be training: its save in progress (a temporary
   directory) stays, and nothing in checkpoints/ is created or changed."""

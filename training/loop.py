@@ -28,6 +28,7 @@ from configs.errors import UserError
 from configs.validation import validate
 from data import pipeline
 from model import accounting, build_model
+import tokenizer as tokenizer_lib
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
 from training.metrics import MetricsWriter
@@ -178,12 +179,13 @@ def train(config, workdir: str) -> dict:
 
   abstract_state = jax.eval_shape(make_state)
   state_sharding = train_state_shardings(abstract_state, mesh, rules)
-  source_params = None
+  source_params = source_tokenizer = None
   if tc.restore_from and not _has_checkpoint(workdir):
     # Before anything is written to the workdir: a bad source leaves it untouched.
-    source_params = restore_params(tc.restore_from, abstract_state["params"], mesh, rules)
+    source_params, source_tokenizer = restore_source(config, workdir, abstract_state["params"],
+                                                     mesh, rules)
   workdir_lib.prepare(config, workdir)
-  tokenizer = workdir_lib.setup_tokenizer(config, workdir)
+  tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
   process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
   eval_batches = [shard_batch(batch, mesh) for batch in
@@ -274,28 +276,65 @@ def _has_checkpoint(workdir: str) -> bool:
     checkpointer.close()
 
 
-def restore_params(source: str, abstract_params, mesh, rules):
-  """Parameters of the newest checkpoint of another workdir (fine-tuning), on `mesh`.
+def restore_source(config, workdir: str, abstract_params, mesh, rules):
+  """(parameters, tokenizer path) to start from: train.restore_from, another run's workdir.
 
-  They come in the dtypes of `abstract_params` (this run's model.param_dtype):
-  Orbax casts each array to its target's dtype while reading it, so a float32
-  run can be fine-tuned in bfloat16 and back. Only reads `source`, which may
-  still be training.
+  The parameters of its newest checkpoint, on `mesh`, in the dtypes of
+  `abstract_params` (this run's model.param_dtype): Orbax casts each array to
+  its target's dtype while reading it, so a float32 run can be fine-tuned in
+  bfloat16 and back. The tokenizer they were trained with (`_source_tokenizer`).
+  Everything is checked before the arrays are read. Only reads the source,
+  which may still be training.
   """
+  source = config.train.restore_from
+  where = f"train.restore_from={source!r}"
   if not os.path.exists(os.path.join(source, workdir_lib.CONFIG_FILE)):
-    raise UserError(f"train.restore_from={source!r}: not a run directory "
-                    f"(no {workdir_lib.CONFIG_FILE})")
+    raise UserError(f"{where}: not a run directory (no {workdir_lib.CONFIG_FILE})")
   _, abstract = abstract_state(workdir_lib.load_config(source))
   if jax.tree.map(np.shape, abstract["params"]) != jax.tree.map(np.shape, abstract_params):
-    raise UserError(f"train.restore_from={source!r}: its parameters have other shapes")
+    raise UserError(f"{where}: its parameters have other shapes")
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
     step = checkpointer.latest_step()
     if step is None:
-      raise UserError(f"train.restore_from={source!r}: it has no checkpoint")
+      raise UserError(f"{where}: it has no checkpoint")
+    tokenizer_path = _source_tokenizer(
+        config, workdir, checkpointer.restore_meta(step)["tokenizer_fingerprint"])
     abstract = dict(abstract, params=abstract_params)  # the same shapes, this run's dtypes
     state, _ = checkpointer.restore(
         step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
   finally:
     checkpointer.close()
-  return state["params"]
+  return state["params"], tokenizer_path
+
+
+def _source_tokenizer(config, workdir: str, expected: str) -> str:
+  """The tokenizer of fingerprint `expected` that train.restore_from was trained with.
+
+  The source's saved copy `<source>/tokenizer` when tokenizer.path is empty; a
+  tokenizer.path, or a tokenizer already in `workdir`, of another fingerprint is
+  refused. Returns the path to copy into `workdir`.
+  """
+  source = config.train.restore_from
+  where = f"train.restore_from={source!r}"
+  if config.tokenizer.path:
+    path = config.tokenizer.path
+    tok = tokenizer_lib.load_tokenizer(path)
+    if tok.fingerprint != expected:
+      raise UserError(f"{where}: its parameters were trained with tokenizer {expected[:12]}, "
+                      f"but tokenizer.path={path!r} is {tok.fingerprint[:12]}; leave "
+                      "tokenizer.path empty to use the source's tokenizer")
+  else:
+    path = os.path.join(source, workdir_lib.TOKENIZER_DIR)
+    try:
+      tok = tokenizer_lib.load_tokenizer(path)
+    except UserError as e:
+      raise UserError(f"{where}: {e}") from None
+    if tok.fingerprint != expected:
+      raise UserError(f"{where}: its parameters were trained with tokenizer {expected[:12]}, "
+                      f"but {path} is {tok.fingerprint[:12]}; it was changed after training")
+  own = os.path.join(workdir, workdir_lib.TOKENIZER_DIR)
+  if os.path.exists(own) and tokenizer_lib.load_tokenizer(own).fingerprint != expected:
+    raise UserError(f"{where}: {own} is another tokenizer than the one its parameters were "
+                    f"trained with ({expected[:12]}); use a new workdir")
+  return path

@@ -74,8 +74,11 @@ def _barrier(name: str) -> None:
     multihost_utils.sync_global_devices(name)
 
 
-def setup_tokenizer(config: config_dict.ConfigDict, workdir: str):
+def setup_tokenizer(config: config_dict.ConfigDict, workdir: str, given: str | None = None):
   """The run's tokenizer: the workdir's, a given one copied in, or trained once.
+
+  The given one is `given` (train.restore_from's tokenizer, see
+  training/loop.py), else config.tokenizer.path.
 
   Process 0 trains or copies it into the workdir; every process then loads
   that copy, so all of them encode with the same vocabulary.
@@ -85,8 +88,9 @@ def setup_tokenizer(config: config_dict.ConfigDict, workdir: str):
   """
   run_dir = os.path.join(workdir, TOKENIZER_DIR)
   if jax.process_index() == 0 and not os.path.isdir(run_dir):
-    if config.tokenizer.path:
-      tok = tokenizer_lib.load_tokenizer(config.tokenizer.path)
+    given = given or config.tokenizer.path
+    if given:
+      tok = tokenizer_lib.load_tokenizer(given)
     else:
       tok = tokenizer_lib.train_tokenizer(config.tokenizer.kind, config.tokenizer.vocab_size,
                                           pipeline.tokenizer_texts(config.data))
