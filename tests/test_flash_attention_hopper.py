@@ -18,17 +18,9 @@ import pytest
 from model.attention import attention
 from model.kernels import flash_attention_hopper as hopper
 from model.kernels.flash_attention import choose_lowering, flash_attention
+from tests.test_flash_attention import _inputs
 
 TOLERANCE = {jnp.float16: 1e-2, jnp.bfloat16: 3e-2}
-
-
-def _inputs(B, T, S, H, K, D, dtype, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], (B, T, H, D), dtype)
-  k = jax.random.normal(keys[1], (B, S, K, D), dtype)
-  v = jax.random.normal(keys[2], (B, S, K, D), dtype)
-  do = jax.random.normal(keys[3], (B, T, H, D), dtype)
-  return q, k, v, do
 
 
 def _segments(B, L, seed):
@@ -53,7 +45,7 @@ def _segments(B, L, seed):
      hopper.HopperBlocks(64, 64, 2)),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
-  q, k, v, do = _inputs(B, T, S, H, K, D, dtype)
+  q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)
   # The first 5 queries get id 9, which no key has: rows that see nothing.
   q_seg = _segments(B, T, 0).at[:, :5].set(9) if segments else None
   kv_seg = _segments(B, S, 1) if segments else None

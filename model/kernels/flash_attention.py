@@ -46,6 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
 
 _LOG2_E = math.log2(math.e)
@@ -447,38 +448,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   return dq_BTHD, dk_BSKD, dv_BSKD
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
-  """Attention on tile-aligned arrays, differentiable by the custom VJP."""
-  return _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)[0]
-
-
-def _flash_fwd(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
-  o_BTHD, lse_BHT = _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)
-  return o_BTHD, (q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT)
-
-
-def _flash_bwd(cfg: _Config, residuals, do_BTHD):
-  q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT = residuals
-  dq, dk, dv = _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD,
-                         lse_BHT, do_BTHD, cfg)
-  return dq, dk, dv, None, None
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _pad_axis(x, axis: int, size: int):
-  """Zero-pads `x` along `axis` up to `size` (no copy when already there)."""
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths)
-
-
-def _round_up(n: int, multiple: int) -> int:
-  return -(-n // multiple) * multiple
+_flash = common.flash_vjp(_forward, _backward)
 
 
 LOWERINGS = ("triton", "mosaic_gpu")
@@ -579,14 +549,12 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   # Tile alignment: zero-pad the head dim to a power of two >= 16 and the
   # lengths to whole tiles. Padded keys are masked (kv_len, segment id 0);
   # padded query rows are cut off below, so their gradients are zero.
-  T_pad = _round_up(T, blocks.q_multiple)
-  S_pad = _round_up(S, blocks.kv_multiple)
+  T_pad = common.round_up(T, blocks.q_multiple)
+  S_pad = common.round_up(S, blocks.kv_multiple)
   D_pad = max(_MIN_BLOCK, pl.next_power_of_2(D))
-  q = _pad_axis(_pad_axis(q_BTHD, 1, T_pad), 3, D_pad)
-  k = _pad_axis(_pad_axis(k_BSKD, 1, S_pad), 3, D_pad)
-  v = _pad_axis(_pad_axis(v_BSKD, 1, S_pad), 3, D_pad)
-  q_seg = kv_seg = None
-  if q_segment_ids is not None:
-    q_seg = _pad_axis(q_segment_ids.astype(jnp.int32), 1, T_pad)
-    kv_seg = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, S_pad)
+  q = common.pad_to(common.pad_to(q_BTHD, 1, T_pad), 3, D_pad)
+  k = common.pad_to(common.pad_to(k_BSKD, 1, S_pad), 3, D_pad)
+  v = common.pad_to(common.pad_to(v_BSKD, 1, S_pad), 3, D_pad)
+  q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
+  kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
   return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T, :, :D]

@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from model.kernels import common
+
 _LOG2_E = math.log2(math.e)
 ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
 _COMPUTE_WGS = 2
@@ -152,8 +154,7 @@ class _Config:
   causal: bool
   segments: bool  # segment ids given: mask by them, rows may be empty
   q_len: int  # padded query length (a multiple of 2 * ROWS)
-  kv_len: int  # true key length
-  kv_len_padded: int  # a multiple of block_k and of 2 * ROWS
+  kv_len: int  # true key length (the arrays are padded past it)
   group: int  # query heads per KV head
   blocks: HopperBlocks
   interpret: bool
@@ -275,8 +276,8 @@ def _rows(vector, shape):
 
 def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free,
                num_steps, cfg: _Config, ops: _Ops):
-  """The producer of the forward and dQ kernels: K, V (and key segment ids)
-  tiles 0 .. num_steps - 1 of this CTA's KV head, through the ring."""
+  """The producer of `_query_tile_kernel`: K, V (and key segment ids) tiles
+  0 .. num_steps - 1 of this CTA's KV head, through the ring."""
   ops.set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
@@ -290,24 +291,57 @@ def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free
   _produce(num_steps, cfg.blocks.stages, full, free, issue)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
-                    q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
-                    q_full, kv_full, kv_free, *, cfg: _Config, ops: _Ops):
-  """Forward: online softmax of two query tiles against streamed K/V tiles."""
-  b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-  block_k, stages = cfg.blocks.block_k, cfg.blocks.stages
+def _query_tile_kernel(compute, kv_stream, cfg: _Config, ops: _Ops):
+  """The frame of the forward and dQ kernels. The producer warpgroup streams
+  the K/V tiles that the CTA's query tiles see (`kv_stream`: the arguments of
+  `_stream_kv` before the step count); each compute warpgroup runs
+  `compute(q_start, cta_steps)` on its own query tile."""
+  wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
   cta_steps = _kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, kv_full,
-               kv_free, cta_steps, cfg, ops)
+    _stream_kv(*kv_stream, cta_steps, cfg, ops)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     ops.set_registers(producer=False)
-    q_start = cta_q + wg * ROWS
+    compute(cta_q + wg * ROWS, cta_steps)
+
+
+def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, cfg: _Config):
+  """Runs `step(j, carry, masked=...)` over the key tiles the query tile at
+  `q_start` sees, those that need no mask first; then passes the rest of the
+  CTA's steps."""
+  unmasked = _kv_tiles_unmasked(q_start, cfg)
+  seen = _kv_tiles_seen(q_start + ROWS, cfg)
+  carry = _steps(0, unmasked, functools.partial(step, masked=False), carry)
+  carry = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
+  _pass(seen, cta_steps, cfg.blocks.stages, full, free)
+  return carry
+
+
+def _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
+                       masked: bool, cfg: _Config, ops: _Ops):
+  """Base-2 scores of a query tile against key tile j (in ring `slot`),
+  masked if `masked`: [ROWS, block_k] float32."""
+  s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
+  if not masked:
+    return s
+  kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
+  return _mask(s, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
+               q_seg=q_seg, kv_seg=kv_seg)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
+                    q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
+                    q_full, kv_full, kv_free, *, cfg: _Config, ops: _Ops):
+  """Forward: online softmax of two query tiles against streamed K/V tiles."""
+  b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
+  stages = cfg.blocks.stages
+
+  def compute(q_start, cta_steps):
     q_tile = q_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     _copy_in([(q_ref.at[q_rows], q_tile),
@@ -320,11 +354,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       o, m, l = carry
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
-      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
-      if masked:
-        kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
-        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False,
-                  q_seg=q_seg, kv_seg=kv_seg)
+      s = _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
+                             masked, cfg, ops)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       if cfg.segments:  # a row with no visible key yet keeps m = -inf
         m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -342,11 +373,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     carry = (ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
              ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
              ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-    unmasked = _kv_tiles_unmasked(q_start, cfg)
-    seen = _kv_tiles_seen(q_start + ROWS, cfg)
-    carry = _steps(0, unmasked, functools.partial(step, masked=False), carry)
-    o, m, l = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
-    _pass(seen, cta_steps, stages, kv_full, kv_free)
+    o, m, l = _over_kv_tiles(step, carry, q_start, cta_steps, kv_full, kv_free, cfg)
 
     lse = m + jnp.log2(l)
     if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
@@ -360,6 +387,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
+  _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
+                               kv_full, kv_free), cfg, ops)
+
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                kv_seg_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
@@ -367,19 +397,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                *, cfg: _Config, ops: _Ops):
   """Backward, dQ of two query tiles: recompute P from the lse per K/V tile."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
-  block_k, stages = cfg.blocks.block_k, cfg.blocks.stages
-  cta_q = _cta_q_start(cfg)
-  cta_steps = _kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg)
+  stages = cfg.blocks.stages
 
-  @pl.when(wg == _PRODUCER)
-  def _producer():
-    _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, kv_full,
-               kv_free, cta_steps, cfg, ops)
-
-  @pl.when(wg < _COMPUTE_WGS)
-  def _compute():
-    ops.set_registers(producer=False)
-    q_start = cta_q + wg * ROWS
+  def compute(q_start, cta_steps):
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
@@ -396,11 +416,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     def step(j, dq, masked: bool):
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
-      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
-      if masked:
-        kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
-        s = _mask(s, q_start, j * block_k, ops, cfg, transposed=False,
-                  q_seg=q_seg, kv_seg=kv_seg)
+      s = _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
+                             masked, cfg, ops)
       p = jnp.exp2(s - _rows(lse, s.shape))
       dp = ops.matmul(do_tile, v_smem.at[slot], transpose_b=True)
       ds = p * (dp - _rows(delta, dp.shape))
@@ -409,17 +426,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       plgpu.barrier_arrive(kv_free.at[slot])
       return dq
 
-    dq = ops.tile(jnp.zeros(q_tile.shape, jnp.float32))
-    unmasked = _kv_tiles_unmasked(q_start, cfg)
-    seen = _kv_tiles_seen(q_start + ROWS, cfg)
-    dq = _steps(0, unmasked, functools.partial(step, masked=False), dq)
-    dq = _steps(unmasked, seen, functools.partial(step, masked=True), dq)
-    _pass(seen, cta_steps, stages, kv_full, kv_free)
-
+    dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
+                        q_start, cta_steps, kv_full, kv_free, cfg)
     q_tile[...] = (dq * cfg.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
+
+  _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
+                               kv_full, kv_free), cfg, ops)
 
 
 def _q_tiles(k_start, cfg: _Config):
@@ -595,31 +610,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
-  return _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)[0]
-
-
-def _flash_fwd(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
-  o_BTHD, lse_BHT = _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg)
-  return o_BTHD, (q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT)
-
-
-def _flash_bwd(cfg: _Config, residuals, do_BTHD):
-  return (*_backward(*residuals, do_BTHD, cfg), None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def _pad_to(x, axis: int, multiple: int):
-  """Zero-pads `x` along `axis` to a multiple of `multiple`."""
-  extra = -x.shape[axis] % multiple
-  if not extra:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, extra)
-  return jnp.pad(x, widths)
+_flash = common.flash_vjp(_forward, _backward)
 
 
 def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
@@ -637,16 +628,13 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   blocks = blocks or choose_hopper_blocks(D)
   pair = _COMPUTE_WGS * ROWS
-  kv_multiple = math.lcm(blocks.block_k, pair)
-  q_multiple = math.lcm(pair, blocks.block_q_dkv)
-  q = _pad_to(q_BTHD, 1, q_multiple)
-  k = _pad_to(k_BSKD, 1, kv_multiple)
-  v = _pad_to(v_BSKD, 1, kv_multiple)
-  q_seg = kv_seg = None
-  if q_segment_ids is not None:
-    q_seg = _pad_to(q_segment_ids.astype(jnp.int32), 1, q_multiple)
-    kv_seg = _pad_to(kv_segment_ids.astype(jnp.int32), 1, kv_multiple)
-  cfg = _Config(scale=scale, causal=causal, segments=q_seg is not None,
-                q_len=q.shape[1], kv_len=S, kv_len_padded=k.shape[1],
-                group=H // K, blocks=blocks, interpret=interpret)
+  T_pad = common.round_up(T, math.lcm(pair, blocks.block_q_dkv))
+  S_pad = common.round_up(S, math.lcm(pair, blocks.block_k))
+  q = common.pad_to(q_BTHD, 1, T_pad)
+  k = common.pad_to(k_BSKD, 1, S_pad)
+  v = common.pad_to(v_BSKD, 1, S_pad)
+  q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
+  kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
+  cfg = _Config(scale=scale, causal=causal, segments=q_seg is not None, q_len=T_pad,
+                kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
   return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T]
