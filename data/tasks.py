@@ -106,8 +106,7 @@ def _random_number(rng: np.random.Generator, digits: int) -> int:
 def synthetic_pairs(data_config: config_dict.ConfigDict, split: str) -> list[Pair]:
   d = data_config
   test_min_len = d.task_test_min_len or d.task_min_len
-  # Runs saved before data.task_addition_format existed were plain.
-  addition_format = d.get("task_addition_format", "plain")
+  addition_format = d.task_addition_format
   held_out = _draw(d.task, d.task_seed, "validation", d.task_test_size, test_min_len,
                    d.task_max_len, addition_format)
   if split == "validation":

@@ -17,6 +17,12 @@ CASES = [
     (dict(mlp="relu"), "model.mlp='relu': must be one of gelu, swiglu"),
     (dict(attention_impl="flash"), "model.attention_impl='flash': must be one of reference, xla"),
     (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
+    (dict(pallas_lowering="cuda"),
+     "model.pallas_lowering='cuda': must be one of auto, triton, mosaic_gpu"),
+    (dict(pallas_lowering="mosaic_gpu", d_model=128, num_heads=2),
+     "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
+    (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
+     "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
     (dict(param_dtype="float16"), "model.param_dtype='float16': must be one of float32, bfloat16"),
     (dict(d_model=0), "model.d_model=0: must be a positive integer"),
     (dict(num_kv_heads=0), "model.num_kv_heads=0: must be a positive integer"),
@@ -106,3 +112,18 @@ def test_every_preset_is_valid(path):
   if path.stem in ("__init__", "validation", "errors", "cli"):
     return
   validate(importlib.import_module(f"configs.{path.stem}").get_config())
+
+
+def test_saved_run_config_gets_new_fields_at_their_defaults(tmp_path):
+  """A run saved before a field existed loads with the field at its default
+  (the behaviour it was trained with); saved values stay."""
+  import json  # pylint: disable=import-outside-toplevel
+  from training import workdir  # pylint: disable=import-outside-toplevel
+  saved = workdir.config_to_dict(base.get_config())
+  del saved["data"]["task_addition_format"], saved["model"]["pallas_lowering"]
+  saved["model"]["d_model"] = 48
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = workdir.load_config(str(tmp_path))
+  assert config.data.task_addition_format == "plain"
+  assert config.model.pallas_lowering == "auto"
+  assert config.model.d_model == 48

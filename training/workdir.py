@@ -12,6 +12,7 @@ import jax
 from jax.experimental import multihost_utils
 from ml_collections import config_dict
 
+from configs import base
 from configs.errors import UserError
 from data import pipeline
 from model import accounting
@@ -25,7 +26,21 @@ def config_to_dict(config: config_dict.ConfigDict) -> dict:
   return json.loads(config.to_json())
 
 
+def _with_new_defaults(saved: dict, defaults: config_dict.ConfigDict) -> dict:
+  """`saved`, plus every field configs/base.py gained since it was saved, at
+  its default (a new field's default keeps the behaviour runs had before)."""
+  out = dict(saved)
+  for key, value in defaults.items():
+    if key not in out:
+      out[key] = value.to_dict() if isinstance(value, config_dict.ConfigDict) else value
+    elif isinstance(value, config_dict.ConfigDict) and isinstance(out[key], dict):
+      out[key] = _with_new_defaults(out[key], value)
+  return out
+
+
 def load_config(workdir: str) -> config_dict.ConfigDict:
+  """The run's saved config; fields added to configs/base.py since it was
+  saved get their defaults."""
   if not os.path.isdir(workdir):
     raise UserError(f"--workdir {workdir}: no such directory")
   path = os.path.join(workdir, CONFIG_FILE)
@@ -33,7 +48,7 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
     raise UserError(f"{workdir} is not a run directory (no {CONFIG_FILE}); "
                     "train into it first with python train.py --workdir ...")
   with open(path, encoding="utf-8") as f:
-    return config_dict.ConfigDict(json.load(f))
+    return config_dict.ConfigDict(_with_new_defaults(json.load(f), base.get_config()))
 
 
 def _write_json_atomic(path: str, obj) -> None:
