@@ -41,7 +41,8 @@ git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
 
 # 1. The compiled kernels against the reference (Mosaic GPU, then Triton).
 stage tests_hopper 150 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_flash_attention_hopper.py
+  -m "slow or not slow" tests/test_flash_attention_hopper.py \
+  tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
 stage tests_triton 120 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_flash_attention.py
 # 2. The acceptance rows first, then the whole grid.

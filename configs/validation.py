@@ -16,6 +16,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "swiglu"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
+    "model.pallas_lowering": ("auto", "triton", "mosaic_gpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),
@@ -79,7 +80,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   p = "model."
   for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
                 "model.norm_position", "model.mlp", "model.attention_impl",
-                "model.dtype", "model.param_dtype"):
+                "model.pallas_lowering", "model.dtype", "model.param_dtype"):
     _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
     _check_positive(m, p + field, p)
@@ -104,6 +105,12 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
+  if m.pallas_lowering == "mosaic_gpu" and m.dtype not in ("bfloat16", "float16"):
+    _fail("model.pallas_lowering", m.pallas_lowering,
+          f"needs model.dtype bfloat16 or float16, not {m.dtype} (or use triton)")
+  if m.pallas_lowering == "mosaic_gpu" and head_dim(m) not in (64, 128):
+    _fail("model.pallas_lowering", m.pallas_lowering,
+          f"needs a head_dim of 64 or 128, not {head_dim(m)} (or use triton)")
 
 
 def validate(config: config_dict.ConfigDict) -> None:

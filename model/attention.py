@@ -101,14 +101,16 @@ def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale,
   return jnp.where(row_valid_BT11, out, 0).astype(q_BTHD.dtype)
 
 
-def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale):
+def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale,
+                      lowering):
   if mask is not None:
     raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
                      "not a dense mask; use 'xla' or 'auto' for a dense mask")
   from model.kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   q_seg, kv_seg = _split_segment_ids(segment_ids)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=q_seg,
-                         kv_segment_ids=kv_seg, scale=scale)
+                         kv_segment_ids=kv_seg, scale=scale,
+                         lowering=None if lowering == "auto" else lowering)
 
 
 @functools.lru_cache(maxsize=None)
@@ -138,11 +140,13 @@ def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
 
 def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
               segment_ids=None, scale: float | None = None,
-              implementation: str = "reference"):
+              implementation: str = "reference", pallas_lowering: str = "auto"):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
   q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
   returns [B, T, H, D] in q's dtype. See the module docstring for the masks.
+  `pallas_lowering` (auto, triton, mosaic_gpu) picks our kernel when
+  implementation is pallas.
   """
   if implementation == "auto":
     implementation = choose_implementation(q_BTHD, has_dense_mask=mask is not None)
@@ -152,7 +156,7 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
   if implementation in ("xla", "cudnn"):
     return _jax_attention(q_BTHD, k_BSKD, v_BSKD, implementation=implementation, **kwargs)
   if implementation == "pallas":
-    return _pallas_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
+    return _pallas_attention(q_BTHD, k_BSKD, v_BSKD, lowering=pallas_lowering, **kwargs)
   raise ValueError(f"attention implementation {implementation!r}: must be one of "
                    f"{', '.join(IMPLEMENTATIONS)}")
 
@@ -171,6 +175,7 @@ class Attention(nnx.Module):
     b = cfg.use_bias
     self.rope = rope  # (inv_freq, attention_scale) or None
     self.implementation = cfg.attention_impl
+    self.pallas_lowering = cfg.pallas_lowering
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
     self.k_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
                         rngs=rngs)
@@ -201,7 +206,8 @@ class Attention(nnx.Module):
     else:
       k_BSKD, v_BSKD = self.project_kv(context_BSD)
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                         mask=mask, implementation=self.implementation)
+                         mask=mask, implementation=self.implementation,
+                         pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
   def weights(self, x_BTD, *, positions_BT, causal):

@@ -233,3 +233,53 @@ def test_triton_lowering_builds(D):
   for kernel in ("flash_attention_forward", "flash_attention_dkdv",
                  "flash_attention_dq"):
     assert f'name = "{kernel}"' in text
+
+
+def _train_losses(steps=3, T=32, **model_fields):
+  """Losses of `steps` AdamW steps of a 2-layer decoder on one packed batch
+  (two documents and padding in row 0, one document in row 1)."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from configs import base  # pylint: disable=import-outside-toplevel
+  from model import build_model  # pylint: disable=import-outside-toplevel
+  from training.optim import learning_rate_schedule, make_optimizer  # pylint: disable=import-outside-toplevel
+  from training.steps import init_state, jit_train_step  # pylint: disable=import-outside-toplevel
+  cfg = base.get_config()
+  cfg.model.update(vocab_size=64, num_layers=2, d_ff=64, max_len=T, **model_fields)
+  cfg.train.update(learning_rate=1e-2, warmup_steps=0, num_steps=steps)
+  graphdef, params = nnx.split(build_model(cfg.model, nnx.Rngs(0)))
+  tx = make_optimizer(cfg.train)
+  step = jit_train_step(graphdef, tx, learning_rate_schedule(cfg.train), "next_token", 1)
+  state = init_state(params, tx, 0)
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, T + 1), 0, 64)
+  cut, end = T // 3, T - T // 4
+  segment_ids = jnp.asarray([[1] * cut + [2] * (end - cut) + [0] * (T - end), [1] * T])
+  positions = jnp.asarray([list(range(cut)) + list(range(T - cut)), list(range(T))])
+  batch = dict(inputs=tokens[:, :-1], targets=tokens[:, 1:], segment_ids=segment_ids,
+               positions=positions, loss_mask=(segment_ids > 0).astype(jnp.float32))
+  losses = []
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+    losses.append(float(metrics["loss"]))
+  return np.asarray(losses)
+
+
+@pytest.mark.parametrize("dtype,rtol", [("float32", 1e-5), ("bfloat16", 2e-3)])
+def test_training_with_pallas_matches_reference(dtype, rtol):
+  """A decoder (GQA, RoPE, packed batch) trained 3 steps with the kernel has
+  the losses it has with the reference attention (measured gaps: 3e-7
+  float32, 1.6e-4 bfloat16)."""
+  fields = dict(d_model=32, num_heads=4, num_kv_heads=2, dtype=dtype)
+  want = _train_losses(attention_impl="reference", **fields)
+  got = _train_losses(attention_impl="pallas", **fields)
+  assert want[-1] < want[0]
+  np.testing.assert_allclose(got, want, rtol=rtol)
+
+
+@pytest.mark.slow
+def test_training_with_hopper_kernel_matches_reference():
+  """The same with the Mosaic GPU kernels (interpreted on CPU): head_dim 64,
+  bfloat16, T = 128."""
+  fields = dict(d_model=128, num_heads=2, num_kv_heads=1, dtype="bfloat16")
+  want = _train_losses(T=128, attention_impl="reference", **fields)
+  got = _train_losses(T=128, attention_impl="pallas", pallas_lowering="mosaic_gpu", **fields)
+  np.testing.assert_allclose(got, want, rtol=2e-3)
