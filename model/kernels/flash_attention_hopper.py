@@ -25,6 +25,15 @@ heads, any lengths (padded to whole tiles, padded keys masked). The portable
 kernel (`flash_attention.py`) covers every other GPU, float32 and other head
 dims; `supports` says which applies.
 
+Cost, in tile matmuls per (query tile, key tile) pair: forward 2 (S, PV);
+backward 7, since the dQ kernel recomputes S and dP that the dK/dV kernel
+also computes (FlashAttention-3 does 5, adding dQ partials into a float32
+buffer with TMA reduce-add, `copy_smem_to_gmem(reduction_op="add")`, which
+neither Mosaic GPU interpreter supports, so it could not be tested here). By
+the FlashAttention convention (backward = 2.5 forwards) this backward can
+reach at most 5/7 of the matmul rate: fusing dQ is the next step once a GPU
+measures the rest.
+
 On CPU the same kernel bodies run in the Mosaic GPU interpreter, which
 simulates the warpgroups, shared memory, TMA and barriers; it does not model
 register layouts or wgmma, so `_Ops` is the one place that swaps wgmma for a
