@@ -35,9 +35,10 @@ reach at most 5/7 of the matmul rate: fusing dQ is the next step once a GPU
 measures the rest.
 
 On CPU the same kernel bodies run in the Mosaic GPU interpreter, which
-simulates the warpgroups, shared memory, TMA and barriers; it does not model
-register layouts or wgmma, so `_Ops` is the one place that swaps wgmma for a
-plain dot and drops layout hints when interpreting.
+simulates the warpgroups, shared memory, TMA copies, barriers and register
+reallocation; it does not model register layouts or wgmma, so `_Ops` is the
+one place that swaps wgmma for a plain dot and drops layout hints when
+interpreting.
 """
 import dataclasses
 import functools
@@ -149,11 +150,11 @@ class _Ops:
       plgpu.wgmma(acc_ref, a, b)
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
 
-  def set_registers(self, producer: bool):
-    """Registers move from the producer (TMA only) to the compute groups."""
-    if not self.interpret:
-      plgpu.set_max_registers(40 if producer else 232,
-                              action="decrease" if producer else "increase")
+
+def _set_registers(producer: bool):
+  """Registers move from the producer (TMA only) to the compute groups."""
+  plgpu.set_max_registers(40 if producer else 232,
+                          action="decrease" if producer else "increase")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -287,7 +288,7 @@ def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free
                num_steps, cfg: _Config, ops: _Ops):
   """The producer of `_query_tile_kernel`: K, V (and key segment ids) tiles
   0 .. num_steps - 1 of this CTA's KV head, through the ring."""
-  ops.set_registers(producer=True)
+  _set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
 
@@ -315,7 +316,7 @@ def _query_tile_kernel(compute, kv_stream, cfg: _Config, ops: _Ops):
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    ops.set_registers(producer=False)
+    _set_registers(producer=False)
     compute(cta_q + wg * ROWS, cta_steps)
 
 
@@ -474,7 +475,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    ops.set_registers(producer=True)
+    _set_registers(producer=True)
 
     def issue(j, slot, barrier):
       head = kv_head * cfg.group + lax.div(j, per_head)
@@ -489,7 +490,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
-    ops.set_registers(producer=False)
+    _set_registers(producer=False)
     k_start = cta_k + wg * ROWS
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
     k_rows = (b, pl.ds(k_start, ROWS), kv_head)
