@@ -112,6 +112,13 @@ def test_choose_lowering():
   assert choose_lowering(bf16, bf16, backend="cpu", device_kind="cpu") == "triton"
 
 
+def test_hopper_blocks_follow_head_dim_and_length():
+  assert hopper.choose_hopper_blocks(64, 4096) == hopper.HopperBlocks(128, 64, 3)
+  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2)
+  assert hopper.choose_hopper_blocks(64, 200) == hopper.HopperBlocks(128, 64, 2)
+  assert hopper.choose_hopper_blocks(64, 40) == hopper.HopperBlocks(64, 64, 2)
+
+
 def test_mosaic_gpu_refuses_what_it_does_not_take():
   q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="float32.*lowering='triton'"):
