@@ -125,6 +125,8 @@ def attention_fn(name: str, case: dict, tiles=None):
                                interpret=not on_gpu)
     return fn
   if name == "jax_mosaic":
+    if not on_gpu:
+      raise RuntimeError("jax_mosaic needs a GPU (it has no interpreter path)")
     from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
     config = attention_mgpu.TuningConfig(
         block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
@@ -189,7 +191,10 @@ def measure(name: str, case: dict, inputs, warmup: int, repeats: int,
             tiles=None) -> dict:
   """Forward and forward+backward times and TFLOP/s, or an error each."""
   q, k, v, do = (x.astype(input_dtype(name)) for x in inputs)
-  fn = attention_fn(name, case, tiles)
+  try:
+    fn = attention_fn(name, case, tiles)
+  except Exception as exc:  # pylint: disable=broad-except
+    return {mode: dict(error=short_error(exc)) for mode in ("fwd", "fwd_bwd")}
   result = {}
   for mode, step, args, factor in (
       ("fwd", jax.jit(fn), (q, k, v), 1.0),
