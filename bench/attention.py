@@ -35,7 +35,8 @@ A competitor that fails shows "error: <message>" in its cell.
   python bench/attention.py --tune                               # our tiles
 
 `--tune` times our kernels over their tiles: block_q x block_k for Triton,
-block_k x stages for Mosaic GPU (query tiles are 64 rows per warpgroup).
+block_k x stages x ping-pong for Mosaic GPU (query tiles are 64 rows per
+warpgroup).
 """
 import argparse
 import datetime
@@ -97,7 +98,7 @@ def attention_fn(name: str, case: dict, tiles=None):
   """The competitor `name` as a function (q, k, v) -> out for `case`.
 
   `tiles`: for `ours_triton` (block_q, block_k), for `ours_mosaic`
-  (block_k, stages); None: the kernel's own choice.
+  (block_k, stages, pingpong); None: the kernel's own choice.
   """
   causal, scale = case["causal"], 1.0 / math.sqrt(case["D"])
   on_gpu = jax.default_backend() == "gpu"
@@ -109,7 +110,8 @@ def attention_fn(name: str, case: dict, tiles=None):
     return functools.partial(flash_attention, causal=causal, scale=scale,
                              lowering="mosaic_gpu")
   if name == "ours_mosaic":
-    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1])
+    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
+                                 pingpong=tiles[2])
     return functools.partial(hopper.hopper_flash_attention, causal=causal,
                              scale=scale, blocks=blocks, interpret=not on_gpu)
   if name in ("xla", "cudnn"):
@@ -290,7 +292,7 @@ def tune_table(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|"]
   for row in rows:
     c = row["case"]
-    cells = ", ".join(f"{a}x{b}: {cell(r)}" for (a, b), r in row["results"])
+    cells = ", ".join(f"{'x'.join(map(str, t))}: {cell(r)}" for t, r in row["results"])
     lines.append(f"| {row['name']} | {c['label']} | {c['S']} | {c['D']} | "
                  f"{'yes' if c['causal'] else 'no'} | {cells} |")
   return "\n".join(lines)
@@ -348,9 +350,11 @@ def main():
 
   if args.tune:
     triton_tiles = [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
-    mosaic_tiles = [(bk, stages) for bk in (64, 128) for stages in (2, 3, 4)]
+    mosaic_tiles = [(bk, stages, pingpong) for bk in (64, 128) for stages in (2, 3, 4)
+                    for pingpong in (True, False)]
     if args.quick:
-      triton_tiles, mosaic_tiles = [(32, 64), (64, 64)], [(64, 2), (128, 2)]
+      triton_tiles = [(32, 64), (64, 64)]
+      mosaic_tiles = [(64, 2, True), (128, 2, False)]
     tune_rows = []
     for case in cases:
       inputs = make_inputs(case)

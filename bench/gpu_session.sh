@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU check and timing of a device session, in one call (about 9 min).
+# Every GPU check and timing of a device session, in two calls of at most
+# 7.5 minutes each (a device call may run 10): `bash bench/gpu_session.sh 1`
+# (kernel tests on the GPU, acceptance rows, GPT-2 small throughput), then
+# `bash bench/gpu_session.sh 2` (the whole grid, the tile sweep).
 #
 # Run from the repository root on the H200 machine (jax 0.11.2 + CUDA there,
 # without ml_collections, grain, tensorboardX: carried as wheels in .whl/).
@@ -11,12 +14,12 @@
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker tensorboardX
 #
-# then call the device tool with carry [".whl"] and the command
-# `bash bench/gpu_session.sh`. Each stage has its own time limit so the whole
-# stays inside one 10-minute call; results land in $OUT (logs, JSON) and the
+# then call the device tool with carry [".whl"] and the command above. Each
+# stage has its own time limit; results land in $OUT (logs, JSON) and the
 # tables are printed last. Copy them into bench/RESULTS.md with the date,
 # card, command and commit.
 set -u
+PART=${1:-1}
 OUT=${OUT:-/tmp/gpu_session}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
@@ -39,28 +42,31 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
   --format=csv > "$OUT/gpu.txt" 2>&1
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
 
-# 1. The compiled kernels against the reference (Mosaic GPU, then Triton).
-stage tests_hopper 150 python3 -m pytest -q -x -p no:cacheprovider \
-  -m "slow or not slow" tests/test_flash_attention_hopper.py \
-  tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
-stage tests_triton 120 python3 -m pytest -q -x -p no:cacheprovider \
-  tests/test_flash_attention.py
-# 2. The acceptance rows first, then the whole grid.
-stage attention_key 90 python3 bench/attention.py --no-memory \
-  --rows 128:16384:yes 64:4096:yes gpt2-small --out "$OUT/attention_key.json"
-stage train_gpt2 120 python3 bench/train_throughput.py \
-  --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
-  --out "$OUT/train_gpt2.json"
-stage attention_grid 150 python3 bench/attention.py --no-memory \
-  --out "$OUT/attention_grid.json"
-# 3. Tiles of our two kernels on the acceptance row.
-stage attention_tune 60 python3 bench/attention.py --no-memory --tune \
-  --rows 128:16384:yes --out "$OUT/attention_tune.json"
+if [ "$PART" = 1 ]; then
+  # The compiled kernels against the reference (Mosaic GPU, then Triton).
+  stage tests_hopper 120 python3 -m pytest -q -x -p no:cacheprovider \
+    -m "slow or not slow" tests/test_flash_attention_hopper.py \
+    tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
+  stage tests_triton 100 python3 -m pytest -q -x -p no:cacheprovider \
+    tests/test_flash_attention.py
+  # The acceptance rows, and GPT-2 small training throughput.
+  stage attention_key 90 python3 bench/attention.py --no-memory \
+    --rows 128:16384:yes 64:4096:yes gpt2-small --out "$OUT/attention_key.json"
+  stage train_gpt2 120 python3 bench/train_throughput.py \
+    --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
+    --out "$OUT/train_gpt2.json"
+  LOGS="tests_hopper tests_triton attention_key train_gpt2"
+else
+  # The whole grid, then the tiles of our two kernels on the acceptance row.
+  stage attention_grid 240 python3 bench/attention.py --no-memory \
+    --out "$OUT/attention_grid.json"
+  stage attention_tune 200 python3 bench/attention.py --no-memory --tune \
+    --rows 128:16384:yes --out "$OUT/attention_tune.json"
+  LOGS="attention_grid attention_tune"
+fi
 
 cat "$OUT/gpu.txt" "$OUT/stages.txt"
-for name in tests_hopper tests_triton; do
-  echo "--- $name"; tail -n 15 "$OUT/$name.log"
-done
-for name in attention_key train_gpt2 attention_grid attention_tune; do
-  echo "--- $name"; grep -E '^\||^#|wrote|rror' "$OUT/$name.log" | tail -n 25
+for name in $LOGS; do
+  echo "--- $name"
+  grep -E '^\||^#|wrote|rror|passed|failed' "$OUT/$name.log" | tail -n 25
 done

@@ -35,9 +35,10 @@ def _segments(B, L, seed):
     # GQA, causal, packed segments with empty rows, lengths off the tile grid
     # (padded queries, masked keys).
     (1, 130, 200, 2, 1, 64, True, True, jnp.float16, None),
-    # head_dim 128, four key tiles through a two-slot ring, two KV heads.
+    # head_dim 128, four key tiles through a two-slot ring, two KV heads,
+    # warpgroups not taking turns.
     (1, 128, 256, 2, 2, 128, False, False, jnp.bfloat16,
-     hopper.HopperBlocks(64, 64, 2)),
+     hopper.HopperBlocks(64, 64, 2, pingpong=False)),
     # T > S causal: whole query tiles past the keys, unmasked and masked key
     # tiles, warpgroups that skip steps their neighbour needs, MQA over three
     # query heads.

@@ -68,10 +68,13 @@ class HopperBlocks:
     block_k: keys per streamed tile (forward and dQ kernels).
     block_q_dkv: queries per streamed tile (dK/dV kernel).
     stages: slots in the shared-memory ring of each kernel.
+    pingpong: the two compute warpgroups of the forward and dQ kernels take
+      turns on the tensor cores (`_Turns`).
   """
   block_k: int
   block_q_dkv: int
   stages: int
+  pingpong: bool = True
 
 
 def choose_hopper_blocks(head_dim: int, kv_len: int) -> HopperBlocks:
@@ -207,14 +210,58 @@ def _produce(num_steps, stages: int, full, free, issue):
   _steps(jnp.maximum(num_steps - stages, 0), num_steps, wait_free)
 
 
-def _pass(lo, hi, stages: int, full, free):
-  """Steps [lo, hi) a compute warpgroup does not need: wait, then free."""
+def _pass(lo, hi, stages: int, full, free, turns=None):
+  """Steps [lo, hi) a compute warpgroup does not need: wait, then free (and
+  take and hand back its two turns, so its neighbour is not kept waiting)."""
   def step(j, carry):
     slot = lax.rem(j, stages)
     plgpu.barrier_wait(full.at[slot])
+    if turns is not None:
+      turns.skip_step()
     plgpu.barrier_arrive(free.at[slot])
     return carry
   _steps(lo, hi, step)
+
+
+class _Turns:
+  """Ping-pong of the two compute warpgroups (FlashAttention-3's schedule).
+
+  A warpgroup issues its matmuls only while it holds the turn and hands the
+  turn over before its softmax, so one warpgroup's exponentials run while
+  the other's matmuls keep the tensor cores busy. Barrier `turn[w]` is
+  arrived by the other warpgroup when warpgroup w may go; warpgroup 0 goes
+  first. Each step of either warpgroup takes and hands back the turn twice
+  (passed steps too), and both do the same number of steps, so the turns
+  stay matched to the end. Disabled, every call is a no-op.
+  """
+
+  def __init__(self, turn, enabled: bool):
+    self.turn = turn
+    self.enabled = enabled
+    self.wg = lax.axis_index("wg")
+
+  def take(self):
+    if self.enabled:
+      plgpu.barrier_wait(self.turn.at[self.wg])
+
+  def hand_over(self):
+    if self.enabled:
+      plgpu.barrier_arrive(self.turn.at[1 - self.wg])
+
+  def skip_step(self):
+    for _ in range(2):
+      self.take()
+      self.hand_over()
+
+  def start(self):
+    """Warpgroup 1 gives warpgroup 0 the first turn."""
+    if self.enabled:
+      pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.turn.at[0]))
+
+  def finish(self):
+    """Warpgroup 0 takes the turn warpgroup 1 handed over last."""
+    if self.enabled:
+      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.turn.at[0]))
 
 
 def _copy_in(pairs, barrier):
@@ -304,11 +351,12 @@ def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free
   _produce(num_steps, cfg.blocks.stages, full, free, issue)
 
 
-def _query_tile_kernel(compute, kv_stream, cfg: _Config, ops: _Ops):
+def _query_tile_kernel(compute, kv_stream, turn, cfg: _Config, ops: _Ops):
   """The frame of the forward and dQ kernels. The producer warpgroup streams
   the K/V tiles that the CTA's query tiles see (`kv_stream`: the arguments of
   `_stream_kv` before the step count); each compute warpgroup runs
-  `compute(q_start, cta_steps)` on its own query tile."""
+  `compute(q_start, cta_steps, turns)` on its own query tile, taking turns
+  on the tensor cores through the `turn` barriers."""
   wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
   cta_steps = _kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg)
@@ -320,10 +368,14 @@ def _query_tile_kernel(compute, kv_stream, cfg: _Config, ops: _Ops):
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
-    compute(cta_q + wg * ROWS, cta_steps)
+    turns = _Turns(turn, cfg.blocks.pingpong)
+    turns.start()
+    compute(cta_q + wg * ROWS, cta_steps, turns)
+    turns.finish()
 
 
-def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, cfg: _Config):
+def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, turns,
+                   cfg: _Config):
   """Runs `step(j, carry, masked=...)` over the key tiles the query tile at
   `q_start` sees, those that need no mask first; then passes the rest of the
   CTA's steps."""
@@ -331,15 +383,15 @@ def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, cfg: _Config):
   seen = _kv_tiles_seen(q_start + ROWS, cfg)
   carry = _steps(0, unmasked, functools.partial(step, masked=False), carry)
   carry = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
-  _pass(seen, cta_steps, cfg.blocks.stages, full, free)
+  _pass(seen, cta_steps, cfg.blocks.stages, full, free, turns)
   return carry
 
 
-def _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
-                       masked: bool, cfg: _Config, ops: _Ops):
-  """Base-2 scores of a query tile against key tile j (in ring `slot`),
-  masked if `masked`: [ROWS, block_k] float32."""
-  s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True) * (cfg.scale * _LOG2_E)
+def _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked: bool,
+                     cfg: _Config, ops: _Ops):
+  """Raw scores of a query tile against key tile j (in ring `slot`), scaled
+  to base 2 and masked if `masked`: [ROWS, block_k] float32."""
+  s = s * (cfg.scale * _LOG2_E)
   if not masked:
     return s
   kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
@@ -349,12 +401,12 @@ def _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
                     q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
-                    q_full, kv_full, kv_free, *, cfg: _Config, ops: _Ops):
+                    q_full, kv_full, kv_free, turn, *, cfg: _Config, ops: _Ops):
   """Forward: online softmax of two query tiles against streamed K/V tiles."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
 
-  def compute(q_start, cta_steps):
+  def compute(q_start, cta_steps, turns):
     q_tile = q_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     _copy_in([(q_ref.at[q_rows], q_tile),
@@ -367,8 +419,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       o, m, l = carry
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
-      s = _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
-                             masked, cfg, ops)
+      turns.take()
+      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True)
+      turns.hand_over()
+      s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked, cfg, ops)
       m_new = jnp.maximum(m, jnp.max(s, axis=1))
       if cfg.segments:  # a row with no visible key yet keeps m = -inf
         m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -377,8 +431,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       alpha = jnp.exp2(m - m_new_safe)
       p = jnp.exp2(s - _rows(m_new_safe, s.shape))
       l = l * alpha + jnp.sum(p, axis=1)
-      o = ops.matmul(p.astype(q_tile.dtype), v_smem.at[slot], transpose_b=False,
-                     acc=o * _rows(alpha, o.shape))
+      o = o * _rows(alpha, o.shape)
+      turns.take()
+      o = ops.matmul(p.astype(q_tile.dtype), v_smem.at[slot], transpose_b=False, acc=o)
+      turns.hand_over()
       plgpu.barrier_arrive(kv_free.at[slot])
       return o, m_new, l
 
@@ -386,7 +442,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     carry = (ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
              ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
              ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-    o, m, l = _over_kv_tiles(step, carry, q_start, cta_steps, kv_full, kv_free, cfg)
+    o, m, l = _over_kv_tiles(step, carry, q_start, cta_steps, kv_full, kv_free,
+                             turns, cfg)
 
     lse = m + jnp.log2(l)
     if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
@@ -401,18 +458,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     plgpu.wait_smem_to_gmem(0)
 
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               kv_full, kv_free), cfg, ops)
+                               kv_full, kv_free), turn, cfg, ops)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                kv_seg_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
                q_seg_smem, k_smem, v_smem, kv_seg_smem, q_full, kv_full, kv_free,
-               *, cfg: _Config, ops: _Ops):
+               turn, *, cfg: _Config, ops: _Ops):
   """Backward, dQ of two query tiles: recompute P from the lse per K/V tile."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
 
-  def compute(q_start, cta_steps):
+  def compute(q_start, cta_steps, turns):
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
@@ -429,25 +486,29 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     def step(j, dq, masked: bool):
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
-      s = _query_tile_scores(q_tile, q_start, q_seg, j, slot, k_smem, kv_seg_smem,
-                             masked, cfg, ops)
-      p = jnp.exp2(s - _rows(lse, s.shape))
+      turns.take()
+      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True)
       dp = ops.matmul(do_tile, v_smem.at[slot], transpose_b=True)
+      turns.hand_over()
+      s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked, cfg, ops)
+      p = jnp.exp2(s - _rows(lse, s.shape))
       ds = p * (dp - _rows(delta, dp.shape))
+      turns.take()
       dq = ops.matmul(ds.astype(q_tile.dtype), k_smem.at[slot], transpose_b=False,
                       acc=dq)
+      turns.hand_over()
       plgpu.barrier_arrive(kv_free.at[slot])
       return dq
 
     dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
-                        q_start, cta_steps, kv_full, kv_free, cfg)
+                        q_start, cta_steps, kv_full, kv_free, turns, cfg)
     q_tile[...] = (dq * cfg.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
 
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               kv_full, kv_free), cfg, ops)
+                               kv_full, kv_free), turn, cfg, ops)
 
 
 def _q_tiles(k_start, cfg: _Config):
@@ -556,6 +617,11 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
       interpret=interpret, kernel_name=f"flash_attention_hopper_{name}")
 
 
+def _turn_barriers(blocks: HopperBlocks):
+  """The two barriers of `_Turns`, or None without ping-pong."""
+  return plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if blocks.pingpong else None
+
+
 def _vectors(n: int, length: int, dtype, present: bool = True):
   """Shared memory for n 1-D tiles (lse, delta, segment ids), or None."""
   return plgpu.SMEM((n, length), dtype) if present else None
@@ -575,6 +641,7 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
       plgpu.Barrier(num_arrivals=1 + seg, num_barriers=_COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      _turn_barriers(blocks),
   ]
   out_type = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
               jax.ShapeDtypeStruct((B, H, T), jnp.float32))
@@ -605,6 +672,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      _turn_barriers(blocks),
   ], (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(*args)
 
   ring = (blocks.stages, blocks.block_q_dkv, D)
