@@ -15,6 +15,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   so the ring stays in step.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma, never written to memory.
+- In the forward and dQ kernels the two compute warpgroups take turns on the
+  tensor cores (`_Turns`): one's softmax overlaps the other's matmuls.
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
   tile is the wgmma M): dV += P^T dO, dK += dS^T Q, summed over the query
   heads of a KV head inside the kernel (GQA/MQA without copying K/V).
