@@ -15,8 +15,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   so the ring stays in step.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma, never written to memory.
-- In the forward and dQ kernels the two compute warpgroups take turns on the
-  tensor cores (`_Turns`): one's softmax overlaps the other's matmuls.
+- The two compute warpgroups take turns on the tensor cores (`_Turns`): one's
+  softmax (or dS) overlaps the other's matmuls.
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
   tile is the wgmma M): dV += P^T dO, dK += dS^T Q, summed over the query
   heads of a KV head inside the kernel (GQA/MQA without copying K/V).
@@ -70,8 +70,8 @@ class HopperBlocks:
     block_k: keys per streamed tile (forward and dQ kernels).
     block_q_dkv: queries per streamed tile (dK/dV kernel).
     stages: slots in the shared-memory ring of each kernel.
-    pingpong: the two compute warpgroups of the forward and dQ kernels take
-      turns on the tensor cores (`_Turns`).
+    pingpong: the two compute warpgroups of each kernel take turns on the
+      tensor cores (`_Turns`).
   """
   block_k: int
   block_q_dkv: int
@@ -232,14 +232,15 @@ class _Turns:
   turn over before its softmax, so one warpgroup's exponentials run while
   the other's matmuls keep the tensor cores busy. Barrier `turn[w]` is
   arrived by the other warpgroup when warpgroup w may go; warpgroup 0 goes
-  first. Each step of either warpgroup takes and hands back the turn twice
-  (passed steps too), and both do the same number of steps, so the turns
-  stay matched to the end. Disabled, every call is a no-op.
+  first. Each step of either warpgroup takes and hands back the turn
+  `per_step` times (passed steps too), and both do the same number of steps,
+  so the turns stay matched to the end. Disabled, every call is a no-op.
   """
 
-  def __init__(self, turn, enabled: bool):
+  def __init__(self, turn, enabled: bool, per_step: int):
     self.turn = turn
     self.enabled = enabled
+    self.per_step = per_step
     self.wg = lax.axis_index("wg")
 
   def take(self):
@@ -251,7 +252,7 @@ class _Turns:
       plgpu.barrier_arrive(self.turn.at[1 - self.wg])
 
   def skip_step(self):
-    for _ in range(2):
+    for _ in range(self.per_step):
       self.take()
       self.hand_over()
 
@@ -370,7 +371,7 @@ def _query_tile_kernel(compute, kv_stream, turn, cfg: _Config, ops: _Ops):
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
-    turns = _Turns(turn, cfg.blocks.pingpong)
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=2)
     turns.start()
     compute(cta_q + wg * ROWS, cta_steps, turns)
     turns.finish()
@@ -530,7 +531,7 @@ def _q_tiles(k_start, cfg: _Config):
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                  kv_seg_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem, q_smem,
                  do_smem, lse_smem, delta_smem, q_seg_smem, kv_full, q_full, q_free,
-                 *, cfg: _Config, ops: _Ops):
+                 turn, *, cfg: _Config, ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
   query tile) pairs, recompute P^T from the lse, accumulate over both."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
@@ -566,30 +567,39 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     plgpu.barrier_wait(kv_full.at[wg])
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3)
+    turns.start()
 
     def step(i, carry, head_step0, masked: bool):
       dk, dv = carry
       slot = lax.rem(head_step0 + i - cta_first, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
-      s_t = ops.matmul(k_tile, q_tile, transpose_b=True) * (cfg.scale * _LOG2_E)
+      turns.take()
+      s_t = ops.matmul(k_tile, q_tile, transpose_b=True)
+      turns.hand_over()
+      s_t = s_t * (cfg.scale * _LOG2_E)
       if masked:
         q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
         s_t = _mask(s_t, i * block_q, k_start, ops, cfg, transposed=True,
                     q_seg=q_seg, kv_seg=kv_seg)
       lse = ops.load_vector(lse_smem.at[slot], along=0)
       p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      turns.take()
       dv = ops.matmul(p_t.astype(k_tile.dtype), do_tile, transpose_b=False, acc=dv)
       dp_t = ops.matmul(v_tile, do_tile, transpose_b=True)
+      turns.hand_over()
       delta = ops.load_vector(delta_smem.at[slot], along=0)
       ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      turns.take()
       dk = ops.matmul(ds_t.astype(k_tile.dtype), q_tile, transpose_b=False, acc=dk)
+      turns.hand_over()
       plgpu.barrier_arrive(q_free.at[slot])
       return dk, dv
 
     def head(g, carry):
       head_step0 = g * per_head
-      _pass(head_step0, head_step0 + first - cta_first, stages, q_full, q_free)
+      _pass(head_step0, head_step0 + first - cta_first, stages, q_full, q_free, turns)
       carry = _steps(first, full, functools.partial(
           step, head_step0=head_step0, masked=True), carry)
       return _steps(full, end, functools.partial(
@@ -597,6 +607,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
     dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
+    turns.finish()
     k_tile[...] = (dk * cfg.scale).astype(k_tile.dtype)
     v_tile[...] = dv.astype(v_tile.dtype)
     plgpu.commit_smem()
@@ -689,6 +700,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      _turn_barriers(blocks),
   ], (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(*args)
   return dq, dk, dv
 
