@@ -33,8 +33,9 @@ def _segments(B, L, seed):
 
 @pytest.mark.parametrize("B,T,S,H,K,D,causal,segments,dtype,blocks", [
     # GQA, causal, packed segments with empty rows, lengths off the tile grid
-    # (padded queries, masked keys).
-    (1, 130, 200, 2, 1, 64, True, True, jnp.float16, None),
+    # (padded queries, masked keys); warpgroups taking turns.
+    (1, 130, 200, 2, 1, 64, True, True, jnp.float16,
+     hopper.HopperBlocks(128, 64, 2, pingpong=True)),
     # head_dim 128, four key tiles through a two-slot ring, two KV heads,
     # warpgroups not taking turns.
     (1, 128, 256, 2, 2, 128, False, False, jnp.bfloat16,
@@ -118,6 +119,7 @@ def test_hopper_blocks_follow_head_dim_and_length():
   assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(64, 200) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(64, 40) == hopper.HopperBlocks(64, 64, 2)
+  assert not hopper.choose_hopper_blocks(64, 4096, interpret=True).pingpong
 
 
 def test_mosaic_gpu_refuses_what_it_does_not_take():

@@ -525,7 +525,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     if block_k is not None and block_k not in (64, 128, 256):
       raise ValueError(f"flash_attention: lowering='mosaic_gpu' takes block_k "
                        f"64, 128 or 256, not {block_k}")
-    blocks = hopper.choose_hopper_blocks(D, S)
+    blocks = hopper.choose_hopper_blocks(D, S, interpret=interpret)
     if block_k is not None:
       blocks = dataclasses.replace(blocks, block_k=block_k)
     return hopper.hopper_flash_attention(

@@ -79,19 +79,25 @@ class HopperBlocks:
   pingpong: bool = True
 
 
-def choose_hopper_blocks(head_dim: int, kv_len: int) -> HopperBlocks:
+def choose_hopper_blocks(head_dim: int, kv_len: int, *,
+                         interpret: bool = False) -> HopperBlocks:
   """The starting tiles for an H100/H200 (228 KiB shared memory per SM).
 
   head_dim 64: key tiles of 128, three stages (96 KiB of K/V). head_dim 128:
   key tiles of 128, two stages (128 KiB of K/V plus 32 KiB of Q). Keys that
   fit in 64 (decoding a short context) get one tile of 64, and a sequence of
   at most two tiles a ring of two. The dK/dV kernel streams query tiles of 64
-  (Q, dO, lse, delta). `bench/attention.py --tune` measures the alternatives
-  on the card.
+  (Q, dO, lse, delta). Ping-pong is on, except in the interpreter: there each
+  warpgroup is a thread running XLA programs, and inside a jitted program
+  (a training step) a warpgroup blocked on its turn can hold the CPU thread
+  its neighbour needs (seen: a 2-core machine hangs); it changes no result,
+  and the kernel tests turn it on explicitly. `bench/attention.py --tune`
+  measures the alternatives on the card.
   """
   block_k = 64 if kv_len <= 64 else 128
   stages = 3 if head_dim <= 64 and kv_len > 2 * block_k else 2
-  return HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages)
+  return HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages,
+                      pingpong=not interpret)
 
 
 def supports(q_BTHD, k_BSKD) -> str | None:
@@ -721,7 +727,7 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   """
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  blocks = blocks or choose_hopper_blocks(D, S)
+  blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
   pair = _COMPUTE_WGS * ROWS
   T_pad = common.round_up(T, math.lcm(pair, blocks.block_q_dkv))
   S_pad = common.round_up(S, math.lcm(pair, blocks.block_k))
