@@ -122,6 +122,23 @@ def test_hopper_blocks_follow_head_dim_and_length():
   assert not hopper.choose_hopper_blocks(64, 4096, interpret=True).pingpong
 
 
+@pytest.mark.parametrize("D", hopper.HEAD_DIMS)
+@pytest.mark.parametrize("segments", [False, True])
+def test_default_tiles_fit_in_shared_memory(D, segments):
+  for kv_len in (40, 200, 4096, 32768):
+    sizes = hopper.shared_memory_bytes(D, jnp.bfloat16,
+                                       hopper.choose_hopper_blocks(D, kv_len), segments)
+    assert set(sizes) == {"forward", "dq", "dkdv"}
+    assert 0 < max(sizes.values()) <= hopper.SHARED_MEMORY_BYTES
+
+
+def test_tiles_over_shared_memory_are_refused():
+  q = jnp.zeros((1, 128, 2, 128), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"needs 258 KiB of shared memory in the dq kernel"):
+    hopper.hopper_flash_attention(q, q, q, causal=True, scale=1.0, interpret=True,
+                                  blocks=hopper.HopperBlocks(128, 64, 3))
+
+
 def test_mosaic_gpu_refuses_what_it_does_not_take():
   q = jnp.zeros((1, 128, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="float32.*lowering='triton'"):

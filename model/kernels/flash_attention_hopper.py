@@ -646,12 +646,9 @@ def _vectors(n: int, length: int, dtype, present: bool = True):
   return plgpu.SMEM((n, length), dtype) if present else None
 
 
-def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
-  """(out [B, T, H, D], lse [B, H, T] base 2)."""
-  B, T, H, D = q_BTHD.shape
-  dtype, blocks, seg = q_BTHD.dtype, cfg.blocks, cfg.segments
+def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
   ring = (blocks.stages, blocks.block_k, D)
-  scratch = [
+  return [
       _smem((_COMPUTE_WGS, ROWS, D), dtype),
       _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
       _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
@@ -662,7 +659,76 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
       _turn_barriers(blocks),
   ]
-  out_type = (jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
+
+
+def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+  own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_k, D)
+  return [
+      _smem(own, dtype), _smem(own, dtype),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
+      _smem(ring, dtype), _smem(ring, dtype),
+      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
+      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      _turn_barriers(blocks),
+  ]
+
+
+def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+  own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_q_dkv, D)
+  return [
+      _smem(own, dtype), _smem(own, dtype),
+      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
+      _smem(ring, dtype), _smem(ring, dtype),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
+      _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg),
+      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
+      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      _turn_barriers(blocks),
+  ]
+
+
+SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may take on an H100/H200
+
+
+def shared_memory_bytes(head_dim: int, dtype, blocks: HopperBlocks,
+                        segments: bool) -> dict[str, int]:
+  """Shared memory each kernel's scratch takes: every buffer rounded up to
+  1 KiB (the alignment of a swizzled tile), 8 bytes a barrier."""
+  def total(scratch):
+    size = 0
+    for entry in scratch:
+      if isinstance(entry, plgpu.Barrier):
+        count = entry.num_barriers
+        size += 8 * (math.prod(count) if isinstance(count, tuple) else count)
+      elif entry is not None:
+        size += common.round_up(math.prod(entry.shape) * jnp.dtype(entry.dtype).itemsize,
+                                1024)
+    return size
+  return {name: total(build(head_dim, dtype, blocks, segments)) for name, build in (
+      ("forward", _forward_scratch), ("dq", _dq_scratch), ("dkdv", _dkdv_scratch))}
+
+
+def _check_shared_memory(head_dim: int, dtype, blocks: HopperBlocks, segments: bool):
+  for name, size in shared_memory_bytes(head_dim, dtype, blocks, segments).items():
+    if size > SHARED_MEMORY_BYTES:
+      raise ValueError(
+          f"flash_attention: {blocks} with head_dim {head_dim} needs "
+          f"{size // 1024} KiB of shared memory in the {name} kernel, over the "
+          f"{SHARED_MEMORY_BYTES // 1024} KiB of an H100/H200; use fewer stages "
+          "or a smaller block_k")
+
+
+def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
+  """(out [B, T, H, D], lse [B, H, T] base 2)."""
+  B, T, H, D = q_BTHD.shape
+  scratch = _forward_scratch(D, q_BTHD.dtype, cfg.blocks, cfg.segments)
+  out_type = (jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
               jax.ShapeDtypeStruct((B, H, T), jnp.float32))
   grid = (T // (_COMPUTE_WGS * ROWS), B, H)
   return _kernel("forward", _forward_kernel, out_type, scratch, grid,
@@ -674,40 +740,17 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   """(dq, dk, dv) from the dQ kernel and the dK/dV kernel."""
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  dtype, blocks, seg = q_BTHD.dtype, cfg.blocks, cfg.segments
+  dtype = q_BTHD.dtype
   delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
                          do_BTHD.astype(jnp.float32))
   args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT, kv_seg_BS)
-  own = (_COMPUTE_WGS, ROWS, D)
-
-  ring = (blocks.stages, blocks.block_k, D)
-  dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype), [
-      _smem(own, dtype), _smem(own, dtype),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
-      _smem(ring, dtype), _smem(ring, dtype),
-      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
-      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
-      _turn_barriers(blocks),
-  ], (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(*args)
-
-  ring = (blocks.stages, blocks.block_q_dkv, D)
+  dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
+               _dq_scratch(D, dtype, cfg.blocks, cfg.segments),
+               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(*args)
   dk, dv = _kernel("dkdv", _dkdv_kernel, (jax.ShapeDtypeStruct(k_BSKD.shape, dtype),
-                                          jax.ShapeDtypeStruct(v_BSKD.shape, dtype)), [
-      _smem(own, dtype), _smem(own, dtype),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
-      _smem(ring, dtype), _smem(ring, dtype),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg),
-      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
-      _turn_barriers(blocks),
-  ], (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(*args)
+                                          jax.ShapeDtypeStruct(v_BSKD.shape, dtype)),
+                   _dkdv_scratch(D, dtype, cfg.blocks, cfg.segments),
+                   (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(*args)
   return dq, dk, dv
 
 
@@ -736,6 +779,7 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   v = common.pad_to(v_BSKD, 1, S_pad)
   q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
   kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
+  _check_shared_memory(D, q_BTHD.dtype, blocks, q_seg is not None)
   cfg = _Config(scale=scale, causal=causal, segments=q_seg is not None, q_len=T_pad,
                 kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
   return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T]
