@@ -14,7 +14,6 @@ ends in a norm) -> head (tied E^T or its own matrix). Logits are float32.
 """
 import math
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -4,7 +4,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 
 import numpy as np
 

@@ -12,7 +12,7 @@ import pathlib
 import subprocess
 import sys
 
-from tests.test_train import small_config, tok_dir  # pylint: disable=unused-import
+from tests.test_train import tok_dir  # pylint: disable=unused-import  (a fixture)
 from training.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

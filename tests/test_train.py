@@ -1,6 +1,5 @@
 """End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM, NaN,
 leftover temporary checkpoints, train.restore_from, and one-line errors for bad input."""
-import os
 import pathlib
 import signal
 import subprocess
