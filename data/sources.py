@@ -87,20 +87,23 @@ def _decode(data: bytes, where: str) -> str:
                     "convert it to UTF-8 or leave it out of data.paths") from None
 
 
+def read_text(path: str) -> str:
+  """The UTF-8 text of a file of data.paths (a one-line UserError if it is not)."""
+  with open(path, "rb") as f:
+    return _decode(f.read(), path)
+
+
 def _text_documents(path: str, field: str) -> list[Document]:
   del field  # Plain text files have no fields.
-  with open(path, "rb") as f:
-    return [(path, _decode(f.read(), path))]
+  return [(path, read_text(path))]
 
 
 def _jsonl_documents(path: str, field: str) -> list[Document]:
-  with open(path, "rb") as f:
-    lines = _decode(f.read(), path).splitlines()
   docs = []
-  for line_number, line in enumerate(lines, start=1):
+  for line_number, line in enumerate(read_text(path).splitlines(), start=1):
     if line.strip():
       name = f"{path}:{line_number}"
-      docs.append((name, _text_field(line, field, name, "line")))
+      docs.append((name, *text_fields(line, name, "line", ((field, "jsonl_field"),))))
   return docs
 
 
@@ -116,20 +119,26 @@ def _arrayrecord_documents(path: str, field: str) -> list[Document]:
     name = f"{path}:{index}"
     text = _decode(records[index], f"{path} record {index}")
     if text.lstrip().startswith("{"):
-      text = _text_field(text, field, name, "record")
+      (text,) = text_fields(text, name, "record", ((field, "jsonl_field"),))
     docs.append((name, text))
   return docs
 
 
-def _text_field(line: str, field: str, name: str, what: str) -> str:
-  """The string `field` of the JSON object `line` (a JSONL line or a record)."""
+def text_fields(line: str, name: str, what: str,
+                fields: tuple[tuple[str, str], ...]) -> list[str]:
+  """The string fields of the JSON object `line` (a JSONL line or a record).
+
+  `fields` pairs each field with the config option that names it
+  (jsonl_field, src_field, ...), for the one-line error when it is missing.
+  """
   try:
     record = json.loads(line)
   except json.JSONDecodeError as e:
     raise UserError(f"{name}: {what} is not valid JSON ({e.msg}); each {what} "
                     "must be one JSON object") from None
-  if not isinstance(record, dict) or not isinstance(record.get(field), str):
-    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-    raise UserError(f"{name}: {what} has no string field {field!r} (has {keys}); "
-                    "set data.jsonl_field to the field that holds the text")
-  return record[field]
+  for field, option in fields:
+    if not isinstance(record, dict) or not isinstance(record.get(field), str):
+      keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+      raise UserError(f"{name}: {what} has no string field {field!r} (has {keys}); "
+                      f"set data.{option} to the field that holds the text")
+  return [record[field] for field, _ in fields]

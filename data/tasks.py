@@ -30,7 +30,6 @@ LM, `data/seq2seq.py`). `data.task` selects the pairs:
 """
 import ast
 import functools
-import json
 import re
 import textwrap
 
@@ -194,18 +193,8 @@ def file_pairs(data_config: config_dict.ConfigDict) -> list[tuple[str, Pair]]:
   return pairs
 
 
-def _read_lines(path: str) -> list[str]:
-  with open(path, "rb") as f:
-    data = f.read()
-  try:
-    return data.decode("utf-8").splitlines()
-  except UnicodeDecodeError as e:
-    raise UserError(f"{path}: not UTF-8 text (bad byte at offset {e.start}); "
-                    "convert it to UTF-8") from None
-
-
 def _tsv_pairs(path: str, src_field: str, tgt_field: str) -> list[tuple[str, Pair]]:
-  lines = _read_lines(path)
+  lines = sources.read_text(path).splitlines()
   header = lines[0].split("\t") if lines else []
   for field, name in ((src_field, "src_field"), (tgt_field, "tgt_field")):
     if field not in header:
@@ -226,19 +215,10 @@ def _tsv_pairs(path: str, src_field: str, tgt_field: str) -> list[tuple[str, Pai
 
 def _jsonl_pairs(path: str, src_field: str, tgt_field: str) -> list[tuple[str, Pair]]:
   pairs = []
-  for line_number, line in enumerate(_read_lines(path), start=1):
-    if not line.strip():
-      continue
-    name = f"{path}:{line_number}"
-    try:
-      record = json.loads(line)
-    except json.JSONDecodeError as e:
-      raise UserError(f"{name}: line is not valid JSON ({e.msg}); each line must be one "
-                      "JSON object") from None
-    for field, option in ((src_field, "src_field"), (tgt_field, "tgt_field")):
-      if not isinstance(record, dict) or not isinstance(record.get(field), str):
-        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-        raise UserError(f"{name}: line has no string field {field!r} (has {keys}); set "
-                        f"data.{option} to the field that holds the text")
-    pairs.append((name, (record[src_field], record[tgt_field])))
+  for line_number, line in enumerate(sources.read_text(path).splitlines(), start=1):
+    if line.strip():
+      name = f"{path}:{line_number}"
+      src, tgt = sources.text_fields(line, name, "line",
+                                     ((src_field, "src_field"), (tgt_field, "tgt_field")))
+      pairs.append((name, (src, tgt)))
   return pairs
