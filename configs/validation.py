@@ -105,12 +105,21 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
-  if m.pallas_lowering == "mosaic_gpu" and m.dtype not in ("bfloat16", "float16"):
+  if m.pallas_lowering == "mosaic_gpu":
+    _validate_mosaic_gpu(m)
+
+
+def _validate_mosaic_gpu(m: config_dict.ConfigDict) -> None:
+  """What the Hopper kernel takes (`flash_attention_hopper.supports`, at trace
+  time) checked on the config: its dtypes and head dims."""
+  from model.kernels.flash_attention_hopper import DTYPES, HEAD_DIMS  # pylint: disable=import-outside-toplevel
+  if m.dtype not in DTYPES:
     _fail("model.pallas_lowering", m.pallas_lowering,
-          f"needs model.dtype bfloat16 or float16, not {m.dtype} (or use triton)")
-  if m.pallas_lowering == "mosaic_gpu" and head_dim(m) not in (64, 128):
+          f"needs model.dtype {' or '.join(DTYPES)}, not {m.dtype} (or use triton)")
+  if head_dim(m) not in HEAD_DIMS:
     _fail("model.pallas_lowering", m.pallas_lowering,
-          f"needs a head_dim of 64 or 128, not {head_dim(m)} (or use triton)")
+          f"needs a head_dim of {' or '.join(map(str, HEAD_DIMS))}, not {head_dim(m)} "
+          "(or use triton)")
 
 
 def validate(config: config_dict.ConfigDict) -> None:

@@ -59,7 +59,7 @@ ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
 _COMPUTE_WGS = 2
 _PRODUCER = _COMPUTE_WGS  # index of the producer warpgroup
 HEAD_DIMS = (64, 128)
-DTYPES = (jnp.float16, jnp.bfloat16)
+DTYPES = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,8 @@ def choose_hopper_blocks(head_dim: int, kv_len: int, *,
 
 def supports(q_BTHD, k_BSKD) -> str | None:
   """None if this kernel takes these inputs, else the reason it does not."""
-  if q_BTHD.dtype not in DTYPES or k_BSKD.dtype != q_BTHD.dtype:
-    return f"dtype {q_BTHD.dtype} (wants float16 or bfloat16)"
+  if q_BTHD.dtype.name not in DTYPES or k_BSKD.dtype != q_BTHD.dtype:
+    return f"dtype {q_BTHD.dtype} (wants {' or '.join(DTYPES)})"
   if q_BTHD.shape[-1] not in HEAD_DIMS:
     return f"head_dim {q_BTHD.shape[-1]} (wants one of {HEAD_DIMS})"
   return None
