@@ -130,23 +130,23 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
-def train_state_shardings(abstract_state, mesh, rules):
+def train_state_shardings(abstract, mesh, rules):
   """NamedShardings of a train state, usable as jit in/out_shardings.
 
   Parameters and their optimizer moments are split by `mesh.rules`;
   everything else (step, counts, RNG) is replicated.
   """
-  return opt_state_shardings(abstract_state, abstract_state["params"], mesh, rules)
+  return opt_state_shardings(abstract, abstract["params"], mesh, rules)
 
 
-def with_shardings(abstract_state, shardings):
+def with_shardings(abstract, shardings):
   """The abstract state with each leaf carrying its target sharding.
 
   Given to Orbax as the restore target, it puts every array directly into its
   shards on the current mesh, whatever mesh the checkpoint was saved from.
   """
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      abstract_state, shardings)
+                      abstract, shardings)
 
 
 def _check_finite(state) -> None:
@@ -177,12 +177,12 @@ def train(config, workdir: str) -> dict:
   def make_state():
     return init_state(nnx.split(make_model())[1], tx, tc.seed)
 
-  abstract_state = jax.eval_shape(make_state)
-  state_sharding = train_state_shardings(abstract_state, mesh, rules)
+  abstract = jax.eval_shape(make_state)
+  state_sharding = train_state_shardings(abstract, mesh, rules)
   source_params = source_tokenizer = None
   if tc.restore_from and not _has_checkpoint(workdir):
     # Before anything is written to the workdir: a bad source leaves it untouched.
-    source_params, source_tokenizer = restore_source(config, workdir, abstract_state["params"],
+    source_params, source_tokenizer = restore_source(config, workdir, abstract["params"],
                                                      mesh, rules)
   workdir_lib.prepare(config, workdir)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
@@ -193,7 +193,7 @@ def train(config, workdir: str) -> dict:
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
   start = checkpointer.latest_step()
   if start is not None:
-    state, meta = checkpointer.restore(start, with_shardings(abstract_state, state_sharding),
+    state, meta = checkpointer.restore(start, with_shardings(abstract, state_sharding),
                                        data_iter)
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
