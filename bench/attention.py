@@ -35,8 +35,10 @@ A competitor that fails shows "error: <message>" in its cell.
   python bench/attention.py --tune                               # our tiles
 
 `--tune` times our kernels over their tiles: block_q x block_k for Triton,
-block_k x stages x ping-pong for Mosaic GPU (query tiles are 64 rows per
-warpgroup).
+block_k x stages x ping-pong x {dQ kernel (with key tiles of 64 too where
+block_k is 128), dQ fused into the dK/dV kernel} for Mosaic GPU (query tiles
+are 64 rows per warpgroup), skipping the Mosaic tiles over the shared memory
+of an H100/H200.
 """
 import argparse
 import datetime
@@ -98,7 +100,8 @@ def attention_fn(name: str, case: dict, tiles=None):
   """The competitor `name` as a function (q, k, v) -> out for `case`.
 
   `tiles`: for `ours_triton` (block_q, block_k), for `ours_mosaic`
-  (block_k, stages, pingpong); None: the kernel's own choice.
+  (block_k, stages, pingpong, block_k_dq, fused_dq); None: the kernel's own
+  choice.
   """
   causal, scale = case["causal"], 1.0 / math.sqrt(case["D"])
   on_gpu = jax.default_backend() == "gpu"
@@ -111,7 +114,7 @@ def attention_fn(name: str, case: dict, tiles=None):
                              lowering="mosaic_gpu")
   if name == "ours_mosaic":
     blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
-                                 pingpong=tiles[2])
+                                 pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
     return functools.partial(hopper.hopper_flash_attention, causal=causal,
                              scale=scale, blocks=blocks, interpret=not on_gpu)
   if name in ("xla", "cudnn"):
@@ -136,6 +139,36 @@ def attention_fn(name: str, case: dict, tiles=None):
 
     return functools.partial(attention_mgpu.attention, config=config)
   raise ValueError(f"unknown competitor {name!r}")
+
+
+def triton_tune_tiles(quick: bool) -> list[tuple]:
+  """(block_q, block_k) candidates of `--tune`."""
+  if quick:
+    return [(32, 64), (64, 64)]
+  return [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
+
+
+def mosaic_tune_tiles(quick: bool, D: int) -> list[tuple]:
+  """(block_k, stages, pingpong, block_k_dq, fused_dq) candidates of `--tune`
+  that fit in the shared memory of an H100/H200 at head_dim D: the separate
+  dQ kernel (with its own key tile 64 where block_k is 128), or dQ fused
+  into the dK/dV kernel."""
+  if quick:
+    return [(64, 2, True, None, False), (128, 2, False, 64, True)]
+  tiles = []
+  for bk in (64, 128):
+    for stages in (2, 3, 4):
+      for pingpong in (True, False):
+        tiles += [(bk, stages, pingpong, bk_dq, False)
+                  for bk_dq in ((None, 64) if bk == 128 else (None,))]
+        tiles.append((bk, stages, pingpong, None, True))
+
+  def fits(t):
+    blocks = hopper.HopperBlocks(t[0], 64, t[1], pingpong=t[2], block_k_dq=t[3],
+                                 fused_dq=t[4])
+    return max(hopper.shared_memory_bytes(D, jnp.bfloat16, blocks, False).values()
+               ) <= hopper.SHARED_MEMORY_BYTES
+  return [t for t in tiles if fits(t)]
 
 
 def input_dtype(name: str):
@@ -287,12 +320,21 @@ def memory_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
+def tile_label(tiles: tuple) -> str:
+  """64x2 (Triton: block_q x block_k); Mosaic: 128x2 pp dq64, 128x2 fused."""
+  if len(tiles) == 2:
+    return "x".join(map(str, tiles))
+  block_k, stages, pingpong, block_k_dq, fused = tiles
+  return (f"{block_k}x{stages}{' pp' if pingpong else ''}"
+          f"{f' dq{block_k_dq}' if block_k_dq else ''}{' fused' if fused else ''}")
+
+
 def tune_table(rows: list[dict]) -> str:
   lines = ["| kernel | case | S | D | causal | tiles: fwd / fwd+bwd TFLOP/s |",
            "|---|---|---|---|---|---|"]
   for row in rows:
     c = row["case"]
-    cells = ", ".join(f"{'x'.join(map(str, t))}: {cell(r)}" for t, r in row["results"])
+    cells = ", ".join(f"{tile_label(t)}: {cell(r)}" for t, r in row["results"])
     lines.append(f"| {row['name']} | {c['label']} | {c['S']} | {c['D']} | "
                  f"{'yes' if c['causal'] else 'no'} | {cells} |")
   return "\n".join(lines)
@@ -349,17 +391,11 @@ def main():
   report = dict(meta=meta, speed=speed_rows)
 
   if args.tune:
-    triton_tiles = [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
-    mosaic_tiles = [(bk, stages, pingpong) for bk in (64, 128) for stages in (2, 3, 4)
-                    for pingpong in (True, False)]
-    if args.quick:
-      triton_tiles = [(32, 64), (64, 64)]
-      mosaic_tiles = [(64, 2, True), (128, 2, False)]
     tune_rows = []
     for case in cases:
       inputs = make_inputs(case)
-      for name, tiles in (("ours_mosaic", mosaic_tiles),
-                          ("ours_triton", triton_tiles)):
+      for name, tiles in (("ours_mosaic", mosaic_tune_tiles(args.quick, case["D"])),
+                          ("ours_triton", triton_tune_tiles(args.quick))):
         results = [(t, measure(name, case, inputs, warmup, repeats, tiles=t))
                    for t in tiles]
         tune_rows.append(dict(name=name, case=case, results=results))

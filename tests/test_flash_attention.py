@@ -12,6 +12,9 @@ float32 on the same (already rounded) inputs:
   and returns bf16, as FlashAttention does; the worst of the same 120 cases
   was 8.2e-3).
 """
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,6 +208,26 @@ def test_block_sizes_follow_device_and_shape():
     for size in (blocks.block_q, blocks.block_k, blocks.block_q_dkv,
                  blocks.block_k_dkv, blocks.block_q_dq, blocks.block_k_dq):
       assert size >= 16 and size & (size - 1) == 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Device:
+  """What `flash_attention(device=...)` reads of a device."""
+  platform: str
+  device_kind: str
+
+
+def test_device_argument_picks_the_tiles():
+  """`device` (a compile-only GPU, say) sets the tiles instead of this host:
+  an H200 gets 8 warps at head_dim 128, the CPU 4."""
+  q = jnp.ones((1, 512, 2, 128), jnp.float32)
+
+  def launches(device):
+    jaxpr = jax.make_jaxpr(lambda q: flash_attention(
+        q, q, q, causal=True, device=device, interpret=True))(q)
+    return set(re.findall(r"num_warps=\d+", str(jaxpr)))
+  assert launches(_Device("gpu", "NVIDIA H200")) == {"num_warps=8"}
+  assert launches(None) == launches(_Device("cpu", "cpu")) == {"num_warps=4"}
 
 
 @pytest.mark.parametrize("D", [64, 128])

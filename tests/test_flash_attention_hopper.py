@@ -10,6 +10,8 @@ Tolerance, as max |kernel - oracle| / max(max |oracle|, 1) against the float32
 reference on the same rounded inputs: 1e-2 for float16, 3e-2 for bfloat16
 (P and dS are fed to the matmuls in the input dtype, as FlashAttention does).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -33,9 +35,10 @@ def _segments(B, L, seed):
 
 @pytest.mark.parametrize("B,T,S,H,K,D,causal,segments,dtype,blocks", [
     # GQA, causal, packed segments with empty rows, lengths off the tile grid
-    # (padded queries, masked keys); warpgroups taking turns.
+    # (padded queries, masked keys); warpgroups taking turns; the dQ kernel
+    # on key tiles of its own size.
     (1, 130, 200, 2, 1, 64, True, True, jnp.float16,
-     hopper.HopperBlocks(128, 64, 2, pingpong=True)),
+     hopper.HopperBlocks(128, 64, 2, pingpong=True, block_k_dq=64)),
     # head_dim 128, four key tiles through a two-slot ring, two KV heads,
     # warpgroups not taking turns.
     (1, 128, 256, 2, 2, 128, False, False, jnp.bfloat16,
@@ -45,6 +48,11 @@ def _segments(B, L, seed):
     # query heads.
     (1, 256, 128, 3, 1, 64, True, False, jnp.bfloat16,
      hopper.HopperBlocks(64, 64, 2)),
+    # The fused backward (dQ added by the dK/dV kernel): GQA, causal, packed
+    # segments with empty rows, ragged lengths, turns, head_dim 128 (two
+    # 64-column dQ products per tile pair).
+    (1, 130, 200, 4, 2, 128, True, True, jnp.bfloat16,
+     hopper.HopperBlocks(64, 64, 2, pingpong=True, fused_dq=True)),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
   q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)
@@ -77,27 +85,32 @@ def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
     assert not np.asarray(got[0][:, :5]).any() and not np.asarray(got[1][:, :5]).any()
 
 
-@pytest.mark.parametrize("D,causal,segments", [(64, True, False), (128, False, True)])
-def test_mosaic_gpu_lowering_builds(D, causal, segments):
-  """Forward, dQ and dK/dV lower through Pallas' Mosaic GPU backend for CUDA
-  (to the Mosaic GPU dialect; ptxas runs only on a GPU)."""
+@pytest.mark.parametrize("D,causal,segments,fused", [
+    (64, True, False, False), (128, False, True, False), (128, True, True, True)])
+def test_mosaic_gpu_lowering_builds(D, causal, segments, fused):
+  """Forward, dQ and dK/dV (or the fused dK/dV) lower through Pallas' Mosaic
+  GPU backend for CUDA (to the Mosaic GPU dialect; ptxas runs only with the
+  CUDA plugin: bench/compile_h200.py)."""
   q = jax.ShapeDtypeStruct((2, 512, 4, D), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 384, 2, D), jnp.bfloat16)
   q_seg = jnp.ones((2, 512), jnp.int32) if segments else None
   kv_seg = jnp.ones((2, 384), jnp.int32) if segments else None
 
+  blocks = dataclasses.replace(hopper.choose_hopper_blocks(D, 384), fused_dq=fused)
+
   def grads(q, k, v):
     def loss(q, k, v):
-      out = flash_attention(q, k, v, causal=causal, interpret=False,
-                            q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                            lowering="mosaic_gpu")
+      out = hopper.hopper_flash_attention(
+          q, k, v, causal=causal, scale=D ** -0.5, q_segment_ids=q_seg,
+          kv_segment_ids=kv_seg, blocks=blocks, interpret=False)
       return out.astype(jnp.float32).sum()
     return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
   text = jax.jit(grads).trace(q, kv, kv).lower(
       lowering_platforms=("cuda",)).as_text()
-  for kernel in ("forward", "dq", "dkdv"):
-    assert f"flash_attention_hopper_{kernel}" in text
+  assert text.count("custom_call @mosaic_gpu") == (2 if fused else 3)
+  assert "flash_attention_hopper_forward" in text
+  assert ("flash_attention_hopper_dq" in text) != fused
 
 
 def test_choose_lowering():
@@ -116,7 +129,9 @@ def test_choose_lowering():
 
 def test_hopper_blocks_follow_head_dim_and_length():
   assert hopper.choose_hopper_blocks(64, 4096) == hopper.HopperBlocks(128, 64, 3)
-  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2)
+  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2,
+                                                                      block_k_dq=64)
+  assert hopper.choose_hopper_blocks(128, 40) == hopper.HopperBlocks(64, 64, 2)
   assert hopper.choose_hopper_blocks(64, 200) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(64, 40) == hopper.HopperBlocks(64, 64, 2)
   assert not hopper.choose_hopper_blocks(64, 4096, interpret=True).pingpong

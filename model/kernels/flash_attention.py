@@ -466,12 +466,12 @@ def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "scale", "block_q", "block_k", "interpret", "lowering"))
+    "causal", "scale", "block_q", "block_k", "interpret", "lowering", "device"))
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                     q_segment_ids=None, kv_segment_ids=None,
                     scale: float | None = None, block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None,
-                    lowering: str | None = None):
+                    lowering: str | None = None, device=None):
   """Exact attention by tiles with the online softmax (FlashAttention).
 
   Args:
@@ -483,11 +483,14 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     scale: score multiplier, default 1 / sqrt(D).
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
-    interpret: run the Pallas interpreter; default: when not on a GPU.
+    interpret: run the Pallas interpreter; default: when `device` is not a GPU.
     lowering: "triton" (the portable kernels of this file) or "mosaic_gpu"
       (the Hopper kernels: 16-bit, head_dim 64 or 128; only
       block_k applies, query tiles are 64 rows per warpgroup); default
       `choose_lowering`.
+    device: the device tiles and lowering are chosen for; default
+      `jax.devices()[0]`. A compile-only device (`jax.experimental.topologies`)
+      compiles ahead of time for a GPU this host lacks (`bench/compile_h200.py`).
 
   Returns:
     [B, T, H, D] in q's dtype; rows with no visible key are zeros.
@@ -508,12 +511,13 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     if block is not None and (block < _MIN_BLOCK or block & (block - 1)):
       raise ValueError(f"flash_attention: {name}={block} must be a power of "
                        f"two >= {_MIN_BLOCK}")
+  device = device or jax.devices()[0]
   if interpret is None:
-    interpret = jax.default_backend() != "gpu"
+    interpret = device.platform != "gpu"
   scale = D ** -0.5 if scale is None else float(scale)
   if lowering is None:
-    lowering = choose_lowering(q_BTHD, k_BSKD, backend=jax.default_backend(),
-                               device_kind=jax.devices()[0].device_kind)
+    lowering = choose_lowering(q_BTHD, k_BSKD, backend=device.platform,
+                               device_kind=device.device_kind)
   if lowering == "mosaic_gpu":
     reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:
@@ -527,7 +531,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                        f"64, 128 or 256, not {block_k}")
     blocks = hopper.choose_hopper_blocks(D, S, interpret=interpret)
     if block_k is not None:
-      blocks = dataclasses.replace(blocks, block_k=block_k)
+      blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dq=None)
     return hopper.hopper_flash_attention(
         q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -535,8 +539,8 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")
-  blocks = choose_block_sizes(T, S, D, backend=jax.default_backend(),
-                              device_kind=jax.devices()[0].device_kind)
+  blocks = choose_block_sizes(T, S, D, backend=device.platform,
+                              device_kind=device.device_kind)
   if block_q is not None:
     blocks = dataclasses.replace(blocks, block_q=block_q, block_q_dkv=block_q,
                                  block_q_dq=block_q)

@@ -28,13 +28,19 @@ kernel (`flash_attention.py`) covers every other GPU, float32 and other head
 dims; `supports` says which applies.
 
 Cost, in tile matmuls per (query tile, key tile) pair: forward 2 (S, PV);
-backward 7, since the dQ kernel recomputes S and dP that the dK/dV kernel
-also computes (FlashAttention-3 does 5, adding dQ partials into a float32
-buffer with TMA reduce-add, `copy_smem_to_gmem(reduction_op="add")`, which
-neither Mosaic GPU interpreter supports, so it could not be tested here). By
-the FlashAttention convention (backward = 2.5 forwards) this backward can
-reach at most 5/7 of the matmul rate: fusing dQ is the next step once a GPU
-measures the rest.
+backward 7 by default, since the dQ kernel recomputes S and dP that the
+dK/dV kernel also computes; by the FlashAttention convention (backward = 2.5
+forwards) that backward reaches at most 5/7 of the matmul rate.
+`HopperBlocks(fused_dq=True)` is FlashAttention-3's backward, 5 matmuls: the
+dK/dV kernel also stores dS^T to shared memory, multiplies it (transposed)
+by the key tile, and adds the product into a zeroed float32 dQ with TMA
+reduce-add (`copy_smem_to_gmem(reduction_op="add")`); the dQ buffer is a
+Ref in global memory passed to `pl.kernel`, which aliases it in and out.
+The Mosaic GPU interpreter has no reduce-add, so there `_Ops` reads, adds
+and writes, into one buffer per compute warpgroup (the interpreter runs a
+CTA's warpgroups at once). Which backward is faster is for the card to say
+(`bench/attention.py --tune`); the default stays the separate dQ kernel
+until then.
 
 On CPU the same kernel bodies run in the Mosaic GPU interpreter, which
 simulates the warpgroups, shared memory, TMA copies, barriers and register
@@ -58,6 +64,7 @@ _LOG2_E = math.log2(math.e)
 ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
 _COMPUTE_WGS = 2
 _PRODUCER = _COMPUTE_WGS  # index of the producer warpgroup
+_DQ_COLUMNS = 64  # columns of a dQ partial product per wgmma (fused backward)
 HEAD_DIMS = (64, 128)
 DTYPES = ("bfloat16", "float16")
 
@@ -72,11 +79,23 @@ class HopperBlocks:
     stages: slots in the shared-memory ring of each kernel.
     pingpong: the two compute warpgroups of each kernel take turns on the
       tensor cores (`_Turns`).
+    block_k_dq: keys per streamed tile of the dQ kernel; None: block_k.
+    fused_dq: no dQ kernel: the dK/dV kernel also multiplies each dS tile
+      by its key tile and adds the product into a float32 dQ in global
+      memory with TMA reduce-add (FlashAttention-3's backward: 5 tile
+      matmuls per tile pair instead of 7).
   """
   block_k: int
   block_q_dkv: int
   stages: int
   pingpong: bool = True
+  block_k_dq: int | None = None
+  fused_dq: bool = False
+
+  def for_dq(self) -> "HopperBlocks":
+    """The tiles as the dQ kernel sees them (its key tile as block_k)."""
+    return dataclasses.replace(self, block_k=self.block_k_dq or self.block_k,
+                               block_k_dq=None)
 
 
 def choose_hopper_blocks(head_dim: int, kv_len: int, *,
@@ -87,7 +106,10 @@ def choose_hopper_blocks(head_dim: int, kv_len: int, *,
   key tiles of 128, two stages (128 KiB of K/V plus 32 KiB of Q). Keys that
   fit in 64 (decoding a short context) get one tile of 64, and a sequence of
   at most two tiles a ring of two. The dK/dV kernel streams query tiles of 64
-  (Q, dO, lse, delta). Ping-pong is on, except in the interpreter: there each
+  (Q, dO, lse, delta). At head_dim 128 the dQ kernel takes key tiles of 64:
+  with 128, its S, dP and dQ tiles (64 float32 registers a thread each) spill
+  88 to 120 bytes, by ptxas for sm_90a (`bench/compile_h200.py`); with 64
+  nothing spills. Ping-pong is on, except in the interpreter: there each
   warpgroup is a thread running XLA programs, and inside a jitted program
   (a training step) a warpgroup blocked on its turn can hold the CPU thread
   its neighbour needs (seen: a 2-core machine hangs); it changes no result,
@@ -96,8 +118,9 @@ def choose_hopper_blocks(head_dim: int, kv_len: int, *,
   """
   block_k = 64 if kv_len <= 64 else 128
   stages = 3 if head_dim <= 64 and kv_len > 2 * block_k else 2
+  block_k_dq = 64 if head_dim > 64 and block_k > 64 else None
   return HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages,
-                      pingpong=not interpret)
+                      pingpong=not interpret, block_k_dq=block_k_dq)
 
 
 def supports(q_BTHD, k_BSKD) -> str | None:
@@ -139,18 +162,21 @@ class _Ops:
       return ref[...]
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(along))
 
-  def matmul(self, a, b_ref, *, transpose_b: bool, acc=None):
-    """acc + a @ b (b^T if `transpose_b`) in float32; acc=None means 0.
+  def matmul(self, a, b_ref, *, transpose_b: bool, acc=None, transpose_a: bool = False):
+    """acc + a @ b (a^T if `transpose_a`, b^T if `transpose_b`) in float32;
+    acc=None means 0.
 
-    `a` is an array in registers or a shared-memory ref, `b_ref` a
-    shared-memory ref.
+    `a` is an array in registers or a shared-memory ref (only a ref may be
+    transposed), `b_ref` a shared-memory ref.
     """
     if self.interpret:
       a_val = a if isinstance(a, jax.Array) else a[...]
       out = lax.dot_general(a_val, b_ref[...],
-                            (((1,), (1 if transpose_b else 0,)), ((), ())),
+                            (((0 if transpose_a else 1,), (1 if transpose_b else 0,)),
+                             ((), ())),
                             preferred_element_type=jnp.float32)
       return out if acc is None else acc + out
+    a = a.transpose((1, 0)) if transpose_a else a
     b = b_ref.transpose((1, 0)) if transpose_b else b_ref
     if acc is None:
       shape = (a.shape[0], b.shape[1])
@@ -163,6 +189,21 @@ class _Ops:
     def accumulate(acc_ref):
       plgpu.wgmma(acc_ref, a, b)
     return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+
+  @property
+  def dq_slabs(self) -> int:
+    """Float32 dQ buffers of the fused backward: one on the GPU, where TMA
+    reduce-add is atomic; one per compute warpgroup in the interpreter,
+    which runs CTAs one after another but the warpgroups of a CTA at once,
+    and emulates reduce-add by read, add, write."""
+    return _COMPUTE_WGS if self.interpret else 1
+
+  def add_to_gmem(self, smem_ref, gmem_ref, wg):
+    """gmem_ref[slab] += smem_ref (a TMA reduce-add on the GPU)."""
+    if self.interpret:
+      gmem_ref.at[wg][...] = gmem_ref.at[wg][...] + smem_ref[...]
+    else:
+      plgpu.copy_smem_to_gmem(smem_ref, gmem_ref.at[0], reduction_op="add")
 
 
 def _set_registers(producer: bool):
@@ -535,11 +576,13 @@ def _q_tiles(k_start, cfg: _Config):
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                 kv_seg_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem, q_smem,
-                 do_smem, lse_smem, delta_smem, q_seg_smem, kv_full, q_full, q_free,
-                 turn, *, cfg: _Config, ops: _Ops):
+                 kv_seg_ref, dq_acc_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem,
+                 q_smem, do_smem, lse_smem, delta_smem, q_seg_smem, ds_smem, dq_smem,
+                 kv_full, q_full, q_free, turn, *, cfg: _Config, ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
-  query tile) pairs, recompute P^T from the lse, accumulate over both."""
+  query tile) pairs, recompute P^T from the lse, accumulate over both. With
+  `fused_dq`, also add dS K for each pair into `dq_acc_ref` [slabs, B, T,
+  H, D] float32 (unscaled)."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
   cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
@@ -573,12 +616,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     plgpu.barrier_wait(kv_full.at[wg])
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3)
+    fused = cfg.blocks.fused_dq
+    dq_turns = k_tile.shape[1] // _DQ_COLUMNS if fused else 0
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_turns)
     turns.start()
 
-    def step(i, carry, head_step0, masked: bool):
+    def step(i, carry, g, masked: bool):
       dk, dv = carry
-      slot = lax.rem(head_step0 + i - cta_first, stages)
+      slot = lax.rem(g * per_head + i - cta_first, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       turns.take()
@@ -596,20 +641,40 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       dp_t = ops.matmul(v_tile, do_tile, transpose_b=True)
       turns.hand_over()
       delta = ops.load_vector(delta_smem.at[slot], along=0)
-      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
+              ).astype(k_tile.dtype)
       turns.take()
-      dk = ops.matmul(ds_t.astype(k_tile.dtype), q_tile, transpose_b=False, acc=dk)
+      dk = ops.matmul(ds_t, q_tile, transpose_b=False, acc=dk)
       turns.hand_over()
+      if fused:
+        _add_dq_part(ds_t, i, kv_head * cfg.group + g)
       plgpu.barrier_arrive(q_free.at[slot])
       return dk, dv
+
+    def _add_dq_part(ds_t, i, head):
+      """dQ[query tile i, head] += dS K: dS^T goes through shared memory to
+      be the (transposed) A operand; the product, 64 columns at a time (so
+      that no more than 32 float32 registers a thread hold it), through
+      shared memory to a TMA reduce-add."""
+      ds_smem.at[wg][...] = ds_t
+      plgpu.commit_smem()
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
+      for c in range(k_tile.shape[1] // _DQ_COLUMNS):
+        columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
+        turns.take()
+        dq_part = ops.matmul(ds_smem.at[wg], k_tile.at[:, columns], transpose_a=True,
+                             transpose_b=False)
+        turns.hand_over()
+        dq_smem.at[wg, :, columns][...] = dq_part
+      plgpu.commit_smem()
+      ops.add_to_gmem(dq_smem.at[wg], dq_acc_ref.at[:, b, pl.ds(i * block_q, block_q), head],
+                      wg)
 
     def head(g, carry):
       head_step0 = g * per_head
       _pass(head_step0, head_step0 + first - cta_first, stages, q_full, q_free, turns)
-      carry = _steps(first, full, functools.partial(
-          step, head_step0=head_step0, masked=True), carry)
-      return _steps(full, end, functools.partial(
-          step, head_step0=head_step0, masked=False), carry)
+      carry = _steps(first, full, functools.partial(step, g=g, masked=True), carry)
+      return _steps(full, end, functools.partial(step, g=g, masked=False), carry)
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
     dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
@@ -628,12 +693,17 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
   if cfg.interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
     interpret = params.InterpretGPUParams()
-  return plgpu.kernel(
-      functools.partial(body, cfg=cfg, ops=_Ops(cfg.interpret)),
-      out_type=out_type, scratch_types=scratch, grid=grid, grid_names=names,
-      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      interpret=interpret, kernel_name=f"flash_attention_hopper_{name}")
+  mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=_COMPUTE_WGS + 1,
+                    thread_name="wg", kernel_name=f"flash_attention_hopper_{name}")
+
+  def kernel_body(*refs):
+    pl.run_scoped(functools.partial(body, *refs, cfg=cfg, ops=_Ops(cfg.interpret)),
+                  *scratch, collective_axes="wg")
+  # pl.kernel rather than plgpu.kernel: it takes a Ref argument (the fused
+  # backward's dQ buffer) and aliases it in and out of the kernel.
+  return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
+                   compiler_params=plgpu.CompilerParams(approx_math=True),
+                   interpret=interpret, name=mesh.kernel_name)
 
 
 def _turn_barriers(blocks: HopperBlocks):
@@ -662,6 +732,7 @@ def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
 
 
 def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+  blocks = blocks.for_dq()
   own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_k, D)
   return [
       _smem(own, dtype), _smem(own, dtype),
@@ -679,6 +750,7 @@ def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
 
 def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
   own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_q_dkv, D)
+  fused = blocks.fused_dq
   return [
       _smem(own, dtype), _smem(own, dtype),
       _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
@@ -686,6 +758,8 @@ def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
       _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
       _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
       _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg),
+      _smem((_COMPUTE_WGS, ROWS, blocks.block_q_dkv), dtype) if fused else None,
+      _smem((_COMPUTE_WGS, blocks.block_q_dkv, D), jnp.float32) if fused else None,
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
@@ -737,21 +811,42 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
 
 def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
               do_BTHD, cfg: _Config):
-  """(dq, dk, dv) from the dQ kernel and the dK/dV kernel."""
+  """(dq, dk, dv) from the dQ kernel and the dK/dV kernel, or from the
+  dK/dV kernel alone with `fused_dq`."""
   B, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   dtype = q_BTHD.dtype
   delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
                          do_BTHD.astype(jnp.float32))
   args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT, kv_seg_BS)
+  if cfg.blocks.fused_dq:
+    return _fused_backward(args, cfg)
   dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                _dq_scratch(D, dtype, cfg.blocks, cfg.segments),
-               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(*args)
-  dk, dv = _kernel("dkdv", _dkdv_kernel, (jax.ShapeDtypeStruct(k_BSKD.shape, dtype),
-                                          jax.ShapeDtypeStruct(v_BSKD.shape, dtype)),
-                   _dkdv_scratch(D, dtype, cfg.blocks, cfg.segments),
-                   (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(*args)
+               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"),
+               dataclasses.replace(cfg, blocks=cfg.blocks.for_dq()))(*args)
+  dk, dv = _dkdv(args, cfg)(*args, None)
   return dq, dk, dv
+
+
+def _dkdv(args, cfg: _Config):
+  """The dK/dV kernel for `_backward`'s arguments."""
+  q_BTHD, k_BSKD = args[0], args[1]
+  (B, S, K, D), dtype = k_BSKD.shape, q_BTHD.dtype
+  return _kernel("dkdv", _dkdv_kernel, (jax.ShapeDtypeStruct(k_BSKD.shape, dtype),
+                                        jax.ShapeDtypeStruct(k_BSKD.shape, dtype)),
+                 _dkdv_scratch(D, dtype, cfg.blocks, cfg.segments),
+                 (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fused_backward(args, cfg: _Config):
+  """(dq, dk, dv) from the dK/dV kernel alone, adding into a zeroed float32
+  dQ (jitted: a Ref in global memory exists only inside `jit`)."""
+  q_BTHD = args[0]
+  dq_acc = jax.new_ref(jnp.zeros((_Ops(cfg.interpret).dq_slabs, *q_BTHD.shape),
+                                 jnp.float32), memory_space=plgpu.GMEM)
+  dk, dv = _dkdv(args, cfg)(*args, dq_acc)
+  return (dq_acc[...].sum(0) * cfg.scale).astype(q_BTHD.dtype), dk, dv
 
 
 _flash = common.flash_vjp(_forward, _backward)
@@ -773,7 +868,7 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
   pair = _COMPUTE_WGS * ROWS
   T_pad = common.round_up(T, math.lcm(pair, blocks.block_q_dkv))
-  S_pad = common.round_up(S, math.lcm(pair, blocks.block_k))
+  S_pad = common.round_up(S, math.lcm(pair, blocks.block_k, blocks.for_dq().block_k))
   q = common.pad_to(q_BTHD, 1, T_pad)
   k = common.pad_to(k_BSKD, 1, S_pad)
   v = common.pad_to(v_BSKD, 1, S_pad)

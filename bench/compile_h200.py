@@ -1,0 +1,260 @@
+"""Compile our attention kernels for an H200 with no GPU attached.
+
+Deviceless ahead-of-time compilation: JAX's CUDA plugin can build a compile-
+only H200 (`jax.experimental.topologies` with the target in
+`bench/h200_target.txtpb`), and XLA then compiles for it exactly as it would
+on the card: the Triton kernels through XLA's Triton pipeline, the Mosaic GPU
+kernels through Mosaic's, both down to ptxas for sm_90a. Nothing runs, so
+this says nothing about speed or results; it catches what fails before
+running (lowering, layouts, shared memory, ptxas) and shows each kernel's
+registers and spills, so a device session spends its minutes on timing.
+
+Every case is forward + backward (the forward, dQ and dK/dV kernels) in
+bfloat16, for both lowerings, head_dim 64 and 128, causal or not, and three
+variants that change the kernels' code: `plain` (T = S = 2048, one KV head
+per query head), `seg+gqa` (segment ids, 4 query heads per KV head) and
+`ragged` (T = 1000, S = 1500: padded tiles, masked padded keys, MQA).
+`--tune` adds the tiles `bench/attention.py --tune` sweeps on the card
+(causal, `plain`).
+
+Columns: `regs` is ptxas's registers per thread (for the Mosaic kernels the
+launch value, 65536 / 384 threads = 168; their compute warpgroups raise it to
+232 with setmaxnreg), `spill` the bytes spilled to local memory (stores /
+loads), `smem` the kernel's dynamic shared memory (Triton: XLA's launch;
+Mosaic GPU: Mosaic's allocation). A kernel whose code an earlier case
+already compiled (the dK/dV kernel does not depend on block_k, say) is not
+recompiled, and its row says so. Mosaic GPU also prints "nvdisasm invocation
+failed" per kernel: it would dump SASS too, and the wheels have no nvdisasm.
+
+Setup, once, in a venv of its own (the CUDA wheels take 4.4 GB; no driver
+or GPU is needed):
+
+  python3 -m venv /tmp/venvcuda
+  /tmp/venvcuda/bin/pip install "jax[cuda13]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')" \
+      flax ml-collections
+
+Run (about 3 minutes on 2 cores; 10 more with --tune):
+
+  /tmp/venvcuda/bin/python bench/compile_h200.py --out bench/results/compile_h200.json
+
+Exit status 1 if any case failed to compile.
+"""
+import argparse
+import datetime
+import glob
+import json
+import math
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+  sys.path.insert(0, str(ROOT))
+
+from bench import attention as bench_attention  # pylint: disable=wrong-import-position
+from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
+from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
+from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
+
+TARGET = ROOT / "bench" / "h200_target.txtpb"
+VARIANTS = {  # name: (T, S, H, K, segment ids)
+    "plain": (2048, 2048, 4, 4, False),
+    "seg+gqa": (2048, 2048, 8, 2, True),
+    "ragged": (1000, 1500, 4, 1, False),
+}
+
+
+def h200_device():
+  """A compile-only H200 (raises if JAX's CUDA plugin is not installed)."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  topology = topologies.get_topology_desc(
+      platform="cuda", topology="1x1x1", target_config=TARGET.read_text())
+  return topology.devices[0]
+
+
+def cases(tune: bool) -> list[dict]:
+  """Each case: lowering, D, causal, variant, tiles (None: the kernel's own)."""
+  out = [dict(lowering=lowering, D=D, causal=causal, variant=variant, tiles=None)
+         for lowering in ("mosaic_gpu", "triton") for D in (64, 128)
+         for causal in (True, False) for variant in VARIANTS]
+  if tune:
+    out += [dict(lowering="mosaic_gpu", D=D, causal=True, variant="plain", tiles=tiles)
+            for D in (64, 128) for tiles in bench_attention.mosaic_tune_tiles(False, D)]
+    out += [dict(lowering="triton", D=D, causal=True, variant="plain", tiles=tiles)
+            for D in (64, 128) for tiles in bench_attention.triton_tune_tiles(False)]
+  return out
+
+
+def attention(case: dict, device):
+  """(q, k, v, q_seg, kv_seg) -> out, with tiles chosen for `device`."""
+  kwargs = dict(causal=case["causal"], scale=1.0 / math.sqrt(case["D"]))
+  tiles = case["tiles"]
+  if case["lowering"] == "mosaic_gpu" and tiles is not None:
+    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
+                                 pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
+    return lambda q, k, v, qs, ks: hopper.hopper_flash_attention(
+        q, k, v, q_segment_ids=qs, kv_segment_ids=ks, blocks=blocks,
+        interpret=False, **kwargs)
+  block_q, block_k = tiles or (None, None)
+  return lambda q, k, v, qs, ks: flash_attention(
+      q, k, v, q_segment_ids=qs, kv_segment_ids=ks, block_q=block_q,
+      block_k=block_k, lowering=case["lowering"], device=device, **kwargs)
+
+
+def forward_and_backward(fn):
+  def step(q, k, v, qs, ks, do):
+    _, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, qs, ks), q, k, v)
+    return vjp(do)
+  return step
+
+
+def abstract_inputs(case: dict, device) -> tuple:
+  T, S, H, K, segments = VARIANTS[case["variant"]]
+  D, sharding = case["D"], jax.sharding.SingleDeviceSharding(device)
+
+  def spec(shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+  q_seg, kv_seg = (spec((2, T), jnp.int32), spec((2, S), jnp.int32)) if segments else (None, None)
+  return (spec((2, T, H, D)), spec((2, S, K, D)), spec((2, S, K, D)), q_seg, kv_seg,
+          spec((2, T, H, D)))
+
+
+def parse_ptxas(text: str) -> dict:
+  """Registers and spill bytes from `ptxas -v` output (one kernel)."""
+  registers = re.search(r"Used (\d+) registers", text)
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+  return dict(registers=int(registers.group(1)) if registers else None,
+              spill_stores=int(spills.group(1)) if spills else 0,
+              spill_loads=int(spills.group(2)) if spills else 0)
+
+
+def parse_triton_launches(thunks: str) -> dict[str, int]:
+  """{kernel: dynamic shared memory bytes} from XLA's thunk sequence dump."""
+  return {m.group(1): int(m.group(2)) for m in re.finditer(
+      r"kCustomKernel .*? (\S+) grid: .*?shared_memory: (\d+) bytes", thunks)}
+
+
+def parse_mosaic_smem(mlir_log: str) -> int | None:
+  """The dynamic shared memory of a Mosaic GPU launch (its last lowering)."""
+  sizes = re.findall(r"dynamic_shared_memory_size %c(\d+)_i32", mlir_log)
+  return int(sizes[-1]) if sizes else None
+
+
+def ptxas_binary() -> str:
+  """The ptxas of the CUDA wheels next to this Python, else the one on PATH."""
+  found = glob.glob(str(pathlib.Path(sys.prefix) / "lib" / "python*" / "site-packages"
+                        / "nvidia" / "*" / "bin" / "ptxas"))
+  return found[0] if found else (shutil.which("ptxas") or "ptxas")
+
+
+def kernel_reports(dump: pathlib.Path) -> dict[str, dict]:
+  """{kernel: registers, spills, smem} from one compile's dump folder."""
+  reports = {}
+  for path in sorted(dump.glob("*.ptxas")):  # Mosaic GPU: one per kernel
+    name = re.sub(r"_\d+$", "", path.stem)
+    log = path.with_suffix(".mlir-passes.log")
+    reports[name] = dict(parse_ptxas(path.read_text()),
+                         smem=parse_mosaic_smem(log.read_text()) if log.exists() else None)
+  launches = {}
+  for path in dump.glob("*thunk_sequence.txt"):
+    launches.update(parse_triton_launches(path.read_text()))
+  for path in sorted(dump.glob("*.ptx")):  # XLA's modules: the Triton kernels
+    ptx = path.read_text()
+    entry = re.search(r"\.entry (flash_attention\w*)\(", ptx)
+    if entry is None or path.name.startswith("flash_attention_hopper"):
+      continue
+    result = subprocess.run([ptxas_binary(), "-v", "--gpu-name", "sm_90a", str(path),
+                             "-o", os.devnull], capture_output=True, text=True, check=False)
+    reports[entry.group(1)] = dict(parse_ptxas(result.stderr),
+                                   smem=launches.get(entry.group(1)))
+  return reports
+
+
+def compile_case(case: dict, device) -> dict:
+  """Compiles one case; its kernels' reports, or the error."""
+  with tempfile.TemporaryDirectory() as dump:
+    os.environ["MOSAIC_GPU_DUMP_TO"] = dump
+    start = time.perf_counter()
+    try:
+      step = forward_and_backward(attention(case, device))
+      jax.jit(step).trace(*abstract_inputs(case, device)).lower(
+          lowering_platforms=("cuda",)).compile(compiler_options={"xla_dump_to": dump})
+    except Exception as exc:  # pylint: disable=broad-except
+      first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+      return dict(error=f"{type(exc).__name__}: {first[:200]}",
+                  seconds=time.perf_counter() - start)
+    kernels = kernel_reports(pathlib.Path(dump))
+  if "new_body" in kernels:  # JAX names a kernel with a Ref argument (fused dK/dV) so
+    kernels["flash_attention_hopper_dkdv"] = kernels.pop("new_body")
+  prefix = "flash_attention_hopper_" if case["lowering"] == "mosaic_gpu" else "flash_attention_"
+  fused = case["tiles"] is not None and case["lowering"] == "mosaic_gpu" and case["tiles"][4]
+  for name in (prefix + kernel for kernel in ("forward", "dkdv") + (() if fused else ("dq",))):
+    kernels.setdefault(name, dict(cached=True))
+  return dict(kernels=kernels, seconds=time.perf_counter() - start)
+
+
+def table(rows: list[dict]) -> str:
+  lines = ["| lowering | D | causal | variant | tiles | kernel | regs | spill (st/ld B) | smem KiB |",
+           "|---|---|---|---|---|---|---|---|---|"]
+  for row in rows:
+    case, result = row["case"], row["result"]
+    head = (f"| {case['lowering']} | {case['D']} | {'yes' if case['causal'] else 'no'} "
+            f"| {case['variant']} | {'auto' if case['tiles'] is None else case['tiles']} ")
+    if "error" in result:
+      lines.append(head + f"| error: {result['error']} | | | |")
+      continue
+    for name, k in sorted(result["kernels"].items()):
+      if k.get("cached"):
+        lines.append(head + f"| {name} | same code as an earlier row (not recompiled) | | |")
+        continue
+      smem = "?" if k["smem"] is None else f"{k['smem'] / 1024:.1f}"
+      lines.append(head + f"| {name} | {k['registers']} | {k['spill_stores']}/"
+                   f"{k['spill_loads']} | {smem} |")
+  return "\n".join(lines)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", type=pathlib.Path, help="write JSON here")
+  parser.add_argument("--tune", action="store_true",
+                      help="also the tiles bench/attention.py --tune sweeps")
+  args = parser.parse_args()
+  # Before the CUDA plugin loads: its version probe wants a driver, which a
+  # compile-only target does not need; Mosaic GPU then writes ptxas's report.
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  try:
+    device = h200_device()
+  except Exception as exc:  # pylint: disable=broad-except
+    sys.exit(f"compile_h200: no compile-only H200 ({type(exc).__name__}: {exc}); "
+             "install JAX's CUDA plugin as this script's docstring says")
+  meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+              target=device.device_kind, jax=jax.__version__, commit=git_commit(),
+              command=" ".join([pathlib.Path(sys.executable).name] + sys.argv))
+  print(f"# Deviceless compile for {meta['target']} (sm_90a), jax {meta['jax']}, "
+        f"commit {meta['commit']}, {meta['date']}", flush=True)
+  rows = []
+  for case in cases(args.tune):
+    rows.append(dict(case=case, result=compile_case(case, device)))
+    print(table(rows[-1:]).splitlines()[-1] if "error" in rows[-1]["result"]
+          else f"ok {case} {rows[-1]['result']['seconds']:.1f}s", flush=True)
+  print("\n" + table(rows))
+  if args.out:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  failed = [r for r in rows if "error" in r["result"]]
+  print(f"\n{len(rows) - len(failed)} compiled, {len(failed)} failed")
+  sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+  main()
