@@ -152,8 +152,11 @@ class _Ops:
     """`x` pinned to the layout of a wgmma accumulator."""
     return self.cast(x, plgpu.Layout.WGMMA)
 
-  def iota(self, shape, dim: int):
-    return self.tile(lax.broadcasted_iota(jnp.int32, shape, dim))
+  def positions(self, n: int, reduced: int):
+    """0 .. n-1 as a vector along a wgmma tile: one entry per row
+    (reduced=1) or per column (reduced=0), like `load_vector`."""
+    return self.cast(lax.broadcasted_iota(jnp.int32, (n,), 0),
+                     plgpu.Layout.WGMMA.reduce(reduced))
 
   def load_vector(self, ref, along: int):
     """A 1-D tile (lse, delta, segment ids) as a vector with one entry per
@@ -365,11 +368,14 @@ def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool,
   """
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
   visible = []
+  if cfg.causal or cfg.ragged:
+    k_pos = lax.broadcast_in_dim(ops.positions(s.shape[k_axis], q_axis) + k_start,
+                                 s.shape, [k_axis])
   if cfg.causal:
-    visible.append(ops.iota(s.shape, k_axis) + k_start
-                   <= ops.iota(s.shape, q_axis) + q_start)
+    q_pos = ops.positions(s.shape[q_axis], k_axis) + q_start
+    visible.append(k_pos <= lax.broadcast_in_dim(q_pos, s.shape, [q_axis]))
   if cfg.ragged:
-    visible.append(ops.iota(s.shape, k_axis) + k_start < cfg.kv_len)
+    visible.append(k_pos < cfg.kv_len)
   if cfg.segments:
     kv_ids = lax.broadcast_in_dim(kv_seg, s.shape, [k_axis])
     visible.append((lax.broadcast_in_dim(q_seg, s.shape, [q_axis]) == kv_ids)
