@@ -129,8 +129,7 @@ def test_choose_lowering():
 
 def test_hopper_blocks_follow_head_dim_and_length():
   assert hopper.choose_hopper_blocks(64, 4096) == hopper.HopperBlocks(128, 64, 3)
-  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2,
-                                                                      block_k_dq=64)
+  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(128, 40) == hopper.HopperBlocks(64, 64, 2)
   assert hopper.choose_hopper_blocks(64, 200) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(64, 40) == hopper.HopperBlocks(64, 64, 2)

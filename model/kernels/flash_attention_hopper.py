@@ -106,21 +106,21 @@ def choose_hopper_blocks(head_dim: int, kv_len: int, *,
   key tiles of 128, two stages (128 KiB of K/V plus 32 KiB of Q). Keys that
   fit in 64 (decoding a short context) get one tile of 64, and a sequence of
   at most two tiles a ring of two. The dK/dV kernel streams query tiles of 64
-  (Q, dO, lse, delta). At head_dim 128 the dQ kernel takes key tiles of 64:
-  with 128, its S, dP and dQ tiles (64 float32 registers a thread each) spill
-  88 to 120 bytes, by ptxas for sm_90a (`bench/compile_h200.py`); with 64
-  nothing spills. Ping-pong is on, except in the interpreter: there each
-  warpgroup is a thread running XLA programs, and inside a jitted program
-  (a training step) a warpgroup blocked on its turn can hold the CPU thread
-  its neighbour needs (seen: a 2-core machine hangs); it changes no result,
-  and the kernel tests turn it on explicitly. `bench/attention.py --tune`
-  measures the alternatives on the card.
+  (Q, dO, lse, delta). The dQ kernel takes the forward's key tile: at
+  head_dim 128 ptxas for sm_90a (`bench/compile_h200.py`) finds it spilling
+  at most 8 bytes (causal with segment ids), none with its own tile of 64
+  (`block_k_dq`, which `bench/attention.py --tune` times). Ping-pong is on,
+  except in the interpreter: there each warpgroup is a thread running XLA
+  programs, and inside a jitted program (a training step) a warpgroup
+  blocked on its turn can hold the CPU thread its neighbour needs (seen: a
+  2-core machine hangs); it changes no result, and the kernel tests turn it
+  on explicitly. `bench/attention.py --tune` measures the alternatives on
+  the card.
   """
   block_k = 64 if kv_len <= 64 else 128
   stages = 3 if head_dim <= 64 and kv_len > 2 * block_k else 2
-  block_k_dq = 64 if head_dim > 64 and block_k > 64 else None
   return HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages,
-                      pingpong=not interpret, block_k_dq=block_k_dq)
+                      pingpong=not interpret)
 
 
 def supports(q_BTHD, k_BSKD) -> str | None:
