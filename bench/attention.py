@@ -154,7 +154,7 @@ def mosaic_tune_tiles(quick: bool, D: int) -> list[tuple]:
   dQ kernel (with its own key tile 64 where block_k is 128), or dQ fused
   into the dK/dV kernel."""
   if quick:
-    return [(64, 2, True, None, False), (128, 2, False, 64, True)]
+    return [(64, 2, True, None, False), (128, 2, False, None, True)]
   tiles = []
   for bk in (64, 128):
     for stages in (2, 3, 4):
