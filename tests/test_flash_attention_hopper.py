@@ -53,6 +53,10 @@ def _segments(B, L, seed):
     # 64-column dQ products per tile pair).
     (1, 130, 200, 4, 2, 128, True, True, jnp.bfloat16,
      hopper.HopperBlocks(64, 64, 2, pingpong=True, fused_dq=True)),
+    # The fused backward, causal without segment ids (every tile masked),
+    # T > S, MQA over three query heads, no turns.
+    (1, 256, 128, 3, 1, 64, True, False, jnp.float16,
+     hopper.HopperBlocks(64, 64, 2, pingpong=False, fused_dq=True)),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
   q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)

@@ -623,6 +623,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
     fused = cfg.blocks.fused_dq
+    if fused and cfg.causal:
+      # One loop, every tile masked: with a masked and an unmasked loop in the
+      # fused kernel, ptxas spills 236 bytes at head_dim 128; with one, none
+      # (bench/compile_h200.py). The mask costs a compare and a select per
+      # score, against five matmuls.
+      full = end
     dq_turns = k_tile.shape[1] // _DQ_COLUMNS if fused else 0
     turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_turns)
     turns.start()
@@ -652,9 +658,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       turns.take()
       dk = ops.matmul(ds_t, q_tile, transpose_b=False, acc=dk)
       turns.hand_over()
+      plgpu.barrier_arrive(q_free.at[slot])  # the dQ part reads no slot of the ring
       if fused:
         _add_dq_part(ds_t, i, kv_head * cfg.group + g)
-      plgpu.barrier_arrive(q_free.at[slot])
       return dk, dv
 
     def _add_dq_part(ds_t, i, head):
