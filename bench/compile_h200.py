@@ -9,11 +9,12 @@ this says nothing about speed or results; it catches what fails before
 running (lowering, layouts, shared memory, ptxas) and shows each kernel's
 registers and spills, so a device session spends its minutes on timing.
 
-Every case is forward + backward (the forward, dQ and dK/dV kernels) in
-bfloat16, for both lowerings, head_dim 64 and 128, causal or not, and three
-variants that change the kernels' code: `plain` (T = S = 2048, one KV head
-per query head), `seg+gqa` (segment ids, 4 query heads per KV head) and
-`ragged` (T = 1000, S = 1500: padded tiles, masked padded keys, MQA).
+Every case is forward + backward (the forward, dQ and dK/dV kernels, or
+the forward and the fused dK/dV kernel) in bfloat16, for both lowerings and
+the fused Mosaic GPU backward, head_dim 64 and 128, causal or not, and
+three variants that change the kernels' code: `plain` (T = S = 2048, one KV
+head per query head), `seg+gqa` (segment ids, 4 query heads per KV head)
+and `ragged` (T = 1000, S = 1500: padded tiles, masked padded keys, MQA).
 `--tune` adds the tiles `bench/attention.py --tune` sweeps on the card
 (causal, `plain`).
 
@@ -43,6 +44,7 @@ Run (about 2 minutes on 2 cores; 3 with --tune):
 Exit status 1 if any case failed to compile.
 """
 import argparse
+import dataclasses
 import datetime
 import glob
 import json
@@ -85,14 +87,19 @@ def h200_device():
 
 
 def cases(tune: bool) -> list[dict]:
-  """Each case: lowering, D, causal, variant, tiles (None: the kernel's own)."""
-  out = [dict(lowering=lowering, D=D, causal=causal, variant=variant, tiles=None)
-         for lowering in ("mosaic_gpu", "triton") for D in (64, 128)
-         for causal in (True, False) for variant in VARIANTS]
+  """Each case: lowering, D, causal, variant, tiles (None: the kernel's own),
+  fused (Mosaic GPU's own tiles with the fused dQ backward)."""
+  out = [dict(lowering=lowering, D=D, causal=causal, variant=variant, tiles=None,
+              fused=fused)
+         for lowering, fused in (("mosaic_gpu", False), ("mosaic_gpu", True),
+                                 ("triton", False))
+         for D in (64, 128) for causal in (True, False) for variant in VARIANTS]
   if tune:
-    out += [dict(lowering="mosaic_gpu", D=D, causal=True, variant="plain", tiles=tiles)
+    out += [dict(lowering="mosaic_gpu", D=D, causal=True, variant="plain", tiles=tiles,
+                 fused=tiles[4])
             for D in (64, 128) for tiles in bench_attention.mosaic_tune_tiles(False, D)]
-    out += [dict(lowering="triton", D=D, causal=True, variant="plain", tiles=tiles)
+    out += [dict(lowering="triton", D=D, causal=True, variant="plain", tiles=tiles,
+                 fused=False)
             for D in (64, 128) for tiles in bench_attention.triton_tune_tiles(False)]
   return out
 
@@ -101,9 +108,13 @@ def attention(case: dict, device):
   """(q, k, v, q_seg, kv_seg) -> out, with tiles chosen for `device`."""
   kwargs = dict(causal=case["causal"], scale=1.0 / math.sqrt(case["D"]))
   tiles = case["tiles"]
-  if case["lowering"] == "mosaic_gpu" and tiles is not None:
-    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
-                                 pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
+  if case["lowering"] == "mosaic_gpu" and (tiles is not None or case["fused"]):
+    if tiles is None:
+      S = VARIANTS[case["variant"]][1]
+      blocks = dataclasses.replace(hopper.choose_hopper_blocks(case["D"], S), fused_dq=True)
+    else:
+      blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
+                                   pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
     return lambda q, k, v, qs, ks: hopper.hopper_flash_attention(
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, blocks=blocks,
         interpret=False, **kwargs)
@@ -203,10 +214,16 @@ def compile_case(case: dict, device) -> dict:
   if "new_body" in kernels:  # JAX names a kernel with a Ref argument (fused dK/dV) so
     kernels["flash_attention_hopper_dkdv"] = kernels.pop("new_body")
   prefix = "flash_attention_hopper_" if case["lowering"] == "mosaic_gpu" else "flash_attention_"
-  fused = case["tiles"] is not None and case["lowering"] == "mosaic_gpu" and case["tiles"][4]
-  for name in (prefix + kernel for kernel in ("forward", "dkdv") + (() if fused else ("dq",))):
+  for name in (prefix + kernel for kernel in ("forward", "dkdv") + (() if case["fused"] else ("dq",))):
     kernels.setdefault(name, dict(cached=True))
   return dict(kernels=kernels, seconds=time.perf_counter() - start)
+
+
+def tiles_label(case: dict) -> str:
+  """auto (the kernel's own tiles), auto fused, or bench/attention.py's label."""
+  if case["tiles"] is None:
+    return "auto fused" if case["fused"] else "auto"
+  return bench_attention.tile_label(case["tiles"])
 
 
 def table(rows: list[dict]) -> str:
@@ -215,7 +232,7 @@ def table(rows: list[dict]) -> str:
   for row in rows:
     case, result = row["case"], row["result"]
     head = (f"| {case['lowering']} | {case['D']} | {'yes' if case['causal'] else 'no'} "
-            f"| {case['variant']} | {'auto' if case['tiles'] is None else case['tiles']} ")
+            f"| {case['variant']} | {tiles_label(case)} ")
     if "error" in result:
       lines.append(head + f"| error: {result['error']} | | | |")
       continue

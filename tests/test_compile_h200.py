@@ -43,8 +43,9 @@ def test_parsers_read_real_output():
 
 def test_cases_cover_both_lowerings_and_every_variant():
   cases = compile_h200.cases(tune=False)
-  assert {(c["lowering"], c["D"], c["causal"], c["variant"]) for c in cases} == {
-      (lowering, D, causal, variant) for lowering in ("mosaic_gpu", "triton")
+  assert {(c["lowering"], c["fused"], c["D"], c["causal"], c["variant"]) for c in cases} == {
+      (lowering, fused, D, causal, variant)
+      for lowering, fused in (("mosaic_gpu", False), ("mosaic_gpu", True), ("triton", False))
       for D in (64, 128) for causal in (True, False) for variant in compile_h200.VARIANTS}
   assert len(compile_h200.cases(tune=True)) > len(cases)
 
