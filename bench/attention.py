@@ -113,10 +113,9 @@ def attention_fn(name: str, case: dict, tiles=None):
     return functools.partial(flash_attention, causal=causal, scale=scale,
                              lowering="mosaic_gpu")
   if name == "ours_mosaic":
-    blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
-                                 pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
     return functools.partial(hopper.hopper_flash_attention, causal=causal,
-                             scale=scale, blocks=blocks, interpret=not on_gpu)
+                             scale=scale, blocks=mosaic_blocks(tiles),
+                             interpret=not on_gpu)
   if name in ("xla", "cudnn"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              scale=scale, implementation=name)
@@ -148,6 +147,14 @@ def triton_tune_tiles(quick: bool) -> list[tuple]:
   return [(bq, bk) for bq in (64, 128) for bk in (64, 128)]
 
 
+def mosaic_blocks(tiles: tuple) -> hopper.HopperBlocks:
+  """The Hopper kernels' tiles for a (block_k, stages, pingpong, block_k_dq,
+  fused_dq) candidate of `--tune` (dK/dV query tiles of 64)."""
+  block_k, stages, pingpong, block_k_dq, fused_dq = tiles
+  return hopper.HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages,
+                             pingpong=pingpong, block_k_dq=block_k_dq, fused_dq=fused_dq)
+
+
 def mosaic_tune_tiles(quick: bool, D: int) -> list[tuple]:
   """(block_k, stages, pingpong, block_k_dq, fused_dq) candidates of `--tune`
   that fit in the shared memory of an H100/H200 at head_dim D: the separate
@@ -164,9 +171,7 @@ def mosaic_tune_tiles(quick: bool, D: int) -> list[tuple]:
         tiles.append((bk, stages, pingpong, None, True))
 
   def fits(t):
-    blocks = hopper.HopperBlocks(t[0], 64, t[1], pingpong=t[2], block_k_dq=t[3],
-                                 fused_dq=t[4])
-    return max(hopper.shared_memory_bytes(D, jnp.bfloat16, blocks, False).values()
+    return max(hopper.shared_memory_bytes(D, jnp.bfloat16, mosaic_blocks(t), False).values()
                ) <= hopper.SHARED_MEMORY_BYTES
   return [t for t in tiles if fits(t)]
 

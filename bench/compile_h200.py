@@ -46,6 +46,7 @@ Exit status 1 if any case failed to compile.
 import argparse
 import dataclasses
 import datetime
+import functools
 import glob
 import json
 import math
@@ -113,8 +114,7 @@ def attention(case: dict, device):
       S = VARIANTS[case["variant"]][1]
       blocks = dataclasses.replace(hopper.choose_hopper_blocks(case["D"], S), fused_dq=True)
     else:
-      blocks = hopper.HopperBlocks(block_k=tiles[0], block_q_dkv=64, stages=tiles[1],
-                                   pingpong=tiles[2], block_k_dq=tiles[3], fused_dq=tiles[4])
+      blocks = bench_attention.mosaic_blocks(tiles)
     return lambda q, k, v, qs, ks: hopper.hopper_flash_attention(
         q, k, v, q_segment_ids=qs, kv_segment_ids=ks, blocks=blocks,
         interpret=False, **kwargs)
@@ -163,6 +163,7 @@ def parse_mosaic_smem(mlir_log: str) -> int | None:
   return int(sizes[-1]) if sizes else None
 
 
+@functools.cache
 def ptxas_binary() -> str:
   """The ptxas of the CUDA wheels next to this Python, else the one on PATH."""
   found = glob.glob(str(pathlib.Path(sys.prefix) / "lib" / "python*" / "site-packages"

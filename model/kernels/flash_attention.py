@@ -531,7 +531,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                        f"64, 128 or 256, not {block_k}")
     blocks = hopper.choose_hopper_blocks(D, S, interpret=interpret)
     if block_k is not None:
-      blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dq=None)
+      blocks = dataclasses.replace(blocks, block_k=block_k)
     return hopper.hopper_flash_attention(
         q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,

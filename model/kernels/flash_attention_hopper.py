@@ -14,7 +14,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   fewer tiles than its neighbour (causal) still waits for and frees the rest,
   so the ring stays in step.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
-  registers as the A operand of the next wgmma, never written to memory.
+  registers as the A operand of the next wgmma (the fused backward also
+  writes dS to shared memory, for dQ).
 - The two compute warpgroups take turns on the tensor cores (`_Turns`): one's
   softmax (or dS) overlaps the other's matmuls.
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
@@ -264,7 +265,7 @@ def _produce(num_steps, stages: int, full, free, issue):
 
 def _pass(lo, hi, stages: int, full, free, turns=None):
   """Steps [lo, hi) a compute warpgroup does not need: wait, then free (and
-  take and hand back its two turns, so its neighbour is not kept waiting)."""
+  take and hand back a step's turns, so its neighbour is not kept waiting)."""
   def step(j, carry):
     slot = lax.rem(j, stages)
     plgpu.barrier_wait(full.at[slot])
@@ -629,8 +630,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       # (bench/compile_h200.py). The mask costs a compare and a select per
       # score, against five matmuls.
       full = end
-    dq_turns = k_tile.shape[1] // _DQ_COLUMNS if fused else 0
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_turns)
+    dq_products = k_tile.shape[1] // _DQ_COLUMNS if fused else 0  # one turn each
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_products)
     turns.start()
 
     def step(i, carry, g, masked: bool):
@@ -671,7 +672,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       ds_smem.at[wg][...] = ds_t
       plgpu.commit_smem()
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
-      for c in range(k_tile.shape[1] // _DQ_COLUMNS):
+      for c in range(dq_products):
         columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
         turns.take()
         dq_part = ops.matmul(ds_smem.at[wg], k_tile.at[:, columns], transpose_a=True,
