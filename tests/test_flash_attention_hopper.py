@@ -59,6 +59,17 @@ def _segments(B, L, seed):
      hopper.HopperBlocks(64, 64, 2, pingpong=False, fused_dq=True)),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
+  _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, D ** -0.5)
+
+
+def test_scale_not_positive_matches_reference():
+  """A scale <= 0 takes the other branch of `_base2` (scores scaled before
+  the mask), in the forward and both backward kernels."""
+  _check_against_reference(1, 130, 200, 2, 1, 64, True, True, jnp.float16,
+                           hopper.HopperBlocks(128, 64, 2, pingpong=False), -0.2)
+
+
+def _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, scale):
   q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)
   # The first 5 queries get id 9, which no key has: rows that see nothing.
   q_seg = _segments(B, T, 0).at[:, :5].set(9) if segments else None
@@ -67,11 +78,11 @@ def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
 
   def kernel(q, k, v):
     return hopper.hopper_flash_attention(
-        q, k, v, causal=causal, scale=D ** -0.5, q_segment_ids=q_seg,
+        q, k, v, causal=causal, scale=scale, q_segment_ids=q_seg,
         kv_segment_ids=kv_seg, blocks=blocks, interpret=interpret)
 
   def oracle(q, k, v):
-    return attention(q, k, v, causal=causal, implementation="reference",
+    return attention(q, k, v, causal=causal, implementation="reference", scale=scale,
                      segment_ids=None if q_seg is None else (q_seg, kv_seg))
 
   out, vjp = jax.vjp(kernel, q, k, v)
@@ -170,7 +181,7 @@ def test_shared_memory_count_matches_mosaic():
   assert sizes == {"forward": 166976, "dq": 133184, "dkdv": 133184}
   fused = hopper.shared_memory_bytes(128, jnp.bfloat16, hopper.HopperBlocks(
       64, 64, 2, fused_dq=True), False)
-  assert fused["dkdv"] == 215104
+  assert fused["dkdv"] == 215136
 
 
 def test_mosaic_gpu_refuses_what_it_does_not_take():

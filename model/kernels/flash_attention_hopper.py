@@ -15,7 +15,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   so the ring stays in step.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma (the fused backward also
-  writes dS to shared memory, for dQ).
+  writes dS to shared memory, for dQ). Scores are masked and scaled to base
+  2 where ptxas makes one FFMA of the scale and the subtracted max or lse.
 - The two compute warpgroups take turns on the tensor cores (`_Turns`): one's
   softmax (or dS) overlaps the other's matmuls.
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
@@ -34,12 +35,13 @@ dK/dV kernel also computes; by the FlashAttention convention (backward = 2.5
 forwards) that backward reaches at most 5/7 of the matmul rate.
 `HopperBlocks(fused_dq=True)` is FlashAttention-3's backward, 5 matmuls: the
 dK/dV kernel also stores dS^T to shared memory, multiplies it (transposed)
-by the key tile, and adds the product into a zeroed float32 dQ with TMA
-reduce-add (`copy_smem_to_gmem(reduction_op="add")`); the dQ buffer is a
-Ref in global memory passed to `pl.kernel`, which aliases it in and out.
-The Mosaic GPU interpreter has no reduce-add, so there `_Ops` reads, adds
-and writes, into one buffer per compute warpgroup (the interpreter runs a
-CTA's warpgroups at once). Which backward is faster is for the card to say
+by the key tiles, and adds the product into a zeroed float32 dQ with TMA
+reduce-add (`copy_smem_to_gmem(reduction_op="add")`), once per query tile
+and 128 keys (`_DqExchange`); the dQ buffer is a Ref in global memory
+passed to `pl.kernel`, which aliases it in and out. The Mosaic GPU
+interpreter has no reduce-add, so there `_Ops` reads, adds and writes, into
+one buffer per compute warpgroup (the interpreter runs a CTA's warpgroups
+at once). Which backward is faster is for the card to say
 (`bench/attention.py --tune`); the default stays the separate dQ kernel
 until then.
 
@@ -166,33 +168,46 @@ class _Ops:
       return ref[...]
     return plgpu.load(ref, (), layout=plgpu.Layout.WGMMA.reduce(along))
 
-  def matmul(self, a, b_ref, *, transpose_b: bool, acc=None, transpose_a: bool = False):
+  def matmul(self, a, b_ref, *, transpose_b: bool = False, acc=None,
+             transpose_a: bool = False):
     """acc + a @ b (a^T if `transpose_a`, b^T if `transpose_b`) in float32;
-    acc=None means 0.
+    acc=None means 0. `a` is an array in registers or a shared-memory ref
+    (only a ref may be transposed), `b_ref` a shared-memory ref."""
+    term = (a, b_ref, transpose_a, transpose_b)
+    return self.matmuls([[term]], None if acc is None else [acc])[0]
 
-    `a` is an array in registers or a shared-memory ref (only a ref may be
-    transposed), `b_ref` a shared-memory ref.
-    """
+  def matmuls(self, products, accs=None):
+    """[accs[i] + the sum of the terms of products[i]] in float32 (accs None:
+    fresh accumulators). A term is (a, b_ref, transpose_a, transpose_b), as
+    in `matmul`. On the GPU every wgmma is issued before the one wait."""
     if self.interpret:
-      a_val = a if isinstance(a, jax.Array) else a[...]
-      out = lax.dot_general(a_val, b_ref[...],
-                            (((0 if transpose_a else 1,), (1 if transpose_b else 0,)),
-                             ((), ())),
-                            preferred_element_type=jnp.float32)
-      return out if acc is None else acc + out
-    a = a.transpose((1, 0)) if transpose_a else a
-    b = b_ref.transpose((1, 0)) if transpose_b else b_ref
-    if acc is None:
-      shape = (a.shape[0], b.shape[1])
+      def dot(a, b_ref, transpose_a, transpose_b):
+        a_val = a if isinstance(a, jax.Array) else a[...]
+        return lax.dot_general(a_val, b_ref[...],
+                               (((0 if transpose_a else 1,), (1 if transpose_b else 0,)),
+                                ((), ())), preferred_element_type=jnp.float32)
+      sums = [functools.reduce(jnp.add, [dot(*term) for term in terms])
+              for terms in products]
+      return sums if accs is None else [acc + out for acc, out in zip(accs, sums)]
 
-      def fresh(acc_ref):
-        plgpu.wgmma(acc_ref, a, b)
-        return acc_ref[...]
-      return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
+    def operands(a, b_ref, transpose_a, transpose_b):
+      return (a.transpose((1, 0)) if transpose_a else a,
+              b_ref.transpose((1, 0)) if transpose_b else b_ref)
 
-    def accumulate(acc_ref):
-      plgpu.wgmma(acc_ref, a, b)
-    return pl.run_state(accumulate)(plgpu.ACC.init(acc))
+    def issue(acc_refs):
+      for acc_ref, terms in zip(acc_refs, products):
+        for term in terms:
+          plgpu.wgmma(acc_ref, *operands(*term))
+    if accs is None:
+      def fresh(*acc_refs):
+        issue(acc_refs)
+        return [acc_ref[...] for acc_ref in acc_refs]
+      shapes = []
+      for terms in products:
+        a, b = operands(*terms[0])
+        shapes.append((a.shape[0], b.shape[1]))
+      return pl.run_scoped(fresh, *[plgpu.ACC(shape, jnp.float32) for shape in shapes])
+    return list(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
 
   @property
   def dq_slabs(self) -> int:
@@ -444,15 +459,21 @@ def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, turns,
   return carry
 
 
-def _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked: bool,
-                     cfg: _Config, ops: _Ops):
-  """Raw scores of a query tile against key tile j (in ring `slot`), scaled
-  to base 2 and masked if `masked`: [ROWS, block_k] float32."""
-  s = s * (cfg.scale * _LOG2_E)
-  if not masked:
-    return s
+def _base2(s, cfg: _Config):
+  """Scores `s` and the factor that takes them to base 2: (s, scale * log2 e)
+  for a positive scale, so that the factor meets the subtracted max or lse in
+  one FFMA per score (and the row max is taken before scaling); else the
+  scores already scaled, and 1 (a scale <= 0 would turn the mask's -inf)."""
+  factor = cfg.scale * _LOG2_E
+  return (s, factor) if factor > 0 else (s * factor, 1.0)
+
+
+def _query_tile_mask(x, q_start, q_seg, j, slot, kv_seg_smem, cfg: _Config,
+                     ops: _Ops):
+  """`x` [ROWS, block_k] of a query tile against key tile j (in ring
+  `slot`), -inf where masked."""
   kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
-  return _mask(s, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
+  return _mask(x, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
                q_seg=q_seg, kv_seg=kv_seg)
 
 
@@ -479,14 +500,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       turns.take()
       s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True)
       turns.hand_over()
-      s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked, cfg, ops)
-      m_new = jnp.maximum(m, jnp.max(s, axis=1))
+      s, factor = _base2(s, cfg)
+      if masked:
+        s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, cfg, ops)
+      m_new = jnp.maximum(m, jnp.max(s, axis=1) * factor)  # base 2
       if cfg.segments:  # a row with no visible key yet keeps m = -inf
         m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       else:
         m_new_safe = m_new
       alpha = jnp.exp2(m - m_new_safe)
-      p = jnp.exp2(s - _rows(m_new_safe, s.shape))
+      p = jnp.exp2(s * factor - _rows(m_new_safe, s.shape))
       l = l * alpha + jnp.sum(p, axis=1)
       o = o * _rows(alpha, o.shape)
       turns.take()
@@ -544,11 +567,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       slot = lax.rem(j, stages)
       plgpu.barrier_wait(kv_full.at[slot])
       turns.take()
-      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True)
-      dp = ops.matmul(do_tile, v_smem.at[slot], transpose_b=True)
+      s, dp = ops.matmuls([[(q_tile, k_smem.at[slot], False, True)],
+                           [(do_tile, v_smem.at[slot], False, True)]])
       turns.hand_over()
-      s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, masked, cfg, ops)
-      p = jnp.exp2(s - _rows(lse, s.shape))
+      s, factor = _base2(s, cfg)
+      x = s * factor - _rows(lse, s.shape)  # masked after: one FFMA a score
+      if masked:
+        x = _query_tile_mask(x, q_start, q_seg, j, slot, kv_seg_smem, cfg, ops)
+      p = jnp.exp2(x)
       ds = p * (dp - _rows(delta, dp.shape))
       turns.take()
       dq = ops.matmul(ds.astype(q_tile.dtype), k_smem.at[slot], transpose_b=False,
@@ -582,14 +608,85 @@ def _q_tiles(k_start, cfg: _Config):
   return first, full, end
 
 
+class _DqExchange:
+  """The fused backward's dQ: dS K over the CTA's 128 keys, added to the
+  float32 dQ in global memory once per CTA step.
+
+  Each compute warpgroup puts its dS^T tile (its 64 keys x the step's
+  queries) in shared memory; at step t warpgroup t % 2 multiplies both
+  tiles, transposed, by the CTA's two key tiles (64 output columns per
+  wgmma, so that the product takes 32 float32 registers a thread) and adds
+  the product to dQ with one TMA reduce-add, while the other warpgroup
+  passes the same number of turns. Against each warpgroup adding the part
+  of its own 64 keys, that halves the reduce traffic to global memory, as
+  FlashAttention-3 does (a dQ tile added per 128 keys).
+
+  Barriers: `ready[w]` completes when both warpgroups have stored their dS
+  of a step that warpgroup w multiplies (two arrivals); `read[w]` when
+  warpgroup w has read them, which the other waits for before it stores
+  the next step's dS.
+  """
+
+  def __init__(self, ds_smem, dq_smem, k_smem, ready, read, turns: _Turns, ops: _Ops):
+    self.ds_smem, self.dq_smem, self.k_smem = ds_smem, dq_smem, k_smem
+    self.ready, self.read, self.turns, self.ops = ready, read, turns, ops
+    self.wg = lax.axis_index("wg")
+    self.chunks = k_smem.shape[-1] // _DQ_COLUMNS
+
+  def _mine(self, t):
+    return lax.rem(t, _COMPUTE_WGS) == self.wg
+
+  def put(self, ds_t, t):
+    """Stores this warpgroup's dS^T of step t, once the other warpgroup has
+    read step t - 1's (when it was the one multiplying)."""
+    other = 1 - self.wg
+    pl.when((t > 0) & self._mine(t))(lambda: plgpu.barrier_wait(self.read.at[other]))
+    self.ds_smem.at[self.wg][...] = ds_t
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(self.ready.at[lax.rem(t, _COMPUTE_WGS)])
+
+  def add(self, t, dq_tile_ref):
+    """At step t, dq_tile_ref [slabs, block_q, D] += dS K if this warpgroup's
+    turn; else pass the turns."""
+    wg, ops = self.wg, self.ops
+
+    @pl.when(self._mine(t))
+    def _multiply():
+      plgpu.barrier_wait(self.ready.at[wg])
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
+      for c in range(self.chunks):
+        columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
+        self.turns.take()
+        part, = ops.matmuls([[(self.ds_smem.at[w], self.k_smem.at[w, :, columns], True, False)
+                              for w in range(_COMPUTE_WGS)]])
+        self.turns.hand_over()
+        self.dq_smem.at[wg, :, columns][...] = part
+      plgpu.barrier_arrive(self.read.at[wg])
+      plgpu.commit_smem()
+      ops.add_to_gmem(self.dq_smem.at[wg], dq_tile_ref, wg)
+
+    @pl.when(~self._mine(t))
+    def _pass_turns():
+      for _ in range(self.chunks):
+        self.turns.take()
+        self.turns.hand_over()
+
+  def finish(self, num_steps):
+    """Observes the other warpgroup's last `read`, which no `put` waited for."""
+    last = num_steps - 1
+    pl.when((num_steps > 0) & ~self._mine(last))(
+        lambda: plgpu.barrier_wait(self.read.at[1 - self.wg]))
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                  kv_seg_ref, dq_acc_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem,
                  q_smem, do_smem, lse_smem, delta_smem, q_seg_smem, ds_smem, dq_smem,
-                 kv_full, q_full, q_free, turn, *, cfg: _Config, ops: _Ops):
+                 kv_full, q_full, q_free, ds_ready, ds_read, turn, *, cfg: _Config,
+                 ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
   query tile) pairs, recompute P^T from the lse, accumulate over both. With
   `fused_dq`, also add dS K for each pair into `dq_acc_ref` [slabs, B, T,
-  H, D] float32 (unscaled)."""
+  H, D] float32 (unscaled; `_DqExchange`)."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
   cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
@@ -616,6 +713,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     _set_registers(producer=False)
     k_start = cta_k + wg * ROWS
     k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    dtype = k_tile.dtype
     k_rows = (b, pl.ds(k_start, ROWS), kv_head)
     _copy_in([(k_ref.at[k_rows], k_tile), (v_ref.at[k_rows], v_tile),
               (None if kv_seg_ref is None else kv_seg_ref.at[b, pl.ds(k_start, ROWS)],
@@ -624,64 +722,55 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
     fused = cfg.blocks.fused_dq
-    if fused and cfg.causal:
-      # One loop, every tile masked: with a masked and an unmasked loop in the
-      # fused kernel, ptxas spills 236 bytes at head_dim 128; with one, none
-      # (bench/compile_h200.py). The mask costs a compare and a select per
-      # score, against five matmuls.
-      full = end
-    dq_products = k_tile.shape[1] // _DQ_COLUMNS if fused else 0  # one turn each
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_products)
+    dq_turns = k_tile.shape[1] // _DQ_COLUMNS if fused else 0  # `_DqExchange.add`'s
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_turns)
+    exchange = None
+    if fused:
+      exchange = _DqExchange(ds_smem, dq_smem, k_smem, ds_ready, ds_read, turns, ops)
+      if cfg.causal:
+        # Both warpgroups take every tile the CTA streams (each dQ product
+        # needs both dS), in one loop, every tile masked: with a masked and an
+        # unmasked loop, ptxas spills 236 bytes at head_dim 128; with one,
+        # none (bench/compile_h200.py). The mask costs a compare and a select
+        # per score, against five matmuls.
+        first, full = cta_first, end
     turns.start()
 
     def step(i, carry, g, masked: bool):
       dk, dv = carry
-      slot = lax.rem(g * per_head + i - cta_first, stages)
+      t = g * per_head + i - cta_first  # the CTA's step
+      slot = lax.rem(t, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
       turns.take()
       s_t = ops.matmul(k_tile, q_tile, transpose_b=True)
       turns.hand_over()
-      s_t = s_t * (cfg.scale * _LOG2_E)
+      s_t, factor = _base2(s_t, cfg)
+      lse = ops.load_vector(lse_smem.at[slot], along=0)
+      x_t = s_t * factor - lax.broadcast_in_dim(lse, s_t.shape, [1])  # masked after: FFMA
       if masked:
         q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
-        s_t = _mask(s_t, i * block_q, k_start, ops, cfg, transposed=True,
+        x_t = _mask(x_t, i * block_q, k_start, ops, cfg, transposed=True,
                     q_seg=q_seg, kv_seg=kv_seg)
-      lse = ops.load_vector(lse_smem.at[slot], along=0)
-      p_t = jnp.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+      p_t = jnp.exp2(x_t)
+      # dV first: P^T's registers are free before dP^T takes its own (with
+      # S^T and dP^T issued together, ptxas spills at head_dim 128).
       turns.take()
-      dv = ops.matmul(p_t.astype(k_tile.dtype), do_tile, transpose_b=False, acc=dv)
+      dv = ops.matmul(p_t.astype(dtype), do_tile, acc=dv)
       dp_t = ops.matmul(v_tile, do_tile, transpose_b=True)
       turns.hand_over()
       delta = ops.load_vector(delta_smem.at[slot], along=0)
-      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))
-              ).astype(k_tile.dtype)
+      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+      if exchange is not None:
+        exchange.put(ds_t, t)
       turns.take()
-      dk = ops.matmul(ds_t, q_tile, transpose_b=False, acc=dk)
+      dk = ops.matmul(ds_t, q_tile, acc=dk)
       turns.hand_over()
-      plgpu.barrier_arrive(q_free.at[slot])  # the dQ part reads no slot of the ring
-      if fused:
-        _add_dq_part(ds_t, i, kv_head * cfg.group + g)
+      plgpu.barrier_arrive(q_free.at[slot])  # the dQ product reads no slot of the ring
+      if exchange is not None:
+        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(i * block_q, block_q),
+                                      kv_head * cfg.group + g])
       return dk, dv
-
-    def _add_dq_part(ds_t, i, head):
-      """dQ[query tile i, head] += dS K: dS^T goes through shared memory to
-      be the (transposed) A operand; the product, 64 columns at a time (so
-      that no more than 32 float32 registers a thread hold it), through
-      shared memory to a TMA reduce-add."""
-      ds_smem.at[wg][...] = ds_t
-      plgpu.commit_smem()
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
-      for c in range(dq_products):
-        columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
-        turns.take()
-        dq_part = ops.matmul(ds_smem.at[wg], k_tile.at[:, columns], transpose_a=True,
-                             transpose_b=False)
-        turns.hand_over()
-        dq_smem.at[wg, :, columns][...] = dq_part
-      plgpu.commit_smem()
-      ops.add_to_gmem(dq_smem.at[wg], dq_acc_ref.at[:, b, pl.ds(i * block_q, block_q), head],
-                      wg)
 
     def head(g, carry):
       head_step0 = g * per_head
@@ -691,9 +780,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
     dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
+    if exchange is not None:
+      exchange.finish(cfg.group * per_head)
     turns.finish()
-    k_tile[...] = (dk * cfg.scale).astype(k_tile.dtype)
-    v_tile[...] = dv.astype(v_tile.dtype)
+    k_tile[...] = (dk * cfg.scale).astype(dtype)
+    v_tile[...] = dv.astype(dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[k_rows])
     plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[k_rows])
@@ -776,6 +867,8 @@ def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
       plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
       plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
       plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_COMPUTE_WGS) if fused else None,
+      plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if fused else None,
       _turn_barriers(blocks),
   ]
 
