@@ -24,15 +24,29 @@ launch value, 65536 / 384 threads = 168; their compute warpgroups raise it to
 loads), `smem` the kernel's dynamic shared memory (Triton: XLA's launch;
 Mosaic GPU: Mosaic's allocation). A kernel whose code an earlier case
 already compiled (the dK/dV kernel does not depend on block_k, say) is not
-recompiled, and its row says so. Mosaic GPU also prints "nvdisasm invocation
-failed" per kernel: it would dump SASS too, and the wheels have no nvdisasm.
+recompiled, and its row says so.
+
+`per step` reads the SASS (nvdisasm) of each inner loop that issues wgmma,
+one warp's view of one iteration: instructions (a warp issues at most one a
+cycle), the cycles the SM's tensor cores spend on its wgmmas (16-bit dense:
+2048 multiply-adds a cycle, 989 TFLOP/s at 1.83 GHz on 132 SMs), the cycles
+its exponentials take on the special-function unit (MUFU: 16 lanes a cycle
+an SM, 8 cycles a warp instruction), and its local-memory loads and stores
+(spills) when there are any: `458 i / 1024 tc / 528 mufu`. A loop can keep
+the tensor cores busy only if its instructions and MUFU cycles fit in its
+tensor cycles (the two compute warpgroups share both); a static bound, not
+a timing. Code under a branch counts as if taken: the fused dK/dV loop
+holds a dQ product over 128 keys that each warpgroup runs every other step
+(at head_dim 128, 512 of its 1536 tensor cycles).
 
 Setup, once, in a venv of its own (the CUDA wheels take 4.4 GB; no driver
 or GPU is needed):
 
   python3 -m venv /tmp/venvcuda
   /tmp/venvcuda/bin/pip install "jax[cuda13]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')" \
-      flax ml-collections
+      flax ml-collections nvidia-cuda-nvdisasm
+
+(nvidia-cuda-nvdisasm only for the `per step` column.)
 
 Works with jax 0.10.2 (CI's) and 0.11.2 (the H200 machine's; there a
 python3.12 venv with "jax[cuda13]==0.11.2" flax==0.12.10 ml-collections).
@@ -163,34 +177,97 @@ def parse_mosaic_smem(mlir_log: str) -> int | None:
   return int(sizes[-1]) if sizes else None
 
 
+TENSOR_MACS_PER_CYCLE = {"BF16": 2048, "F16": 2048, "TF32": 1024}  # dense, an SM
+MUFU_CYCLES = 8  # one warp instruction on the special-function unit
+
+
+def sass_loops(sass: str) -> list[dict]:
+  """Per iteration of each inner loop of a kernel's SASS that issues wgmma,
+  in program order: instructions, tensor-core cycles, MUFU cycles, local
+  memory accesses (see the module docstring).
+
+  A loop is a backward branch with its target; branches back from the
+  out-of-line barrier retries that follow the kernel's EXIT are not loops,
+  and a loop that holds another such loop is not an inner one.
+  """
+  labels, instructions = {}, []
+  for line in sass.splitlines():
+    label = re.match(r"^(\.L_x_\d+):", line.strip())
+    if label:
+      labels[label.group(1)] = len(instructions)
+      continue
+    inst = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*$", line)
+    if inst:
+      instructions.append(re.sub(r"^@!?U?P\w+\s+", "", inst.group(1)))
+  spans = []
+  for end, inst in enumerate(instructions):
+    target = re.search(r"BRA `\((\.L_x_\d+)\)", inst)
+    start = labels.get(target.group(1)) if target else None
+    if start is not None and start <= end:
+      body = instructions[start:end + 1]
+      if any(i.startswith("HGMMA") for i in body) and not any(
+          i.startswith("EXIT") for i in body):
+        spans.append((start, end))
+  inner = [(a, b) for a, b in spans
+           if not any((a, b) != (c, d) and a <= c and d <= b for c, d in spans)]
+  loops = []
+  for start, end in sorted(set(inner)):
+    body = instructions[start:end + 1]
+    tensor = 0.0
+    for inst in body:
+      mma = re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)\.F32\.(\w+)", inst)
+      if mma:
+        m, n, k = map(int, mma.group(1, 2, 3))
+        tensor += m * n * k / TENSOR_MACS_PER_CYCLE.get(mma.group(4), 2048)
+    loops.append(dict(
+        instructions=len(body), tensor_cycles=round(tensor),
+        mufu_cycles=MUFU_CYCLES * sum(i.startswith("MUFU") for i in body),
+        local=sum(i.split()[0].split(".")[0] in ("LDL", "STL") for i in body)))
+  return loops
+
+
 @functools.cache
-def ptxas_binary() -> str:
-  """The ptxas of the CUDA wheels next to this Python, else the one on PATH."""
+def cuda_tool(name: str) -> str | None:
+  """A CUDA tool (ptxas, nvdisasm) of the wheels next to this Python, else
+  the one on PATH, else None."""
   found = glob.glob(str(pathlib.Path(sys.prefix) / "lib" / "python*" / "site-packages"
-                        / "nvidia" / "*" / "bin" / "ptxas"))
-  return found[0] if found else (shutil.which("ptxas") or "ptxas")
+                        / "nvidia" / "*" / "bin" / name))
+  return found[0] if found else shutil.which(name)
+
+
+def ptxas(ptx: pathlib.Path) -> tuple[dict, list[dict] | None]:
+  """ptxas -v on a kernel's PTX for sm_90a: (its report, `sass_loops` of the
+  cubin, None without nvdisasm)."""
+  cubin = ptx.with_suffix(".cubin")
+  result = subprocess.run([cuda_tool("ptxas") or "ptxas", "-v", "--gpu-name", "sm_90a",
+                           str(ptx), "-o", str(cubin)],
+                          capture_output=True, text=True, check=False)
+  report = parse_ptxas(result.stderr)
+  if cuda_tool("nvdisasm") is None or not cubin.exists():
+    return report, None
+  sass = subprocess.run([cuda_tool("nvdisasm"), str(cubin)], capture_output=True,
+                        text=True, check=False).stdout
+  return report, sass_loops(sass)
 
 
 def kernel_reports(dump: pathlib.Path) -> dict[str, dict]:
-  """{kernel: registers, spills, smem} from one compile's dump folder."""
+  """{kernel: registers, spills, smem, loops} from one compile's dump folder."""
   reports = {}
   for path in sorted(dump.glob("*.ptxas")):  # Mosaic GPU: one per kernel
     name = re.sub(r"_\d+$", "", path.stem)
     log = path.with_suffix(".mlir-passes.log")
-    reports[name] = dict(parse_ptxas(path.read_text()),
+    loops = ptxas(path.with_suffix(".ptx"))[1] if path.with_suffix(".ptx").exists() else None
+    reports[name] = dict(parse_ptxas(path.read_text()), loops=loops,
                          smem=parse_mosaic_smem(log.read_text()) if log.exists() else None)
   launches = {}
   for path in dump.glob("*thunk_sequence.txt"):
     launches.update(parse_triton_launches(path.read_text()))
   for path in sorted(dump.glob("*.ptx")):  # XLA's modules: the Triton kernels
-    ptx = path.read_text()
-    entry = re.search(r"\.entry (flash_attention\w*)\(", ptx)
+    entry = re.search(r"\.entry (flash_attention\w*)\(", path.read_text())
     if entry is None or path.name.startswith("flash_attention_hopper"):
       continue
-    result = subprocess.run([ptxas_binary(), "-v", "--gpu-name", "sm_90a", str(path),
-                             "-o", os.devnull], capture_output=True, text=True, check=False)
-    reports[entry.group(1)] = dict(parse_ptxas(result.stderr),
-                                   smem=launches.get(entry.group(1)))
+    report, loops = ptxas(path)
+    reports[entry.group(1)] = dict(report, loops=loops, smem=launches.get(entry.group(1)))
   return reports
 
 
@@ -227,23 +304,33 @@ def tiles_label(case: dict) -> str:
   return bench_attention.tile_label(case["tiles"])
 
 
+def loops_label(loops: list[dict] | None) -> str:
+  """`per step`: each inner loop as instructions / tensor / MUFU cycles."""
+  if loops is None:
+    return "no nvdisasm"
+  return "; ".join(
+      f"{loop['instructions']} i / {loop['tensor_cycles']} tc / {loop['mufu_cycles']} mufu"
+      + (f" / {loop['local']} ldl+stl" if loop["local"] else "") for loop in loops)
+
+
 def table(rows: list[dict]) -> str:
-  lines = ["| lowering | D | causal | variant | tiles | kernel | regs | spill (st/ld B) | smem KiB |",
-           "|---|---|---|---|---|---|---|---|---|"]
+  lines = ["| lowering | D | causal | variant | tiles | kernel | regs | spill (st/ld B) "
+           "| smem KiB | per step |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
   for row in rows:
     case, result = row["case"], row["result"]
     head = (f"| {case['lowering']} | {case['D']} | {'yes' if case['causal'] else 'no'} "
             f"| {case['variant']} | {tiles_label(case)} ")
     if "error" in result:
-      lines.append(head + f"| error: {result['error']} | | | |")
+      lines.append(head + f"| error: {result['error']} | | | | |")
       continue
     for name, k in sorted(result["kernels"].items()):
       if k.get("cached"):
-        lines.append(head + f"| {name} | same code as an earlier row (not recompiled) | | |")
+        lines.append(head + f"| {name} | same code as an earlier row (not recompiled) | | | |")
         continue
       smem = "?" if k["smem"] is None else f"{k['smem'] / 1024:.1f}"
       lines.append(head + f"| {name} | {k['registers']} | {k['spill_stores']}/"
-                   f"{k['spill_loads']} | {smem} |")
+                   f"{k['spill_loads']} | {smem} | {loops_label(k.get('loops'))} |")
   return "\n".join(lines)
 
 
@@ -254,9 +341,11 @@ def main():
                       help="also the tiles bench/attention.py --tune sweeps")
   args = parser.parse_args()
   # Before the CUDA plugin loads: its version probe wants a driver, which a
-  # compile-only target does not need; Mosaic GPU then writes ptxas's report.
+  # compile-only target does not need; Mosaic GPU then writes ptxas's report
+  # and the PTX.
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
+  os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
   try:
     device = h200_device()
   except Exception as exc:  # pylint: disable=broad-except

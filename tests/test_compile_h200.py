@@ -41,6 +41,40 @@ def test_parsers_read_real_output():
   assert compile_h200.parse_mosaic_smem("no launch here") is None
 
 
+# nvdisasm's layout: an outer loop (.L_x_5) around an inner one (.L_x_10)
+# whose barrier wait retries out of line, after the EXIT, and branches back.
+SASS = """\
+.L_x_5:
+        /*0000*/                   IADD3 R2, R2, 0x1, RZ ;
+.L_x_10:
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R6 ;
+        /*0020*/               @!P1 BRA `(.L_x_20) ;
+.L_x_11:
+        /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
+        /*0040*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR20], R88, gsb0 ;
+        /*0050*/                   MUFU.EX2 R16, R20 ;
+        /*0060*/                   LDL R18, [R1] ;
+        /*0070*/               @P2 BRA `(.L_x_10) ;
+        /*0080*/                   HGMMA.64x64x8.F32.TF32 R88, gdesc[UR20], R88, gsb0 ;
+        /*0090*/               @P3 BRA `(.L_x_5) ;
+        /*00a0*/                   EXIT ;
+.L_x_20:
+        /*00b0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR8], R6 ;
+        /*00c0*/               @!P1 BRA `(.L_x_20) ;
+        /*00d0*/                   BRA `(.L_x_11) ;
+"""
+
+
+def test_sass_loops_finds_the_inner_wgmma_loop():
+  """One iteration of .L_x_10: 7 instructions; 64 + 32 tensor cycles; one
+  MUFU instruction; one local load. Not the outer loop, nor the retry."""
+  assert compile_h200.sass_loops(SASS) == [
+      dict(instructions=7, tensor_cycles=96, mufu_cycles=8, local=1)]
+  assert compile_h200.loops_label(compile_h200.sass_loops(SASS)) == (
+      "7 i / 96 tc / 8 mufu / 1 ldl+stl")
+  assert compile_h200.loops_label(None) == "no nvdisasm"
+
+
 def test_cases_cover_both_lowerings_and_every_variant():
   cases = compile_h200.cases(tune=False)
   assert {(c["lowering"], c["fused"], c["D"], c["causal"], c["variant"]) for c in cases} == {
