@@ -10,15 +10,17 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   side's tiles with TMA through a ring of `stages` shared-memory slots.
 - Each slot has a "full" barrier (arrived by its TMA copies) and a "free"
   barrier (arrived by both compute warpgroups when done with it); the
-  producer refills a slot once it is free. A compute warpgroup that needs
-  fewer tiles than its neighbour (causal) still waits for and frees the rest,
-  so the ring stays in step.
+  producer refills a slot once it is free (the forward, software-pipelined,
+  gives K and V barriers of their own). A compute warpgroup that needs
+  fewer tiles than its neighbour (causal) still waits for and frees the
+  rest, so the ring stays in step.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma (the fused backward also
   writes dS to shared memory, for dQ). Scores are masked and scaled to base
   2 where ptxas makes one FFMA of the scale and the subtracted max or lse.
 - The two compute warpgroups take turns on the tensor cores (`_Turns`): one's
-  softmax (or dS) overlaps the other's matmuls.
+  softmax (or dS) overlaps the other's matmuls. In the forward a turn
+  carries S_j and P_{j-1} V_{j-1} together (`_forward_kernel`).
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
   tile is the wgmma M): dV += P^T dO, dK += dS^T Q, summed over the query
   heads of a KV head inside the kernel (GQA/MQA without copying K/V).
@@ -177,9 +179,11 @@ class _Ops:
     return self.matmuls([[term]], None if acc is None else [acc])[0]
 
   def matmuls(self, products, accs=None):
-    """[accs[i] + the sum of the terms of products[i]] in float32 (accs None:
-    fresh accumulators). A term is (a, b_ref, transpose_a, transpose_b), as
-    in `matmul`. On the GPU every wgmma is issued before the one wait."""
+    """[accs[i] + the sum of the terms of products[i]] in float32; accs None,
+    or an entry None: a fresh accumulator. A term is (a, b_ref, transpose_a,
+    transpose_b), as in `matmul`. On the GPU every wgmma is issued (those
+    into fresh accumulators first) before the one wait."""
+    accs = [None] * len(products) if accs is None else accs
     if self.interpret:
       def dot(a, b_ref, transpose_a, transpose_b):
         a_val = a if isinstance(a, jax.Array) else a[...]
@@ -188,26 +192,36 @@ class _Ops:
                                 ((), ())), preferred_element_type=jnp.float32)
       sums = [functools.reduce(jnp.add, [dot(*term) for term in terms])
               for terms in products]
-      return sums if accs is None else [acc + out for acc, out in zip(accs, sums)]
+      return [out if acc is None else acc + out for acc, out in zip(accs, sums)]
 
     def operands(a, b_ref, transpose_a, transpose_b):
       return (a.transpose((1, 0)) if transpose_a else a,
               b_ref.transpose((1, 0)) if transpose_b else b_ref)
 
-    def issue(acc_refs):
-      for acc_ref, terms in zip(acc_refs, products):
-        for term in terms:
+    def issue(indices, acc_refs):
+      for i, acc_ref in zip(indices, acc_refs):
+        for term in products[i]:
           plgpu.wgmma(acc_ref, *operands(*term))
-    if accs is None:
-      def fresh(*acc_refs):
-        issue(acc_refs)
-        return [acc_ref[...] for acc_ref in acc_refs]
-      shapes = []
-      for terms in products:
-        a, b = operands(*terms[0])
-        shapes.append((a.shape[0], b.shape[1]))
-      return pl.run_scoped(fresh, *[plgpu.ACC(shape, jnp.float32) for shape in shapes])
-    return list(pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc in accs)))
+    fresh = [i for i, acc in enumerate(accs) if acc is None]
+    held = [i for i, acc in enumerate(accs) if acc is not None]
+
+    def with_fresh(*fresh_refs):
+      """The fresh products are issued first; then the held ones, in
+      run_state (whose exit waits for every wgmma in flight)."""
+      issue(fresh, fresh_refs)
+      out = {}
+      if held:
+        out.update(zip(held, pl.run_state(functools.partial(issue, held))(
+            tuple(plgpu.ACC.init(accs[i]) for i in held))))
+      out.update({i: ref[...] for i, ref in zip(fresh, fresh_refs)})
+      return [out[i] for i in range(len(products))]
+    if not fresh:
+      return with_fresh()
+    shapes = []
+    for i in fresh:
+      a, b = operands(*products[i][0])
+      shapes.append((a.shape[0], b.shape[1]))
+    return pl.run_scoped(with_fresh, *[plgpu.ACC(shape, jnp.float32) for shape in shapes])
 
   @property
   def dq_slabs(self) -> int:
@@ -261,32 +275,40 @@ def _steps(lo, hi, body, carry=0):
   return lax.fori_loop(lo, hi, body, carry)
 
 
-def _produce(num_steps, stages: int, full, free, issue):
-  """Producer loop: step j waits until its slot is free, then `issue`s the
-  TMA copies of step j into slot j % stages, arriving on `full`. At the end
-  it waits for the last slots to be freed, so no barrier phase is left
-  unobserved when the kernel exits."""
+def _produce(num_steps, stages: int, rings):
+  """Producer loop over `rings`, pairs (full, free) of barrier arrays with a
+  slot per stage, and an `issue(j, slot, barrier)` each: at step j, for each
+  ring, wait until slot j % stages is free, then issue the TMA copies of
+  step j into it, arriving on its full barrier. At the end it waits for the
+  last slots to be freed, so no barrier phase is left unobserved when the
+  kernel exits."""
   def wait_free(j, carry):
-    plgpu.barrier_wait(free.at[lax.rem(j, stages)])
+    for (_, free), _ in rings:
+      plgpu.barrier_wait(free.at[lax.rem(j, stages)])
     return carry
 
   def step(j, carry):
-    pl.when(j >= stages)(lambda: wait_free(j - stages, None))
-    issue(j, lax.rem(j, stages), full.at[lax.rem(j, stages)])
+    slot = lax.rem(j, stages)
+    for (full, free), issue in rings:
+      pl.when(j >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+      issue(j, slot, full.at[slot])
     return carry
   _steps(0, num_steps, step)
   _steps(jnp.maximum(num_steps - stages, 0), num_steps, wait_free)
 
 
-def _pass(lo, hi, stages: int, full, free, turns=None):
-  """Steps [lo, hi) a compute warpgroup does not need: wait, then free (and
-  take and hand back a step's turns, so its neighbour is not kept waiting)."""
+def _pass(lo, hi, stages: int, rings, turns=None):
+  """Steps [lo, hi) a compute warpgroup does not need: wait for each ring's
+  (full, free) slot, then free it (and take and hand back a step's turns, so
+  its neighbour is not kept waiting)."""
   def step(j, carry):
     slot = lax.rem(j, stages)
-    plgpu.barrier_wait(full.at[slot])
+    for full, _ in rings:
+      plgpu.barrier_wait(full.at[slot])
     if turns is not None:
       turns.skip_step()
-    plgpu.barrier_arrive(free.at[slot])
+    for _, free in rings:
+      plgpu.barrier_arrive(free.at[slot])
     return carry
   _steps(lo, hi, step)
 
@@ -406,29 +428,37 @@ def _rows(vector, shape):
   return lax.broadcast_in_dim(vector, shape, [0])
 
 
-def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, full, free,
+def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, rings,
                num_steps, cfg: _Config, ops: _Ops):
   """The producer of `_query_tile_kernel`: K, V (and key segment ids) tiles
-  0 .. num_steps - 1 of this CTA's KV head, through the ring."""
+  0 .. num_steps - 1 of this CTA's KV head, through one ring (full, free),
+  or K (and ids) through the first of two and V through the second."""
   _set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
 
-  def issue(j, slot, barrier):
+  def copies(j, slot, with_k: bool, with_v: bool):
     keys = pl.ds(j * block_k, block_k)
-    _copy_in([(k_ref.at[b, keys, kv_head], k_smem.at[slot]),
-              (v_ref.at[b, keys, kv_head], v_smem.at[slot]),
-              (None if kv_seg_ref is None else kv_seg_ref.at[b, keys],
-               None if kv_seg_smem is None else kv_seg_smem.at[slot])], barrier)
-  _produce(num_steps, cfg.blocks.stages, full, free, issue)
+    pairs = [(k_ref.at[b, keys, kv_head], k_smem.at[slot]),
+             (None if kv_seg_ref is None else kv_seg_ref.at[b, keys],
+              None if kv_seg_smem is None else kv_seg_smem.at[slot])] if with_k else []
+    return pairs + ([(v_ref.at[b, keys, kv_head], v_smem.at[slot])] if with_v else [])
+
+  if len(rings) == 1:
+    issues = [lambda j, slot, barrier: _copy_in(copies(j, slot, True, True), barrier)]
+  else:
+    issues = [lambda j, slot, barrier: _copy_in(copies(j, slot, True, False), barrier),
+              lambda j, slot, barrier: _copy_in(copies(j, slot, False, True), barrier)]
+  _produce(num_steps, cfg.blocks.stages, list(zip(rings, issues)))
 
 
-def _query_tile_kernel(compute, kv_stream, turn, cfg: _Config, ops: _Ops):
+def _query_tile_kernel(compute, kv_stream, turn, per_step: int, cfg: _Config,
+                       ops: _Ops):
   """The frame of the forward and dQ kernels. The producer warpgroup streams
   the K/V tiles that the CTA's query tiles see (`kv_stream`: the arguments of
   `_stream_kv` before the step count); each compute warpgroup runs
   `compute(q_start, cta_steps, turns)` on its own query tile, taking turns
-  on the tensor cores through the `turn` barriers."""
+  on the tensor cores through the `turn` barriers, `per_step` a step."""
   wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
   cta_steps = _kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg)
@@ -440,22 +470,24 @@ def _query_tile_kernel(compute, kv_stream, turn, cfg: _Config, ops: _Ops):
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=2)
+    turns = _Turns(turn, cfg.blocks.pingpong, per_step=per_step)
     turns.start()
     compute(cta_q + wg * ROWS, cta_steps, turns)
     turns.finish()
 
 
-def _over_kv_tiles(step, carry, q_start, cta_steps, full, free, turns,
-                   cfg: _Config):
-  """Runs `step(j, carry, masked=...)` over the key tiles the query tile at
-  `q_start` sees, those that need no mask first; then passes the rest of the
-  CTA's steps."""
-  unmasked = _kv_tiles_unmasked(q_start, cfg)
+def _over_kv_tiles(step, carry, q_start, cta_steps, rings, turns, cfg: _Config,
+                   first: int = 0, last=None):
+  """Runs `step(j, carry, masked=...)` over the key tiles [first, seen) the
+  query tile at `q_start` sees, those that need no mask first; then
+  `last(carry, seen)` if given; then passes the rest of the CTA's steps."""
+  unmasked = jnp.maximum(_kv_tiles_unmasked(q_start, cfg), first)
   seen = _kv_tiles_seen(q_start + ROWS, cfg)
-  carry = _steps(0, unmasked, functools.partial(step, masked=False), carry)
+  carry = _steps(first, unmasked, functools.partial(step, masked=False), carry)
   carry = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
-  _pass(seen, cta_steps, cfg.blocks.stages, full, free, turns)
+  if last is not None:
+    carry = last(carry, seen)
+  _pass(seen, cta_steps, cfg.blocks.stages, rings, turns)
   return carry
 
 
@@ -468,19 +500,30 @@ def _base2(s, cfg: _Config):
   return (s, factor) if factor > 0 else (s * factor, 1.0)
 
 
-def _query_tile_mask(x, q_start, q_seg, j, slot, kv_seg_smem, cfg: _Config,
-                     ops: _Ops):
-  """`x` [ROWS, block_k] of a query tile against key tile j (in ring
-  `slot`), -inf where masked."""
-  kv_seg = ops.load_vector(kv_seg_smem.at[slot], along=0) if cfg.segments else None
-  return _mask(x, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
-               q_seg=q_seg, kv_seg=kv_seg)
+def _key_segments(kv_seg_smem, slot, masked: bool, cfg: _Config, ops: _Ops):
+  """The segment ids of the key tile in ring `slot`, as a vector along a
+  query tile's columns, if a masked step needs them; read before the slot
+  is freed."""
+  if not (masked and cfg.segments):
+    return None
+  return ops.load_vector(kv_seg_smem.at[slot], along=0)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
                     q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
-                    q_full, kv_full, kv_free, turn, *, cfg: _Config, ops: _Ops):
-  """Forward: online softmax of two query tiles against streamed K/V tiles."""
+                    q_full, k_full, k_free, v_full, v_free, turn, *, cfg: _Config,
+                    ops: _Ops):
+  """Forward: online softmax of two query tiles against streamed K/V tiles.
+
+  Software-pipelined (FlashAttention-3's intra-warpgroup overlap): in one
+  turn on the tensor cores a warpgroup issues S_j = Q K_j^T and
+  P_{j-1} V_{j-1}, and waits once; the softmax of S_j then runs while the
+  other warpgroup has its turn. So each turn carries both matmuls of a
+  step, enough to cover the other warpgroup's exponentials, which at
+  head_dim 128 take longer than one matmul (`bench/compile_h200.py`: 528
+  MUFU against 512 tensor cycles). K and V have barriers of their own: K_j
+  is freed after S_j, V_j a turn later after P_j V_j.
+  """
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
 
@@ -493,16 +536,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     plgpu.barrier_wait(q_full.at[wg])
     q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
 
-    def step(j, carry, masked: bool):
-      o, m, l = carry
-      slot = lax.rem(j, stages)
-      plgpu.barrier_wait(kv_full.at[slot])
-      turns.take()
-      s = ops.matmul(q_tile, k_smem.at[slot], transpose_b=True)
-      turns.hand_over()
+    def softmax(j, s, kv_seg, o, m, l, masked: bool):
+      """Online softmax of S_j (key segment ids `kv_seg`): o and l rescaled,
+      the new max, P_j (16-bit)."""
       s, factor = _base2(s, cfg)
       if masked:
-        s = _query_tile_mask(s, q_start, q_seg, j, slot, kv_seg_smem, cfg, ops)
+        s = _mask(s, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
+                  q_seg=q_seg, kv_seg=kv_seg)
       m_new = jnp.maximum(m, jnp.max(s, axis=1) * factor)  # base 2
       if cfg.segments:  # a row with no visible key yet keeps m = -inf
         m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -511,19 +551,48 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       alpha = jnp.exp2(m - m_new_safe)
       p = jnp.exp2(s * factor - _rows(m_new_safe, s.shape))
       l = l * alpha + jnp.sum(p, axis=1)
-      o = o * _rows(alpha, o.shape)
-      turns.take()
-      o = ops.matmul(p.astype(q_tile.dtype), v_smem.at[slot], transpose_b=False, acc=o)
-      turns.hand_over()
-      plgpu.barrier_arrive(kv_free.at[slot])
-      return o, m_new, l
+      return o * _rows(alpha, o.shape), m_new, l, p.astype(q_tile.dtype)
 
+    def step(j, carry, masked: bool):
+      o, m, l, p = carry
+      slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+      plgpu.barrier_wait(v_full.at[prev])
+      plgpu.barrier_wait(k_full.at[slot])
+      turns.take()
+      o, s = ops.matmuls([[(p, v_smem.at[prev], False, False)],
+                          [(q_tile, k_smem.at[slot], False, True)]], [o, None])
+      turns.hand_over()
+      kv_seg = _key_segments(kv_seg_smem, slot, masked, cfg, ops)
+      plgpu.barrier_arrive(v_free.at[prev])
+      plgpu.barrier_arrive(k_free.at[slot])
+      return softmax(j, s, kv_seg, o, m, l, masked)
+
+    def last(carry, seen):
+      """P V of the last tile seen."""
+      o, m, l, p = carry
+      slot = lax.rem(seen - 1, stages)
+      plgpu.barrier_wait(v_full.at[slot])
+      turns.take()
+      o = ops.matmul(p, v_smem.at[slot], acc=o)
+      turns.hand_over()
+      plgpu.barrier_arrive(v_free.at[slot])
+      return o, m, l, p
+
+    # Key tile 0, which every query tile sees: S_0 alone (masked, to be safe
+    # for every tile; one of many).
+    plgpu.barrier_wait(k_full.at[0])
+    turns.take()
+    s = ops.matmul(q_tile, k_smem.at[0], transpose_b=True)
+    turns.hand_over()
+    kv_seg = _key_segments(kv_seg_smem, 0, True, cfg, ops)
+    plgpu.barrier_arrive(k_free.at[0])
     row_layout = plgpu.Layout.WGMMA.reduce(1)
-    carry = (ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
-             ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-             ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout))
-    o, m, l = _over_kv_tiles(step, carry, q_start, cta_steps, kv_full, kv_free,
-                             turns, cfg)
+    carry = softmax(0, s, kv_seg, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
+                    ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                    ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout), masked=True)
+    o, m, l, _ = _over_kv_tiles(step, carry, q_start, cta_steps,
+                                [(k_full, k_free), (v_full, v_free)], turns, cfg,
+                                first=1, last=last)
 
     lse = m + jnp.log2(l)
     if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
@@ -537,8 +606,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
+  # A turn a step, and one more: S_0 alone, then P V of the last tile alone.
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               kv_full, kv_free), turn, cfg, ops)
+                               [(k_full, k_free), (v_full, v_free)]), turn, 1, cfg, ops)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
@@ -573,7 +643,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       s, factor = _base2(s, cfg)
       x = s * factor - _rows(lse, s.shape)  # masked after: one FFMA a score
       if masked:
-        x = _query_tile_mask(x, q_start, q_seg, j, slot, kv_seg_smem, cfg, ops)
+        x = _mask(x, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
+                  q_seg=q_seg, kv_seg=_key_segments(kv_seg_smem, slot, True, cfg, ops))
       p = jnp.exp2(x)
       ds = p * (dp - _rows(delta, dp.shape))
       turns.take()
@@ -584,14 +655,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       return dq
 
     dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
-                        q_start, cta_steps, kv_full, kv_free, turns, cfg)
+                        q_start, cta_steps, [(kv_full, kv_free)], turns, cfg)
     q_tile[...] = (dq * cfg.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
 
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               kv_full, kv_free), turn, cfg, ops)
+                               [(kv_full, kv_free)]), turn, 2, cfg, ops)
 
 
 def _q_tiles(k_start, cfg: _Config):
@@ -706,7 +777,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                 (delta_ref.at[b, head, queries], delta_smem.at[slot]),
                 (None if q_seg_ref is None else q_seg_ref.at[b, queries],
                  None if q_seg_smem is None else q_seg_smem.at[slot])], barrier)
-    _produce(cfg.group * per_head, stages, q_full, q_free, issue)
+    _produce(cfg.group * per_head, stages, [((q_full, q_free), issue)])
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -774,7 +845,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
     def head(g, carry):
       head_step0 = g * per_head
-      _pass(head_step0, head_step0 + first - cta_first, stages, q_full, q_free, turns)
+      _pass(head_step0, head_step0 + first - cta_first, stages, [(q_full, q_free)], turns)
       carry = _steps(first, full, functools.partial(step, g=g, masked=True), carry)
       return _steps(full, end, functools.partial(step, g=g, masked=False), carry)
 
@@ -829,8 +900,10 @@ def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
       _smem(ring, dtype), _smem(ring, dtype),
       _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
       plgpu.Barrier(num_arrivals=1 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
+      plgpu.Barrier(num_arrivals=1 + seg, num_barriers=blocks.stages),  # K full
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),  # K free
+      plgpu.Barrier(num_arrivals=1, num_barriers=blocks.stages),  # V full
+      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),  # V free
       _turn_barriers(blocks),
   ]
 
