@@ -57,7 +57,7 @@ if [ "$PART" = 1 ]; then
     --out "$OUT/train_gpt2.json"
   LOGS="tests_hopper tests_triton attention_key train_gpt2"
 else
-  # The tiles of our two kernels on the acceptance row (Mosaic GPU: 16
+  # The tiles of our two kernels on the acceptance row (Mosaic GPU: 14
   # candidates incl. the fused dQ backward), then the whole grid.
   stage attention_tune 250 python3 bench/attention.py --no-memory --tune \
     --rows 128:16384:yes --out "$OUT/attention_tune.json"
