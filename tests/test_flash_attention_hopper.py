@@ -57,6 +57,10 @@ def _segments(B, L, seed):
     # T > S, MQA over three query heads, no turns.
     (1, 256, 128, 3, 1, 64, True, False, jnp.float16,
      hopper.HopperBlocks(64, 64, 2, pingpong=False, fused_dq=True)),
+    # One key tile, shorter than the ring: the pipelined forward's first
+    # and last steps are its only ones.
+    (1, 64, 48, 2, 1, 64, True, False, jnp.bfloat16,
+     hopper.HopperBlocks(64, 64, 2, pingpong=True)),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
   _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, D ** -0.5)
