@@ -51,7 +51,8 @@ or GPU is needed):
 Works with jax 0.10.2 (CI's) and 0.11.2 (the H200 machine's; there a
 python3.12 venv with "jax[cuda13]==0.11.2" flax==0.12.10 ml-collections).
 
-Run (about 2 minutes on 2 cores; 3 with --tune):
+Run (about 6 minutes on 2 cores; 13 with --tune; --lowering and --variant
+select cases):
 
   /tmp/venvcuda/bin/python bench/compile_h200.py --out bench/results/compile_h200.json
 
@@ -339,6 +340,10 @@ def main():
   parser.add_argument("--out", type=pathlib.Path, help="write JSON here")
   parser.add_argument("--tune", action="store_true",
                       help="also the tiles bench/attention.py --tune sweeps")
+  parser.add_argument("--lowering", choices=("mosaic_gpu", "triton"),
+                      help="only the cases of this lowering")
+  parser.add_argument("--variant", choices=tuple(VARIANTS),
+                      help="only the cases of this variant")
   args = parser.parse_args()
   # Before the CUDA plugin loads: its version probe wants a driver, which a
   # compile-only target does not need; Mosaic GPU then writes ptxas's report
@@ -358,6 +363,9 @@ def main():
         f"commit {meta['commit']}, {meta['date']}", flush=True)
   rows = []
   for case in cases(args.tune):
+    if (args.lowering or case["lowering"]) != case["lowering"] or (
+        args.variant or case["variant"]) != case["variant"]:
+      continue
     rows.append(dict(case=case, result=compile_case(case, device)))
     print(table(rows[-1:]).splitlines()[-1] if "error" in rows[-1]["result"]
           else f"ok {case} {rows[-1]['result']['seconds']:.1f}s", flush=True)
