@@ -49,7 +49,8 @@ or GPU is needed):
 (nvidia-cuda-nvdisasm only for the `per step` column.)
 
 Works with jax 0.10.2 (CI's) and 0.11.2 (the H200 machine's; there a
-python3.12 venv with "jax[cuda13]==0.11.2" flax==0.12.10 ml-collections).
+python3.12 venv with "jax[cuda13]==0.11.2" flax==0.12.10 ml-collections
+nvidia-cuda-nvdisasm).
 
 Run (about 6 minutes on 2 cores; 13 with --tune; --lowering and --variant
 select cases):
