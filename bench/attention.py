@@ -3,7 +3,10 @@
 The grid of BENCHMARKS.md (batch x seq = 16,384 tokens, heads x head_dim =
 2048, bfloat16, layout [B, S, H, D]; D 64 and 128; S 1k, 4k, 16k; causal on
 and off), a grouped-query case (32 query heads, 8 KV heads) and the GPT-2
-small training shape (batch 8, S 1024, 12 heads, D 64, causal). Every case
+small training shape (batch 8, S 1024, 12 heads, D 64, causal), also packed
+as `data.packing=packed` trains it (`gpt2-small-packed`: documents of S/8 to
+S/2 tokens, segment ids; `xla` and `cudnn` get the dense mask that
+`model.attention` builds from them, `jax_mosaic` takes none). Every case
 runs, in this one process:
 
 - `ours_mosaic`: `model.kernels.flash_attention.flash_attention` with
@@ -23,7 +26,7 @@ runs, in this one process:
 Times are the median of timed repeats after warm-up, each ended by
 `block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
 FLOPs = 4 * B * S^2 * H * D, halved when causal; forward+backward = 3.5 x
-forward. Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
+forward (a packed row counts them the same, as if it had one document). Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
 arguments + outputs + temporaries (`memory_analysis`), and, where the device
 reports it, `peak_bytes_in_use` measured in a fresh process per competitor
 (the peak counter cannot be reset within one process).
@@ -54,12 +57,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
   sys.path.insert(0, str(ROOT))
 
 from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
+from model.attention import attention  # pylint: disable=wrong-import-position
 from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
 from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
 
@@ -82,11 +87,29 @@ def grid_cases(quick: bool) -> list[dict]:
                           K=width // D, D=D, causal=causal))
   if quick:
     cases.append(dict(label="gqa", B=1, S=128, H=4, K=2, D=64, causal=True))
+    cases.append(dict(label="packed", B=1, S=128, H=2, K=2, D=64, causal=True,
+                      packed=True))
   else:
     cases.append(dict(label="gqa", B=4, S=4096, H=32, K=8, D=64, causal=True))
     cases.append(dict(label="gpt2-small", B=8, S=1024, H=12, K=12, D=64,
                       causal=True))
+    cases.append(dict(label="gpt2-small-packed", B=8, S=1024, H=12, K=12, D=64,
+                      causal=True, packed=True))
   return cases
+
+
+def segment_ids(case: dict):
+  """[B, S] int32 segment ids of a packed row, as `data.packing=packed`
+  trains: documents 1, 2, ... of lengths drawn between S/8 and S/2 (fixed
+  seed), the last one cut at S."""
+  rng = np.random.RandomState(0)
+  rows = []
+  for _ in range(case["B"]):
+    lengths = []
+    while sum(lengths) < case["S"]:
+      lengths.append(rng.randint(case["S"] // 8, case["S"] // 2 + 1))
+    rows.append(np.repeat(np.arange(1, len(lengths) + 1), lengths)[:case["S"]])
+  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 def memory_case(quick: bool, D: int) -> dict:
@@ -105,17 +128,21 @@ def attention_fn(name: str, case: dict, tiles=None):
   """
   causal, scale = case["causal"], 1.0 / math.sqrt(case["D"])
   on_gpu = jax.default_backend() == "gpu"
+  seg = segment_ids(case) if case.get("packed") else None
+  ours = dict(causal=causal, scale=scale, q_segment_ids=seg, kv_segment_ids=seg)
   if name == "ours_triton":
     block_q, block_k = tiles or (None, None)
-    return functools.partial(flash_attention, causal=causal, scale=scale,
-                             block_q=block_q, block_k=block_k, lowering="triton")
+    return functools.partial(flash_attention, block_q=block_q, block_k=block_k,
+                             lowering="triton", **ours)
   if name == "ours_mosaic" and tiles is None:
-    return functools.partial(flash_attention, causal=causal, scale=scale,
-                             lowering="mosaic_gpu")
+    return functools.partial(flash_attention, lowering="mosaic_gpu", **ours)
   if name == "ours_mosaic":
-    return functools.partial(hopper.hopper_flash_attention, causal=causal,
-                             scale=scale, blocks=mosaic_blocks(tiles),
-                             interpret=not on_gpu)
+    return functools.partial(hopper.hopper_flash_attention, blocks=mosaic_blocks(tiles),
+                             interpret=not on_gpu, **ours)
+  if name in ("xla", "cudnn") and seg is not None:
+    # As training runs them: a dense [B, 1, S, S] mask from the segment ids.
+    return functools.partial(attention, causal=causal, segment_ids=seg, scale=scale,
+                             implementation=name)
   if name in ("xla", "cudnn"):
     return functools.partial(jax.nn.dot_product_attention, is_causal=causal,
                              scale=scale, implementation=name)
@@ -125,10 +152,12 @@ def attention_fn(name: str, case: dict, tiles=None):
 
     def fn(q, k, v):
       k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
-      return jax_attention.mha(q, k, v, None, sm_scale=scale, causal=causal,
+      return jax_attention.mha(q, k, v, seg, sm_scale=scale, causal=causal,
                                interpret=not on_gpu)
     return fn
   if name == "jax_mosaic":
+    if seg is not None:
+      raise ValueError("jax_mosaic takes no segment ids")
     if not on_gpu:
       raise RuntimeError("jax_mosaic needs a GPU (it has no interpreter path)")
     from jax.experimental.pallas.ops.gpu import attention_mgpu  # pylint: disable=import-outside-toplevel
@@ -358,7 +387,7 @@ def main():
                       help="skip the S = 32k memory measurement")
   parser.add_argument("--rows", nargs="+", metavar="LABEL",
                       help="only these rows: D:S:causal (e.g. 128:16384:yes), "
-                           "gqa or gpt2-small")
+                           "gqa, gpt2-small or gpt2-small-packed (packed with --quick)")
   parser.add_argument("--peak-child", help=argparse.SUPPRESS)
   args = parser.parse_args()
 

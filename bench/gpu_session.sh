@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU check and timing of a device session, in two calls of at most
-# 7.5 minutes each (a device call may run 10): `bash bench/gpu_session.sh 1`
-# (kernel tests on the GPU, acceptance rows, GPT-2 small throughput), then
+# 8 minutes each (a device call may run 10): `bash bench/gpu_session.sh 1`
+# (kernel tests on the GPU, acceptance rows, GPT-2 small packed and not,
+# GPT-2 small training throughput), then
 # `bash bench/gpu_session.sh 2` (the whole grid, the tile sweep).
 #
 # Run from the repository root on the H200 machine (jax 0.11.2 + CUDA there,
@@ -49,9 +50,11 @@ if [ "$PART" = 1 ]; then
     tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
   stage tests_triton 100 python3 -m pytest -q -x -p no:cacheprovider \
     tests/test_flash_attention.py
-  # The acceptance rows, and GPT-2 small training throughput.
-  stage attention_key 90 python3 bench/attention.py --no-memory \
-    --rows 128:16384:yes 64:4096:yes gpt2-small --out "$OUT/attention_key.json"
+  # The acceptance rows, the GPT-2 small shape (also packed, with segment
+  # ids, as training runs it), and GPT-2 small training throughput.
+  stage attention_key 120 python3 bench/attention.py --no-memory \
+    --rows 128:16384:yes 64:4096:yes gpt2-small gpt2-small-packed \
+    --out "$OUT/attention_key.json"
   stage train_gpt2 120 python3 bench/train_throughput.py \
     --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
     --out "$OUT/train_gpt2.json"
