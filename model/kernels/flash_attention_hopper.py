@@ -702,11 +702,11 @@ class _DqExchange:
   the next step's dS.
   """
 
-  def __init__(self, ds_smem, dq_smem, k_smem, ready, read, turns: _Turns, ops: _Ops):
+  def __init__(self, ds_smem, dq_smem, k_smem, ready, read, ops: _Ops):
     self.ds_smem, self.dq_smem, self.k_smem = ds_smem, dq_smem, k_smem
-    self.ready, self.read, self.turns, self.ops = ready, read, turns, ops
+    self.ready, self.read, self.ops = ready, read, ops
     self.wg = lax.axis_index("wg")
-    self.chunks = k_smem.shape[-1] // _DQ_COLUMNS
+    self.chunks = k_smem.shape[-1] // _DQ_COLUMNS  # turns `add` takes a step
 
   def _mine(self, t):
     return lax.rem(t, _COMPUTE_WGS) == self.wg
@@ -720,7 +720,7 @@ class _DqExchange:
     plgpu.commit_smem()
     plgpu.barrier_arrive(self.ready.at[lax.rem(t, _COMPUTE_WGS)])
 
-  def add(self, t, dq_tile_ref):
+  def add(self, t, dq_tile_ref, turns: _Turns):
     """At step t, dq_tile_ref [slabs, block_q, D] += dS K if this warpgroup's
     turn; else pass the turns."""
     wg, ops = self.wg, self.ops
@@ -731,10 +731,10 @@ class _DqExchange:
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last add has read dq_smem
       for c in range(self.chunks):
         columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
-        self.turns.take()
+        turns.take()
         part, = ops.matmuls([[(self.ds_smem.at[w], self.k_smem.at[w, :, columns], True, False)
                               for w in range(_COMPUTE_WGS)]])
-        self.turns.hand_over()
+        turns.hand_over()
         self.dq_smem.at[wg, :, columns][...] = part
       plgpu.barrier_arrive(self.read.at[wg])
       plgpu.commit_smem()
@@ -743,8 +743,8 @@ class _DqExchange:
     @pl.when(~self._mine(t))
     def _pass_turns():
       for _ in range(self.chunks):
-        self.turns.take()
-        self.turns.hand_over()
+        turns.take()
+        turns.hand_over()
 
   def finish(self, num_steps):
     """Observes the other warpgroup's last `read`, which no `put` waited for."""
@@ -796,19 +796,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     plgpu.barrier_wait(kv_full.at[wg])
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
     first, full, _ = _q_tiles(k_start, cfg)
-    fused = cfg.blocks.fused_dq
-    dq_turns = k_tile.shape[1] // _DQ_COLUMNS if fused else 0  # `_DqExchange.add`'s
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=3 + dq_turns)
     exchange = None
-    if fused:
-      exchange = _DqExchange(ds_smem, dq_smem, k_smem, ds_ready, ds_read, turns, ops)
+    if cfg.blocks.fused_dq:
+      exchange = _DqExchange(ds_smem, dq_smem, k_smem, ds_ready, ds_read, ops)
       if cfg.causal:
         # Both warpgroups take every tile the CTA streams (each dQ product
         # needs both dS), in one loop, every tile masked: with a masked and an
-        # unmasked loop, ptxas spills 236 bytes at head_dim 128; with one,
-        # none (bench/compile_h200.py). The mask costs a compare and a select
-        # per score, against five matmuls.
+        # unmasked loop ptxas spilled 236 bytes at head_dim 128, with one none
+        # (bench/compile_h200.py, before `_DqExchange`). The mask costs a
+        # compare and a select per score, against five matmuls.
         first, full = cta_first, end
+    turns = _Turns(turn, cfg.blocks.pingpong,
+                   per_step=3 + (exchange.chunks if exchange else 0))
     turns.start()
 
     def step(i, carry, g, masked: bool):
@@ -844,7 +843,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       plgpu.barrier_arrive(q_free.at[slot])  # the dQ product reads no slot of the ring
       if exchange is not None:
         exchange.add(t, dq_acc_ref.at[:, b, pl.ds(i * block_q, block_q),
-                                      kv_head * cfg.group + g])
+                                      kv_head * cfg.group + g], turns)
       return dk, dv
 
     def head(g, carry):
