@@ -26,7 +26,8 @@ runs, in this one process:
 Times are the median of timed repeats after warm-up, each ended by
 `block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
 FLOPs = 4 * B * S^2 * H * D, halved when causal; forward+backward = 3.5 x
-forward (a packed row counts them the same, as if it had one document). Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
+forward (a packed row counts them the same, as if it had one document).
+Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
 arguments + outputs + temporaries (`memory_analysis`), and, where the device
 reports it, `peak_bytes_in_use` measured in a fresh process per competitor
 (the peak counter cannot be reset within one process).

@@ -26,7 +26,10 @@ Mosaic GPU: Mosaic's allocation). A kernel whose code an earlier case
 already compiled (the dK/dV kernel does not depend on block_k, say) is not
 recompiled, and its row says so.
 
-`per step` reads the SASS (nvdisasm) of each inner loop that issues wgmma,
+`per step` reads the SASS (nvdisasm; for Mosaic GPU its own dump of the
+binary it built, whose ptxas options differ from a plain `ptxas` run on its
+PTX by tens of instructions a step; for Triton, a plain `ptxas` run on XLA's
+PTX, as for its registers) of each inner loop that issues wgmma,
 one warp's view of one iteration: instructions (a warp issues at most one a
 cycle), the cycles the SM's tensor cores spend on its wgmmas (16-bit dense:
 2048 multiply-adds a cycle, 989 TFLOP/s at 1.83 GHz on 132 SMs), the cycles
@@ -238,8 +241,8 @@ def cuda_tool(name: str) -> str | None:
 
 
 def ptxas(ptx: pathlib.Path) -> tuple[dict, list[dict] | None]:
-  """ptxas -v on a kernel's PTX for sm_90a: (its report, `sass_loops` of the
-  cubin, None without nvdisasm)."""
+  """ptxas -v on a Triton kernel's PTX for sm_90a: (its report, `sass_loops`
+  of the cubin, None without nvdisasm)."""
   cubin = ptx.with_suffix(".cubin")
   result = subprocess.run([cuda_tool("ptxas") or "ptxas", "-v", "--gpu-name", "sm_90a",
                            str(ptx), "-o", str(cubin)],
@@ -258,7 +261,8 @@ def kernel_reports(dump: pathlib.Path) -> dict[str, dict]:
   for path in sorted(dump.glob("*.ptxas")):  # Mosaic GPU: one per kernel
     name = re.sub(r"_\d+$", "", path.stem)
     log = path.with_suffix(".mlir-passes.log")
-    loops = ptxas(path.with_suffix(".ptx"))[1] if path.with_suffix(".ptx").exists() else None
+    sass = path.with_suffix(".sass_ctrl")  # Mosaic's own binary, with nvdisasm
+    loops = sass_loops(sass.read_text()) if sass.exists() else None
     reports[name] = dict(parse_ptxas(path.read_text()), loops=loops,
                          smem=parse_mosaic_smem(log.read_text()) if log.exists() else None)
   launches = {}
@@ -348,10 +352,10 @@ def main():
   args = parser.parse_args()
   # Before the CUDA plugin loads: its version probe wants a driver, which a
   # compile-only target does not need; Mosaic GPU then writes ptxas's report
-  # and the PTX.
+  # and (with nvdisasm) the SASS of the binary it built.
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"
-  os.environ["MOSAIC_GPU_DUMP_PTX"] = "1"
+  os.environ["MOSAIC_GPU_DUMP_SASS"] = "1"
   try:
     device = h200_device()
   except Exception as exc:  # pylint: disable=broad-except
