@@ -38,9 +38,11 @@ an SM, 8 cycles a warp instruction), and its local-memory loads and stores
 (spills) when there are any: `458 i / 1024 tc / 528 mufu`. A loop can keep
 the tensor cores busy only if its instructions and MUFU cycles fit in its
 tensor cycles (the two compute warpgroups share both); a static bound, not
-a timing. Code under a branch counts as if taken: the fused dK/dV loop
-holds a dQ product over 128 keys that each warpgroup runs every other step
-(at head_dim 128, 512 of its 1536 tensor cycles).
+a timing. Code under a branch counts as if taken; `min` is the count on
+the shortest way through an iteration, where it is shorter: the step loops
+of a listed plan (segment ids) mask a step under a branch, and the fused
+dK/dV loop holds a dQ product over 128 keys that each warpgroup runs every
+other step (at head_dim 128, 512 of its 1536 tensor cycles).
 
 Setup, once, in a venv of its own (the CUDA wheels take 4.4 GB; no driver
 or GPU is needed):
@@ -195,7 +197,7 @@ def sass_loops(sass: str) -> list[dict]:
   out-of-line barrier retries that follow the kernel's EXIT are not loops,
   and a loop that holds another such loop is not an inner one.
   """
-  labels, instructions = {}, []
+  labels, instructions, predicated = {}, [], []
   for line in sass.splitlines():
     label = re.match(r"^(\.L_x_\d+):", line.strip())
     if label:
@@ -204,6 +206,7 @@ def sass_loops(sass: str) -> list[dict]:
     inst = re.search(r"/\*[0-9a-f]{4,}\*/\s+(.*?)\s*;?\s*$", line)
     if inst:
       instructions.append(re.sub(r"^@!?U?P\w+\s+", "", inst.group(1)))
+      predicated.append(inst.group(1).startswith("@"))
   spans = []
   for end, inst in enumerate(instructions):
     target = re.search(r"BRA `\((\.L_x_\d+)\)", inst)
@@ -225,10 +228,29 @@ def sass_loops(sass: str) -> list[dict]:
         m, n, k = map(int, mma.group(1, 2, 3))
         tensor += m * n * k / TENSOR_MACS_PER_CYCLE.get(mma.group(4), 2048)
     loops.append(dict(
-        instructions=len(body), tensor_cycles=round(tensor),
+        instructions=len(body),
+        shortest=_shortest_path(instructions, predicated, labels, start, end),
+        tensor_cycles=round(tensor),
         mufu_cycles=MUFU_CYCLES * sum(i.startswith("MUFU") for i in body),
         local=sum(i.split()[0].split(".")[0] in ("LDL", "STL") for i in body)))
   return loops
+
+
+def _shortest_path(instructions, predicated, labels, start: int, end: int) -> int:
+  """Instructions on the shortest way through one iteration of the loop
+  [start, end]: a predicated branch forward inside the loop may be taken or
+  not (a step's mask under a branch, say); branches out of it (barrier
+  retries) are not taken."""
+  cost = {end + 1: 0}
+  for i in range(end, start - 1, -1):
+    target = re.search(r"BRA `\((\.L_x_\d+)\)", instructions[i])
+    to = labels.get(target.group(1)) if target and i < end else None
+    if to is not None and i < to <= end:
+      taken = cost[to]
+      cost[i] = 1 + (min(taken, cost[i + 1]) if predicated[i] else taken)
+    else:
+      cost[i] = 1 + cost[i + 1]
+  return cost[start]
 
 
 @functools.cache
@@ -315,7 +337,9 @@ def loops_label(loops: list[dict] | None) -> str:
   if loops is None:
     return "no nvdisasm"
   return "; ".join(
-      f"{loop['instructions']} i / {loop['tensor_cycles']} tc / {loop['mufu_cycles']} mufu"
+      f"{loop['instructions']} i"
+      + (f" (min {loop['shortest']})" if loop["shortest"] < loop["instructions"] else "")
+      + f" / {loop['tensor_cycles']} tc / {loop['mufu_cycles']} mufu"
       + (f" / {loop['local']} ldl+stl" if loop["local"] else "") for loop in loops)
 
 

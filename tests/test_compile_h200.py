@@ -52,8 +52,10 @@ SASS = """\
 .L_x_11:
         /*0030*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR16], RZ, !UPT ;
         /*0040*/                   HGMMA.64x64x16.F32.BF16 R88, gdesc[UR20], R88, gsb0 ;
+        /*0048*/               @P4 BRA `(.L_x_12) ;
         /*0050*/                   MUFU.EX2 R16, R20 ;
         /*0060*/                   LDL R18, [R1] ;
+.L_x_12:
         /*0070*/               @P2 BRA `(.L_x_10) ;
         /*0080*/                   HGMMA.64x64x8.F32.TF32 R88, gdesc[UR20], R88, gsb0 ;
         /*0090*/               @P3 BRA `(.L_x_5) ;
@@ -66,12 +68,14 @@ SASS = """\
 
 
 def test_sass_loops_finds_the_inner_wgmma_loop():
-  """One iteration of .L_x_10: 7 instructions; 64 + 32 tensor cycles; one
-  MUFU instruction; one local load. Not the outer loop, nor the retry."""
+  """One iteration of .L_x_10: 8 instructions, 6 when the branch to
+  .L_x_12 is taken (the retry branch out of the loop is not); 64 + 32
+  tensor cycles; one MUFU instruction; one local load. Not the outer loop,
+  nor the retry."""
   assert compile_h200.sass_loops(SASS) == [
-      dict(instructions=7, tensor_cycles=96, mufu_cycles=8, local=1)]
+      dict(instructions=8, shortest=6, tensor_cycles=96, mufu_cycles=8, local=1)]
   assert compile_h200.loops_label(compile_h200.sass_loops(SASS)) == (
-      "7 i / 96 tc / 8 mufu / 1 ldl+stl")
+      "8 i (min 6) / 96 tc / 8 mufu / 1 ldl+stl")
   assert compile_h200.loops_label(None) == "no nvdisasm"
 
 
