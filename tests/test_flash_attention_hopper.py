@@ -73,11 +73,45 @@ def test_scale_not_positive_matches_reference():
                            hopper.HopperBlocks(128, 64, 2, pingpong=False), -0.2)
 
 
+def documents(L: int, spans):
+  """Segment ids [1, L]: 0, then each span (id, start, end) in turn."""
+  ids = np.zeros((1, L), np.int32)
+  for segment, start, end in spans:
+    ids[:, start:end] = segment
+  return jnp.asarray(ids)
+
+
+# Packed documents 1 and 2 on both sides; keys 100:128 are padding, and the
+# queries of 256:320 and the keys of 256:300 are in documents the other side
+# lacks. On tiles of 64: tile pairs inside document 2 (no mask, without
+# causal), pairs of different documents (skipped), a key tile of document 2
+# and padding (masked), a warpgroup that passes the first step of its CTA,
+# and a CTA of each kernel that sees nothing (tests/test_block_sparse.py
+# lists the plans).
+DOCUMENTS_Q = [(1, 0, 64), (2, 64, 256), (5, 256, 320)]
+DOCUMENTS_KV = [(1, 0, 64), (2, 64, 256), (0, 100, 128), (3, 256, 300)]
+
+
+@pytest.mark.parametrize("causal,blocks", [
+    (True, hopper.HopperBlocks(64, 64, 2, pingpong=True)),
+    (False, hopper.HopperBlocks(64, 64, 2, pingpong=False)),
+])
+def test_block_sparse_plan_matches_reference(causal, blocks):
+  """Packed documents on tiles of 64: every kernel walks its listed plan
+  (tiles skipped, unmasked, masked; a CTA that sees nothing), GQA."""
+  _check_against_reference(1, 320, 320, 2, 1, 64, causal, "documents", jnp.float16,
+                           blocks, 0.125)
+
+
 def _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, scale):
   q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)
-  # The first 5 queries get id 9, which no key has: rows that see nothing.
-  q_seg = _segments(B, T, 0).at[:, :5].set(9) if segments else None
-  kv_seg = _segments(B, S, 1) if segments else None
+  if segments == "documents":
+    q_seg, kv_seg = documents(T, DOCUMENTS_Q), documents(S, DOCUMENTS_KV)
+  elif segments:
+    # The first 5 queries get id 9, which no key has: rows that see nothing.
+    q_seg, kv_seg = _segments(B, T, 0).at[:, :5].set(9), _segments(B, S, 1)
+  else:
+    q_seg = kv_seg = None
   interpret = jax.default_backend() != "gpu"
 
   def kernel(q, k, v):
@@ -101,7 +135,16 @@ def _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, 
     err = np.abs(a - np.asarray(b)).max() / max(np.abs(np.asarray(b)).max(), 1.0)
     assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
   if segments:  # queries that see no key: exactly zero output and gradient
-    assert not np.asarray(got[0][:, :5]).any() and not np.asarray(got[1][:, :5]).any()
+    empty = ~np.asarray(_sees_a_key(q_seg, kv_seg, causal))
+    assert not np.asarray(got[0])[empty].any() and not np.asarray(got[1])[empty].any()
+
+
+def _sees_a_key(q_seg, kv_seg, causal):
+  """[B, T]: whether each query sees any key."""
+  mask = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+  if causal:
+    mask &= jnp.tril(jnp.ones(mask.shape[1:], bool))
+  return mask.any(-1)
 
 
 @pytest.mark.parametrize("D,causal,segments,fused", [

@@ -31,6 +31,15 @@ heads, any lengths (padded to whole tiles, padded keys masked). The portable
 kernel (`flash_attention.py`) covers every other GPU, float32 and other head
 dims; `supports` says which applies.
 
+Which tiles a CTA streams is its plan (`_Plan`). Without segment ids it is
+computed in the kernel: every key tile, or those up to the diagonal when
+causal, the ones that need no mask apart. With segment ids it is a list
+`block_sparse.schedule` makes before the kernels run (block-sparse, as
+FlexAttention's block masks): tiles that share no segment with the CTA's
+tiles are not streamed at all, and tiles inside one segment (below the
+diagonal) run without the mask, so packed documents cost what their own
+attention costs.
+
 Cost, in tile matmuls per (query tile, key tile) pair: forward 2 (S, PV);
 backward 7 by default, since the dQ kernel recomputes S and dP that the
 dK/dV kernel also computes; by the FlashAttention convention (backward = 2.5
@@ -56,6 +65,7 @@ interpreting.
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from model.kernels import block_sparse
 from model.kernels import common
 
 _LOG2_E = math.log2(math.e)
@@ -368,7 +379,8 @@ def _arrivals(*refs) -> int:
 
 
 def _kv_tiles_seen(q_end, cfg: _Config):
-  """Key tiles a query tile ending (exclusive) at `q_end` sees."""
+  """Key tiles a query tile ending (exclusive) at `q_end` sees (no segment
+  ids)."""
   tiles = pl.cdiv(cfg.kv_len, cfg.blocks.block_k)
   if not cfg.causal:
     return jnp.int32(tiles)
@@ -377,13 +389,82 @@ def _kv_tiles_seen(q_end, cfg: _Config):
 
 
 def _kv_tiles_unmasked(q_start, cfg: _Config):
-  """Leading key tiles every row of the query tile at `q_start` sees whole."""
-  if cfg.segments:
-    return jnp.int32(0)
+  """Leading key tiles every row of the query tile at `q_start` sees whole
+  (no segment ids)."""
   whole = cfg.kv_len // cfg.blocks.block_k
   if not cfg.causal:
     return jnp.int32(whole)
   return jnp.minimum(lax.div(q_start + 1, cfg.blocks.block_k), whole)
+
+
+def _q_tiles(k_start, cfg: _Config):
+  """Query tiles of the dK/dV kernel for the key tile at `k_start` (no
+  segment ids): [first, full) need a mask, [full, end) see the whole key
+  tile."""
+  block_q = cfg.blocks.block_q_dkv
+  end = cfg.q_len // block_q
+  if not cfg.causal:
+    return jnp.int32(0), jnp.int32(0), end
+  first = jnp.minimum(lax.div(k_start, block_q), end)
+  full = jnp.minimum(lax.div(k_start + ROWS - 1 + block_q - 1, block_q), end)
+  return first, full, end
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """The steps of a CTA over its streamed tiles, as one warpgroup takes
+  them: the CTA streams `count` tiles, step n being tile `tile(n)`; this
+  warpgroup takes steps [first, last) and passes the others. `listed`: the
+  plan `block_sparse.schedule` made from segment ids, whose steps before
+  `split` are masked; without segment ids the forward and dQ kernels mask
+  their steps from `split` on, the dK/dV kernel those before it."""
+  first: jax.Array
+  split: jax.Array
+  last: jax.Array
+  count: jax.Array
+  tile: Callable[[jax.Array], jax.Array]
+  listed: bool
+
+
+def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
+  """The key tiles of the forward or dQ CTA whose query tiles start at
+  `cta_q`, as warpgroup `wg` takes them. Without segment ids: tiles 0, 1,
+  ... up to the diagonal when causal, the masked ones last. With them:
+  every step of the listed plan (which masks a step the warpgroup does not
+  need to nothing), since ptxas for sm_90a turns a pass loop before the
+  step loop into 120 register moves a step (zeroing the fresh S and dP
+  accumulators instead of wgmma's no-accumulate form; bench/compile_h200.py,
+  the dQ kernel)."""
+  cta = lax.div(cta_q, _COMPUTE_WGS * ROWS)
+  if plan_refs is not None:
+    tiles_ref, bounds_ref = plan_refs
+    b = lax.axis_index("b")
+    count = bounds_ref[b, cta, wg, 2]
+    return _Plan(jnp.int32(0), bounds_ref[b, cta, wg, 1], count, count,
+                 tile=lambda n: tiles_ref[b, cta, n], listed=True)
+  q_start = cta_q + wg * ROWS
+  return _Plan(first=jnp.int32(0), split=_kv_tiles_unmasked(q_start, cfg),
+               last=_kv_tiles_seen(q_start + ROWS, cfg),
+               count=_kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg), tile=lambda n: n,
+               listed=False)
+
+
+def _key_rows_plan(cta_k, wg, plan_refs, cfg: _Config) -> _Plan:
+  """The query tiles (of each query head) of the dK/dV CTA whose key tiles
+  start at `cta_k`, as warpgroup `wg` takes them, the masked ones first:
+  without segment ids, from the diagonal on when causal; with them, the
+  listed plan."""
+  if plan_refs is not None:
+    tiles_ref, bounds_ref = plan_refs
+    b, cta = lax.axis_index("b"), lax.div(cta_k, _COMPUTE_WGS * ROWS)
+    first, split, count = (bounds_ref[b, cta, wg, i] for i in range(3))
+    return _Plan(first, split, count, count, tile=lambda n: tiles_ref[b, cta, n],
+                 listed=True)
+  cta_first, _, end = _q_tiles(cta_k, cfg)
+  first, full, _ = _q_tiles(cta_k + wg * ROWS, cfg)
+  count = end - cta_first
+  return _Plan(first=first - cta_first, split=full - cta_first, last=count, count=count,
+               tile=lambda n: cta_first + n, listed=False)
 
 
 def _cta_q_start(cfg: _Config):
@@ -433,66 +514,83 @@ def _rows(vector, shape):
 
 
 def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, rings,
-               num_steps, cfg: _Config, ops: _Ops):
-  """The producer of `_query_tile_kernel`: K, V (and key segment ids) tiles
-  0 .. num_steps - 1 of this CTA's KV head, through one ring (full, free),
-  or K (and ids) through the first of two and V through the second."""
+               plan: _Plan, cfg: _Config, ops: _Ops):
+  """The producer of `_query_tile_kernel`: the K, V (and key segment ids)
+  tiles of the CTA's plan, of this CTA's KV head, through one ring (full,
+  free), or K (and ids) through the first of two and V through the
+  second."""
   _set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
 
-  def copies(j, slot, with_k: bool, with_v: bool):
-    keys = pl.ds(j * block_k, block_k)
+  def copies(n, slot, with_k: bool, with_v: bool):
+    keys = pl.ds(plan.tile(n) * block_k, block_k)
     pairs = [(k_ref.at[b, keys, kv_head], k_smem.at[slot]),
              (None if kv_seg_ref is None else kv_seg_ref.at[b, keys],
               None if kv_seg_smem is None else kv_seg_smem.at[slot])] if with_k else []
     return pairs + ([(v_ref.at[b, keys, kv_head], v_smem.at[slot])] if with_v else [])
 
   if len(rings) == 1:
-    issues = [lambda j, slot, barrier: _copy_in(copies(j, slot, True, True), barrier)]
+    issues = [lambda n, slot, barrier: _copy_in(copies(n, slot, True, True), barrier)]
   else:
-    issues = [lambda j, slot, barrier: _copy_in(copies(j, slot, True, False), barrier),
-              lambda j, slot, barrier: _copy_in(copies(j, slot, False, True), barrier)]
-  _produce(num_steps, cfg.blocks.stages, list(zip(rings, issues)))
+    issues = [lambda n, slot, barrier: _copy_in(copies(n, slot, True, False), barrier),
+              lambda n, slot, barrier: _copy_in(copies(n, slot, False, True), barrier)]
+  _produce(plan.count, cfg.blocks.stages, list(zip(rings, issues)))
 
 
-def _query_tile_kernel(compute, kv_stream, turn, per_step: int, cfg: _Config,
-                       ops: _Ops):
+def _query_tile_kernel(compute, kv_stream, plan_refs, turn, per_step: int,
+                       cfg: _Config, ops: _Ops):
   """The frame of the forward and dQ kernels. The producer warpgroup streams
   the K/V tiles that the CTA's query tiles see (`kv_stream`: the arguments of
-  `_stream_kv` before the step count); each compute warpgroup runs
-  `compute(q_start, cta_steps, turns)` on its own query tile, taking turns
-  on the tensor cores through the `turn` barriers, `per_step` a step."""
+  `_stream_kv` before the plan; `plan_refs`: the listed plan, or None); each
+  compute warpgroup runs `compute(q_start, plan, turns)` on its own query
+  tile, taking turns on the tensor cores through the `turn` barriers,
+  `per_step` a step."""
   wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
-  cta_steps = _kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    _stream_kv(*kv_stream, cta_steps, cfg, ops)
+    _stream_kv(*kv_stream, _query_rows_plan(cta_q, 0, plan_refs, cfg), cfg, ops)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
     turns = _Turns(turn, cfg.blocks.pingpong, per_step=per_step)
     turns.start()
-    compute(cta_q + wg * ROWS, cta_steps, turns)
+    compute(cta_q + wg * ROWS, _query_rows_plan(cta_q, wg, plan_refs, cfg), turns)
     turns.finish()
 
 
-def _over_kv_tiles(step, carry, q_start, cta_steps, rings, turns, cfg: _Config,
-                   first: int = 0, last=None):
-  """Runs `step(j, carry, masked=...)` over the key tiles [first, seen) the
-  query tile at `q_start` sees, those that need no mask first; then
-  `last(carry, seen)` if given; then passes the rest of the CTA's steps."""
-  unmasked = jnp.maximum(_kv_tiles_unmasked(q_start, cfg), first)
-  seen = _kv_tiles_seen(q_start + ROWS, cfg)
-  carry = _steps(first, unmasked, functools.partial(step, masked=False), carry)
-  carry = _steps(unmasked, seen, functools.partial(step, masked=True), carry)
+def _over_kv_tiles(step, carry, plan: _Plan, rings, turns, cfg: _Config,
+                   prologue=None, last=None):
+  """A compute warpgroup's steps over the key tiles of its plan, from step
+  0 (plan.first is 0): `carry = prologue()` if given (which takes step 0,
+  masked); `step(n, carry, masked=...)` over the rest of [0, plan.last),
+  in one loop for a listed plan (`masked` a traced flag), else in two (the
+  unmasked steps first); then `last(carry, plan.last)` if given; then
+  passes the rest of the CTA's steps."""
+  start = 0
+  if prologue is not None:
+    carry, start = prologue(), 1
+  if plan.listed:
+    carry = _steps(start, plan.last, lambda n, c: step(n, c, masked=n < plan.split), carry)
+  else:
+    split = jnp.maximum(plan.split, start)
+    carry = _steps(start, split, functools.partial(step, masked=False), carry)
+    carry = _steps(split, plan.last, functools.partial(step, masked=True), carry)
   if last is not None:
-    carry = last(carry, seen)
-  _pass(seen, cta_steps, cfg.blocks.stages, rings, turns)
+    carry = last(carry, plan.last)
+  _pass(plan.last, plan.count, cfg.blocks.stages, rings, turns)
   return carry
+
+
+def _masked_if(masked, mask, x):
+  """mask(x) if the step is masked: `masked` is a Python bool, or a traced
+  one (a listed plan's steps, in one loop)."""
+  if isinstance(masked, bool):
+    return mask(x) if masked else x
+  return lax.cond(masked, mask, lambda x: x, x)
 
 
 def _base2(s, cfg: _Config):
@@ -506,17 +604,17 @@ def _base2(s, cfg: _Config):
 
 def _key_segments(kv_seg_smem, slot, masked: bool, cfg: _Config, ops: _Ops):
   """The segment ids of the key tile in ring `slot`, as a vector along a
-  query tile's columns, if a masked step needs them; read before the slot
-  is freed."""
-  if not (masked and cfg.segments):
+  query tile's columns, if a step that may be masked needs them; read
+  before the slot is freed."""
+  if masked is False or not cfg.segments:
     return None
   return ops.load_vector(kv_seg_smem.at[slot], along=0)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
-                    q_smem, q_seg_smem, lse_smem, k_smem, v_smem, kv_seg_smem,
-                    q_full, k_full, k_free, v_full, v_free, turn, *, cfg: _Config,
-                    ops: _Ops):
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bounds_ref,
+                    o_ref, lse_ref, q_smem, q_seg_smem, lse_smem, k_smem, v_smem,
+                    kv_seg_smem, q_full, k_full, k_free, v_full, v_free, turn, *,
+                    cfg: _Config, ops: _Ops):
   """Forward: online softmax of two query tiles against streamed K/V tiles.
 
   Software-pipelined (FlashAttention-3's intra-warpgroup overlap): in one
@@ -531,7 +629,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
 
-  def compute(q_start, cta_steps, turns):
+  def compute(q_start, plan: _Plan, turns):
     q_tile = q_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     _copy_in([(q_ref.at[q_rows], q_tile),
@@ -540,13 +638,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
     plgpu.barrier_wait(q_full.at[wg])
     q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
 
-    def softmax(j, s, kv_seg, o, m, l, masked: bool):
-      """Online softmax of S_j (key segment ids `kv_seg`): o and l rescaled,
-      the new max, P_j (16-bit)."""
+    def softmax(n, s, kv_seg, o, m, l, masked: bool):
+      """Online softmax of step n's S (key segment ids `kv_seg`): o and l
+      rescaled, the new max, P (16-bit)."""
       s, factor = _base2(s, cfg)
-      if masked:
-        s = _mask(s, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
-                  q_seg=q_seg, kv_seg=kv_seg)
+      s = _masked_if(masked, lambda s: _mask(
+          s, q_start, plan.tile(n) * cfg.blocks.block_k, ops, cfg, transposed=False,
+          q_seg=q_seg, kv_seg=kv_seg), s)
       m_new = jnp.maximum(m, jnp.max(s, axis=1) * factor)  # base 2
       if cfg.segments:  # a row with no visible key yet keeps m = -inf
         m_new_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -557,9 +655,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       l = l * alpha + jnp.sum(p, axis=1)
       return o * _rows(alpha, o.shape), m_new, l, p.astype(q_tile.dtype)
 
-    def step(j, carry, masked: bool):
+    def step(n, carry, masked: bool):
       o, m, l, p = carry
-      slot, prev = lax.rem(j, stages), lax.rem(j - 1, stages)
+      slot, prev = lax.rem(n, stages), lax.rem(n - 1, stages)
       plgpu.barrier_wait(v_full.at[prev])
       plgpu.barrier_wait(k_full.at[slot])
       turns.take()
@@ -569,10 +667,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       kv_seg = _key_segments(kv_seg_smem, slot, masked, cfg, ops)
       plgpu.barrier_arrive(v_free.at[prev])
       plgpu.barrier_arrive(k_free.at[slot])
-      return softmax(j, s, kv_seg, o, m, l, masked)
+      return softmax(n, s, kv_seg, o, m, l, masked)
 
     def last(carry, seen):
-      """P V of the last tile seen."""
+      """P V of the last step taken."""
       o, m, l, p = carry
       slot = lax.rem(seen - 1, stages)
       plgpu.barrier_wait(v_full.at[slot])
@@ -582,21 +680,22 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
       plgpu.barrier_arrive(v_free.at[slot])
       return o, m, l, p
 
-    # Key tile 0, which every query tile sees: S_0 alone (masked, to be safe
-    # for every tile; one of many).
-    plgpu.barrier_wait(k_full.at[0])
-    turns.take()
-    s = ops.matmul(q_tile, k_smem.at[0], transpose_b=True)
-    turns.hand_over()
-    kv_seg = _key_segments(kv_seg_smem, 0, True, cfg, ops)
-    plgpu.barrier_arrive(k_free.at[0])
-    row_layout = plgpu.Layout.WGMMA.reduce(1)
-    carry = softmax(0, s, kv_seg, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
-                    ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
-                    ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout), masked=True)
-    o, m, l, _ = _over_kv_tiles(step, carry, q_start, cta_steps,
-                                [(k_full, k_free), (v_full, v_free)], turns, cfg,
-                                first=1, last=last)
+    def prologue():
+      """Step 0, which every warpgroup takes: S alone (masked, to be safe
+      for every tile; one of many)."""
+      plgpu.barrier_wait(k_full.at[0])
+      turns.take()
+      s = ops.matmul(q_tile, k_smem.at[0], transpose_b=True)
+      turns.hand_over()
+      kv_seg = _key_segments(kv_seg_smem, 0, True, cfg, ops)
+      plgpu.barrier_arrive(k_free.at[0])
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      return softmax(0, s, kv_seg, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
+                     ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
+                     ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout), masked=True)
+
+    o, m, l, _ = _over_kv_tiles(step, None, plan, [(k_full, k_free), (v_full, v_free)],
+                                turns, cfg, prologue=prologue, last=last)
 
     lse = m + jnp.log2(l)
     if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
@@ -612,18 +711,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
 
   # A turn a step, and one more: S_0 alone, then P V of the last tile alone.
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               [(k_full, k_free), (v_full, v_free)]), turn, 1, cfg, ops)
+                               [(k_full, k_free), (v_full, v_free)]),
+                     _plan_refs(tiles_ref, bounds_ref), turn, 1, cfg, ops)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-               kv_seg_ref, dq_ref, q_smem, do_smem, lse_smem, delta_smem,
-               q_seg_smem, k_smem, v_smem, kv_seg_smem, q_full, kv_full, kv_free,
-               turn, *, cfg: _Config, ops: _Ops):
+               kv_seg_ref, tiles_ref, bounds_ref, dq_ref, q_smem, do_smem, lse_smem,
+               delta_smem, q_seg_smem, k_smem, v_smem, kv_seg_smem, q_full, kv_full,
+               kv_free, turn, *, cfg: _Config, ops: _Ops):
   """Backward, dQ of two query tiles: recompute P from the lse per K/V tile."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
 
-  def compute(q_start, cta_steps, turns):
+  def compute(q_start, plan: _Plan, turns):
     q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
@@ -637,8 +737,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     delta = ops.load_vector(delta_smem.at[wg], along=1)
     q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
 
-    def step(j, dq, masked: bool):
-      slot = lax.rem(j, stages)
+    def step(n, dq, masked: bool):
+      slot = lax.rem(n, stages)
       plgpu.barrier_wait(kv_full.at[slot])
       turns.take()
       s, dp = ops.matmuls([[(q_tile, k_smem.at[slot], False, True)],
@@ -646,9 +746,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       turns.hand_over()
       s, factor = _base2(s, cfg)
       x = s * factor - _rows(lse, s.shape)  # masked after: one FFMA a score
-      if masked:
-        x = _mask(x, q_start, j * cfg.blocks.block_k, ops, cfg, transposed=False,
-                  q_seg=q_seg, kv_seg=_key_segments(kv_seg_smem, slot, True, cfg, ops))
+      kv_seg = _key_segments(kv_seg_smem, slot, masked, cfg, ops)
+      x = _masked_if(masked, lambda x: _mask(
+          x, q_start, plan.tile(n) * cfg.blocks.block_k, ops, cfg, transposed=False,
+          q_seg=q_seg, kv_seg=kv_seg), x)
       p = jnp.exp2(x)
       ds = p * (dp - _rows(delta, dp.shape))
       turns.take()
@@ -658,29 +759,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       plgpu.barrier_arrive(kv_free.at[slot])
       return dq
 
-    dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
-                        q_start, cta_steps, [(kv_full, kv_free)], turns, cfg)
+    dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)), plan,
+                        [(kv_full, kv_free)], turns, cfg)
     q_tile[...] = (dq * cfg.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
 
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               [(kv_full, kv_free)]), turn, 2, cfg, ops)
-
-
-def _q_tiles(k_start, cfg: _Config):
-  """Query tiles of the dK/dV kernel for the key tile at `k_start`:
-  [first, full) need a mask, [full, end) see the whole key tile."""
-  block_q = cfg.blocks.block_q_dkv
-  end = cfg.q_len // block_q
-  if not cfg.causal:
-    return jnp.int32(0), jnp.int32(end if cfg.segments else 0), end
-  first = jnp.minimum(lax.div(k_start, block_q), end)
-  if cfg.segments:
-    return first, jnp.int32(end), end
-  full = jnp.minimum(lax.div(k_start + ROWS - 1 + block_q - 1, block_q), end)
-  return first, full, end
+                               [(kv_full, kv_free)]), _plan_refs(tiles_ref, bounds_ref),
+                     turn, 2, cfg, ops)
 
 
 class _DqExchange:
@@ -754,8 +842,9 @@ class _DqExchange:
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                 kv_seg_ref, dq_acc_ref, dk_ref, dv_ref, k_smem, v_smem, kv_seg_smem,
-                 q_smem, do_smem, lse_smem, delta_smem, q_seg_smem, ds_smem, dq_smem,
+                 kv_seg_ref, tiles_ref, bounds_ref, dq_acc_ref, dk_ref, dv_ref, k_smem,
+                 v_smem, kv_seg_smem, q_smem, do_smem, lse_smem, delta_smem, q_seg_smem,
+                 ds_smem, dq_smem,
                  kv_full, q_full, q_free, ds_ready, ds_read, turn, *, cfg: _Config,
                  ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
@@ -765,23 +854,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
   cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
-  cta_first, _, end = _q_tiles(cta_k, cfg)
-  per_head = end - cta_first  # streamed tiles per query head
+  plan_refs = _plan_refs(tiles_ref, bounds_ref)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
     _set_registers(producer=True)
+    plan = _key_rows_plan(cta_k, 0, plan_refs, cfg)
 
-    def issue(j, slot, barrier):
-      head = kv_head * cfg.group + lax.div(j, per_head)
-      queries = pl.ds((cta_first + lax.rem(j, per_head)) * block_q, block_q)
+    def issue(t, slot, barrier):
+      head = kv_head * cfg.group + lax.div(t, plan.count)
+      queries = pl.ds(plan.tile(lax.rem(t, plan.count)) * block_q, block_q)
       _copy_in([(q_ref.at[b, queries, head], q_smem.at[slot]),
                 (do_ref.at[b, queries, head], do_smem.at[slot]),
                 (lse_ref.at[b, head, queries], lse_smem.at[slot]),
                 (delta_ref.at[b, head, queries], delta_smem.at[slot]),
                 (None if q_seg_ref is None else q_seg_ref.at[b, queries],
                  None if q_seg_smem is None else q_seg_smem.at[slot])], barrier)
-    _produce(cfg.group * per_head, stages, [((q_full, q_free), issue)])
+    _produce(cfg.group * plan.count, stages, [((q_full, q_free), issue)])
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
@@ -795,24 +884,26 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                None if kv_seg_smem is None else kv_seg_smem.at[wg])], kv_full.at[wg])
     plgpu.barrier_wait(kv_full.at[wg])
     kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
-    first, full, _ = _q_tiles(k_start, cfg)
+    plan = _key_rows_plan(cta_k, wg, plan_refs, cfg)
+    first, split, count = plan.first, plan.split, plan.count
     exchange = None
     if cfg.blocks.fused_dq:
       exchange = _DqExchange(ds_smem, dq_smem, k_smem, ds_ready, ds_read, ops)
-      if cfg.causal:
+      if cfg.causal or cfg.segments:
         # Both warpgroups take every tile the CTA streams (each dQ product
         # needs both dS), in one loop, every tile masked: with a masked and an
         # unmasked loop ptxas spilled 236 bytes at head_dim 128, with one none
         # (bench/compile_h200.py, before `_DqExchange`). The mask costs a
         # compare and a select per score, against five matmuls.
-        first, full = cta_first, end
+        first, split = jnp.int32(0), count
     turns = _Turns(turn, cfg.blocks.pingpong,
                    per_step=3 + (exchange.chunks if exchange else 0))
     turns.start()
 
-    def step(i, carry, g, masked: bool):
+    def step(n, carry, g, masked: bool):
       dk, dv = carry
-      t = g * per_head + i - cta_first  # the CTA's step
+      t = g * count + n  # the CTA's step
+      q_first = plan.tile(n) * block_q
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -824,7 +915,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       x_t = s_t * factor - lax.broadcast_in_dim(lse, s_t.shape, [1])  # masked after: FFMA
       if masked:
         q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
-        x_t = _mask(x_t, i * block_q, k_start, ops, cfg, transposed=True,
+        x_t = _mask(x_t, q_first, k_start, ops, cfg, transposed=True,
                     q_seg=q_seg, kv_seg=kv_seg)
       p_t = jnp.exp2(x_t)
       # dV first: P^T's registers are free before dP^T takes its own (with
@@ -842,20 +933,19 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       turns.hand_over()
       plgpu.barrier_arrive(q_free.at[slot])  # the dQ product reads no slot of the ring
       if exchange is not None:
-        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(i * block_q, block_q),
+        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(q_first, block_q),
                                       kv_head * cfg.group + g], turns)
       return dk, dv
 
-    def head(g, carry):
-      head_step0 = g * per_head
-      _pass(head_step0, head_step0 + first - cta_first, stages, [(q_full, q_free)], turns)
-      carry = _steps(first, full, functools.partial(step, g=g, masked=True), carry)
-      return _steps(full, end, functools.partial(step, g=g, masked=False), carry)
+    def head(g, carry):  # masked steps first, in either plan (`_key_rows_plan`)
+      _pass(g * count, g * count + first, stages, [(q_full, q_free)], turns)
+      carry = _steps(first, split, functools.partial(step, g=g, masked=True), carry)
+      return _steps(split, count, functools.partial(step, g=g, masked=False), carry)
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
     dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
     if exchange is not None:
-      exchange.finish(cfg.group * per_head)
+      exchange.finish(cfg.group * count)
     turns.finish()
     k_tile[...] = (dk * cfg.scale).astype(dtype)
     v_tile[...] = dv.astype(dtype)
@@ -882,6 +972,11 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
   return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
                    compiler_params=plgpu.CompilerParams(approx_math=True),
                    interpret=interpret, name=mesh.kernel_name)
+
+
+def _plan_refs(tiles_ref, bounds_ref):
+  """The listed plan's refs (segment ids given), or None."""
+  return None if tiles_ref is None else (tiles_ref, bounds_ref)
 
 
 def _turn_barriers(blocks: HopperBlocks):
@@ -989,6 +1084,32 @@ def _check_shared_memory(head_dim: int, dtype, blocks: HopperBlocks, segments: b
         "or a smaller block_k")
 
 
+def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
+  """The listed plan of the forward or dQ kernel (key tiles of `block_k`)
+  from the segment ids: (tiles [B, C, N], bounds [B, C, 2, 3]), or (None,
+  None) without segment ids."""
+  if not cfg.segments:
+    return None, None
+  visible, whole = block_sparse.pair_visibility(q_seg_BT, kv_seg_BS, ROWS, block_k,
+                                                cfg.causal)
+  B, tiles_q, tiles_k = visible.shape
+  shape = (B, tiles_q // _COMPUTE_WGS, _COMPUTE_WGS, tiles_k)
+  return block_sparse.schedule(visible.reshape(shape), whole.reshape(shape))
+
+
+def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
+  """The listed plan of the dK/dV kernel (query tiles of block_q_dkv), or
+  (None, None) without segment ids."""
+  if not cfg.segments:
+    return None, None
+  visible, whole = block_sparse.pair_visibility(q_seg_BT, kv_seg_BS,
+                                                cfg.blocks.block_q_dkv, ROWS, cfg.causal)
+  B, tiles_q, tiles_k = visible.shape
+  shape = (B, tiles_k // _COMPUTE_WGS, _COMPUTE_WGS, tiles_q)
+  return block_sparse.schedule(visible.transpose(0, 2, 1).reshape(shape),
+                               whole.transpose(0, 2, 1).reshape(shape))
+
+
 def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
   """(out [B, T, H, D], lse [B, H, T] base 2)."""
   B, T, H, D = q_BTHD.shape
@@ -997,7 +1118,9 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
               jax.ShapeDtypeStruct((B, H, T), jnp.float32))
   grid = (T // (_COMPUTE_WGS * ROWS), B, H)
   return _kernel("forward", _forward_kernel, out_type, scratch, grid,
-                 ("q", "b", "h"), cfg)(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
+                 ("q", "b", "h"), cfg)(
+                     q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS,
+                     *_query_plan(q_seg_BT, kv_seg_BS, cfg.blocks.block_k, cfg))
 
 
 def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
@@ -1009,13 +1132,16 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
                          do_BTHD.astype(jnp.float32))
   args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT, kv_seg_BS)
+  key_plan = _key_plan(q_seg_BT, kv_seg_BS, cfg)
   if cfg.blocks.fused_dq:
-    return _fused_backward(args, cfg)
+    return _fused_backward(args, key_plan, cfg)
+  dq_blocks = cfg.blocks.for_dq()
   dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
                _dq_scratch(D, dtype, cfg.blocks, cfg.segments),
                (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"),
-               dataclasses.replace(cfg, blocks=cfg.blocks.for_dq()))(*args)
-  dk, dv = _dkdv(args, cfg)(*args, None)
+               dataclasses.replace(cfg, blocks=dq_blocks))(
+                   *args, *_query_plan(q_seg_BT, kv_seg_BS, dq_blocks.block_k, cfg))
+  dk, dv = _dkdv(args, cfg)(*args, *key_plan, None)
   return dq, dk, dv
 
 
@@ -1029,14 +1155,14 @@ def _dkdv(args, cfg: _Config):
                  (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)
 
 
-@functools.partial(jax.jit, static_argnums=(1,))
-def _fused_backward(args, cfg: _Config):
+@functools.partial(jax.jit, static_argnums=(2,))
+def _fused_backward(args, key_plan, cfg: _Config):
   """(dq, dk, dv) from the dK/dV kernel alone, adding into a zeroed float32
   dQ (jitted: a Ref in global memory exists only inside `jit`)."""
   q_BTHD = args[0]
   dq_acc = jax.new_ref(jnp.zeros((_Ops(cfg.interpret).dq_slabs, *q_BTHD.shape),
                                  jnp.float32), memory_space=plgpu.GMEM)
-  dk, dv = _dkdv(args, cfg)(*args, dq_acc)
+  dk, dv = _dkdv(args, cfg)(*args, *key_plan, dq_acc)
   return (dq_acc[...].sum(0) * cfg.scale).astype(q_BTHD.dtype), dk, dv
 
 
