@@ -11,7 +11,7 @@ import pytest
 
 from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
-from tests.test_flash_attention_hopper import DOCUMENTS_KV, DOCUMENTS_Q, documents
+from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 
 
 def _config(causal: bool, q_len: int, block_q_dkv: int = 64):
@@ -124,10 +124,10 @@ def test_plan_of_one_document_is_the_static_plan(causal):
       assert sorted(tiles[c, :count].tolist()) == list(range(count))
       assert tiles[c, :masked].tolist() == list(range(count - masked, count))
       plans = [hopper._key_rows_plan(128 * c, v, None, static) for v in range(2)]
-      plan, count = plans[w], int(plans[w].count)
-      masked_for_either = max(int(p.split) for p in plans)
-      assert key_bounds[c, w].tolist() == [int(plan.first), masked_for_either, count]
-      assert key_tiles[c, :count].tolist() == [int(plan.tile(n)) for n in range(count)]
+      plan, count, start = plans[w], int(plans[w].count), int(plans[w].start)
+      masked_for_either = max(int(p.split) for p in plans) - start
+      assert key_bounds[c, w].tolist() == [int(plan.first) - start, masked_for_either, count]
+      assert key_tiles[c, :count].tolist() == [int(plan.tile(start + n)) for n in range(count)]
 
 
 def test_plan_of_the_packed_bench_row():

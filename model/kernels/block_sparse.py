@@ -86,3 +86,26 @@ def schedule(visible_BCWN, whole_BCWN):
   first = jnp.minimum(jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), N), count - 1)
   bounds = jnp.stack(jnp.broadcast_arrays(first, split, count), axis=-1)
   return tiles, lax.convert_element_type(bounds, jnp.int32)
+
+
+def plan_over_keys(q_seg_BT, kv_seg_BS, *, q_tile: int, k_tile: int, causal: bool,
+                   per_cta: int = 1):
+  """The plan of a kernel whose CTAs own `per_cta` query tiles of `q_tile`
+  rows each and stream key tiles of `k_tile` (forward, dQ): `schedule` of
+  [B, T / (q_tile * per_cta), per_cta, S / k_tile]."""
+  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal)
+  B, tiles_q, tiles_k = visible.shape
+  shape = (B, tiles_q // per_cta, per_cta, tiles_k)
+  return schedule(visible.reshape(shape), whole.reshape(shape))
+
+
+def plan_over_queries(q_seg_BT, kv_seg_BS, *, q_tile: int, k_tile: int, causal: bool,
+                      per_cta: int = 1):
+  """The plan of a kernel whose CTAs own `per_cta` key tiles of `k_tile`
+  each and stream query tiles of `q_tile` (dK/dV): `schedule` of
+  [B, S / (k_tile * per_cta), per_cta, T / q_tile]."""
+  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal)
+  B, tiles_q, tiles_k = visible.shape
+  shape = (B, tiles_k // per_cta, per_cta, tiles_q)
+  return schedule(visible.transpose(0, 2, 1).reshape(shape),
+                  whole.transpose(0, 2, 1).reshape(shape))

@@ -413,17 +413,19 @@ def _q_tiles(k_start, cfg: _Config):
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """The steps of a CTA over its streamed tiles, as one warpgroup takes
-  them: the CTA streams `count` tiles, step n being tile `tile(n)`; this
-  warpgroup takes steps [first, last) and passes the others. `listed`: the
-  plan `block_sparse.schedule` made from segment ids, whose steps before
-  `split` are masked; without segment ids the forward and dQ kernels mask
-  their steps from `split` on, the dK/dV kernel those before it."""
+  them: the CTA streams `count` tiles, steps start .. start + count - 1,
+  step n being tile `tile(n)`; this warpgroup takes steps [first, last) and
+  passes the others. `listed`: the plan `block_sparse.schedule` made from
+  segment ids, whose steps before `split` are masked; without segment ids
+  the forward and dQ kernels mask their steps from `split` on, the dK/dV
+  kernel those before it."""
   first: jax.Array
   split: jax.Array
   last: jax.Array
   count: jax.Array
   tile: Callable[[jax.Array], jax.Array]
   listed: bool
+  start: jax.Array | int = 0
 
 
 def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
@@ -462,9 +464,8 @@ def _key_rows_plan(cta_k, wg, plan_refs, cfg: _Config) -> _Plan:
                  listed=True)
   cta_first, _, end = _q_tiles(cta_k, cfg)
   first, full, _ = _q_tiles(cta_k + wg * ROWS, cfg)
-  count = end - cta_first
-  return _Plan(first=first - cta_first, split=full - cta_first, last=count, count=count,
-               tile=lambda n: cta_first + n, listed=False)
+  return _Plan(first=first, split=full, last=end, count=end - cta_first,
+               tile=lambda n: n, listed=False, start=cta_first)
 
 
 def _cta_q_start(cfg: _Config):
@@ -863,7 +864,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
     def issue(t, slot, barrier):
       head = kv_head * cfg.group + lax.div(t, plan.count)
-      queries = pl.ds(plan.tile(lax.rem(t, plan.count)) * block_q, block_q)
+      queries = pl.ds(plan.tile(plan.start + lax.rem(t, plan.count)) * block_q, block_q)
       _copy_in([(q_ref.at[b, queries, head], q_smem.at[slot]),
                 (do_ref.at[b, queries, head], do_smem.at[slot]),
                 (lse_ref.at[b, head, queries], lse_smem.at[slot]),
@@ -895,14 +896,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
         # unmasked loop ptxas spilled 236 bytes at head_dim 128, with one none
         # (bench/compile_h200.py, before `_DqExchange`). The mask costs a
         # compare and a select per score, against five matmuls.
-        first, split = jnp.int32(0), count
+        first, split = plan.start, plan.last
     turns = _Turns(turn, cfg.blocks.pingpong,
                    per_step=3 + (exchange.chunks if exchange else 0))
     turns.start()
 
     def step(n, carry, g, masked: bool):
       dk, dv = carry
-      t = g * count + n  # the CTA's step
+      t = g * count + n - plan.start  # the CTA's step
       q_first = plan.tile(n) * block_q
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(q_full.at[slot])
@@ -938,9 +939,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       return dk, dv
 
     def head(g, carry):  # masked steps first, in either plan (`_key_rows_plan`)
-      _pass(g * count, g * count + first, stages, [(q_full, q_free)], turns)
+      head_step0 = g * count
+      _pass(head_step0, head_step0 + first - plan.start, stages, [(q_full, q_free)], turns)
       carry = _steps(first, split, functools.partial(step, g=g, masked=True), carry)
-      return _steps(split, count, functools.partial(step, g=g, masked=False), carry)
+      return _steps(split, plan.last, functools.partial(step, g=g, masked=False), carry)
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
     dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
@@ -1090,11 +1092,8 @@ def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
   None) without segment ids."""
   if not cfg.segments:
     return None, None
-  visible, whole = block_sparse.pair_visibility(q_seg_BT, kv_seg_BS, ROWS, block_k,
-                                                cfg.causal)
-  B, tiles_q, tiles_k = visible.shape
-  shape = (B, tiles_q // _COMPUTE_WGS, _COMPUTE_WGS, tiles_k)
-  return block_sparse.schedule(visible.reshape(shape), whole.reshape(shape))
+  return block_sparse.plan_over_keys(q_seg_BT, kv_seg_BS, q_tile=ROWS, k_tile=block_k,
+                                     causal=cfg.causal, per_cta=_COMPUTE_WGS)
 
 
 def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
@@ -1102,12 +1101,8 @@ def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
   (None, None) without segment ids."""
   if not cfg.segments:
     return None, None
-  visible, whole = block_sparse.pair_visibility(q_seg_BT, kv_seg_BS,
-                                                cfg.blocks.block_q_dkv, ROWS, cfg.causal)
-  B, tiles_q, tiles_k = visible.shape
-  shape = (B, tiles_k // _COMPUTE_WGS, _COMPUTE_WGS, tiles_q)
-  return block_sparse.schedule(visible.transpose(0, 2, 1).reshape(shape),
-                               whole.transpose(0, 2, 1).reshape(shape))
+  return block_sparse.plan_over_queries(q_seg_BT, kv_seg_BS, q_tile=cfg.blocks.block_q_dkv,
+                                        k_tile=ROWS, causal=cfg.causal, per_cta=_COMPUTE_WGS)
 
 
 def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
