@@ -25,6 +25,7 @@ from jax import export
 from model.attention import attention
 from model.kernels.flash_attention import (BlockSizes, choose_block_sizes,
                                            flash_attention)
+from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
 
@@ -131,6 +132,21 @@ def test_default_blocks_head_dim_128():
                                  kv_seg=None)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
     _assert_close(a, b, jnp.bfloat16, name)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_sparse_plan_of_packed_documents(causal):
+  """The documents of tests/segments.py at a quarter of the scale, on tiles
+  of 16: tile pairs inside one document run unmasked, pairs of different
+  documents are skipped, and a key tile of one document and padding is
+  masked."""
+  quarter = lambda spans: [(i, start // 4, end // 4) for i, start, end in spans]
+  q, k, v, do = _inputs(4, 1, 80, 80, 2, 1, 16, jnp.float32)
+  got, want = _kernel_and_oracle(
+      q, k, v, do, causal=causal, q_seg=documents(80, quarter(DOCUMENTS_Q)),
+      kv_seg=documents(80, quarter(DOCUMENTS_KV)), block_q=16, block_k=16)
+  for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+    _assert_close(a, b, jnp.float32, name)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

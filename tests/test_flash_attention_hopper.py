@@ -20,6 +20,7 @@ import pytest
 from model.attention import attention
 from model.kernels import flash_attention_hopper as hopper
 from model.kernels.flash_attention import choose_lowering, flash_attention
+from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 from tests.test_flash_attention import _inputs
 
 TOLERANCE = {jnp.float16: 1e-2, jnp.bfloat16: 3e-2}
@@ -71,25 +72,6 @@ def test_scale_not_positive_matches_reference():
   the mask), in the forward and both backward kernels."""
   _check_against_reference(1, 130, 200, 2, 1, 64, True, True, jnp.float16,
                            hopper.HopperBlocks(128, 64, 2, pingpong=False), -0.2)
-
-
-def documents(L: int, spans):
-  """Segment ids [1, L]: 0, then each span (id, start, end) in turn."""
-  ids = np.zeros((1, L), np.int32)
-  for segment, start, end in spans:
-    ids[:, start:end] = segment
-  return jnp.asarray(ids)
-
-
-# Packed documents 1 and 2 on both sides; keys 100:128 are padding, and the
-# queries of 256:320 and the keys of 256:300 are in documents the other side
-# lacks. On tiles of 64: tile pairs inside document 2 (no mask, without
-# causal), pairs of different documents (skipped), a key tile of document 2
-# and padding (masked), a warpgroup that passes the first step of its CTA,
-# and a CTA of each kernel that sees nothing (tests/test_block_sparse.py
-# lists the plans).
-DOCUMENTS_Q = [(1, 0, 64), (2, 64, 256), (5, 256, 320)]
-DOCUMENTS_KV = [(1, 0, 64), (2, 64, 256), (0, 100, 128), (3, 256, 300)]
 
 
 @pytest.mark.parametrize("causal,blocks", [

@@ -23,7 +23,10 @@ the tiles above the diagonal skipped and the mask applied only on the tiles
 that cross it; segment ids (query i sees key j iff their ids are equal and
 the key's id is not 0, the padding id); keys past the true length when the
 sequence was padded up to a whole number of tiles. A query whose keys are all
-masked gets a zero output and zero gradients.
+masked gets a zero output and zero gradients. With segment ids each program
+visits the tiles of its block-sparse plan (`block_sparse.py`): tiles that
+share no segment are skipped, tiles inside one segment (below the diagonal)
+run without a mask.
 
 Grouped-query and multi-query attention (H query heads, K KV heads): query
 head h reads KV head h // (H // K) through the BlockSpec index map, and dK,
@@ -46,6 +49,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from model.kernels import block_sparse
 from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
 
@@ -179,11 +183,11 @@ def _dot(a, b, contract_a: int, contract_b: int):
 
 
 def _tile_mask(q_start, k_start, block_q: int, block_k: int, *, causal: bool,
-               kv_len: int | None, q_seg_T, kv_seg_S):
+               kv_len: int | None, segments):
   """Which (query, key) pairs of a tile may attend: [block_q, block_k] or None.
 
   `kv_len` is the true key length when the tile may hold padded keys, else
-  None; `q_seg_T`, `kv_seg_S` are the tile's segment ids or None.
+  None; `segments` is (query ids [block_q], key ids [block_k]) or None.
   """
   mask = None
   k_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
@@ -193,7 +197,8 @@ def _tile_mask(q_start, k_start, block_q: int, block_k: int, *, causal: bool,
   if kv_len is not None:
     in_range = jnp.broadcast_to(k_pos[None, :] < kv_len, (block_q, block_k))
     mask = in_range if mask is None else mask & in_range
-  if q_seg_T is not None:
+  if segments is not None:
+    q_seg_T, kv_seg_S = segments
     same = (q_seg_T[:, None] == kv_seg_S[None, :]) & (kv_seg_S[None, :] != 0)
     mask = same if mask is None else mask & same
   return mask
@@ -215,17 +220,31 @@ def _causal_kv_tiles(q_start, block_q: int, block_k: int, num_kv_tiles: int):
 
 
 def _loop_over_kv_tiles(tile, carry, *, causal: bool, q_start, block_q: int, block_k: int,
-                        num_kv_tiles: int):
-  """Runs `tile(j, carry, causal=...)` over the key tiles a query tile sees.
+                        num_kv_tiles: int, plan):
+  """Runs `tile(j, carry, masked=...)` over the key tiles a query tile sees.
 
-  Causal: the tiles below the diagonal without a mask, the tiles crossing it
-  with one, the rest skipped. Otherwise every tile, without a mask.
+  With segment ids, the tiles of its plan (`plan`: the refs of its key tile
+  list and bounds, see `_plan_args`), the masked ones first. Otherwise:
+  causal, the tiles below the diagonal without the mask, the tiles crossing
+  it with it, the rest skipped; not causal, every tile, without a mask.
   """
+  if plan is not None:
+    return _loop_over_plan(tile, carry, plan)
   if not causal:
-    return lax.fori_loop(0, num_kv_tiles, functools.partial(tile, causal=False), carry)
+    return lax.fori_loop(0, num_kv_tiles, functools.partial(tile, masked=False), carry)
   full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
-  carry = lax.fori_loop(0, full, functools.partial(tile, causal=False), carry)
-  return lax.fori_loop(full, visible, functools.partial(tile, causal=True), carry)
+  carry = lax.fori_loop(0, full, functools.partial(tile, masked=False), carry)
+  return lax.fori_loop(full, visible, functools.partial(tile, masked=True), carry)
+
+
+def _loop_over_plan(tile, carry, plan):
+  """`tile(j, carry, masked=...)` over the tiles of a listed plan
+  (`block_sparse.schedule`): steps [0, split) masked, [split, count) seen
+  whole."""
+  tiles_ref, bounds_ref = plan
+  split, count = bounds_ref[1], bounds_ref[2]
+  carry = lax.fori_loop(0, split, lambda n, c: tile(tiles_ref[n], c, masked=True), carry)
+  return lax.fori_loop(split, count, lambda n, c: tile(tiles_ref[n], c, masked=False), carry)
 
 
 def _causal_q_tiles(k_start, block_q: int, block_k: int, num_q_tiles: int):
@@ -237,8 +256,8 @@ def _causal_q_tiles(k_start, block_q: int, block_k: int, num_q_tiles: int):
   return first, full
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
-                    *, cfg: _Config):
+def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bounds_ref,
+                    o_ref, lse_ref, *, cfg: _Config):
   """Forward pass: the online softmax over the key tiles of one query tile."""
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
   num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
@@ -247,13 +266,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
   q_TD = q_ref[...]
   q_seg_T = None if q_seg_ref is None else q_seg_ref[...]
 
-  def tile(kv_tile, carry, causal):
+  def tile(kv_tile, carry, masked):
     o_TD, m_T, l_T = carry
     k_slice = pl.ds(kv_tile * block_k, block_k)
-    kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[k_slice]
+    segments = (q_seg_T, kv_seg_ref[k_slice]) if masked and q_seg_T is not None else None
     mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
-                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
-                      kv_seg_S=kv_seg_S)
+                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
     s_TS = _scores(q_TD, k_ref[k_slice, :], mask, cfg.scale)
     m_new_T = jnp.maximum(m_T, jnp.max(s_TS, axis=1))
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
@@ -270,7 +288,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
   carry = _loop_over_kv_tiles(tile, carry, causal=cfg.causal, q_start=q_start,
-                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles)
+                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
+                              plan=_plan(tiles_ref, bounds_ref))
   o_TD, m_T, l_T = carry
   empty_T = l_T == 0.0
   o_ref[...] = (o_TD / jnp.where(empty_T, 1.0, l_T)[:, None]).astype(o_ref.dtype)
@@ -279,7 +298,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref,
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                 kv_seg_ref, dk_ref, dv_ref, *, cfg: _Config):
+                 kv_seg_ref, tiles_ref, bounds_ref, dk_ref, dv_ref, *, cfg: _Config):
   """Backward, dK and dV of one key tile: loop over the query heads that share
   this KV head and over their query tiles, recomputing P from the lse."""
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
@@ -291,15 +310,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   v_SD = v_ref[...]
   kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[...]
 
-  def tile(q_tile, carry, head, causal):
+  def tile(q_tile, carry, head, masked):
     dk_SD, dv_SD = carry
     q_slice = pl.ds(q_tile * block_q, block_q)
     q_TD = q_ref[q_slice, head, :]
     do_TD = do_ref[q_slice, head, :]
-    q_seg_T = None if q_seg_ref is None else q_seg_ref[q_slice]
+    segments = (q_seg_ref[q_slice], kv_seg_S) if masked and kv_seg_S is not None else None
     mask = _tile_mask(q_tile * block_q, k_start, block_q, block_k,
-                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
-                      kv_seg_S=kv_seg_S)
+                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
     s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
     p_TS = jnp.exp2(s_TS - lse_ref[head, q_slice][:, None])
     dv_SD = dv_SD + _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
@@ -309,15 +327,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     return dk_SD, dv_SD
 
   def head_loop(head, carry):
+    if tiles_ref is not None:
+      return _loop_over_plan(functools.partial(tile, head=head), carry,
+                             (tiles_ref, bounds_ref))
     if cfg.causal:
       first, full = _causal_q_tiles(k_start, block_q, block_k, num_q_tiles)
       carry = lax.fori_loop(
-          first, full, functools.partial(tile, head=head, causal=True), carry)
+          first, full, functools.partial(tile, head=head, masked=True), carry)
       return lax.fori_loop(
-          full, num_q_tiles, functools.partial(tile, head=head, causal=False),
+          full, num_q_tiles, functools.partial(tile, head=head, masked=False),
           carry)
     return lax.fori_loop(
-        0, num_q_tiles, functools.partial(tile, head=head, causal=False), carry)
+        0, num_q_tiles, functools.partial(tile, head=head, masked=False), carry)
 
   zeros_SD = jnp.zeros(k_SD.shape, jnp.float32)
   dk_SD, dv_SD = lax.fori_loop(0, group, head_loop, (zeros_SD, zeros_SD))
@@ -326,7 +347,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-               kv_seg_ref, dq_ref, *, cfg: _Config):
+               kv_seg_ref, tiles_ref, bounds_ref, dq_ref, *, cfg: _Config):
   """Backward, dQ of one query tile: loop over the key tiles, recomputing P."""
   block_q, block_k = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
@@ -338,12 +359,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   delta_T = delta_ref[...]
   q_seg_T = None if q_seg_ref is None else q_seg_ref[...]
 
-  def tile(kv_tile, dq_TD, causal):
+  def tile(kv_tile, dq_TD, masked):
     k_slice = pl.ds(kv_tile * block_k, block_k)
-    kv_seg_S = None if kv_seg_ref is None else kv_seg_ref[k_slice]
+    segments = (q_seg_T, kv_seg_ref[k_slice]) if masked and q_seg_T is not None else None
     mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
-                      causal=causal, kv_len=kv_len, q_seg_T=q_seg_T,
-                      kv_seg_S=kv_seg_S)
+                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
     k_SD = k_ref[k_slice, :]
     s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
     p_TS = jnp.exp2(s_TS - lse_T[:, None])
@@ -353,8 +373,33 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
   dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
   dq_TD = _loop_over_kv_tiles(tile, dq_TD, causal=cfg.causal, q_start=q_start,
-                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles)
+                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
+                              plan=_plan(tiles_ref, bounds_ref))
   dq_ref[...] = (dq_TD * cfg.scale).astype(dq_ref.dtype)
+
+
+def _plan(tiles_ref, bounds_ref):
+  """A listed plan's refs (segment ids given), or None."""
+  return None if tiles_ref is None else (tiles_ref, bounds_ref)
+
+
+def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,
+               causal: bool):
+  """With segment ids, the block-sparse plan of a kernel
+  (`block_sparse.plan_over_keys` for the forward and dQ kernels, whose
+  programs own a query tile; `plan_over_queries` for dK/dV) and its
+  BlockSpecs, as (arrays, specs): tiles [B, P, N] (N padded to a power of
+  two for Triton) and bounds [B, P, 4] (first, split, count, 0) of the P
+  program tiles. Without them, (None, None) twice."""
+  if q_seg_BT is None:
+    return (None, None), (None, None)
+  make = block_sparse.plan_over_keys if over_keys else block_sparse.plan_over_queries
+  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal)
+  tiles = common.pad_to(tiles, 2, pl.next_power_of_2(tiles.shape[2]))
+  bounds = common.pad_to(bounds[:, :, 0], 2, 4)
+  specs = (pl.BlockSpec((None, None, tiles.shape[2]), lambda i, b, h: (b, i, 0)),
+           pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)))
+  return (tiles, bounds), specs
 
 
 def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
@@ -367,10 +412,13 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
                          lambda t, b, h: (b, 0, lax.div(h, group), 0))
   q_spec = pl.BlockSpec((None, block_q, None, D), lambda t, b, h: (b, t, h, 0))
   has_seg = q_seg_BT is not None
+  plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=True, q_tile=block_q,
+                                k_tile=cfg.blocks.block_k, causal=cfg.causal)
   in_specs = [
       q_spec, kv_spec, kv_spec,
       pl.BlockSpec((None, block_q), lambda t, b, h: (b, t)) if has_seg else None,
       pl.BlockSpec((None, S), lambda t, b, h: (b, 0)) if has_seg else None,
+      *plan_specs,
   ]
   return pl.pallas_call(
       functools.partial(_forward_kernel, cfg=cfg),
@@ -384,7 +432,7 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
                                        cfg.blocks.num_stages),
       interpret=cfg.interpret,
       name="flash_attention_forward",
-  )(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
+  )(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, *plan)
 
 
 def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
@@ -407,6 +455,8 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   group_row_spec = pl.BlockSpec((None, group, T), lambda s, b, g: (b, g, 0))
   kv_tile_spec = pl.BlockSpec((None, block_k, None, D),
                               lambda s, b, g: (b, s, g, 0))
+  plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=False,
+                                q_tile=blocks.block_q_dkv, k_tile=block_k, causal=cfg.causal)
   dk_BSKD, dv_BSKD = pl.pallas_call(
       functools.partial(_dkdv_kernel, cfg=cfg),
       grid=(S // block_k, B, K),
@@ -415,6 +465,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
           group_row_spec, group_row_spec,
           pl.BlockSpec((None, T), lambda s, b, g: (b, 0)) if has_seg else None,
           pl.BlockSpec((None, block_k), lambda s, b, g: (b, s)) if has_seg else None,
+          *plan_specs,
       ],
       out_specs=[kv_tile_spec, kv_tile_spec],
       out_shape=[jax.ShapeDtypeStruct(k_BSKD.shape, k_BSKD.dtype),
@@ -422,7 +473,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
       compiler_params=params,
       interpret=cfg.interpret,
       name="flash_attention_dkdv",
-  )(*args)
+  )(*args, *plan)
 
   # dQ: grid over (query tile, batch, query head).
   block_q = blocks.block_q_dq
@@ -431,6 +482,8 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   row_spec = pl.BlockSpec((None, None, block_q), lambda t, b, h: (b, h, t))
   kv_spec = pl.BlockSpec((None, S, None, D),
                          lambda t, b, h: (b, 0, lax.div(h, group), 0))
+  plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=True, q_tile=block_q,
+                                k_tile=blocks.block_k_dq, causal=cfg.causal)
   dq_BTHD = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(T // block_q, B, H),
@@ -438,13 +491,14 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
           q_tile_spec, kv_spec, kv_spec, q_tile_spec, row_spec, row_spec,
           pl.BlockSpec((None, block_q), lambda t, b, h: (b, t)) if has_seg else None,
           pl.BlockSpec((None, S), lambda t, b, h: (b, 0)) if has_seg else None,
+          *plan_specs,
       ],
       out_specs=q_tile_spec,
       out_shape=jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
       compiler_params=params,
       interpret=cfg.interpret,
       name="flash_attention_dq",
-  )(*args)
+  )(*args, *plan)
   return dq_BTHD, dk_BSKD, dv_BSKD
 
 
