@@ -27,10 +27,10 @@ Times are the median of timed repeats after warm-up, each ended by
 `block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
 FLOPs = 4 * B * S^2 * H * D, halved when causal; forward+backward = 3.5 x
 forward (a packed row counts them the same, as if it had one document: an
-effective rate, since `ours_mosaic` skips the tiles that share no document,
-`model.kernels.block_sparse`; in `gpt2-small-packed` the forward's CTAs
-stream 18 to 22 key tiles a batch row where causal alone needs 36, the
-dK/dV kernel's 34 to 42 query tiles where it needs 72).
+effective rate, since our kernels skip the tiles that share no document,
+`model.kernels.block_sparse`; in `gpt2-small-packed` the Mosaic GPU
+forward's CTAs stream 18 to 22 key tiles a batch row where causal alone
+needs 36, its dK/dV kernel's 34 to 42 query tiles where it needs 72).
 Memory, at S = 32k (B = 1, causal, fwd+bwd): the compiled program's
 arguments + outputs + temporaries (`memory_analysis`), and, where the device
 reports it, `peak_bytes_in_use` measured in a fresh process per competitor
