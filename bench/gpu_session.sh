@@ -45,7 +45,7 @@ git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
 
 if [ "$PART" = 1 ]; then
   # The compiled kernels against the reference (Mosaic GPU, then Triton).
-  stage tests_hopper 120 python3 -m pytest -q -x -p no:cacheprovider \
+  stage tests_hopper 140 python3 -m pytest -q -x -p no:cacheprovider \
     -m "slow or not slow" tests/test_flash_attention_hopper.py \
     tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
   stage tests_triton 100 python3 -m pytest -q -x -p no:cacheprovider \

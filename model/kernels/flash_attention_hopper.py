@@ -904,7 +904,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     def step(n, carry, g, masked: bool):
       dk, dv = carry
       t = g * count + n - plan.start  # the CTA's step
-      q_first = plan.tile(n) * block_q
       slot = lax.rem(t, stages)
       plgpu.barrier_wait(q_full.at[slot])
       q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
@@ -916,7 +915,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       x_t = s_t * factor - lax.broadcast_in_dim(lse, s_t.shape, [1])  # masked after: FFMA
       if masked:
         q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
-        x_t = _mask(x_t, q_first, k_start, ops, cfg, transposed=True,
+        x_t = _mask(x_t, plan.tile(n) * block_q, k_start, ops, cfg, transposed=True,
                     q_seg=q_seg, kv_seg=kv_seg)
       p_t = jnp.exp2(x_t)
       # dV first: P^T's registers are free before dP^T takes its own (with
@@ -934,7 +933,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       turns.hand_over()
       plgpu.barrier_arrive(q_free.at[slot])  # the dQ product reads no slot of the ring
       if exchange is not None:
-        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(q_first, block_q),
+        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(plan.tile(n) * block_q, block_q),
                                       kv_head * cfg.group + g], turns)
       return dk, dv
 
