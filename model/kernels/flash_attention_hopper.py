@@ -437,10 +437,9 @@ def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
   step loop into 120 register moves a step (zeroing the fresh S and dP
   accumulators instead of wgmma's no-accumulate form; bench/compile_h200.py,
   the dQ kernel)."""
-  cta = lax.div(cta_q, _COMPUTE_WGS * ROWS)
   if plan_refs is not None:
     tiles_ref, bounds_ref = plan_refs
-    b = lax.axis_index("b")
+    b, cta = lax.axis_index("b"), lax.div(cta_q, _COMPUTE_WGS * ROWS)
     count = bounds_ref[b, cta, wg, 2]
     return _Plan(jnp.int32(0), bounds_ref[b, cta, wg, 1], count, count,
                  tile=lambda n: tiles_ref[b, cta, n], listed=True)
