@@ -1,4 +1,5 @@
-"""What both FlashAttention kernels share: the custom VJP and tile padding.
+"""What both FlashAttention kernels share: the custom VJP, tile padding, the
+refs of a block-sparse plan.
 
 The lesson's backward pass recomputes the tiles from the saved log-sum-exp:
 the forward returns (out, lse) and keeps (q, k, v, segment ids, out, lse) as
@@ -30,6 +31,12 @@ def flash_vjp(forward, backward):
 
   flash.defvjp(flash_fwd, flash_bwd)
   return flash
+
+
+def plan_refs(tiles_ref, bounds_ref):
+  """A kernel's refs of its block-sparse plan (`block_sparse.schedule`: the
+  tile list and bounds, passed when segment ids are given), or None."""
+  return None if tiles_ref is None else (tiles_ref, bounds_ref)
 
 
 def pad_to(x, axis: int, size: int):

@@ -289,7 +289,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
            jnp.zeros((block_q,), jnp.float32))
   carry = _loop_over_kv_tiles(tile, carry, causal=cfg.causal, q_start=q_start,
                               block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
-                              plan=_plan(tiles_ref, bounds_ref))
+                              plan=common.plan_refs(tiles_ref, bounds_ref))
   o_TD, m_T, l_T = carry
   empty_T = l_T == 0.0
   o_ref[...] = (o_TD / jnp.where(empty_T, 1.0, l_T)[:, None]).astype(o_ref.dtype)
@@ -326,10 +326,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     dk_SD = dk_SD + _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
     return dk_SD, dv_SD
 
+  plan = common.plan_refs(tiles_ref, bounds_ref)
+
   def head_loop(head, carry):
-    if tiles_ref is not None:
-      return _loop_over_plan(functools.partial(tile, head=head), carry,
-                             (tiles_ref, bounds_ref))
+    if plan is not None:
+      return _loop_over_plan(functools.partial(tile, head=head), carry, plan)
     if cfg.causal:
       first, full = _causal_q_tiles(k_start, block_q, block_k, num_q_tiles)
       carry = lax.fori_loop(
@@ -374,13 +375,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
   dq_TD = _loop_over_kv_tiles(tile, dq_TD, causal=cfg.causal, q_start=q_start,
                               block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
-                              plan=_plan(tiles_ref, bounds_ref))
+                              plan=common.plan_refs(tiles_ref, bounds_ref))
   dq_ref[...] = (dq_TD * cfg.scale).astype(dq_ref.dtype)
-
-
-def _plan(tiles_ref, bounds_ref):
-  """A listed plan's refs (segment ids given), or None."""
-  return None if tiles_ref is None else (tiles_ref, bounds_ref)
 
 
 def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,

@@ -712,7 +712,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
   # A turn a step, and one more: S_0 alone, then P V of the last tile alone.
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
                                [(k_full, k_free), (v_full, v_free)]),
-                     _plan_refs(tiles_ref, bounds_ref), turn, 1, cfg, ops)
+                     common.plan_refs(tiles_ref, bounds_ref), turn, 1, cfg, ops)
 
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
@@ -767,7 +767,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     plgpu.wait_smem_to_gmem(0)
 
   _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               [(kv_full, kv_free)]), _plan_refs(tiles_ref, bounds_ref),
+                               [(kv_full, kv_free)]), common.plan_refs(tiles_ref, bounds_ref),
                      turn, 2, cfg, ops)
 
 
@@ -854,7 +854,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
   cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
-  plan_refs = _plan_refs(tiles_ref, bounds_ref)
+  plan_refs = common.plan_refs(tiles_ref, bounds_ref)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
@@ -972,11 +972,6 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
   return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
                    compiler_params=plgpu.CompilerParams(approx_math=True),
                    interpret=interpret, name=mesh.kernel_name)
-
-
-def _plan_refs(tiles_ref, bounds_ref):
-  """The listed plan's refs (segment ids given), or None."""
-  return None if tiles_ref is None else (tiles_ref, bounds_ref)
 
 
 def _turn_barriers(blocks: HopperBlocks):
