@@ -433,10 +433,10 @@ def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
   `cta_q`, as warpgroup `wg` takes them. Without segment ids: tiles 0, 1,
   ... up to the diagonal when causal, the masked ones last. With them:
   every step of the listed plan (which masks a step the warpgroup does not
-  need to nothing), since ptxas for sm_90a turns a pass loop before the
-  step loop into 120 register moves a step (zeroing the fresh S and dP
-  accumulators instead of wgmma's no-accumulate form; bench/compile_h200.py,
-  the dQ kernel)."""
+  need to nothing): with a pass loop before the step loop, ptxas for
+  sm_90a zeroed the fresh S and dP accumulators of the dQ step with some
+  120 register moves instead of wgmma's no-accumulate form (seen in the
+  SASS of that variant, which was not kept)."""
   if plan_refs is not None:
     tiles_ref, bounds_ref = plan_refs
     b, cta = lax.axis_index("b"), lax.div(cta_q, _COMPUTE_WGS * ROWS)
