@@ -23,7 +23,7 @@ each ended by `jax.block_until_ready`; the variants alternate step by step so
 that a noisy machine slows them alike. Both models start from the same
 parameters (same seed), so their first-step losses must agree.
 
-FLOPs per token follow BENCHMARKS.md (the PaLM appendix):
+FLOPs per token follow docs/benchmarks.md (the PaLM appendix):
 `model.accounting.flops_per_token` = 6 N + 12 L S d_attn, N the parameters
 without the position table. MFU = tokens/s x FLOPs per token / peak, the
 peak from `training.loop.peak_flops` (the `training/hardware.py` table or
