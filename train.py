@@ -1,7 +1,8 @@
-"""Train a model: python train.py --config configs/tiny.py --workdir runs/tiny
+"""Train a model: python train.py --config configs/tiny.py [--workdir runs/tiny]
 
-Any field can be overridden: --config.model.pos_emb=rope. Running the same
-command on the same workdir resumes from its newest checkpoint.
+Any field can be overridden: --config.model.pos_emb=rope. The workdir
+defaults to runs/<config file stem>. Running the same command on the same
+workdir resumes from its newest checkpoint.
 """
 import sys
 
@@ -13,8 +14,9 @@ from configs.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                           lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created or resumed).")
-flags.mark_flags_as_required(["config", "workdir"])
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created or resumed); "
+                               "default: runs/<config file stem>.")
+flags.mark_flags_as_required(["config"])
 
 
 def main(argv):
@@ -22,8 +24,13 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO.
   from training.loop import train  # pylint: disable=import-outside-toplevel
+  from training.workdir import default_workdir  # pylint: disable=import-outside-toplevel
+  workdir = _WORKDIR.value
+  if workdir is None:
+    workdir = default_workdir(flags.FLAGS["config"].config_filename)
+    print(f"workdir: {workdir} (no --workdir given)", flush=True)
   try:
-    train(_CONFIG.value, _WORKDIR.value)
+    train(_CONFIG.value, workdir)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

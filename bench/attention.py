@@ -1,6 +1,6 @@
 """Attention speed and memory: our Pallas kernel beside its competitors.
 
-The grid of BENCHMARKS.md (batch x seq = 16,384 tokens, heads x head_dim =
+The grid of docs/benchmarks.md (batch x seq = 16,384 tokens, heads x head_dim =
 2048, bfloat16, layout [B, S, H, D]; D 64 and 128; S 1k, 4k, 16k; causal on
 and off), a grouped-query case (32 query heads, 8 KV heads) and the GPT-2
 small training shape (batch 8, S 1024, 12 heads, D 64, causal), also packed

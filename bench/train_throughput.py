@@ -23,10 +23,10 @@ each ended by `jax.block_until_ready`; the variants alternate step by step so
 that a noisy machine slows them alike. Both models start from the same
 parameters (same seed), so their first-step losses must agree.
 
-FLOPs per token follow BENCHMARKS.md (the PaLM appendix):
+FLOPs per token follow docs/benchmarks.md (the PaLM appendix):
 `model.accounting.flops_per_token` = 6 N + 12 L S d_attn, N the parameters
 without the position table. MFU = tokens/s x FLOPs per token / peak, the
-peak from `training.loop.peak_flops` (device datasheet or
+peak from `training.loop.peak_flops` (the `training/hardware.py` table or
 train.peak_tflops), or `--peak_tflops`; none is known on a CPU ("n/a").
 
   python bench/train_throughput.py --config configs/tiny.py

@@ -80,7 +80,7 @@ def get_config() -> config_dict.ConfigDict:
   tr.b2 = 0.95  # Adam beta2
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
-  tr.seed = 0  # parameters, data order, dropout
+  tr.seed = 0  # parameter init, data order, MLM masking
   tr.log_every = 10  # steps between metric lines
   tr.eval_every = 200  # steps between validation passes
   tr.eval_steps = 10  # validation batches per pass

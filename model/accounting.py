@@ -21,7 +21,7 @@ the tests hold them equal. Both return the same dict:
 - `params_position_table`: the learned position tables alone.
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
-FLOPs follow the PaLM appendix convention of BENCHMARKS.md, and the memory
+FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
 estimate is documented at `activation_bytes_per_token`.
 """
 import math
@@ -165,7 +165,7 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
-  """Matmul FLOPs per token, the PaLM convention (BENCHMARKS.md's MFU).
+  """Matmul FLOPs per token, the PaLM convention (docs/benchmarks.md's MFU).
 
   Forward = 2 N + 4 L S d_attn, with N the parameters without the position
   tables, S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =

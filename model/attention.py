@@ -123,7 +123,7 @@ def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
 
   On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
   and no dense mask (cuDNN's fused flash attention, the fastest measured in
-  BENCHMARKS.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
+  docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
   chosen explicitly until `bench/attention.py` shows it ahead of cuDNN on the
   device at hand.
   """

@@ -72,7 +72,7 @@ def test_flops_per_token_palm_convention():
 
 
 def test_flops_reproduce_the_benchmark_mfu():
-  # BENCHMARKS.md: GPT-2 small at 254,700 tokens/s = 27.6% of 790 TFLOP/s,
+  # docs/benchmarks.md: GPT-2 small at 254,700 tokens/s = 27.6% of 790 TFLOP/s,
   # with N = parameters without the position table.
   m = gpt2_small.get_config().model
   flops = accounting.flops_per_token(m, 1024)

@@ -106,12 +106,21 @@ def test_user_data_needs_paths():
     validate(c)
 
 
-@pytest.mark.parametrize(
-    "path", sorted((pathlib.Path(__file__).parents[1] / "configs").glob("*.py")))
-def test_every_preset_is_valid(path):
-  if path.stem in ("__init__", "validation", "errors", "cli"):
-    return
-  validate(importlib.import_module(f"configs.{path.stem}").get_config())
+CONFIG_DIR = pathlib.Path(__file__).parents[1] / "configs"
+PRESETS = sorted(p.stem for p in CONFIG_DIR.glob("*.py") if "def get_config(" in p.read_text())
+
+
+def test_presets_are_found():
+  assert {"base", "tiny", "gpt2_small", "llama2_7b", "bert_mlm"} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_every_preset_is_valid_and_has_every_field(name):
+  config = importlib.import_module(f"configs.{name}").get_config()
+  validate(config)
+  defaults = base.get_config()
+  assert {s: set(config[s].keys()) for s in defaults} == {s: set(defaults[s].keys())
+                                                           for s in defaults}
 
 
 def test_saved_run_config_gets_new_fields_at_their_defaults(tmp_path):

@@ -16,6 +16,7 @@ import tokenizer as tokenizer_lib
 from data import sources
 from training import loop
 from training.checkpoint import Checkpointer
+from training.workdir import default_workdir
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -179,6 +180,27 @@ def test_bad_training_input_is_one_line(tok_dir, tmp_path, flags, fragments):
   c = small_config(tok_dir)
   result = _run(train_cmd(c, tmp_path / "run")[1:] + flags)
   _assert_one_line_error(result, *fragments)
+
+
+def test_workdir_defaults_to_runs_and_the_config_file_stem(tmp_path):
+  """`python train.py --config configs/gpt2_small.py` (no --workdir) runs in
+  runs/gpt2_small and says so; here it stops at an invalid override, before
+  anything is written, to stay fast."""
+  result = subprocess.run(
+      [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs/gpt2_small.py"),
+       "--config.train.num_steps=0"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+  assert result.stdout.splitlines()[0] == "workdir: runs/gpt2_small (no --workdir given)"
+  assert result.returncode == 2
+  assert result.stderr.strip() == ("error: config field train.num_steps=0: must be a positive "
+                                   "integer")
+  assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("config_path,workdir", [
+    ("configs/gpt2_small.py", "runs/gpt2_small"), ("/abs/dir/my.exp.py", "runs/my.exp"),
+    ("tiny.py:small", "runs/tiny")])
+def test_default_workdir(config_path, workdir):
+  assert default_workdir(config_path) == workdir
 
 
 def test_empty_data_is_one_line(tok_dir, tmp_path):

@@ -29,6 +29,7 @@ from configs.validation import validate
 from data import pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
+from training import hardware
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
 from training.metrics import MetricsWriter
@@ -36,21 +37,19 @@ from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
 from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
 
-# Dense bf16 peak per device, TFLOP/s (datasheets), for MFU.
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0, "A10": 125.0,
-               "TPU v4": 275.0, "TPU v5": 459.0, "TPU v5 lite": 197.0}
-
 
 def peak_flops(config) -> float | None:
-  """Peak FLOP/s of all devices together, or None when unknown (CPU)."""
+  """Peak FLOP/s of all devices together, or None when unknown (CPU, an unlisted kind).
+
+  `train.peak_tflops` per device when set, else the device kind's entry in
+  `training/hardware.py`.
+  """
   if config.train.peak_tflops > 0:
     per_device = config.train.peak_tflops
   else:
-    kind = jax.devices()[0].device_kind
-    matches = [v for k, v in PEAK_TFLOPS.items() if k in kind]
-    if not matches:
-      return None
-    per_device = matches[0]
+    per_device = hardware.peak_tflops(jax.devices()[0].device_kind)
+  if per_device is None:
+    return None
   return per_device * 1e12 * jax.device_count()
 
 

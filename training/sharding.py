@@ -16,9 +16,10 @@ every tensor shard holds all 4 heads). A mesh axis is used at most once per
 parameter: a second dimension mapped to the same axis is replicated. One
 device is the trivial 1x1x1 mesh, on which every spec is a no-op.
 
-The model is built sharded from the start (`create_sharded_model`): its
-initialiser runs under `jax.jit` with the parameter shardings as
-`out_shardings`, so the full parameters never sit on one device.
+The training loop creates its whole train state (parameters and optimizer
+moments) under `jax.jit` with these shardings as `out_shardings`
+(`training/loop.py`), so the full state never sits on one device.
+`create_sharded_model` does the same for a bare model (used by tests).
 """
 import jax
 import numpy as np

@@ -25,6 +25,12 @@ from training.optim import make_optimizer
 
 
 def init_state(params, tx, seed: int) -> dict:
+  """The train state: step, parameters, optimizer state, first bad step (-1: none).
+
+  `rng` (a key from `seed`) is read by nothing: the model has no dropout and
+  the data pipeline seeds itself. It stays because every checkpoint written
+  so far holds it and Orbax restores onto a target of the same tree.
+  """
   return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params),
           "bad_step": jnp.full((), -1, jnp.int32), "rng": jax.random.key_data(
               jax.random.key(seed))}

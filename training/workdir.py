@@ -22,6 +22,16 @@ CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
 
 
+def default_workdir(config_path: str) -> str:
+  """`runs/<config file stem>`, train.py's workdir when --workdir is not given.
+
+  `config_path` is the --config value: `configs/gpt2_small.py` (or
+  `configs/gpt2_small.py:arg`, a parameterised config) gives `runs/gpt2_small`.
+  """
+  filename = os.path.basename(config_path.split(":", 1)[0])
+  return os.path.join("runs", os.path.splitext(filename)[0])
+
+
 def config_to_dict(config: config_dict.ConfigDict) -> dict:
   return json.loads(config.to_json())
 

@@ -1,0 +1,96 @@
+"""The train step's claims: remat and gradient accumulation change the cost, not the result.
+
+Each step runs with plain SGD at learning rate 1, so that the change of the
+parameters is exactly minus the gradient the step computed.
+"""
+import functools
+import re
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from configs import base
+from model import build_model
+from training.steps import init_state, jit_eval_step, jit_train_step
+
+B, T = 8, 16
+
+
+def model_config():
+  m = base.get_config().model
+  m.update(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, d_ff=64,
+           max_len=T, pos_emb="rope", attention_impl="xla")
+  return m
+
+
+def next_token_batch() -> dict:
+  """Two documents per row; rows hold 16, 12, ... 2 targets (micro-batches differ)."""
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(1, 64, (B, T + 1)).astype(np.int32)
+  segment_ids = np.where(np.arange(T) < T // 2, 1, 2).astype(np.int32)[None].repeat(B, 0)
+  positions = (np.arange(T) % (T // 2)).astype(np.int32)[None].repeat(B, 0)
+  loss_mask = (np.arange(T)[None] < (T - 2 * np.arange(B))[:, None]).astype(np.float32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "loss_mask": loss_mask,
+          "segment_ids": segment_ids, "positions": positions}
+
+
+@functools.cache
+def sgd_step(*, remat: bool = False, accum_steps: int = 1):
+  """(loss, gradient, metrics) of one train step on `next_token_batch()` (computed once)."""
+  graphdef, params = nnx.split(build_model(model_config(), nnx.Rngs(0), remat=remat))
+  tx = optax.sgd(1.0)
+  before = jax.device_get(params)
+  step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", accum_steps)
+  state, metrics = step(init_state(params, tx, 0), next_token_batch())
+  gradient = jax.tree.map(lambda old, new: old - new, before, jax.device_get(state["params"]))
+  return float(metrics["loss"]), gradient, jax.device_get(metrics)
+
+
+def assert_trees_close(a, b, rtol, atol):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def test_remat_gives_the_same_loss_and_gradients():
+  loss, gradient, _ = sgd_step()
+  loss_remat, gradient_remat, _ = sgd_step(remat=True)
+  assert loss_remat == pytest.approx(loss, rel=1e-6)
+  assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
+  assert max(float(np.abs(g).max()) for g in jax.tree.leaves(gradient)) > 1e-3
+
+
+def test_remat_recomputes_in_the_backward_pass():
+  """The remat step's program holds one checkpointed block per layer; the plain one none."""
+  def checkpoints(remat):
+    graphdef, params = nnx.split(build_model(model_config(), nnx.Rngs(0), remat=remat))
+    tx = optax.sgd(1.0)
+    step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", 1)
+    program = str(jax.make_jaxpr(step)(init_state(params, tx, 0), next_token_batch()))
+    return len(re.findall(r"\b(?:checkpoint|remat2?)\[", program))
+  assert checkpoints(True) == model_config().num_layers
+  assert checkpoints(False) == 0
+
+
+@pytest.mark.parametrize("accum_steps", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_gradient_accumulation_equals_the_whole_batch_step(accum_steps):
+  loss, gradient, metrics = sgd_step()
+  loss_accum, gradient_accum, metrics_accum = sgd_step(accum_steps=accum_steps)
+  assert loss_accum == pytest.approx(loss, rel=1e-6)
+  assert_trees_close(gradient_accum, gradient, rtol=1e-5, atol=1e-7)
+  for key in ("targets", "accuracy", "grad_norm"):
+    assert float(metrics_accum[key]) == pytest.approx(float(metrics[key]), rel=1e-5)
+
+  # The mean of the micro-batches' mean losses is another number: the step
+  # must add sums, not average averages.
+  graphdef, params = nnx.split(build_model(model_config(), nnx.Rngs(0)))
+  eval_step = jit_eval_step(graphdef, "next_token")
+  batch = next_token_batch()
+  rows = B // accum_steps
+  micro_means = [float(s / c) for s, c, _ in (
+      eval_step(params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()})
+      for i in range(accum_steps))]
+  assert abs(np.mean(micro_means) - loss) > 1e-4

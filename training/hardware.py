@@ -1,0 +1,47 @@
+"""Peak dense bf16 matmul throughput per accelerator: the MFU denominator.
+
+Keyed by `jax.Device.device_kind` exactly as JAX reports it (for GPUs the
+CUDA device name, for TPUs "TPU v<generation>[ lite]"), never by substring:
+"TPU v5 lite" (v5e) is not "TPU v5" (v5p), and "NVIDIA L40S" is not
+"NVIDIA L4". A kind not in the table has no known peak, so no MFU is
+reported for it (set `train.peak_tflops` instead); a wrong denominator would
+be worse than none.
+
+Figures are per chip, dense (without 2:4 sparsity; NVIDIA's datasheets list
+the sparse figure, twice the dense one, with an asterisk). Sources:
+NVIDIA's product datasheets (A100, H100, H200, HGX B200, L4, L40S, A10) and
+Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e). The A10G
+exists only in AWS G5 instances and has no NVIDIA datasheet; its figure is
+the one commonly quoted for it (about half the A10's tensor throughput).
+"""
+
+PEAK_BF16_TFLOPS: dict[str, float] = {
+    # NVIDIA Ampere
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A10": 125.0,
+    "NVIDIA A10G": 70.0,
+    # NVIDIA Ada
+    "NVIDIA L4": 121.0,
+    "NVIDIA L40S": 362.0,
+    # NVIDIA Hopper
+    "NVIDIA H100 80GB HBM3": 989.0,  # SXM5
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.0,  # SXM
+    "NVIDIA H200 NVL": 835.0,
+    # NVIDIA Blackwell
+    "NVIDIA B200": 2250.0,
+    # Google TPU
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,  # v5e
+    "TPU v5": 459.0,  # v5p
+    "TPU v6 lite": 918.0,  # v6e (Trillium)
+}
+
+
+def peak_tflops(device_kind: str) -> float | None:
+  """Dense bf16 peak TFLOP/s of one device of `device_kind`, None when unknown."""
+  return PEAK_BF16_TFLOPS.get(device_kind)
