@@ -46,9 +46,10 @@ def get_config() -> config_dict.ConfigDict:
   t.path = ""  # an existing saved tokenizer (dir or .model); "" trains one
 
   d = c.data = config_dict.ConfigDict()
-  d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord
-  d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord
+  d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord | parquet
+  d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord | parquet
   d.jsonl_field = "text"  # the field of each JSONL record that holds the text
+  d.parquet_column = "text"  # the string column of the Parquet files that holds the text
   d.val_percent = 5  # percent of the documents held out for validation
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
   d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
