@@ -37,7 +37,7 @@ _SPACE_SYMBOL = "\u2581"
 _PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
 
 
-class SentencePieceTokenizer(base.Tokenizer):
+class SentencePieceTokenizer(base.TableTokenizer):
   """Step 1: a SentencePiece model behind the common interface."""
 
   def __init__(self, model_proto: bytes, source: str):
