@@ -17,8 +17,11 @@ from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normaliz
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 import tokenizer
+from configs import base as base_config
 from configs.errors import UserError
-from tokenizer import hf
+from data import corpora
+from tokenizer import bpe, export, hf
+from training import workdir
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -181,6 +184,19 @@ def test_our_special_ids(pairs, name, roles):
   assert ours.decode([ours.bos_id, ours.eos_id]) == ""
 
 
+@pytest.mark.parametrize("add_bos,add_eos", [(True, True), (False, True), (False, False)])
+def test_add_bos_eos_flags_are_ignored_as_transformers_does(hf_dirs, tmp_path, add_bos, add_eos):
+  """transformers 5 takes the template of tokenizer.json, whatever the config's flags say."""
+  config = json.loads((hf_dirs["llama2"] / hf.CONFIG_FILE).read_text())
+  config.update(add_bos_token=add_bos, add_eos_token=add_eos)
+  (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(config))
+  (tmp_path / hf.FILENAME).write_text((hf_dirs["llama2"] / hf.FILENAME).read_text())
+  reference, ours = AutoTokenizer.from_pretrained(tmp_path), tokenizer.load_tokenizer(tmp_path)
+  for text in CORPUS[:6]:
+    assert ours.encode_with_specials(text) == reference(text)["input_ids"]
+  assert ours.encode_with_specials("hi") == [ours.bos_id] + ours.encode("hi")
+
+
 def test_t5_extra_ids_are_special(pairs):
   reference, ours = pairs["t5"]
   text = "fill <extra_id_0> and <extra_id_2>"
@@ -215,3 +231,88 @@ def test_bad_hf_tokenizer_is_a_user_error(hf_dirs, tmp_path):
   (no_eos / hf.FILENAME).write_text((hf_dirs["gpt2"] / hf.FILENAME).read_text())
   with pytest.raises(UserError, match="no eos_token or sep_token; name one in"):
     tokenizer.load_tokenizer(no_eos / hf.FILENAME)
+
+
+# Our tokenizers exported: transformers loads them to our ids.
+
+OUR_KINDS = ("bpe", "spm_bpe", "spm_unigram")
+TRICKY = [
+    "",
+    "def f(x):\n    return x  # done\n\n\n",
+    "x² ⅻ ½ ① ٣ 42_000 __init__ a_b",  # No/Nl numbers, Arabic digit, underscores
+    "\x1c\x1d\x1e\x1f\x85 \u2028 \u3000 tabs\t\tand\r\n",  # spaces only Python calls spaces
+    "literal <pad> <bos> <eos> <mask> <unk> <0x41> specials",
+    "\u2581 SentencePiece's space symbol \u2581\u2581 in text",
+    "emoji 😀👍🏽 and a family 👨‍👩‍👧, combining e\u0301",
+    "   leading and trailing spaces   ",
+    "it's they'll we've I'm you're she'd 'S",
+]
+
+
+@fast
+@given(st.text())
+def test_exported_presplit_is_ours(text):
+  split = pre_tokenizers.Split(Regex(export.presplit_pattern()), behavior="isolated")
+  assert [piece for piece, _ in split.pre_tokenize_str(text)] == bpe.PRESPLIT.findall(text)
+
+
+@pytest.mark.parametrize("text", TRICKY)
+def test_exported_presplit_on_tricky_text(text):
+  split = pre_tokenizers.Split(Regex(export.presplit_pattern()), behavior="isolated")
+  assert [piece for piece, _ in split.pre_tokenize_str(text)] == bpe.PRESPLIT.findall(text)
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> dict:
+  """kind -> (ours, AutoTokenizer of its export)."""
+  texts = [text for _, text in corpora.pydoc_documents()[:15]] + TRICKY
+  result = {}
+  for kind in OUR_KINDS:
+    ours = tokenizer.train_tokenizer(kind, 400, texts)
+    out = tokenizer.export_hf(ours, tmp_path_factory.mktemp(kind) / "hf")
+    result[kind] = (ours, AutoTokenizer.from_pretrained(out))
+  return result
+
+
+@pytest.mark.parametrize("kind", OUR_KINDS)
+def test_export_loads_in_transformers_to_our_ids(exported, kind):
+  ours, reference = exported[kind]
+
+  @fast
+  @given(st.text())
+  def check(text):
+    assert reference(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+  check()
+  for text in TRICKY:
+    assert reference(text, add_special_tokens=False)["input_ids"] == ours.encode(text), text
+    assert reference(text)["input_ids"] == ours.encode_with_specials(text)
+    assert reference.decode(ours.encode(text), skip_special_tokens=True) == text
+  assert len(reference) == ours.vocab_size
+  for attribute in ("bos_token_id", "eos_token_id", "pad_token_id", "mask_token_id"):
+    assert getattr(reference, attribute) == getattr(ours, attribute.replace("_token", ""))
+
+
+@pytest.mark.parametrize("kind", OUR_KINDS)
+def test_export_loads_back_as_hf_kind(exported, kind, tmp_path):
+  ours, _ = exported[kind]
+  loaded = tokenizer.load_tokenizer(tokenizer.export_hf(ours, tmp_path))
+  assert loaded.kind == "hf"
+  assert [loaded.encode(t) for t in TRICKY] == [ours.encode(t) for t in TRICKY]
+  assert (loaded.bos_id, loaded.eos_id, loaded.pad_id, loaded.mask_id) == (
+      ours.bos_id, ours.eos_id, ours.pad_id, ours.mask_id)
+
+
+def test_export_refuses_what_it_cannot_write(pairs, tmp_path):
+  _, hf_kind = pairs["gpt2"]
+  with pytest.raises(UserError, match="a hf tokenizer cannot be exported"):
+    tokenizer.export_hf(hf_kind, tmp_path)
+
+
+def test_run_copies_an_hf_tokenizer_into_its_workdir(hf_dirs, pairs, tmp_path):
+  config = base_config.get_config()
+  config.tokenizer.path = str(hf_dirs["bert"])
+  tok = workdir.setup_tokenizer(config, str(tmp_path))
+  assert tok.kind == "hf" and tok.fingerprint == pairs["bert"][1].fingerprint
+  assert (tmp_path / workdir.TOKENIZER_DIR / hf.SUBDIR / hf.FILENAME).is_file()
+  assert workdir.setup_tokenizer(config, str(tmp_path)).fingerprint == tok.fingerprint

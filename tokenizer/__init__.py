@@ -16,10 +16,11 @@ from collections.abc import Iterable
 from configs.errors import UserError
 from tokenizer import bpe, hf, spm
 from tokenizer.base import MANIFEST, Tokenizer, check_fingerprint
+from tokenizer.export import export_hf
 
 KINDS = ("bpe", "spm_bpe", "spm_unigram")
 
-__all__ = ["KINDS", "Tokenizer", "check_fingerprint", "load_tokenizer",
+__all__ = ["KINDS", "Tokenizer", "check_fingerprint", "export_hf", "load_tokenizer",
            "train_tokenizer"]
 
 

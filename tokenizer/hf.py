@@ -8,13 +8,13 @@ BERT --, post-processor, decoder) and usually `tokenizer_config.json` and
 library, the reference implementation, runs the pipeline; nothing of it is
 rewritten here.
 
-Special tokens are added as `transformers` adds them:
+Special tokens are added as `transformers` (5.x) adds them:
 - each role token (bos, eos, unk, sep, pad, cls, mask), each extra special
   token and each entry of `added_tokens_decoder` becomes an added token if the
   file does not already have it;
-- when the config says `add_bos_token` or `add_eos_token` (or the file has no
-  post-processor) the template is `[bos] $A [eos]` per those flags; otherwise
-  the file's post-processor (Llama's BOS, BERT's [CLS]/[SEP], T5's </s>);
+- the file's post-processor adds them around the text (Llama's BOS, BERT's
+  [CLS]/[SEP], T5's </s>); `add_bos_token`/`add_eos_token` in the config are
+  ignored when there is a `tokenizer.json`, as `transformers` 5 ignores them;
 - `split_special_tokens` makes a special token's text in the input plain text.
 
 `encode` gives the ids without special tokens (`add_special_tokens=False`),
@@ -32,7 +32,6 @@ import json
 import pathlib
 
 import tokenizers
-from tokenizers import processors
 
 from configs.errors import UserError
 from tokenizer import base
@@ -77,11 +76,6 @@ class HFTokenizer(base.Tokenizer):
               for t in (config.get(key) or []) if _content(t)]
     _add_missing_specials(tok, [t for t in roles.values() if t] + extras,
                           config.get("added_tokens_decoder") or {})
-    add_bos = bool(config.get("add_bos_token")) and roles["bos_token"] is not None
-    add_eos = bool(config.get("add_eos_token")) and roles["eos_token"] is not None
-    if "add_bos_token" in config or "add_eos_token" in config or tok.post_processor is None:
-      tok.post_processor = _template(tok, roles["bos_token"] if add_bos else None,
-                                     roles["eos_token"] if add_eos else None)
     tok.encode_special_tokens = bool(config.get("split_special_tokens", False))
     self._tok = tok
     self._vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -96,8 +90,7 @@ class HFTokenizer(base.Tokenizer):
     mask = _first(ids, "mask_token", "unk_token")
     fingerprint = base.fingerprint_of({
         "kind": self.kind, "tokenizer": json.loads(tokenizer_json),
-        "roles": roles, "extras": extras, "add_bos": add_bos, "add_eos": add_eos,
-        "split_special_tokens": tok.encode_special_tokens})
+        "roles": roles, "extras": extras, "split_special_tokens": tok.encode_special_tokens})
     super().__init__(pad_id=pad, bos_id=pad if bos is None else bos, eos_id=eos,
                      mask_id=pad if mask is None else mask, fingerprint=fingerprint)
 
@@ -151,17 +144,6 @@ def _add_missing_specials(tok: tokenizers.Tokenizer, specials: list[str],
   if missing:
     tok.add_special_tokens([tokenizers.AddedToken(t, special=True, normalized=False)
                             for t in missing])
-
-
-def _template(tok: tokenizers.Tokenizer, bos: str | None,
-              eos: str | None) -> processors.TemplateProcessing:
-  """transformers' `[bos] $A [eos]` post-processor, each special if given."""
-  single = " ".join([f"{bos}:0"] * (bos is not None) + ["$A:0"] + [f"{eos}:0"] * (eos is not None))
-  pair = single + " " + " ".join(
-      [f"{bos}:1"] * (bos is not None) + ["$B:1"] + [f"{eos}:1"] * (eos is not None))
-  specials = [(t, tok.token_to_id(t)) for t in (bos, eos) if t is not None]
-  return processors.TemplateProcessing(single=single, pair=pair,
-                                       special_tokens=list(dict.fromkeys(specials)))
 
 
 def read_config(directory: pathlib.Path) -> dict:

@@ -85,6 +85,11 @@ class SentencePieceTokenizer(base.TableTokenizer):
                      eos_id=processor.eos_id(), mask_id=mask_id,
                      fingerprint=fingerprint)
 
+  @property
+  def model_proto(self) -> bytes:
+    """The serialized SentencePiece model."""
+    return self._model_proto
+
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; a literal U+2581 becomes its three byte pieces."""
     text = base.replace_surrogates(text)
