@@ -10,6 +10,7 @@ metaspace and </s>), saved with `transformers`, and loaded both by
 import json
 
 import pytest
+import sentencepiece
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import (AddedToken, Regex, Tokenizer, decoders, models, normalizers,
@@ -316,3 +317,28 @@ def test_run_copies_an_hf_tokenizer_into_its_workdir(hf_dirs, pairs, tmp_path):
   assert tok.kind == "hf" and tok.fingerprint == pairs["bert"][1].fingerprint
   assert (tmp_path / workdir.TOKENIZER_DIR / hf.SUBDIR / hf.FILENAME).is_file()
   assert workdir.setup_tokenizer(config, str(tmp_path)).fingerprint == tok.fingerprint
+
+
+def test_export_refuses_a_foreign_sentencepiece_model(tmp_path):
+  """SentencePiece's defaults (NFKC, dummy prefix) are not what export_hf writes."""
+  corpus = tmp_path / "corpus.txt"
+  corpus.write_text("\n".join(CORPUS), encoding="utf-8")
+  sentencepiece.SentencePieceTrainer.train(
+      input=str(corpus), model_prefix=str(tmp_path / "foreign"), vocab_size=100,
+      model_type="unigram", minloglevel=2)
+  foreign = tokenizer.load_tokenizer(tmp_path / "foreign.model")
+  with pytest.raises(UserError, match="only SentencePiece models trained here"):
+    tokenizer.export_hf(foreign, tmp_path / "hf")
+  assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", OUR_KINDS)
+def test_export_matches_on_real_documents(kind, tmp_path):
+  """A 3000-id vocabulary of each kind; 250 held-out prose and code documents."""
+  prose = [text for _, text in corpora.pydoc_documents()]
+  code = [text for _, text in corpora.embedded_documents("stdlib")[:100]]
+  ours = tokenizer.train_tokenizer(kind, 3000, prose[:200] + code[:50])
+  reference = AutoTokenizer.from_pretrained(tokenizer.export_hf(ours, tmp_path))
+  for text in prose[200:400] + code[50:100]:
+    assert reference(text, add_special_tokens=False)["input_ids"] == ours.encode(text)

@@ -14,7 +14,8 @@ their text in the input is plain text (`split_special_tokens`), as in ours.
   written out with explicit character classes computed from Python's own
   Unicode tables (`presplit_pattern`). Hugging Face's BPE applies the
   lowest-ranked merge present, ours the next one in learned order; the two
-  agree except where two merges produce the same token (see `bpe.train_bpe`).
+  can differ only where two merges produce the same token (see
+  `bpe.train_bpe`), which a merge list learned by `train_bpe` rarely has.
 - `spm_bpe` / `spm_unigram`: the pieces with their scores (a BPE model whose
   merges follow the scores, or a Unigram model), byte fallback, and spaces
   written as spaces in the pieces, so that a literal U+2581 in the text stays
@@ -173,8 +174,7 @@ def _spm_tokenizer(tok: spm.SentencePieceTokenizer) -> tuple[tokenizers.Tokenize
   if tok.kind == "spm_unigram":
     vocab = [(piece, p.score if is_normal else SPECIAL_SCORE)
              for piece, p, is_normal in zip(pieces, proto.pieces, normal)]
-    model = models.Unigram(vocab, unk_id=_unk_id(proto),
-                           byte_fallback=True)
+    model = models.Unigram(vocab, unk_id=_unk_id(proto), byte_fallback=True)
   else:
     model = models.BPE({piece: i for i, piece in enumerate(pieces)},
                        _merges_by_score(pieces, proto, normal), byte_fallback=True,
@@ -199,7 +199,7 @@ def _merges_by_score(pieces: list[str], proto, normal: list[bool]) -> list[tuple
   piece of the highest score first (SentencePiece merges that pair first)."""
   ids = {piece: i for i, piece in enumerate(pieces) if normal[i]}
   merges = []
-  for i in sorted((i for i in ids.values()), key=lambda i: (-proto.pieces[i].score, i)):
+  for i in sorted(ids.values(), key=lambda i: (-proto.pieces[i].score, i)):
     piece = pieces[i]
     for k in range(1, len(piece)):
       if piece[:k] in ids and piece[k:] in ids:
