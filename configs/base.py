@@ -43,7 +43,7 @@ def get_config() -> config_dict.ConfigDict:
   t = c.tokenizer = config_dict.ConfigDict()
   t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)
   t.vocab_size = 1024  # vocabulary including the special tokens
-  t.path = ""  # an existing saved tokenizer (dir or .model); "" trains one
+  t.path = ""  # a saved tokenizer (dir or .model) or a Hugging Face tokenizer dir; "" trains one
 
   d = c.data = config_dict.ConfigDict()
   d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord | parquet

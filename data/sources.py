@@ -141,9 +141,10 @@ def _parquet_documents(path: str, column: str) -> list[Document]:
   if column not in schema.names:
     raise UserError(f"{path}: no column {column!r} (has {schema.names}); set "
                     "data.parquet_column to the column that holds the text")
-  if not (pa.types.is_string(schema.field(column).type)
-          or pa.types.is_large_string(schema.field(column).type)):
-    raise UserError(f"{path}: column {column!r} is {schema.field(column).type}, not text; "
+  kind = schema.field(column).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+          or pa.types.is_string_view(kind) or pa.types.is_null(kind)):  # null: no value at all
+    raise UserError(f"{path}: column {column!r} is {kind}, not text; "
                     "set data.parquet_column to a string column")
   docs = []
   row = 0

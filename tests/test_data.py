@@ -386,6 +386,7 @@ def test_parquet_column_shards_and_row_groups(tmp_path):
   write_parquet(tmp_path / "train-00000-of-00002.parquet",
                 {"id": [0, 1, 2], "body": ["first ✓", None, "third"]})
   write_parquet(tmp_path / "train-00001-of-00002.parquet", {"id": [3], "body": ["fourth"]})
+  write_parquet(tmp_path / "train-empty.parquet", {"id": [], "body": []})  # body: null type
   data_config = make_config(tmp_path, source="parquet", paths=str(tmp_path / "train-*.parquet"),
                             parquet_column="body").data
   first, second = (str(tmp_path / f"train-0000{i}-of-00002.parquet") for i in range(2))

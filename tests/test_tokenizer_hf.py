@@ -342,3 +342,20 @@ def test_export_matches_on_real_documents(kind, tmp_path):
   reference = AutoTokenizer.from_pretrained(tokenizer.export_hf(ours, tmp_path))
   for text in prose[200:400] + code[50:100]:
     assert reference(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
+def test_export_command(exported, tmp_path, capsys):
+  ours, _ = exported["bpe"]
+  ours.save(tmp_path / "tok")
+  export.main([str(tmp_path / "tok"), "--out", str(tmp_path / "hf")])
+  assert "as a Hugging Face tokenizer" in capsys.readouterr().out
+  reference = AutoTokenizer.from_pretrained(tmp_path / "hf")
+  assert reference(CORPUS[1])["input_ids"] == ours.encode_with_specials(CORPUS[1])
+  for argv in ([str(tmp_path / "tok"), "--out", str(tmp_path / "hf")],
+               [str(tmp_path / "absent"), "--out", str(tmp_path / "hf2")]):
+    with pytest.raises(SystemExit) as exit_info:
+      export.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+  assert not (tmp_path / "hf2").exists()

@@ -1,5 +1,7 @@
 """Step 1, handing a tokenizer on: our kinds written as a Hugging Face directory.
 
+  python -m tokenizer.export runs/tiny/tokenizer --out runs/tiny_hf_tokenizer
+
 `export_hf(tok, out_dir)` writes `tokenizer.json`, `tokenizer_config.json` and
 `special_tokens_map.json`, which `transformers.AutoTokenizer.from_pretrained`
 loads (class `PreTrainedTokenizerFast`) to the ids of our encoder:
@@ -24,16 +26,19 @@ their text in the input is plain text (`split_special_tokens`), as in ours.
   Only models with our training settings (identity normalisation, no dummy
   prefix, extra spaces kept, byte fallback) export; others are refused.
 """
+import argparse
 import functools
 import json
 import pathlib
 import sys
+from collections.abc import Sequence
 
 import tokenizers
 from sentencepiece import sentencepiece_model_pb2
 from tokenizers import decoders, models, pre_tokenizers, processors
 
 from configs.errors import UserError
+import tokenizer
 from tokenizer import base, bpe, spm
 
 SPECIAL_SCORE = -1e6
@@ -205,3 +210,29 @@ def _merges_by_score(pieces: list[str], proto, normal: list[bool]) -> list[tuple
       if piece[:k] in ids and piece[k:] in ids:
         merges.append((piece[:k], piece[k:]))
   return merges
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """`python -m tokenizer.export TOKENIZER --out DIR`; a user mistake exits 2."""
+  parser = argparse.ArgumentParser(
+      prog="python -m tokenizer.export",
+      description="Write a saved tokenizer as a Hugging Face tokenizer directory.")
+  parser.add_argument("tokenizer", type=pathlib.Path,
+                      help="a saved tokenizer (a run's tokenizer/ directory)")
+  parser.add_argument("--out", required=True, type=pathlib.Path,
+                      help="directory to create with tokenizer.json and its configs")
+  args = parser.parse_args(argv)
+  try:
+    if args.out.exists():
+      raise UserError(f"--out {args.out} already exists; choose a new directory")
+    tok = tokenizer.load_tokenizer(args.tokenizer)
+    export_hf(tok, args.out)
+  except UserError as e:
+    print(f"error: {e}".replace("\n", " "), file=sys.stderr)
+    sys.exit(2)
+  print(f"wrote {tok.kind} tokenizer {tok.fingerprint[:12]} ({tok.vocab_size} ids) "
+        f"as a Hugging Face tokenizer to {args.out}")
+
+
+if __name__ == "__main__":
+  main()
