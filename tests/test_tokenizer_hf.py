@@ -64,6 +64,16 @@ def llama3_like() -> tuple[Tokenizer, dict]:
   return tok, {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
 
 
+def qwen2_like() -> tuple[Tokenizer, dict]:
+  """Byte-level BPE after NFC and a split regex; no BOS at all (bos_token null)."""
+  tok, _ = llama3_like()
+  tok.normalizer = normalizers.NFC()
+  tok.post_processor = processors.ByteLevel(trim_offsets=False)
+  tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+  return tok, {"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>",
+               "extra_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+
+
 def llama2_like() -> tuple[Tokenizer, dict]:
   """SentencePiece BPE as converted by transformers: byte fallback, metaspace."""
   specials = ["<unk>", "<s>", "</s>"]
@@ -119,7 +129,7 @@ def t5_like() -> tuple[Tokenizer, dict]:
                "extra_special_tokens": extras}
 
 
-BUILDERS = {"gpt2": gpt2_like, "llama3": llama3_like, "llama2": llama2_like,
+BUILDERS = {"gpt2": gpt2_like, "llama3": llama3_like, "qwen2": qwen2_like, "llama2": llama2_like,
             "bert": bert_like, "t5": t5_like}
 
 
@@ -162,7 +172,8 @@ def test_loaded_tokenizer_gives_transformers_ids(pairs, name):
 
 
 @pytest.mark.parametrize("name,first,last", [
-    ("gpt2", [], []), ("llama3", ["<|begin_of_text|>"], []), ("llama2", ["<s>"], []),
+    ("gpt2", [], []), ("llama3", ["<|begin_of_text|>"], []), ("qwen2", [], []),
+    ("llama2", ["<s>"], []),
     ("bert", ["[CLS]"], ["[SEP]"]), ("t5", [], ["</s>"])])
 def test_special_tokens_as_transformers_adds_them(pairs, name, first, last):
   reference, ours = pairs[name]
@@ -174,6 +185,8 @@ def test_special_tokens_as_transformers_adds_them(pairs, name, first, last):
 @pytest.mark.parametrize("name,roles", [
     ("gpt2", {"bos_id": "<|endoftext|>", "eos_id": "<|endoftext|>", "pad_id": "<|endoftext|>",
               "mask_id": "<|endoftext|>"}),
+    ("qwen2", {"bos_id": "<|endoftext|>", "eos_id": "<|endoftext|>", "pad_id": "<|endoftext|>",
+               "mask_id": "<|endoftext|>"}),
     ("llama2", {"bos_id": "<s>", "eos_id": "</s>", "pad_id": "</s>", "mask_id": "<unk>"}),
     ("bert", {"bos_id": "[CLS]", "eos_id": "[SEP]", "pad_id": "[PAD]", "mask_id": "[MASK]"}),
     ("t5", {"bos_id": "<pad>", "eos_id": "</s>", "pad_id": "<pad>", "mask_id": "<unk>"})])
@@ -232,6 +245,11 @@ def test_bad_hf_tokenizer_is_a_user_error(hf_dirs, tmp_path):
   (no_eos / hf.FILENAME).write_text((hf_dirs["gpt2"] / hf.FILENAME).read_text())
   with pytest.raises(UserError, match="no eos_token or sep_token; name one in"):
     tokenizer.load_tokenizer(no_eos / hf.FILENAME)
+  only_spm = tmp_path / "only_spm"
+  only_spm.mkdir()
+  (only_spm / "tokenizer.model").write_bytes(b"")
+  with pytest.raises(UserError, match="only a SentencePiece tokenizer.model; give the path"):
+    tokenizer.load_tokenizer(only_spm)
 
 
 # Our tokenizers exported: transformers loads them to our ids.

@@ -56,6 +56,9 @@ def load_tokenizer(path: str | pathlib.Path) -> Tokenizer:
     raise UserError(f"no tokenizer at {path}: no such file or directory")
   manifest_path = path / MANIFEST
   if not manifest_path.is_file():
+    if (path / "tokenizer.model").is_file():
+      raise UserError(f"{path} has no {MANIFEST}, only a SentencePiece tokenizer.model; "
+                      f"give the path of that file ({path / 'tokenizer.model'})")
     raise UserError(f"{path} is not a saved tokenizer: it has no {MANIFEST}")
   try:
     manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
