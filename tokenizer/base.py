@@ -2,10 +2,13 @@
 
 Step 1 of the lesson turns text into the integer tokens a model reads. This
 module holds what the kinds share: the abstract `Tokenizer`, decoding through
-a table of token bytes, the treatment of lone surrogates, the fingerprint,
-atomic saving with a `tokenizer.json` manifest, and `check_fingerprint`.
+a table of token bytes (`TableTokenizer`), the treatment of lone surrogates,
+the fingerprint, atomic saving with a `tokenizer.json` manifest, and
+`check_fingerprint`.
 
-Conventions shared by every kind:
+Conventions shared by the kinds trained here (`bpe`, `spm_bpe`,
+`spm_unigram`); a Hugging Face tokenizer (`hf`) replaces lone surrogates too
+but otherwise encodes and decodes as its own files say (`tokenizer/hf.py`):
 
 - Encoding: text is a sequence of Unicode scalar values. A lone surrogate
   (U+D800..U+DFFF, which has no UTF-8 encoding) is replaced by U+FFFD before
