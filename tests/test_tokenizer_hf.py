@@ -157,8 +157,12 @@ def test_loaded_tokenizer_gives_transformers_ids(pairs, name):
   reference, ours = pairs[name]
   assert ours.kind == "hf"
 
+  specials = sorted(reference.all_special_tokens)
+  with_specials = st.lists(st.one_of(st.text(max_size=8), st.sampled_from(specials)),
+                           max_size=6).map("".join)
+
   @fast
-  @given(st.text())
+  @given(st.one_of(st.text(), with_specials))
   def check(text):
     assert ours.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
     assert ours.encode_with_specials(text) == reference(text)["input_ids"]
@@ -209,6 +213,20 @@ def test_add_bos_eos_flags_are_ignored_as_transformers_does(hf_dirs, tmp_path, a
   for text in CORPUS[:6]:
     assert ours.encode_with_specials(text) == reference(text)["input_ids"]
   assert ours.encode_with_specials("hi") == [ours.bos_id] + ours.encode("hi")
+
+
+def test_config_specials_missing_from_the_file_are_added(hf_dirs, tmp_path):
+  """Role and extra tokens named only in the config join the vocabulary as transformers adds them."""
+  (tmp_path / hf.FILENAME).write_text((hf_dirs["gpt2"] / hf.FILENAME).read_text())
+  (tmp_path / hf.CONFIG_FILE).write_text(json.dumps({
+      "eos_token": "<|endoftext|>", "mask_token": "<mask>",
+      "additional_special_tokens": ["<tool>"]}))
+  reference, ours = AutoTokenizer.from_pretrained(tmp_path), tokenizer.load_tokenizer(tmp_path)
+  text = "call <tool> on <mask> please<|endoftext|>"
+  assert ours.encode(text) == reference(text, add_special_tokens=False)["input_ids"]
+  assert ours.vocab_size == len(reference)
+  assert ours.mask_id == reference.convert_tokens_to_ids("<mask>") == ours.vocab_size - 2
+  assert ours.decode(ours.encode(text)) == "call  on  please"
 
 
 def test_t5_extra_ids_are_special(pairs):
