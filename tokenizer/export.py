@@ -3,7 +3,7 @@
   python -m tokenizer.export runs/tiny/tokenizer --out runs/tiny_hf_tokenizer
 
 `export_hf(tok, out_dir)` writes `tokenizer.json`, `tokenizer_config.json` and
-`special_tokens_map.json`, which `transformers.AutoTokenizer.from_pretrained`
+`special_tokens_map.json` (an `hf` tokenizer: the files it came from), which `transformers.AutoTokenizer.from_pretrained`
 loads (class `PreTrainedTokenizerFast`) to the ids of our encoder:
 `tokenizer(text, add_special_tokens=False)` gives `tok.encode(text)` and
 `tokenizer(text)` gives `tok.encode_with_specials(text)` (BOS first, as our
@@ -39,25 +39,28 @@ from tokenizers import decoders, models, pre_tokenizers, processors
 
 from configs.errors import UserError
 import tokenizer
-from tokenizer import base, bpe, spm
+from tokenizer import base, bpe, hf, spm
 
 SPECIAL_SCORE = -1e6
 _PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
 
 
 def export_hf(tok: base.Tokenizer, out_dir: str | pathlib.Path) -> pathlib.Path:
-  """Writes `tok` (kind bpe, spm_bpe or spm_unigram) as a Hugging Face tokenizer.
+  """Writes `tok` as a Hugging Face tokenizer directory; returns its path.
 
-  `out_dir` is created if needed; the three files in it are overwritten.
+  An `hf` tokenizer writes the files it was loaded from. `out_dir` is created
+  if needed; the files in it are overwritten.
   """
+  out = pathlib.Path(out_dir)
+  if isinstance(tok, hf.HFTokenizer):
+    out.mkdir(parents=True, exist_ok=True)
+    tok.write_hf(out)
+    return out
   if isinstance(tok, bpe.BPETokenizer):
     hf_tok, roles = _bpe_tokenizer(tok), {
         "bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>", "mask_token": "<mask>"}
-  elif isinstance(tok, spm.SentencePieceTokenizer):
-    hf_tok, roles = _spm_tokenizer(tok)
   else:
-    raise UserError(f"a {tok.kind} tokenizer cannot be exported to Hugging Face's format; "
-                    "an hf tokenizer is already in it (its files are under tokenizer/hf/)")
+    hf_tok, roles = _spm_tokenizer(tok)
   bos = roles["bos_token"]
   hf_tok.post_processor = processors.TemplateProcessing(
       single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
@@ -65,7 +68,6 @@ def export_hf(tok: base.Tokenizer, out_dir: str | pathlib.Path) -> pathlib.Path:
   config = {"tokenizer_class": "PreTrainedTokenizerFast", **roles, "add_bos_token": True,
             "add_eos_token": False, "split_special_tokens": True,
             "clean_up_tokenization_spaces": False}
-  out = pathlib.Path(out_dir)
   out.mkdir(parents=True, exist_ok=True)
   (out / "tokenizer.json").write_text(hf_tok.to_str(pretty=True), encoding="utf-8")
   (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n",

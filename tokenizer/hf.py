@@ -117,11 +117,15 @@ class HFTokenizer(base.Tokenizer):
   def decode(self, ids) -> str:
     return self._tok.decode(self._check_ids(ids).tolist(), skip_special_tokens=True)
 
+  def write_hf(self, directory: pathlib.Path) -> None:
+    """Writes the Hugging Face files as loaded: tokenizer.json and the config."""
+    (directory / FILENAME).write_text(self._json, encoding="utf-8")
+    (directory / CONFIG_FILE).write_text(json.dumps(self._config, indent=2) + "\n",
+                                         encoding="utf-8")
+
   def _write_files(self, directory: pathlib.Path) -> None:
     (directory / SUBDIR).mkdir()
-    (directory / SUBDIR / FILENAME).write_text(self._json, encoding="utf-8")
-    (directory / SUBDIR / CONFIG_FILE).write_text(json.dumps(self._config, indent=2) + "\n",
-                                                  encoding="utf-8")
+    self.write_hf(directory / SUBDIR)
 
 
 def _first(ids: dict, *roles: str) -> int | None:
