@@ -15,6 +15,7 @@ from data import packing
 from data import pipeline
 from data import sources
 from data import tokens
+from training import evaluate
 
 PAD, BOS, EOS = 0, 1, 2
 FIELDS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
@@ -410,6 +411,13 @@ def test_parquet_training_iterator_resumes(tmp_path):
     got = next(resumed)
     for key in FIELDS:
       np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_eval_data_flag_reads_parquet_files(tmp_path):
+  config = make_config(tmp_path)
+  evaluate.apply_data_flag(config, "held/out-*.parquet")
+  assert (config.data.source, config.data.paths, config.data.val_percent) == (
+      "parquet", "held/out-*.parquet", 100)
 
 
 @pytest.mark.parametrize("columns,message", [

@@ -6,7 +6,7 @@ Kinds: `bpe` (our byte-level BPE, `tokenizer/bpe.py`), `spm_bpe` and
 the interface of `tokenizer.base.Tokenizer`. A saved tokenizer is a directory
 holding the kind's file (`bpe.json`, `spm.model` or `hf/tokenizer.json` with
 its config) and a `tokenizer.json` manifest with the kind and the
-fingerprint, which `load_tokenizer` verifies. `export_hf` writes our kinds as
+fingerprint, which `load_tokenizer` verifies. `export_hf` writes any kind as
 a Hugging Face tokenizer directory (`tokenizer/export.py`).
 """
 import json
