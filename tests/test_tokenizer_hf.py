@@ -1,11 +1,13 @@
 """Hugging Face tokenizers in and out, checked against `transformers` itself.
 
-Tiny tokenizers are trained here with the `tokenizers` library, set up as the
-real ones are (GPT-2's byte-level BPE, Llama-3's split regex and BOS
-template, Llama-2's SentencePiece-style BPE with byte fallback, BERT's
-WordPiece with its normalizer and [CLS]/[SEP] template, T5's Unigram with
-metaspace and </s>), saved with `transformers`, and loaded both by
-`AutoTokenizer` and by `tokenizer.load_tokenizer`; nothing is downloaded.
+In: tiny tokenizers are trained here with the `tokenizers` library, set up as
+the real ones are (GPT-2's byte-level BPE, Llama-3's split regex and BOS
+template, Qwen2's NFC and no BOS, Llama-2's SentencePiece-style BPE with byte
+fallback, BERT's WordPiece with its normalizer and [CLS]/[SEP] template, T5's
+Unigram with metaspace and </s>), saved with `transformers`, and loaded both
+by `AutoTokenizer` and by `tokenizer.load_tokenizer`; nothing is downloaded.
+Out: our trained kinds go through `tokenizer.export_hf` and `AutoTokenizer`
+must give our encoder's ids.
 """
 import json
 
