@@ -43,12 +43,13 @@ def get_config() -> config_dict.ConfigDict:
   t = c.tokenizer = config_dict.ConfigDict()
   t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)
   t.vocab_size = 1024  # vocabulary including the special tokens
-  t.path = ""  # an existing saved tokenizer (dir or .model); "" trains one
+  t.path = ""  # a saved tokenizer (dir or .model) or a Hugging Face tokenizer dir; "" trains one
 
   d = c.data = config_dict.ConfigDict()
-  d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord
-  d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord
+  d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord | parquet
+  d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord | parquet
   d.jsonl_field = "text"  # the field of each JSONL record that holds the text
+  d.parquet_column = "text"  # the string column of the Parquet files that holds the text
   d.val_percent = 5  # percent of the documents held out for validation
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
   d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab

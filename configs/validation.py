@@ -20,7 +20,8 @@ CHOICES = {
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),
-    "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord"),
+    "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord",
+                    "parquet"),
     "data.packing": ("packed", "concat"),
     "data.task": ("none", "reverse", "sort", "addition", "code_summary", "pairs"),
     "data.task_addition_format": ("plain", "aligned"),
@@ -154,7 +155,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   if not config.tokenizer.path and config.tokenizer.vocab_size > config.model.vocab_size:
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
           f"exceeds model.vocab_size={config.model.vocab_size}")
-  if config.data.source in ("files", "jsonl", "arrayrecord") and not config.data.paths:
+  if config.data.source in ("files", "jsonl", "arrayrecord", "parquet") and not config.data.paths:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:
     _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")

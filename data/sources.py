@@ -6,6 +6,9 @@
   the field `data.jsonl_field`; named `path:line`.
 `arrayrecord`: each record is one document: UTF-8 text, or a JSON object whose
   field `data.jsonl_field` holds the text; named `path:index`.
+`parquet`: each row is one document, the string column `data.parquet_column`
+  (as the `datasets` library and public corpora ship text); named `path:row`.
+  Only that column is read, one row group at a time; null values are dropped.
 
 Documents whose text is empty or only whitespace are dropped. Every source is
 split into `train` and `validation` the same way, deterministically by document
@@ -18,13 +21,15 @@ import os
 
 import grain
 from ml_collections import config_dict
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from configs.errors import UserError
 from data import corpora
 
 SPLITS = ("train", "validation")
 EMBEDDED_SOURCES = ("stdlib", "pydoc", "embedded")
-FILE_SOURCES = ("files", "jsonl", "arrayrecord")
+FILE_SOURCES = ("files", "jsonl", "arrayrecord", "parquet")
 
 Document = tuple[str, str]  # (name, text)
 
@@ -41,17 +46,19 @@ def all_documents(data_config: config_dict.ConfigDict) -> list[Document]:
 
   Raises:
     UserError: an unknown source, a path that matches nothing, a file that is
-      not UTF-8, a bad JSONL line or record, or no non-empty document at all.
+      not UTF-8, a bad JSONL line or record, a Parquet file that cannot be read
+      or has no string column data.parquet_column, or no non-empty document.
   """
   source = data_config.source
   if source in EMBEDDED_SOURCES:
     docs = corpora.embedded_documents(source)
   elif source in FILE_SOURCES:
     reader = {"files": _text_documents, "jsonl": _jsonl_documents,
-              "arrayrecord": _arrayrecord_documents}[source]
+              "arrayrecord": _arrayrecord_documents, "parquet": _parquet_documents}[source]
+    field = data_config.parquet_column if source == "parquet" else data_config.jsonl_field
     docs = []
     for path in expand_paths(data_config.paths, source):
-      docs.extend(reader(path, data_config.jsonl_field))
+      docs.extend(reader(path, field))
   else:
     choices = ", ".join(EMBEDDED_SOURCES + FILE_SOURCES)
     raise UserError(f"data.source={source!r}: must be one of {choices}")
@@ -121,6 +128,31 @@ def _arrayrecord_documents(path: str, field: str) -> list[Document]:
     if text.lstrip().startswith("{"):
       (text,) = text_fields(text, name, "record", ((field, "jsonl_field"),))
     docs.append((name, text))
+  return docs
+
+
+def _parquet_documents(path: str, column: str) -> list[Document]:
+  try:
+    parquet = pq.ParquetFile(path)
+  except (pa.ArrowException, OSError) as e:
+    raise UserError(f"{path}: not a Parquet file ({e}); use data.source=files or "
+                    "jsonl for text") from None
+  schema = parquet.schema_arrow
+  if column not in schema.names:
+    raise UserError(f"{path}: no column {column!r} (has {schema.names}); set "
+                    "data.parquet_column to the column that holds the text")
+  kind = schema.field(column).type
+  if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)
+          or pa.types.is_string_view(kind) or pa.types.is_null(kind)):  # null: no value at all
+    raise UserError(f"{path}: column {column!r} is {kind}, not text; "
+                    "set data.parquet_column to a string column")
+  docs = []
+  row = 0
+  for group in range(parquet.num_row_groups):
+    for text in parquet.read_row_group(group, columns=[column]).column(column).to_pylist():
+      if text is not None:
+        docs.append((f"{path}:{row}", text))
+      row += 1
   return docs
 
 

@@ -5,6 +5,8 @@ import os
 import numpy as np
 import pytest
 from array_record.python import array_record_module
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from configs import base
 from configs.errors import UserError
@@ -13,6 +15,7 @@ from data import packing
 from data import pipeline
 from data import sources
 from data import tokens
+from training import evaluate
 
 PAD, BOS, EOS = 0, 1, 2
 FIELDS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
@@ -376,6 +379,58 @@ def test_arrayrecord_text_and_json_records(tmp_path):
       (f"{path}:0", "plain text ✓"), (f"{path}:1", "from json")]
 
 
+def write_parquet(path, columns: dict[str, list], row_group_size: int = 2) -> None:
+  pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+
+
+def test_parquet_column_shards_and_row_groups(tmp_path):
+  write_parquet(tmp_path / "train-00000-of-00002.parquet",
+                {"id": [0, 1, 2], "body": ["first ✓", None, "third"]})
+  write_parquet(tmp_path / "train-00001-of-00002.parquet", {"id": [3], "body": ["fourth"]})
+  write_parquet(tmp_path / "train-empty.parquet", {"id": [], "body": []})  # body: null type
+  data_config = make_config(tmp_path, source="parquet", paths=str(tmp_path / "train-*.parquet"),
+                            parquet_column="body").data
+  first, second = (str(tmp_path / f"train-0000{i}-of-00002.parquet") for i in range(2))
+  assert sources.all_documents(data_config) == [
+      (f"{first}:0", "first ✓"), (f"{first}:2", "third"), (f"{second}:0", "fourth")]
+
+
+def test_parquet_training_iterator_resumes(tmp_path):
+  texts = [f"document number {i} " * (i % 5 + 1) for i in range(60)]
+  write_parquet(tmp_path / "d.parquet", {"text": texts}, row_group_size=16)
+  config = make_config(tmp_path, source="parquet", paths=str(tmp_path / "*.parquet"))
+  tok = ByteTokenizer()
+  it = pipeline.make_train_iterator(config, tok)
+  for _ in range(3):
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(3)]
+  resumed = pipeline.make_train_iterator(config, tok)
+  resumed.set_state(state)
+  for want in expected:
+    got = next(resumed)
+    for key in FIELDS:
+      np.testing.assert_array_equal(got[key], want[key])
+
+
+def test_eval_data_flag_reads_parquet_files(tmp_path):
+  config = make_config(tmp_path)
+  evaluate.apply_data_flag(config, "held/out-*.parquet")
+  assert (config.data.source, config.data.paths, config.data.val_percent) == (
+      "parquet", "held/out-*.parquet", 100)
+
+
+@pytest.mark.parametrize("columns,message", [
+    ({"body": ["x"]}, r"d.parquet: no column 'text' \(has \['body'\]\); set data.parquet_column"),
+    ({"text": [1, 2]}, r"d.parquet: column 'text' is int64, not text; set data.parquet_column"),
+])
+def test_parquet_bad_column_is_a_user_error(tmp_path, columns, message):
+  write_parquet(tmp_path / "d.parquet", columns)
+  data_config = make_config(tmp_path, source="parquet", paths=str(tmp_path / "d.parquet")).data
+  with pytest.raises(UserError, match=message):
+    sources.all_documents(data_config)
+
+
 @pytest.mark.parametrize("source,files,message", [
     ("files", {}, r"data.paths=.*: no file matches '.*missing\*.txt'"),
     ("files", {"a.txt": " \n", "b.txt": ""}, "no non-empty documents"),
@@ -384,6 +439,8 @@ def test_arrayrecord_text_and_json_records(tmp_path):
     ("jsonl", {"a.jsonl": '{"text": "ok"}\n\n{"body": "x"}\n'},
      r"a.jsonl:3: line has no string field 'text' \(has \['body'\]\); set data.jsonl_field"),
     ("arrayrecord", {"a.arrayrecord": "not an array record"}, "a.arrayrecord: not an ArrayRecord"),
+    ("parquet", {}, r"data.paths=.*: no file matches '.*missing\*.txt'"),
+    ("parquet", {"a.parquet": "not parquet"}, "a.parquet: not a Parquet file"),
 ])
 def test_bad_input_is_a_user_error(tmp_path, source, files, message):
   write_files(tmp_path, files)

@@ -2,10 +2,13 @@
 
 Step 1 of the lesson turns text into the integer tokens a model reads. This
 module holds what the kinds share: the abstract `Tokenizer`, decoding through
-a table of token bytes, the treatment of lone surrogates, the fingerprint,
-atomic saving with a `tokenizer.json` manifest, and `check_fingerprint`.
+a table of token bytes (`TableTokenizer`), the treatment of lone surrogates,
+the fingerprint, atomic saving with a `tokenizer.json` manifest, and
+`check_fingerprint`.
 
-Conventions shared by every kind:
+Conventions shared by the kinds trained here (`bpe`, `spm_bpe`,
+`spm_unigram`); a Hugging Face tokenizer (`hf`) replaces lone surrogates too
+but otherwise encodes and decodes as its own files say (`tokenizer/hf.py`):
 
 - Encoding: text is a sequence of Unicode scalar values. A lone surrogate
   (U+D800..U+DFFF, which has no UTF-8 encoding) is replaced by U+FFFD before
@@ -51,16 +54,15 @@ def fingerprint_of(content: dict) -> str:
 class Tokenizer(abc.ABC):
   """Step 1: text <-> token ids, the same way for every kind.
 
-  Subclasses build `id_bytes` (the bytes each id decodes to; empty for special
-  tokens), name their special ids, compute the fingerprint of their vocabulary,
-  merges (or scores) and specials, and implement `encode` and `_write_files`.
+  Subclasses name their special ids, compute the fingerprint of their
+  vocabulary, merges (or scores) and specials, and implement `vocab_size`,
+  `token_bytes`, `encode`, `decode` and `_write_files`.
   """
 
   kind: str
 
-  def __init__(self, id_bytes: list[bytes], *, pad_id: int, bos_id: int,
-               eos_id: int, mask_id: int, fingerprint: str):
-    self._id_bytes = id_bytes
+  def __init__(self, *, pad_id: int, bos_id: int, eos_id: int, mask_id: int,
+               fingerprint: str):
     self.pad_id = pad_id
     self.bos_id = bos_id
     self.eos_id = eos_id
@@ -68,24 +70,37 @@ class Tokenizer(abc.ABC):
     self.fingerprint = fingerprint
 
   @property
+  @abc.abstractmethod
   def vocab_size(self) -> int:
     """Number of ids, special tokens included."""
-    return len(self._id_bytes)
 
+  @abc.abstractmethod
   def token_bytes(self, token_id: int) -> bytes:
     """The bytes `token_id` stands for (empty for special tokens)."""
-    return self._id_bytes[token_id]
 
   @abc.abstractmethod
   def encode(self, text: str) -> list[int]:
     """Token ids of `text` (no bos/eos added)."""
 
+  def encode_with_specials(self, text: str) -> list[int]:
+    """Token ids of `text` as a model input starts: BOS, then `encode(text)`.
+
+    This is what `transformers`' `tokenizer(text)["input_ids"]` gives for a
+    tokenizer exported by `tokenizer.export_hf`; a Hugging Face tokenizer
+    (kind `hf`) adds the special tokens its own files say.
+    """
+    return [self.bos_id] + self.encode(text)
+
   def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
     """`encode` of each text, in order."""
     return [self.encode(text) for text in texts]
 
+  @abc.abstractmethod
   def decode(self, ids: Iterable[int]) -> str:
     """Text of `ids`: specials skipped, broken UTF-8 replaced by U+FFFD."""
+
+  def _check_ids(self, ids: Iterable[int]) -> np.ndarray:
+    """`ids` as a 1-D int64 array; ValueError if any lies outside the vocabulary."""
     array = np.asarray(ids, dtype=np.int64)
     if array.ndim != 1:
       raise ValueError("decode takes a 1-D sequence of ids, got shape "
@@ -93,9 +108,7 @@ class Tokenizer(abc.ABC):
     if array.size and (array.min() < 0 or array.max() >= self.vocab_size):
       raise ValueError(f"ids must lie in [0, {self.vocab_size}), got "
                        f"{array.min()}..{array.max()}")
-    table = self._id_bytes
-    return b"".join([table[i] for i in array.tolist()]).decode(
-        "utf-8", errors="replace")
+    return array
 
   @abc.abstractmethod
   def _write_files(self, directory: pathlib.Path) -> None:
@@ -127,6 +140,30 @@ class Tokenizer(abc.ABC):
       shutil.rmtree(tmp, ignore_errors=True)
       raise
     return target
+
+
+class TableTokenizer(Tokenizer):
+  """A tokenizer that decodes through a table of the bytes of each id.
+
+  `id_bytes[i]` is what id i decodes to (empty for special tokens); decoding
+  joins the bytes and reads them as UTF-8 with errors="replace".
+  """
+
+  def __init__(self, id_bytes: list[bytes], **specials):
+    self._id_bytes = id_bytes
+    super().__init__(**specials)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self._id_bytes)
+
+  def token_bytes(self, token_id: int) -> bytes:
+    return self._id_bytes[token_id]
+
+  def decode(self, ids: Iterable[int]) -> str:
+    table = self._id_bytes
+    return b"".join([table[i] for i in self._check_ids(ids).tolist()]).decode(
+        "utf-8", errors="replace")
 
 
 def check_fingerprint(expected: str, tokenizer: Tokenizer) -> None:

@@ -235,7 +235,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> "BPETokenizer":
   return BPETokenizer(merges)
 
 
-class BPETokenizer(base.Tokenizer):
+class BPETokenizer(base.TableTokenizer):
   """Step 1, production: byte-level BPE behind the common interface.
 
   Encoding pre-splits the text with `PRESPLIT` and segments each piece by

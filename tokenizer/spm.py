@@ -37,7 +37,7 @@ _SPACE_SYMBOL = "\u2581"
 _PIECE = sentencepiece_model_pb2.ModelProto.SentencePiece
 
 
-class SentencePieceTokenizer(base.Tokenizer):
+class SentencePieceTokenizer(base.TableTokenizer):
   """Step 1: a SentencePiece model behind the common interface."""
 
   def __init__(self, model_proto: bytes, source: str):
@@ -84,6 +84,11 @@ class SentencePieceTokenizer(base.Tokenizer):
     super().__init__(id_bytes, pad_id=pad_id, bos_id=processor.bos_id(),
                      eos_id=processor.eos_id(), mask_id=mask_id,
                      fingerprint=fingerprint)
+
+  @property
+  def model_proto(self) -> bytes:
+    """The serialized SentencePiece model."""
+    return self._model_proto
 
   def encode(self, text: str) -> list[int]:
     """Token ids of `text`; a literal U+2581 becomes its three byte pieces."""

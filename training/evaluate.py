@@ -51,7 +51,8 @@ def apply_data_flag(config, data: str) -> None:
 
   Files are comma-separated paths or globs; all their documents are
   evaluated. `.jsonl` files are read as JSONL (field data.jsonl_field),
-  `.arrayrecord` / `.array_record` as ArrayRecord, anything else as text.
+  `.arrayrecord` / `.array_record` as ArrayRecord, `.parquet` as Parquet
+  (column data.parquet_column), anything else as text.
   A data.task=pairs run takes .tsv/.jsonl pair files; other tasks refuse it.
   """
   if config.data.task not in ("none", "pairs"):
@@ -70,6 +71,8 @@ def apply_data_flag(config, data: str) -> None:
     config.data.source = "jsonl"
   elif first.endswith((".arrayrecord", ".array_record")):
     config.data.source = "arrayrecord"
+  elif first.endswith(".parquet"):
+    config.data.source = "parquet"
   else:
     config.data.source = "files"
   config.data.paths = data
