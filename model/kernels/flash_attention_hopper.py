@@ -688,9 +688,9 @@ def _over_kv_tiles(step, carry, plan: _Plan, rings, turns, cfg: _Config,
     carry = lax.fori_loop(start, plan.last,
                           lambda n, c: step(n, c, masked=n < plan.whole_from), carry)
   else:
-    split = jnp.maximum(plan.whole_to, start)
-    carry = lax.fori_loop(start, split, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(split, plan.last, functools.partial(step, masked=True), carry)
+    masked_from = jnp.maximum(plan.whole_to, start)
+    carry = lax.fori_loop(start, masked_from, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(masked_from, plan.last, functools.partial(step, masked=True), carry)
   if last is not None:
     carry = last(carry, plan.last)
   _pass(plan.last, plan.count, cfg.blocks.stages, rings, turns)
