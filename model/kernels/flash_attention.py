@@ -357,7 +357,7 @@ def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int
   """With segment ids, the block-sparse plan of a kernel
   (`block_sparse.plan_over_keys` for the forward and dQ kernels, whose
   programs own a query tile; `plan_over_queries` for dK/dV) and its
-  BlockSpecs, as (arrays, specs): tiles [B, P, N] (N padded to a power of
+  BlockSpecs, as (arrays, specs): tiles [B, P, J] (J padded to a power of
   two for Triton) and bounds [B, P, 4] (first, split, count, 0) of the P
   program tiles. Without them, (None, None) twice."""
   if q_seg_BT is None:

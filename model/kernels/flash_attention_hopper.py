@@ -1194,7 +1194,7 @@ def _check_shared_memory(head_dim: int, dtype, blocks: HopperBlocks, segments: b
 
 def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
   """The listed plan of the forward or dQ kernel (key tiles of `block_k`)
-  from the segment ids: (tiles [B, C, N], bounds [B, C, 2, 3]), or None
+  from the segment ids: (tiles [B, C, J], bounds [B, C, 2, 3]), or None
   without segment ids."""
   if not cfg.segments:
     return None
