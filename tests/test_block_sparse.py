@@ -119,13 +119,13 @@ def test_plan_of_one_document_is_the_static_plan(causal):
   for c in range(4):
     for w in range(2):
       plan = hopper._query_rows_plan(128 * c, w, None, static)
-      count, masked = int(plan.count), int(plan.last) - int(plan.split)
+      count, masked = int(plan.count), int(plan.last) - int(plan.whole_to)
       assert bounds[c, w].tolist() == [0, masked, count]
       assert sorted(tiles[c, :count].tolist()) == list(range(count))
       assert tiles[c, :masked].tolist() == list(range(count - masked, count))
       plans = [hopper._key_rows_plan(128 * c, v, None, static) for v in range(2)]
       plan, count, start = plans[w], int(plans[w].count), int(plans[w].start)
-      masked_for_either = max(int(p.split) for p in plans) - start
+      masked_for_either = max(int(p.whole_from) for p in plans) - start
       assert key_bounds[c, w].tolist() == [int(plan.first) - start, masked_for_either, count]
       assert key_tiles[c, :count].tolist() == [int(plan.tile(start + n)) for n in range(count)]
 

@@ -226,3 +226,57 @@ def test_mosaic_gpu_refuses_what_it_does_not_take():
     flash_attention(q, q, q, block_k=32, lowering="mosaic_gpu")
   with pytest.raises(ValueError, match="lowering="):
     flash_attention(q, q, q, lowering="mosaic")
+
+
+def _trace_gradients(blocks, segments: bool):
+  """Traces the forward and backward kernels for CUDA (shapes only)."""
+  q = jax.ShapeDtypeStruct((1, 128, 2, 64), jnp.bfloat16)
+  seg = jnp.ones((1, 128), jnp.int32) if segments else None
+
+  def loss(q, k, v):
+    return hopper.hopper_flash_attention(
+        q, k, v, causal=True, scale=0.125, q_segment_ids=seg, kv_segment_ids=seg,
+        blocks=blocks, interpret=False).astype(jnp.float32).sum()
+  jax.eval_shape(jax.grad(loss, argnums=(0, 1, 2)), q, q, q)
+
+
+def _barrier(num_arrivals: int):
+  from jax.experimental.pallas import mosaic_gpu as plgpu  # pylint: disable=import-outside-toplevel
+  return plgpu.Barrier(num_arrivals=num_arrivals, num_barriers=2)
+
+
+@pytest.mark.parametrize("scratch,field,wrong,fused,segments,match", [
+    # A TMA barrier counting a copy that no code issues.
+    ("_forward_scratch", "q_full", _barrier(2), False, False,
+     "barrier of 2 arrivals is arrived on by 1 TMA copies"),
+    # A ring's free barrier counting one compute warpgroup, not both.
+    ("_dq_scratch", "kv_free", _barrier(1), False, False,
+     "barrier of 1 arrivals is arrived on by 2 compute warpgroups"),
+    ("_forward_scratch", "turn", _barrier(2), False, False,
+     "barrier of 2 arrivals is arrived on by 1 the other compute warpgroup"),
+    ("_dkdv_scratch", "ds_read", _barrier(2), True, False,
+     "barrier of 2 arrivals is arrived on by 1 the multiplying warpgroup"),
+    # Refs out of step with the layout: a ring slot of the wrong tile, a
+    # segment-id buffer missing though segment ids are given.
+    ("_dkdv_scratch", "q", None, False, False, "do not match"),
+    ("_forward_scratch", "q_seg", None, False, True, "do not match"),
+])
+def test_scratch_out_of_step_with_kernel_raises_at_trace_time(
+    monkeypatch, scratch, field, wrong, fused, segments, match):
+  """Every barrier's arrival count comes from the scratch entries or
+  warpgroups that arrive on it, and the kernels check each against the
+  code that arrives, at trace time: a drift raises instead of deadlocking
+  the GPU."""
+  blocks = hopper.HopperBlocks(64, 64, 2, pingpong=True, fused_dq=fused)
+  _trace_gradients(blocks, segments)  # the kernels' own layouts trace
+  build = getattr(hopper, scratch)
+
+  def broken(D, dtype, blocks, seg):
+    layout = build(D, dtype, blocks, seg)
+    if field == "q" and wrong is None:  # query tiles of 32 rows in a ring of 64
+      return layout._replace(q=hopper._smem((blocks.stages, 32, D), dtype))
+    return layout._replace(**{field: wrong})
+  monkeypatch.setattr(hopper, scratch, broken)
+  jax.clear_caches()  # the fused backward is jitted: trace it again
+  with pytest.raises(ValueError, match=match):
+    _trace_gradients(blocks, segments)

@@ -18,6 +18,9 @@ it sees nothing there. (Masked tiles first: the order in which the dK/dV
 kernel takes its tiles without segment ids too, so one pair of loops serves
 both; the forward and dQ kernels take a list in one loop and branch around
 the mask.)
+
+Shape letters besides the project's: C CTAs, W warpgroups of a CTA, J the
+tiles a CTA streams.
 """
 import jax.numpy as jnp
 from jax import lax
@@ -59,13 +62,13 @@ def pair_visibility(q_seg_BT, kv_seg_BS, q_tile: int, k_tile: int, causal: bool)
   return visible, whole
 
 
-def schedule(visible_BCWN, whole_BCWN):
+def schedule(visible_BCWJ, whole_BCWJ):
   """The tile list of each CTA and each warpgroup's bounds in it.
 
-  visible, whole: [B, C, W, N], for CTA c's warpgroup w and streamed tile
-  n (whole implies visible). Returns
+  visible, whole: [B, C, W, J], for CTA c's warpgroup w and streamed tile
+  j (whole implies visible). Returns
 
-  - tiles [B, C, N] int32: the streamed tiles in visiting order, the first
+  - tiles [B, C, J] int32: the streamed tiles in visiting order, the first
     `count` of them used: those visible to either warpgroup and seen whole
     by neither or only one (masked), then those both see whole (unmasked),
     each section ascending;
@@ -75,15 +78,15 @@ def schedule(visible_BCWN, whole_BCWN):
     `first`, in which it sees nothing; it takes step `first` at least (a
     warpgroup that sees nothing takes the last step, masked to nothing).
   """
-  listed = visible_BCWN.any(axis=2)
-  both_whole = whole_BCWN.all(axis=2)
-  N = listed.shape[-1]
-  tiles = jnp.argsort(jnp.where(listed, both_whole, 2) * N + jnp.arange(N), axis=-1)
+  listed = visible_BCWJ.any(axis=2)
+  both_whole = whole_BCWJ.all(axis=2)
+  J = listed.shape[-1]
+  tiles = jnp.argsort(jnp.where(listed, both_whole, 2) * J + jnp.arange(J), axis=-1)
   tiles = tiles.astype(jnp.int32)
   count = jnp.maximum(listed.sum(axis=-1), 1)[:, :, None]
   split = count - both_whole.sum(axis=-1)[:, :, None]
-  seen = jnp.take_along_axis(visible_BCWN, tiles[:, :, None, :], axis=-1)
-  first = jnp.minimum(jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), N), count - 1)
+  seen = jnp.take_along_axis(visible_BCWJ, tiles[:, :, None, :], axis=-1)
+  first = jnp.minimum(jnp.where(seen.any(axis=-1), jnp.argmax(seen, axis=-1), J), count - 1)
   bounds = jnp.stack(jnp.broadcast_arrays(first, split, count), axis=-1)
   return tiles, lax.convert_element_type(bounds, jnp.int32)
 

@@ -18,15 +18,13 @@ The exponentials are taken base 2 (exp2 is the native GPU instruction): the
 scores are multiplied by scale * log2(e) and the saved log-sum-exp is in
 base 2 as well.
 
-Masks: causal (top-left aligned, key j visible to query i iff j <= i) with
-the tiles above the diagonal skipped and the mask applied only on the tiles
-that cross it; segment ids (query i sees key j iff their ids are equal and
-the key's id is not 0, the padding id); keys past the true length when the
-sequence was padded up to a whole number of tiles. A query whose keys are all
-masked gets a zero output and zero gradients. With segment ids each program
-visits the tiles of its block-sparse plan (`block_sparse.py`): tiles that
-share no segment are skipped, tiles inside one segment (below the diagonal)
-run without a mask.
+Masks: causal, segment ids, and keys past the true length when the
+sequence was padded to whole tiles, with the semantics and tile arithmetic
+of `common.py`: the tiles no query sees (above the diagonal) are skipped and
+the mask is applied only on the tiles that need it. With segment ids each
+program visits the tiles of its block-sparse plan (`block_sparse.py`): tiles
+that share no segment are skipped, tiles inside one segment (below the
+diagonal) run without a mask.
 
 Grouped-query and multi-query attention (H query heads, K KV heads): query
 head h reads KV head h // (H // K) through the BlockSpec index map, and dK,
@@ -41,7 +39,6 @@ or 128) go there instead: `choose_lowering` is the rule and
 """
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +50,6 @@ from model.kernels import block_sparse
 from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
 
-_LOG2_E = math.log2(math.e)
 _MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
 
 
@@ -169,9 +165,8 @@ class _Config:
   """Static description of one call, shared by the forward and backward."""
   scale: float
   causal: bool
-  q_len: int  # true query length (the arrays may be padded past it)
-  kv_len: int  # true key length
-  num_kv_heads: int
+  q_len: int  # true query length (the arrays are padded past it)
+  kv_len: int  # true key length (the arrays are padded past it)
   blocks: BlockSizes
   interpret: bool
 
@@ -182,59 +177,58 @@ def _dot(a, b, contract_a: int, contract_b: int):
                          preferred_element_type=jnp.float32)
 
 
-def _tile_mask(q_start, k_start, block_q: int, block_k: int, *, causal: bool,
-               kv_len: int | None, segments):
-  """Which (query, key) pairs of a tile may attend: [block_q, block_k] or None.
+def _mask(q_start, k_start, block_q: int, block_k: int, cfg: _Config, *,
+          ragged: bool, q_seg_T=None, kv_seg_S=None):
+  """`common.visible` for a [block_q, block_k] tile; `ragged`: the tile may
+  hold padded keys."""
+  return common.visible(q_start + jnp.arange(block_q, dtype=jnp.int32),
+                        k_start + jnp.arange(block_k, dtype=jnp.int32),
+                        along_q=lambda x: x[:, None], along_k=lambda x: x[None, :],
+                        causal=cfg.causal, kv_len=cfg.kv_len if ragged else None,
+                        q_seg=q_seg_T, kv_seg=kv_seg_S)
 
-  `kv_len` is the true key length when the tile may hold padded keys, else
-  None; `segments` is (query ids [block_q], key ids [block_k]) or None.
-  """
-  mask = None
-  k_pos = k_start + jnp.arange(block_k, dtype=jnp.int32)
-  if causal:
-    q_pos = q_start + jnp.arange(block_q, dtype=jnp.int32)
-    mask = k_pos[None, :] <= q_pos[:, None]
-  if kv_len is not None:
-    in_range = jnp.broadcast_to(k_pos[None, :] < kv_len, (block_q, block_k))
-    mask = in_range if mask is None else mask & in_range
-  if segments is not None:
-    q_seg_T, kv_seg_S = segments
-    same = (q_seg_T[:, None] == kv_seg_S[None, :]) & (kv_seg_S[None, :] != 0)
-    mask = same if mask is None else mask & same
-  return mask
+
+def _key_tile_mask(q_start, kv_tile, block_q: int, block_k: int, cfg: _Config, *,
+                   masked: bool, q_seg_T, kv_seg_ref):
+  """The mask of key tile `kv_tile` for the query tile at `q_start` (forward
+  and dQ kernels), or None for a step seen whole."""
+  if not masked:
+    return None
+  k_start = kv_tile * block_k
+  return _mask(q_start, k_start, block_q, block_k, cfg,
+               ragged=q_seg_T is None and cfg.kv_len % block_k != 0, q_seg_T=q_seg_T,
+               kv_seg_S=None if q_seg_T is None else kv_seg_ref[pl.ds(k_start, block_k)])
 
 
 def _scores(q_TD, k_SD, mask, scale: float):
   """Base-2 scores of a tile, masked entries -inf: [block_q, block_k] float32."""
-  s_TS = _dot(q_TD, k_SD, 1, 1) * (scale * _LOG2_E)
+  s_TS = _dot(q_TD, k_SD, 1, 1) * (scale * common.LOG2_E)
   return s_TS if mask is None else jnp.where(mask, s_TS, -jnp.inf)
 
 
-def _causal_kv_tiles(q_start, block_q: int, block_k: int, num_kv_tiles: int):
-  """Key tiles [0, full) lie wholly below the diagonal of a query tile,
-  [full, visible) cross it, and the rest are skipped."""
-  visible = jnp.minimum(lax.div(q_start + block_q + block_k - 1, block_k),
-                        num_kv_tiles)
-  full = jnp.minimum(lax.div(q_start + 1, block_k), visible)
-  return full, visible
+def _fori(lo, hi, body, carry):
+  """`lax.fori_loop`, left out when its bounds are Python ints and the range
+  is empty."""
+  if isinstance(lo, int) and isinstance(hi, int) and lo >= hi:
+    return carry
+  return lax.fori_loop(lo, hi, body, carry)
 
 
-def _loop_over_kv_tiles(tile, carry, *, causal: bool, q_start, block_q: int, block_k: int,
-                        num_kv_tiles: int, plan):
+def _loop_over_kv_tiles(tile, carry, q_start, block_q: int, block_k: int, cfg: _Config,
+                        plan):
   """Runs `tile(j, carry, masked=...)` over the key tiles a query tile sees.
 
   With segment ids, the tiles of its plan (`plan`: the refs of its key tile
-  list and bounds, see `_plan_args`), the masked ones first. Otherwise:
-  causal, the tiles below the diagonal without the mask, the tiles crossing
-  it with it, the rest skipped; not causal, every tile, without a mask.
+  list and bounds, see `_plan_args`), the masked ones first. Otherwise the
+  tiles `common.kv_tile_range` gives: those seen whole without the mask,
+  then the others with it.
   """
   if plan is not None:
     return _loop_over_plan(tile, carry, plan)
-  if not causal:
-    return lax.fori_loop(0, num_kv_tiles, functools.partial(tile, masked=False), carry)
-  full, visible = _causal_kv_tiles(q_start, block_q, block_k, num_kv_tiles)
-  carry = lax.fori_loop(0, full, functools.partial(tile, masked=False), carry)
-  return lax.fori_loop(full, visible, functools.partial(tile, masked=True), carry)
+  whole, seen = common.kv_tile_range(q_start, block_q, block_k=block_k,
+                                     kv_len=cfg.kv_len, causal=cfg.causal)
+  carry = _fori(0, whole, functools.partial(tile, masked=False), carry)
+  return _fori(whole, seen, functools.partial(tile, masked=True), carry)
 
 
 def _loop_over_plan(tile, carry, plan):
@@ -247,21 +241,10 @@ def _loop_over_plan(tile, carry, plan):
   return lax.fori_loop(split, count, lambda n, c: tile(tiles_ref[n], c, masked=False), carry)
 
 
-def _causal_q_tiles(k_start, block_q: int, block_k: int, num_q_tiles: int):
-  """Query tiles [first, full) cross the diagonal of a key tile, [full, end)
-  see all of it, and those before `first` see none of it."""
-  first = jnp.minimum(lax.div(k_start, block_q), num_q_tiles)
-  full = jnp.minimum(lax.div(k_start + block_k + block_q - 2, block_q),
-                     num_q_tiles)
-  return first, full
-
-
 def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bounds_ref,
                     o_ref, lse_ref, *, cfg: _Config):
   """Forward pass: the online softmax over the key tiles of one query tile."""
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
-  num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
-  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
   q_start = pl.program_id(0) * block_q
   q_TD = q_ref[...]
   q_seg_T = None if q_seg_ref is None else q_seg_ref[...]
@@ -269,9 +252,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
   def tile(kv_tile, carry, masked):
     o_TD, m_T, l_T = carry
     k_slice = pl.ds(kv_tile * block_k, block_k)
-    segments = (q_seg_T, kv_seg_ref[k_slice]) if masked and q_seg_T is not None else None
-    mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
-                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
+    mask = _key_tile_mask(q_start, kv_tile, block_q, block_k, cfg, masked=masked,
+                          q_seg_T=q_seg_T, kv_seg_ref=kv_seg_ref)
     s_TS = _scores(q_TD, k_ref[k_slice, :], mask, cfg.scale)
     m_new_T = jnp.maximum(m_T, jnp.max(s_TS, axis=1))
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
@@ -287,9 +269,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
   carry = (jnp.zeros(q_TD.shape, jnp.float32),
            jnp.full((block_q,), -jnp.inf, jnp.float32),
            jnp.zeros((block_q,), jnp.float32))
-  carry = _loop_over_kv_tiles(tile, carry, causal=cfg.causal, q_start=q_start,
-                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
-                              plan=common.plan_refs(tiles_ref, bounds_ref))
+  carry = _loop_over_kv_tiles(tile, carry, q_start, block_q, block_k, cfg,
+                              common.plan_refs(tiles_ref, bounds_ref))
   o_TD, m_T, l_T = carry
   empty_T = l_T == 0.0
   o_ref[...] = (o_TD / jnp.where(empty_T, 1.0, l_T)[:, None]).astype(o_ref.dtype)
@@ -304,7 +285,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
   num_q_tiles = pl.cdiv(cfg.q_len, block_q)
   group = q_ref.shape[1]
-  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
   k_start = pl.program_id(0) * block_k
   k_SD = k_ref[...]
   v_SD = v_ref[...]
@@ -315,9 +295,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     q_slice = pl.ds(q_tile * block_q, block_q)
     q_TD = q_ref[q_slice, head, :]
     do_TD = do_ref[q_slice, head, :]
-    segments = (q_seg_ref[q_slice], kv_seg_S) if masked and kv_seg_S is not None else None
-    mask = _tile_mask(q_tile * block_q, k_start, block_q, block_k,
-                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
+    # Padded keys are this program's own rows, zero and cut off: no mask.
+    mask = None if not masked else _mask(
+        q_tile * block_q, k_start, block_q, block_k, cfg, ragged=False,
+        q_seg_T=None if kv_seg_S is None else q_seg_ref[q_slice], kv_seg_S=kv_seg_S)
     s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
     p_TS = jnp.exp2(s_TS - lse_ref[head, q_slice][:, None])
     dv_SD = dv_SD + _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
@@ -331,15 +312,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
   def head_loop(head, carry):
     if plan is not None:
       return _loop_over_plan(functools.partial(tile, head=head), carry, plan)
-    if cfg.causal:
-      first, full = _causal_q_tiles(k_start, block_q, block_k, num_q_tiles)
-      carry = lax.fori_loop(
-          first, full, functools.partial(tile, head=head, masked=True), carry)
-      return lax.fori_loop(
-          full, num_q_tiles, functools.partial(tile, head=head, masked=False),
-          carry)
-    return lax.fori_loop(
-        0, num_q_tiles, functools.partial(tile, head=head, masked=False), carry)
+    first, whole = common.q_tile_range(k_start, block_k, block_q=block_q,
+                                       num_q_tiles=num_q_tiles, causal=cfg.causal)
+    carry = _fori(first, whole, functools.partial(tile, head=head, masked=True), carry)
+    return _fori(whole, num_q_tiles, functools.partial(tile, head=head, masked=False),
+                 carry)
 
   zeros_SD = jnp.zeros(k_SD.shape, jnp.float32)
   dk_SD, dv_SD = lax.fori_loop(0, group, head_loop, (zeros_SD, zeros_SD))
@@ -351,8 +328,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
                kv_seg_ref, tiles_ref, bounds_ref, dq_ref, *, cfg: _Config):
   """Backward, dQ of one query tile: loop over the key tiles, recomputing P."""
   block_q, block_k = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
-  num_kv_tiles = pl.cdiv(cfg.kv_len, block_k)
-  kv_len = cfg.kv_len if cfg.kv_len % block_k else None
   q_start = pl.program_id(0) * block_q
   q_TD = q_ref[...]
   do_TD = do_ref[...]
@@ -362,9 +337,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
   def tile(kv_tile, dq_TD, masked):
     k_slice = pl.ds(kv_tile * block_k, block_k)
-    segments = (q_seg_T, kv_seg_ref[k_slice]) if masked and q_seg_T is not None else None
-    mask = _tile_mask(q_start, kv_tile * block_k, block_q, block_k,
-                      causal=masked and cfg.causal, kv_len=kv_len, segments=segments)
+    mask = _key_tile_mask(q_start, kv_tile, block_q, block_k, cfg, masked=masked,
+                          q_seg_T=q_seg_T, kv_seg_ref=kv_seg_ref)
     k_SD = k_ref[k_slice, :]
     s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
     p_TS = jnp.exp2(s_TS - lse_T[:, None])
@@ -373,9 +347,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     return dq_TD + _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
 
   dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
-  dq_TD = _loop_over_kv_tiles(tile, dq_TD, causal=cfg.causal, q_start=q_start,
-                              block_q=block_q, block_k=block_k, num_kv_tiles=num_kv_tiles,
-                              plan=common.plan_refs(tiles_ref, bounds_ref))
+  dq_TD = _loop_over_kv_tiles(tile, dq_TD, q_start, block_q, block_k, cfg,
+                              common.plan_refs(tiles_ref, bounds_ref))
   dq_ref[...] = (dq_TD * cfg.scale).astype(dq_ref.dtype)
 
 
@@ -384,7 +357,7 @@ def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int
   """With segment ids, the block-sparse plan of a kernel
   (`block_sparse.plan_over_keys` for the forward and dQ kernels, whose
   programs own a query tile; `plan_over_queries` for dK/dV) and its
-  BlockSpecs, as (arrays, specs): tiles [B, P, N] (N padded to a power of
+  BlockSpecs, as (arrays, specs): tiles [B, P, J] (J padded to a power of
   two for Triton) and bounds [B, P, 4] (first, split, count, 0) of the P
   program tiles. Without them, (None, None) twice."""
   if q_seg_BT is None:
@@ -402,7 +375,7 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
   """Launches the forward kernel: (out [B, T, H, D], lse [B, H, T] base 2)."""
   B, T, H, D = q_BTHD.shape
   S = k_BSKD.shape[1]
-  group = H // cfg.num_kv_heads
+  group = H // k_BSKD.shape[2]
   block_q = cfg.blocks.block_q
   kv_spec = pl.BlockSpec((None, S, None, D),
                          lambda t, b, h: (b, 0, lax.div(h, group), 0))
@@ -439,8 +412,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   group = H // K
   blocks = cfg.blocks
   has_seg = q_seg_BT is not None
-  delta_BHT = jnp.sum(o_BTHD.astype(jnp.float32) * do_BTHD.astype(jnp.float32),
-                      axis=-1).transpose(0, 2, 1)
+  delta_BHT = common.delta(o_BTHD, do_BTHD)
   params = _compiler_params(blocks.num_warps_bwd, blocks.num_stages_bwd)
   args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT,
           kv_seg_BS)
@@ -597,18 +569,12 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if block_k is not None:
     blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dkv=block_k,
                                  block_k_dq=block_k)
-  cfg = _Config(scale=scale, causal=causal, q_len=T, kv_len=S, num_kv_heads=K,
-                blocks=blocks, interpret=interpret)
-
-  # Tile alignment: zero-pad the head dim to a power of two >= 16 and the
-  # lengths to whole tiles. Padded keys are masked (kv_len, segment id 0);
-  # padded query rows are cut off below, so their gradients are zero.
-  T_pad = common.round_up(T, blocks.q_multiple)
-  S_pad = common.round_up(S, blocks.kv_multiple)
-  D_pad = max(_MIN_BLOCK, pl.next_power_of_2(D))
-  q = common.pad_to(common.pad_to(q_BTHD, 1, T_pad), 3, D_pad)
-  k = common.pad_to(common.pad_to(k_BSKD, 1, S_pad), 3, D_pad)
-  v = common.pad_to(common.pad_to(v_BSKD, 1, S_pad), 3, D_pad)
-  q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
-  kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
-  return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T, :, :D]
+  cfg = _Config(scale=scale, causal=causal, q_len=T, kv_len=S, blocks=blocks,
+                interpret=interpret)
+  # Tile alignment: the head dim zero-padded to a power of two >= 16, the
+  # lengths to whole tiles.
+  return common.padded_call(
+      lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),
+      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
+      q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple,
+      head_dim=max(_MIN_BLOCK, pl.next_power_of_2(D)))

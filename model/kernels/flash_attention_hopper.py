@@ -14,6 +14,13 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   gives K and V barriers of their own). A compute warpgroup that needs
   fewer tiles than its neighbour (causal) still waits for and frees the
   rest, so the ring stays in step.
+- Each kernel body takes its operands, outputs and shared memory by name
+  (`_Operands`, `_ForwardScratch`, `_DqScratch`, `_DkDvScratch`: NamedTuples
+  of refs). A barrier's arrival count is derived from what arrives on it
+  (`_filled_by`: one TMA copy per scratch entry it guards;
+  `_each_compute_wg`) and checked, at trace time, against the code that
+  arrives (`_copy_in`, `_release`, `_Turns`, `_DqExchange`): a layout out of
+  step with the kernel is a ValueError, not a deadlock on the GPU.
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma (the fused backward also
   writes dS to shared memory, for dQ). Scores are masked and scaled to base
@@ -27,7 +34,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
 
 What it takes: float16/bfloat16, head_dim 64 or 128, causal or not, segment
 ids (packing, padding; a query with no visible key gets zeros), grouped
-heads, any lengths (padded to whole tiles, padded keys masked). The portable
+heads, any lengths (padded to whole tiles, padded keys masked); the mask
+semantics and causal tile arithmetic are `common.py`'s. The portable
 kernel (`flash_attention.py`) covers every other GPU, float32 and other head
 dims; `supports` says which applies.
 
@@ -65,7 +73,7 @@ interpreting.
 import dataclasses
 import functools
 import math
-from typing import Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -76,7 +84,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from model.kernels import block_sparse
 from model.kernels import common
 
-_LOG2_E = math.log2(math.e)
 ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
 _COMPUTE_WGS = 2
 _PRODUCER = _COMPUTE_WGS  # index of the producer warpgroup
@@ -107,6 +114,16 @@ class HopperBlocks:
   pingpong: bool = True
   block_k_dq: int | None = None
   fused_dq: bool = False
+
+  @property
+  def q_multiple(self) -> int:
+    """The query length is padded to a multiple of this."""
+    return math.lcm(_COMPUTE_WGS * ROWS, self.block_q_dkv)
+
+  @property
+  def kv_multiple(self) -> int:
+    """The key length is padded to a multiple of this."""
+    return math.lcm(_COMPUTE_WGS * ROWS, self.block_k, self.block_k_dq or self.block_k)
 
   def for_dq(self) -> "HopperBlocks":
     """The tiles as the dQ kernel sees them (its key tile as block_k)."""
@@ -262,11 +279,16 @@ class _Config:
   scale: float
   causal: bool
   segments: bool  # segment ids given: mask by them, rows may be empty
-  q_len: int  # padded query length (a multiple of 2 * ROWS)
+  q_len: int  # true query length (the arrays are padded past it)
   kv_len: int  # true key length (the arrays are padded past it)
   group: int  # query heads per KV head
   blocks: HopperBlocks
   interpret: bool
+
+  @property
+  def q_len_padded(self) -> int:
+    """The query length of the arrays (`HopperBlocks.q_multiple`)."""
+    return common.round_up(self.q_len, self.blocks.q_multiple)
 
   @property
   def ragged(self) -> bool:
@@ -280,10 +302,6 @@ def _smem(shape, dtype):
   return plgpu.SMEM(shape, dtype, transforms=(
       plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
       plgpu.SwizzleTransform(128)))
-
-
-def _steps(lo, hi, body, carry=0):
-  return lax.fori_loop(lo, hi, body, carry)
 
 
 def _produce(num_steps, stages: int, rings):
@@ -304,8 +322,8 @@ def _produce(num_steps, stages: int, rings):
       pl.when(j >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
       issue(j, slot, full.at[slot])
     return carry
-  _steps(0, num_steps, step)
-  _steps(jnp.maximum(num_steps - stages, 0), num_steps, wait_free)
+  lax.fori_loop(0, num_steps, step, 0)
+  lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, wait_free, 0)
 
 
 def _pass(lo, hi, stages: int, rings, turns=None):
@@ -319,9 +337,9 @@ def _pass(lo, hi, stages: int, rings, turns=None):
     if turns is not None:
       turns.skip_step()
     for _, free in rings:
-      plgpu.barrier_arrive(free.at[slot])
+      _release(free.at[slot])
     return carry
-  _steps(lo, hi, step)
+  lax.fori_loop(lo, hi, step, 0)
 
 
 class _Turns:
@@ -337,6 +355,8 @@ class _Turns:
   """
 
   def __init__(self, turn, enabled: bool, per_step: int):
+    if enabled:
+      _check_arrivals(turn, 1, "the other compute warpgroup")
     self.turn = turn
     self.enabled = enabled
     self.per_step = per_step
@@ -366,48 +386,55 @@ class _Turns:
       pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.turn.at[0]))
 
 
+def _filled_by(*tiles, num_barriers: int):
+  """A barrier arrived on by one TMA copy into each of `tiles`, the scratch
+  entries its copies fill (None: absent, no copy)."""
+  return plgpu.Barrier(num_arrivals=sum(tile is not None for tile in tiles),
+                       num_barriers=num_barriers)
+
+
+def _each_compute_wg(num_barriers: int):
+  """A barrier each compute warpgroup arrives on once (`_release`,
+  `_DqExchange.put`)."""
+  return plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_barriers)
+
+
+def _check_arrivals(barrier, count: int, by: str):
+  """Raises at trace time unless `barrier` (a ref) counts `count` arrivals:
+  its scratch entry and the code arriving on it disagree, which on the GPU
+  would deadlock."""
+  expected = barrier.dtype.num_arrivals
+  if expected != count:
+    raise ValueError(f"flash_attention_hopper: a barrier of {expected} arrivals is "
+                     f"arrived on by {count} {by}; its scratch entry does not match "
+                     "the code that arrives on it")
+
+
 def _copy_in(pairs, barrier):
-  """TMA copies of (source, destination) pairs (None skipped), all arriving
-  on `barrier`, which counts one arrival per copy (see `_arrivals`)."""
-  for src, dst in pairs:
-    if src is not None:
-      plgpu.copy_gmem_to_smem(src, dst, barrier)
+  """TMA copies of (source in global memory, destination in shared memory)
+  pairs, all arriving on `barrier`, which must count one arrival per copy.
+  A pair (None, None) is an operand not given; one side None, or shapes that
+  differ, is a scratch layout out of step with the kernel: a ValueError."""
+  copies = [(src, dst) for src, dst in pairs if src is not None or dst is not None]
+  for src, dst in copies:
+    if src is None or dst is None or src.shape != dst.shape:
+      raise ValueError(f"flash_attention_hopper: a TMA copy from {src} to {dst}: "
+                       "the operand and its scratch entry do not match")
+  _check_arrivals(barrier, len(copies), "TMA copies")
+  for src, dst in copies:
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
 
 
-def _arrivals(*refs) -> int:
-  return sum(ref is not None for ref in refs)
+def _release(barrier):
+  """This compute warpgroup is done with a slot or step: arrive on
+  `barrier`, which must count one arrival per compute warpgroup."""
+  _check_arrivals(barrier, _COMPUTE_WGS, "compute warpgroups")
+  plgpu.barrier_arrive(barrier)
 
 
-def _kv_tiles_seen(q_end, cfg: _Config):
-  """Key tiles a query tile ending (exclusive) at `q_end` sees (no segment
-  ids)."""
-  tiles = pl.cdiv(cfg.kv_len, cfg.blocks.block_k)
-  if not cfg.causal:
-    return jnp.int32(tiles)
-  seen = lax.div(q_end + cfg.blocks.block_k - 1, cfg.blocks.block_k)
-  return jnp.minimum(seen, tiles)
-
-
-def _kv_tiles_unmasked(q_start, cfg: _Config):
-  """Leading key tiles every row of the query tile at `q_start` sees whole
-  (no segment ids)."""
-  whole = cfg.kv_len // cfg.blocks.block_k
-  if not cfg.causal:
-    return jnp.int32(whole)
-  return jnp.minimum(lax.div(q_start + 1, cfg.blocks.block_k), whole)
-
-
-def _q_tiles(k_start, cfg: _Config):
-  """Query tiles of the dK/dV kernel for the key tile at `k_start` (no
-  segment ids): [first, full) need a mask, [full, end) see the whole key
-  tile."""
-  block_q = cfg.blocks.block_q_dkv
-  end = cfg.q_len // block_q
-  if not cfg.causal:
-    return jnp.int32(0), jnp.int32(0), end
-  first = jnp.minimum(lax.div(k_start, block_q), end)
-  full = jnp.minimum(lax.div(k_start + ROWS - 1 + block_q - 1, block_q), end)
-  return first, full, end
+def _at(ref, *index):
+  """ref.at[index], or None for an absent operand or scratch entry."""
+  return None if ref is None else ref.at[index]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,12 +442,13 @@ class _Plan:
   """The steps of a CTA over its streamed tiles, as one warpgroup takes
   them: the CTA streams `count` tiles, steps start .. start + count - 1,
   step n being tile `tile(n)`; this warpgroup takes steps [first, last) and
-  passes the others. `listed`: the plan `block_sparse.schedule` made from
-  segment ids, whose steps before `split` are masked; without segment ids
-  the forward and dQ kernels mask their steps from `split` on, the dK/dV
-  kernel those before it."""
+  passes the others. Its steps in [whole_from, whole_to) see their whole
+  tile and run without the mask; its other steps are masked. `listed`: the
+  plan `block_sparse.schedule` made from segment ids (masked steps first,
+  whole_to == last)."""
   first: jax.Array
-  split: jax.Array
+  whole_from: jax.Array
+  whole_to: jax.Array
   last: jax.Array
   count: jax.Array
   tile: Callable[[jax.Array], jax.Array]
@@ -428,49 +456,57 @@ class _Plan:
   start: jax.Array | int = 0
 
 
+def _listed_plan(cta_start, wg, plan_refs, *, from_first: bool) -> _Plan:
+  """Warpgroup `wg`'s view of the listed plan of the CTA whose tiles start
+  at row `cta_start`: from its bound `first` on, or from step 0."""
+  tiles_ref, bounds_ref = plan_refs
+  b, cta = lax.axis_index("b"), lax.div(cta_start, _COMPUTE_WGS * ROWS)
+  first = bounds_ref[b, cta, wg, 0] if from_first else jnp.int32(0)
+  split, count = bounds_ref[b, cta, wg, 1], bounds_ref[b, cta, wg, 2]
+  return _Plan(first, whole_from=split, whole_to=count, last=count, count=count,
+               tile=lambda n: tiles_ref[b, cta, n], listed=True)
+
+
 def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
   """The key tiles of the forward or dQ CTA whose query tiles start at
   `cta_q`, as warpgroup `wg` takes them. Without segment ids: tiles 0, 1,
-  ... up to the diagonal when causal, the masked ones last. With them:
-  every step of the listed plan (which masks a step the warpgroup does not
-  need to nothing): with a pass loop before the step loop, ptxas for
-  sm_90a zeroed the fresh S and dP accumulators of the dQ step with some
-  120 register moves instead of wgmma's no-accumulate form (seen in the
-  SASS of that variant, which was not kept)."""
+  ... up to the diagonal when causal (`common.kv_tile_range`), the masked
+  ones last. With them: every step of the listed plan (which masks a step
+  the warpgroup does not need to nothing; its `first` is 0): with a pass
+  loop before the step loop, ptxas for sm_90a zeroed the fresh S and dP
+  accumulators of the dQ step with some 120 register moves instead of
+  wgmma's no-accumulate form (seen in the SASS of that variant, which was
+  not kept)."""
   if plan_refs is not None:
-    tiles_ref, bounds_ref = plan_refs
-    b, cta = lax.axis_index("b"), lax.div(cta_q, _COMPUTE_WGS * ROWS)
-    count = bounds_ref[b, cta, wg, 2]
-    return _Plan(jnp.int32(0), bounds_ref[b, cta, wg, 1], count, count,
-                 tile=lambda n: tiles_ref[b, cta, n], listed=True)
-  q_start = cta_q + wg * ROWS
-  return _Plan(first=jnp.int32(0), split=_kv_tiles_unmasked(q_start, cfg),
-               last=_kv_tiles_seen(q_start + ROWS, cfg),
-               count=_kv_tiles_seen(cta_q + _COMPUTE_WGS * ROWS, cfg), tile=lambda n: n,
+    return _listed_plan(cta_q, wg, plan_refs, from_first=False)
+  tiles = functools.partial(common.kv_tile_range, block_k=cfg.blocks.block_k,
+                            kv_len=cfg.kv_len, causal=cfg.causal)
+  whole, seen = (jnp.int32(x) for x in tiles(cta_q + wg * ROWS, ROWS))
+  return _Plan(first=jnp.int32(0), whole_from=jnp.int32(0), whole_to=whole, last=seen,
+               count=jnp.int32(tiles(cta_q, _COMPUTE_WGS * ROWS)[1]), tile=lambda n: n,
                listed=False)
 
 
 def _key_rows_plan(cta_k, wg, plan_refs, cfg: _Config) -> _Plan:
   """The query tiles (of each query head) of the dK/dV CTA whose key tiles
   start at `cta_k`, as warpgroup `wg` takes them, the masked ones first:
-  without segment ids, from the diagonal on when causal; with them, the
-  listed plan."""
+  without segment ids, from the diagonal on when causal
+  (`common.q_tile_range`); with them, the listed plan."""
   if plan_refs is not None:
-    tiles_ref, bounds_ref = plan_refs
-    b, cta = lax.axis_index("b"), lax.div(cta_k, _COMPUTE_WGS * ROWS)
-    first, split, count = (bounds_ref[b, cta, wg, i] for i in range(3))
-    return _Plan(first, split, count, count, tile=lambda n: tiles_ref[b, cta, n],
-                 listed=True)
-  cta_first, _, end = _q_tiles(cta_k, cfg)
-  first, full, _ = _q_tiles(cta_k + wg * ROWS, cfg)
-  return _Plan(first=first, split=full, last=end, count=end - cta_first,
-               tile=lambda n: n, listed=False, start=cta_first)
+    return _listed_plan(cta_k, wg, plan_refs, from_first=True)
+  end = cfg.q_len_padded // cfg.blocks.block_q_dkv
+  tiles = functools.partial(common.q_tile_range, block_q=cfg.blocks.block_q_dkv,
+                            num_q_tiles=end, causal=cfg.causal)
+  cta_first, _ = (jnp.int32(x) for x in tiles(cta_k, _COMPUTE_WGS * ROWS))
+  first, whole = (jnp.int32(x) for x in tiles(cta_k + wg * ROWS, ROWS))
+  return _Plan(first=first, whole_from=whole, whole_to=end, last=end,
+               count=end - cta_first, tile=lambda n: n, listed=False, start=cta_first)
 
 
 def _cta_q_start(cfg: _Config):
   """First query row of this CTA. Causal CTAs run the last (longest) query
   tiles first, so the short ones fill the tail of the launch."""
-  num_ctas = cfg.q_len // (_COMPUTE_WGS * ROWS)
+  num_ctas = cfg.q_len_padded // (_COMPUTE_WGS * ROWS)
   index = lax.axis_index("q")
   if cfg.causal:
     index = num_ctas - 1 - index
@@ -479,33 +515,20 @@ def _cta_q_start(cfg: _Config):
 
 def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool,
           q_seg=None, kv_seg=None):
-  """-inf where a key may not be seen: after the query (causal), padding, or
-  another segment (ids differ, or the key's id is 0).
-
-  `s` is [queries, keys], or [keys, queries] when `transposed`; `q_seg` and
-  `kv_seg` are the tile's segment ids, vectors along those axes.
-  """
+  """-inf where a key may not be seen (`common.visible`). `s` is [queries,
+  keys], or [keys, queries] when `transposed`; `q_seg` and `kv_seg` are the
+  tile's segment ids, vectors along those axes."""
   q_axis, k_axis = (1, 0) if transposed else (0, 1)
-  visible = []
-  if cfg.causal or cfg.ragged:
-    k_pos = ops.positions(s.shape[k_axis], q_axis) + k_start
-    if cfg.causal and cfg.segments:
-      # A key of segment 0 moves past every query, once per key: two
-      # compares and selects a score instead of three.
-      k_pos = jnp.where(kv_seg != 0, k_pos, jnp.iinfo(jnp.int32).max)
-    k_pos = lax.broadcast_in_dim(k_pos, s.shape, [k_axis])
-  if cfg.causal:
-    q_pos = ops.positions(s.shape[q_axis], k_axis) + q_start
-    visible.append(k_pos <= lax.broadcast_in_dim(q_pos, s.shape, [q_axis]))
-  if cfg.ragged:
-    visible.append(k_pos < cfg.kv_len)
-  if cfg.segments:
-    kv_ids = lax.broadcast_in_dim(kv_seg, s.shape, [k_axis])
-    same = lax.broadcast_in_dim(q_seg, s.shape, [q_axis]) == kv_ids
-    visible.append(same if cfg.causal else same & (kv_ids != 0))
-  if not visible:
-    return s
-  return jnp.where(functools.reduce(jnp.logical_and, visible), s, -jnp.inf)
+  q_pos = ops.positions(s.shape[q_axis], k_axis) + q_start if cfg.causal else None
+  k_pos = (ops.positions(s.shape[k_axis], q_axis) + k_start
+           if cfg.causal or cfg.ragged else None)
+  mask = common.visible(
+      q_pos, k_pos,
+      along_q=lambda x: lax.broadcast_in_dim(x, s.shape, [q_axis]),
+      along_k=lambda x: lax.broadcast_in_dim(x, s.shape, [k_axis]),
+      causal=cfg.causal, kv_len=cfg.kv_len if cfg.ragged else None,
+      q_seg=q_seg if cfg.segments else None, kv_seg=kv_seg if cfg.segments else None)
+  return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
 def _rows(vector, shape):
@@ -513,22 +536,112 @@ def _rows(vector, shape):
   return lax.broadcast_in_dim(vector, shape, [0])
 
 
-def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, rings,
-               plan: _Plan, cfg: _Config, ops: _Ops):
+class _Operands(NamedTuple):
+  """A kernel's operands in global memory, None where not given: the
+  forward's are q, k, v and the segment ids; the backward kernels' add dO,
+  lse and delta. `plan`: the kernel's listed plan, (tiles, bounds)
+  (`_query_plan`, `_key_plan`); `dq_acc`: the fused backward's float32 dQ
+  buffer (`_DqExchange`)."""
+  q: Any
+  k: Any
+  v: Any
+  q_seg: Any = None
+  kv_seg: Any = None
+  do: Any = None
+  lse: Any = None
+  delta: Any = None
+  plan: Any = None
+  dq_acc: Any = None
+
+
+class _ForwardOut(NamedTuple):
+  o: Any
+  lse: Any
+
+
+class _DqOut(NamedTuple):
+  dq: Any
+
+
+class _DkDvOut(NamedTuple):
+  dk: Any
+  dv: Any
+
+
+class _ForwardScratch(NamedTuple):
+  """Shared memory of the forward kernel: each compute warpgroup's query
+  tile (and its segment ids, lse), the ring of K and V tiles (and key
+  segment ids), their barriers, the turns."""
+  q: Any
+  q_seg: Any
+  lse: Any
+  k: Any
+  v: Any
+  kv_seg: Any
+  q_full: Any
+  k_full: Any
+  k_free: Any
+  v_full: Any
+  v_free: Any
+  turn: Any
+
+
+class _DqScratch(NamedTuple):
+  """Shared memory of the dQ kernel: each compute warpgroup's Q, dO, lse,
+  delta (and query segment ids), the ring of K and V tiles (and key
+  segment ids), their barriers, the turns."""
+  q: Any
+  do: Any
+  lse: Any
+  delta: Any
+  q_seg: Any
+  k: Any
+  v: Any
+  kv_seg: Any
+  q_full: Any
+  kv_full: Any
+  kv_free: Any
+  turn: Any
+
+
+class _DkDvScratch(NamedTuple):
+  """Shared memory of the dK/dV kernel: each compute warpgroup's K and V
+  tiles (and key segment ids), the ring of Q, dO, lse, delta (and query
+  segment ids), the fused backward's dS and dQ tiles, the barriers, the
+  turns."""
+  k: Any
+  v: Any
+  kv_seg: Any
+  q: Any
+  do: Any
+  lse: Any
+  delta: Any
+  q_seg: Any
+  ds: Any
+  dq: Any
+  kv_full: Any
+  q_full: Any
+  q_free: Any
+  ds_ready: Any
+  ds_read: Any
+  turn: Any
+
+
+def _stream_kv(gmem: _Operands, smem, rings, plan: _Plan, cfg: _Config):
   """The producer of `_query_tile_kernel`: the K, V (and key segment ids)
-  tiles of the CTA's plan, of this CTA's KV head, through one ring (full,
-  free), or K (and ids) through the first of two and V through the
-  second."""
+  tiles of the CTA's plan, of this CTA's KV head, into the ring of `smem`
+  (`_ForwardScratch` or `_DqScratch`), through one pair (full, free) of
+  barrier arrays in `rings`, or K (and ids) through the first of two and V
+  through the second."""
   _set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
 
   def copies(n, slot, with_k: bool, with_v: bool):
     keys = pl.ds(plan.tile(n) * block_k, block_k)
-    pairs = [(k_ref.at[b, keys, kv_head], k_smem.at[slot]),
-             (None if kv_seg_ref is None else kv_seg_ref.at[b, keys],
-              None if kv_seg_smem is None else kv_seg_smem.at[slot])] if with_k else []
-    return pairs + ([(v_ref.at[b, keys, kv_head], v_smem.at[slot])] if with_v else [])
+    pairs = [(gmem.k.at[b, keys, kv_head], smem.k.at[slot]),
+             (_at(gmem.kv_seg, b, keys), _at(smem.kv_seg, slot))] if with_k else []
+    return pairs + ([(gmem.v.at[b, keys, kv_head], smem.v.at[slot])] if with_v else [])
 
   if len(rings) == 1:
     issues = [lambda n, slot, barrier: _copy_in(copies(n, slot, True, True), barrier)]
@@ -538,27 +651,25 @@ def _stream_kv(k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem, rings,
   _produce(plan.count, cfg.blocks.stages, list(zip(rings, issues)))
 
 
-def _query_tile_kernel(compute, kv_stream, plan_refs, turn, per_step: int,
-                       cfg: _Config, ops: _Ops):
+def _query_tile_kernel(compute, gmem: _Operands, smem, rings, per_step: int, cfg: _Config):
   """The frame of the forward and dQ kernels. The producer warpgroup streams
-  the K/V tiles that the CTA's query tiles see (`kv_stream`: the arguments of
-  `_stream_kv` before the plan; `plan_refs`: the listed plan, or None); each
-  compute warpgroup runs `compute(q_start, plan, turns)` on its own query
-  tile, taking turns on the tensor cores through the `turn` barriers,
-  `per_step` a step."""
+  the K/V tiles that the CTA's query tiles see (`_stream_kv`, through
+  `rings`); each compute warpgroup runs `compute(q_start, plan, turns)` on
+  its own query tile, taking turns on the tensor cores through the turn
+  barriers of `smem`, `per_step` a step."""
   wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
-    _stream_kv(*kv_stream, _query_rows_plan(cta_q, 0, plan_refs, cfg), cfg, ops)
+    _stream_kv(gmem, smem, rings, _query_rows_plan(cta_q, 0, gmem.plan, cfg), cfg)
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
-    turns = _Turns(turn, cfg.blocks.pingpong, per_step=per_step)
+    turns = _Turns(smem.turn, cfg.blocks.pingpong, per_step=per_step)
     turns.start()
-    compute(cta_q + wg * ROWS, _query_rows_plan(cta_q, wg, plan_refs, cfg), turns)
+    compute(cta_q + wg * ROWS, _query_rows_plan(cta_q, wg, gmem.plan, cfg), turns)
     turns.finish()
 
 
@@ -567,18 +678,19 @@ def _over_kv_tiles(step, carry, plan: _Plan, rings, turns, cfg: _Config,
   """A compute warpgroup's steps over the key tiles of its plan, from step
   0 (plan.first is 0): `carry = prologue()` if given (which takes step 0,
   masked); `step(n, carry, masked=...)` over the rest of [0, plan.last),
-  in one loop for a listed plan (`masked` a traced flag), else in two (the
-  unmasked steps first); then `last(carry, plan.last)` if given; then
-  passes the rest of the CTA's steps."""
+  in one loop for a listed plan (`masked` a traced flag, the masked steps
+  first), else in two (the unmasked steps first); then `last(carry,
+  plan.last)` if given; then passes the rest of the CTA's steps."""
   start = 0
   if prologue is not None:
     carry, start = prologue(), 1
   if plan.listed:
-    carry = _steps(start, plan.last, lambda n, c: step(n, c, masked=n < plan.split), carry)
+    carry = lax.fori_loop(start, plan.last,
+                          lambda n, c: step(n, c, masked=n < plan.whole_from), carry)
   else:
-    split = jnp.maximum(plan.split, start)
-    carry = _steps(start, split, functools.partial(step, masked=False), carry)
-    carry = _steps(split, plan.last, functools.partial(step, masked=True), carry)
+    masked_from = jnp.maximum(plan.whole_to, start)
+    carry = lax.fori_loop(start, masked_from, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(masked_from, plan.last, functools.partial(step, masked=True), carry)
   if last is not None:
     carry = last(carry, plan.last)
   _pass(plan.last, plan.count, cfg.blocks.stages, rings, turns)
@@ -598,7 +710,7 @@ def _base2(s, cfg: _Config):
   for a positive scale, so that the factor meets the subtracted max or lse in
   one FFMA per score (and the row max is taken before scaling); else the
   scores already scaled, and 1 (a scale <= 0 would turn the mask's -inf)."""
-  factor = cfg.scale * _LOG2_E
+  factor = cfg.scale * common.LOG2_E
   return (s, factor) if factor > 0 else (s * factor, 1.0)
 
 
@@ -611,9 +723,7 @@ def _key_segments(kv_seg_smem, slot, masked: bool, cfg: _Config, ops: _Ops):
   return ops.load_vector(kv_seg_smem.at[slot], along=0)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bounds_ref,
-                    o_ref, lse_ref, q_smem, q_seg_smem, lse_smem, k_smem, v_smem,
-                    kv_seg_smem, q_full, k_full, k_free, v_full, v_free, turn, *,
+def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
                     cfg: _Config, ops: _Ops):
   """Forward: online softmax of two query tiles against streamed K/V tiles.
 
@@ -628,15 +738,16 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
   """
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
+  rings = [(smem.k_full, smem.k_free), (smem.v_full, smem.v_free)]
 
   def compute(q_start, plan: _Plan, turns):
-    q_tile = q_smem.at[wg]
+    q_tile = smem.q.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
-    _copy_in([(q_ref.at[q_rows], q_tile),
-              (None if q_seg_ref is None else q_seg_ref.at[b, pl.ds(q_start, ROWS)],
-               None if q_seg_smem is None else q_seg_smem.at[wg])], q_full.at[wg])
-    plgpu.barrier_wait(q_full.at[wg])
-    q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
+    _copy_in([(gmem.q.at[q_rows], q_tile),
+              (_at(gmem.q_seg, b, pl.ds(q_start, ROWS)), _at(smem.q_seg, wg))],
+             smem.q_full.at[wg])
+    plgpu.barrier_wait(smem.q_full.at[wg])
+    q_seg = ops.load_vector(smem.q_seg.at[wg], along=1) if cfg.segments else None
 
     def softmax(n, s, kv_seg, o, m, l, masked: bool):
       """Online softmax of step n's S (key segment ids `kv_seg`): o and l
@@ -658,44 +769,44 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
     def step(n, carry, masked: bool):
       o, m, l, p = carry
       slot, prev = lax.rem(n, stages), lax.rem(n - 1, stages)
-      plgpu.barrier_wait(v_full.at[prev])
-      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_wait(smem.v_full.at[prev])
+      plgpu.barrier_wait(smem.k_full.at[slot])
       turns.take()
-      o, s = ops.matmuls([[(p, v_smem.at[prev], False, False)],
-                          [(q_tile, k_smem.at[slot], False, True)]], [o, None])
+      o, s = ops.matmuls([[(p, smem.v.at[prev], False, False)],
+                          [(q_tile, smem.k.at[slot], False, True)]], [o, None])
       turns.hand_over()
-      kv_seg = _key_segments(kv_seg_smem, slot, masked, cfg, ops)
-      plgpu.barrier_arrive(v_free.at[prev])
-      plgpu.barrier_arrive(k_free.at[slot])
+      kv_seg = _key_segments(smem.kv_seg, slot, masked, cfg, ops)
+      _release(smem.v_free.at[prev])
+      _release(smem.k_free.at[slot])
       return softmax(n, s, kv_seg, o, m, l, masked)
 
     def last(carry, seen):
       """P V of the last step taken."""
       o, m, l, p = carry
       slot = lax.rem(seen - 1, stages)
-      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_wait(smem.v_full.at[slot])
       turns.take()
-      o = ops.matmul(p, v_smem.at[slot], acc=o)
+      o = ops.matmul(p, smem.v.at[slot], acc=o)
       turns.hand_over()
-      plgpu.barrier_arrive(v_free.at[slot])
+      _release(smem.v_free.at[slot])
       return o, m, l, p
 
     def prologue():
       """Step 0, which every warpgroup takes: S alone (masked, to be safe
       for every tile; one of many)."""
-      plgpu.barrier_wait(k_full.at[0])
+      plgpu.barrier_wait(smem.k_full.at[0])
       turns.take()
-      s = ops.matmul(q_tile, k_smem.at[0], transpose_b=True)
+      s = ops.matmul(q_tile, smem.k.at[0], transpose_b=True)
       turns.hand_over()
-      kv_seg = _key_segments(kv_seg_smem, 0, True, cfg, ops)
-      plgpu.barrier_arrive(k_free.at[0])
+      kv_seg = _key_segments(smem.kv_seg, 0, True, cfg, ops)
+      _release(smem.k_free.at[0])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       return softmax(0, s, kv_seg, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
                      ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
                      ops.cast(jnp.zeros((ROWS,), jnp.float32), row_layout), masked=True)
 
-    o, m, l, _ = _over_kv_tiles(step, None, plan, [(k_full, k_free), (v_full, v_free)],
-                                turns, cfg, prologue=prologue, last=last)
+    o, m, l, _ = _over_kv_tiles(step, None, plan, rings, turns, cfg, prologue=prologue,
+                                last=last)
 
     lse = m + jnp.log2(l)
     if cfg.segments:  # an empty row: output 0, and lse = +inf makes P = 0
@@ -703,72 +814,66 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
       l = jnp.where(empty, 1.0, l)
       lse = jnp.where(empty, jnp.inf, lse)
     q_tile[...] = (o / _rows(l, o.shape)).astype(q_tile.dtype)
-    lse_smem.at[wg][...] = lse
+    smem.lse.at[wg][...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, o_ref.at[q_rows])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(q_start, ROWS)])
+    plgpu.copy_smem_to_gmem(q_tile, out.o.at[q_rows])
+    plgpu.copy_smem_to_gmem(smem.lse.at[wg], out.lse.at[b, h, pl.ds(q_start, ROWS)])
     plgpu.wait_smem_to_gmem(0)
 
   # A turn a step, and one more: S_0 alone, then P V of the last tile alone.
-  _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               [(k_full, k_free), (v_full, v_free)]),
-                     common.plan_refs(tiles_ref, bounds_ref), turn, 1, cfg, ops)
+  _query_tile_kernel(compute, gmem, smem, rings, 1, cfg)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-               kv_seg_ref, tiles_ref, bounds_ref, dq_ref, q_smem, do_smem, lse_smem,
-               delta_smem, q_seg_smem, k_smem, v_smem, kv_seg_smem, q_full, kv_full,
-               kv_free, turn, *, cfg: _Config, ops: _Ops):
+def _dq_kernel(gmem: _Operands, out: _DqOut, smem: _DqScratch, *, cfg: _Config, ops: _Ops):
   """Backward, dQ of two query tiles: recompute P from the lse per K/V tile."""
   b, h, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   stages = cfg.blocks.stages
+  rings = [(smem.kv_full, smem.kv_free)]
 
   def compute(q_start, plan: _Plan, turns):
-    q_tile, do_tile = q_smem.at[wg], do_smem.at[wg]
+    q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
-    _copy_in([(q_ref.at[q_rows], q_tile), (do_ref.at[q_rows], do_tile),
-              (lse_ref.at[vec_rows], lse_smem.at[wg]),
-              (delta_ref.at[vec_rows], delta_smem.at[wg]),
-              (None if q_seg_ref is None else q_seg_ref.at[b, pl.ds(q_start, ROWS)],
-               None if q_seg_smem is None else q_seg_smem.at[wg])], q_full.at[wg])
-    plgpu.barrier_wait(q_full.at[wg])
-    lse = ops.load_vector(lse_smem.at[wg], along=1)
-    delta = ops.load_vector(delta_smem.at[wg], along=1)
-    q_seg = ops.load_vector(q_seg_smem.at[wg], along=1) if cfg.segments else None
+    _copy_in([(gmem.q.at[q_rows], q_tile), (gmem.do.at[q_rows], do_tile),
+              (gmem.lse.at[vec_rows], smem.lse.at[wg]),
+              (gmem.delta.at[vec_rows], smem.delta.at[wg]),
+              (_at(gmem.q_seg, b, pl.ds(q_start, ROWS)), _at(smem.q_seg, wg))],
+             smem.q_full.at[wg])
+    plgpu.barrier_wait(smem.q_full.at[wg])
+    lse = ops.load_vector(smem.lse.at[wg], along=1)
+    delta = ops.load_vector(smem.delta.at[wg], along=1)
+    q_seg = ops.load_vector(smem.q_seg.at[wg], along=1) if cfg.segments else None
 
     def step(n, dq, masked: bool):
       slot = lax.rem(n, stages)
-      plgpu.barrier_wait(kv_full.at[slot])
+      plgpu.barrier_wait(smem.kv_full.at[slot])
       turns.take()
-      s, dp = ops.matmuls([[(q_tile, k_smem.at[slot], False, True)],
-                           [(do_tile, v_smem.at[slot], False, True)]])
+      s, dp = ops.matmuls([[(q_tile, smem.k.at[slot], False, True)],
+                           [(do_tile, smem.v.at[slot], False, True)]])
       turns.hand_over()
       s, factor = _base2(s, cfg)
       x = s * factor - _rows(lse, s.shape)  # masked after: one FFMA a score
-      kv_seg = _key_segments(kv_seg_smem, slot, masked, cfg, ops)
+      kv_seg = _key_segments(smem.kv_seg, slot, masked, cfg, ops)
       x = _masked_if(masked, lambda x: _mask(
           x, q_start, plan.tile(n) * cfg.blocks.block_k, ops, cfg, transposed=False,
           q_seg=q_seg, kv_seg=kv_seg), x)
       p = jnp.exp2(x)
       ds = p * (dp - _rows(delta, dp.shape))
       turns.take()
-      dq = ops.matmul(ds.astype(q_tile.dtype), k_smem.at[slot], transpose_b=False,
+      dq = ops.matmul(ds.astype(q_tile.dtype), smem.k.at[slot], transpose_b=False,
                       acc=dq)
       turns.hand_over()
-      plgpu.barrier_arrive(kv_free.at[slot])
+      _release(smem.kv_free.at[slot])
       return dq
 
     dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)), plan,
-                        [(kv_full, kv_free)], turns, cfg)
+                        rings, turns, cfg)
     q_tile[...] = (dq * cfg.scale).astype(q_tile.dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_tile, dq_ref.at[q_rows])
+    plgpu.copy_smem_to_gmem(q_tile, out.dq.at[q_rows])
     plgpu.wait_smem_to_gmem(0)
 
-  _query_tile_kernel(compute, (k_ref, v_ref, kv_seg_ref, k_smem, v_smem, kv_seg_smem,
-                               [(kv_full, kv_free)]), common.plan_refs(tiles_ref, bounds_ref),
-                     turn, 2, cfg, ops)
+  _query_tile_kernel(compute, gmem, smem, rings, 2, cfg)
 
 
 class _DqExchange:
@@ -790,11 +895,13 @@ class _DqExchange:
   the next step's dS.
   """
 
-  def __init__(self, ds_smem, dq_smem, k_smem, ready, read, ops: _Ops):
-    self.ds_smem, self.dq_smem, self.k_smem = ds_smem, dq_smem, k_smem
-    self.ready, self.read, self.ops = ready, read, ops
+  def __init__(self, smem: "_DkDvScratch", ops: _Ops):
+    _check_arrivals(smem.ds_ready, _COMPUTE_WGS, "compute warpgroups")
+    _check_arrivals(smem.ds_read, 1, "the multiplying warpgroup")
+    self.ds_smem, self.dq_smem, self.k_smem = smem.ds, smem.dq, smem.k
+    self.ready, self.read, self.ops = smem.ds_ready, smem.ds_read, ops
     self.wg = lax.axis_index("wg")
-    self.chunks = k_smem.shape[-1] // _DQ_COLUMNS  # turns `add` takes a step
+    self.chunks = smem.k.shape[-1] // _DQ_COLUMNS  # turns `add` takes a step
 
   def _mine(self, t):
     return lax.rem(t, _COMPUTE_WGS) == self.wg
@@ -841,62 +948,57 @@ class _DqExchange:
         lambda: plgpu.barrier_wait(self.read.at[1 - self.wg]))
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
-                 kv_seg_ref, tiles_ref, bounds_ref, dq_acc_ref, dk_ref, dv_ref, k_smem,
-                 v_smem, kv_seg_smem, q_smem, do_smem, lse_smem, delta_smem, q_seg_smem,
-                 ds_smem, dq_smem,
-                 kv_full, q_full, q_free, ds_ready, ds_read, turn, *, cfg: _Config,
+def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Config,
                  ops: _Ops):
   """Backward, dK and dV of two key tiles: stream (query head of the group,
   query tile) pairs, recompute P^T from the lse, accumulate over both. With
-  `fused_dq`, also add dS K for each pair into `dq_acc_ref` [slabs, B, T,
+  `fused_dq`, also add dS K for each pair into `gmem.dq_acc` [slabs, B, T,
   H, D] float32 (unscaled; `_DqExchange`)."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
   cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
-  plan_refs = common.plan_refs(tiles_ref, bounds_ref)
 
   @pl.when(wg == _PRODUCER)
   def _producer():
     _set_registers(producer=True)
-    plan = _key_rows_plan(cta_k, 0, plan_refs, cfg)
+    plan = _key_rows_plan(cta_k, 0, gmem.plan, cfg)
 
     def issue(t, slot, barrier):
       head = kv_head * cfg.group + lax.div(t, plan.count)
       queries = pl.ds(plan.tile(plan.start + lax.rem(t, plan.count)) * block_q, block_q)
-      _copy_in([(q_ref.at[b, queries, head], q_smem.at[slot]),
-                (do_ref.at[b, queries, head], do_smem.at[slot]),
-                (lse_ref.at[b, head, queries], lse_smem.at[slot]),
-                (delta_ref.at[b, head, queries], delta_smem.at[slot]),
-                (None if q_seg_ref is None else q_seg_ref.at[b, queries],
-                 None if q_seg_smem is None else q_seg_smem.at[slot])], barrier)
-    _produce(cfg.group * plan.count, stages, [((q_full, q_free), issue)])
+      _copy_in([(gmem.q.at[b, queries, head], smem.q.at[slot]),
+                (gmem.do.at[b, queries, head], smem.do.at[slot]),
+                (gmem.lse.at[b, head, queries], smem.lse.at[slot]),
+                (gmem.delta.at[b, head, queries], smem.delta.at[slot]),
+                (_at(gmem.q_seg, b, queries), _at(smem.q_seg, slot))], barrier)
+    _produce(cfg.group * plan.count, stages, [((smem.q_full, smem.q_free), issue)])
 
   @pl.when(wg < _COMPUTE_WGS)
   def _compute():
     _set_registers(producer=False)
     k_start = cta_k + wg * ROWS
-    k_tile, v_tile = k_smem.at[wg], v_smem.at[wg]
+    k_tile, v_tile = smem.k.at[wg], smem.v.at[wg]
     dtype = k_tile.dtype
     k_rows = (b, pl.ds(k_start, ROWS), kv_head)
-    _copy_in([(k_ref.at[k_rows], k_tile), (v_ref.at[k_rows], v_tile),
-              (None if kv_seg_ref is None else kv_seg_ref.at[b, pl.ds(k_start, ROWS)],
-               None if kv_seg_smem is None else kv_seg_smem.at[wg])], kv_full.at[wg])
-    plgpu.barrier_wait(kv_full.at[wg])
-    kv_seg = ops.load_vector(kv_seg_smem.at[wg], along=1) if cfg.segments else None
-    plan = _key_rows_plan(cta_k, wg, plan_refs, cfg)
-    first, split, count = plan.first, plan.split, plan.count
+    _copy_in([(gmem.k.at[k_rows], k_tile), (gmem.v.at[k_rows], v_tile),
+              (_at(gmem.kv_seg, b, pl.ds(k_start, ROWS)), _at(smem.kv_seg, wg))],
+             smem.kv_full.at[wg])
+    plgpu.barrier_wait(smem.kv_full.at[wg])
+    kv_seg = ops.load_vector(smem.kv_seg.at[wg], along=1) if cfg.segments else None
+    plan = _key_rows_plan(cta_k, wg, gmem.plan, cfg)
+    # Steps [first, whole) are masked, [whole, plan.last) not.
+    first, whole, count = plan.first, plan.whole_from, plan.count
     exchange = None
     if cfg.blocks.fused_dq:
-      exchange = _DqExchange(ds_smem, dq_smem, k_smem, ds_ready, ds_read, ops)
+      exchange = _DqExchange(smem, ops)
       if cfg.causal or cfg.segments:
         # Both warpgroups take every tile the CTA streams (each dQ product
         # needs both dS), in one loop, every tile masked: with a masked and an
         # unmasked loop ptxas spilled 236 bytes at head_dim 128, with one none
         # (bench/compile_h200.py, before `_DqExchange`). The mask costs a
         # compare and a select per score, against five matmuls.
-        first, split = plan.start, plan.last
-    turns = _Turns(turn, cfg.blocks.pingpong,
+        first, whole = plan.start, plan.last
+    turns = _Turns(smem.turn, cfg.blocks.pingpong,
                    per_step=3 + (exchange.chunks if exchange else 0))
     turns.start()
 
@@ -904,16 +1006,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       dk, dv = carry
       t = g * count + n - plan.start  # the CTA's step
       slot = lax.rem(t, stages)
-      plgpu.barrier_wait(q_full.at[slot])
-      q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+      plgpu.barrier_wait(smem.q_full.at[slot])
+      q_tile, do_tile = smem.q.at[slot], smem.do.at[slot]
       turns.take()
       s_t = ops.matmul(k_tile, q_tile, transpose_b=True)
       turns.hand_over()
       s_t, factor = _base2(s_t, cfg)
-      lse = ops.load_vector(lse_smem.at[slot], along=0)
+      lse = ops.load_vector(smem.lse.at[slot], along=0)
       x_t = s_t * factor - lax.broadcast_in_dim(lse, s_t.shape, [1])  # masked after: FFMA
       if masked:
-        q_seg = ops.load_vector(q_seg_smem.at[slot], along=0) if cfg.segments else None
+        q_seg = ops.load_vector(smem.q_seg.at[slot], along=0) if cfg.segments else None
         x_t = _mask(x_t, plan.tile(n) * block_q, k_start, ops, cfg, transposed=True,
                     q_seg=q_seg, kv_seg=kv_seg)
       p_t = jnp.exp2(x_t)
@@ -923,40 +1025,45 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
       dv = ops.matmul(p_t.astype(dtype), do_tile, acc=dv)
       dp_t = ops.matmul(v_tile, do_tile, transpose_b=True)
       turns.hand_over()
-      delta = ops.load_vector(delta_smem.at[slot], along=0)
+      delta = ops.load_vector(smem.delta.at[slot], along=0)
       ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
       if exchange is not None:
         exchange.put(ds_t, t)
       turns.take()
       dk = ops.matmul(ds_t, q_tile, acc=dk)
       turns.hand_over()
-      plgpu.barrier_arrive(q_free.at[slot])  # the dQ product reads no slot of the ring
+      _release(smem.q_free.at[slot])  # the dQ product reads no slot of the ring
       if exchange is not None:
-        exchange.add(t, dq_acc_ref.at[:, b, pl.ds(plan.tile(n) * block_q, block_q),
+        exchange.add(t, gmem.dq_acc.at[:, b, pl.ds(plan.tile(n) * block_q, block_q),
                                       kv_head * cfg.group + g], turns)
       return dk, dv
 
     def head(g, carry):  # masked steps first, in either plan (`_key_rows_plan`)
       head_step0 = g * count
-      _pass(head_step0, head_step0 + first - plan.start, stages, [(q_full, q_free)], turns)
-      carry = _steps(first, split, functools.partial(step, g=g, masked=True), carry)
-      return _steps(split, plan.last, functools.partial(step, g=g, masked=False), carry)
+      _pass(head_step0, head_step0 + first - plan.start, stages,
+            [(smem.q_full, smem.q_free)], turns)
+      carry = lax.fori_loop(first, whole, functools.partial(step, g=g, masked=True), carry)
+      return lax.fori_loop(whole, plan.last, functools.partial(step, g=g, masked=False),
+                           carry)
 
     zeros = ops.tile(jnp.zeros(k_tile.shape, jnp.float32))
-    dk, dv = _steps(0, cfg.group, head, (zeros, zeros))
+    dk, dv = lax.fori_loop(0, cfg.group, head, (zeros, zeros))
     if exchange is not None:
       exchange.finish(cfg.group * count)
     turns.finish()
     k_tile[...] = (dk * cfg.scale).astype(dtype)
     v_tile[...] = dv.astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_tile, dk_ref.at[k_rows])
-    plgpu.copy_smem_to_gmem(v_tile, dv_ref.at[k_rows])
+    plgpu.copy_smem_to_gmem(k_tile, out.dk.at[k_rows])
+    plgpu.copy_smem_to_gmem(v_tile, out.dv.at[k_rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
-  """A three-warpgroup Mosaic GPU kernel (interpreted when not on a GPU)."""
+  """A three-warpgroup Mosaic GPU kernel (interpreted when not on a GPU):
+  body(operands, outputs, scratch, cfg=, ops=) receives an `_Operands` of
+  global-memory refs, outputs as refs in the NamedTuple type of `out_type`,
+  and `scratch` (a NamedTuple of scratch types) as a NamedTuple of refs."""
   interpret = None
   if cfg.interpret:
     from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
@@ -964,9 +1071,10 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
   mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=_COMPUTE_WGS + 1,
                     thread_name="wg", kernel_name=f"flash_attention_hopper_{name}")
 
-  def kernel_body(*refs):
-    pl.run_scoped(functools.partial(body, *refs, cfg=cfg, ops=_Ops(cfg.interpret)),
-                  *scratch, collective_axes="wg")
+  def kernel_body(operands, *outputs):
+    pl.run_scoped(lambda refs: body(operands, type(out_type)(*outputs), refs, cfg=cfg,
+                                    ops=_Ops(cfg.interpret)),
+                  scratch, collective_axes="wg")
   # pl.kernel rather than plgpu.kernel: it takes a Ref argument (the fused
   # backward's dQ buffer) and aliases it in and out of the kernel.
   return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
@@ -975,7 +1083,8 @@ def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
 
 
 def _turn_barriers(blocks: HopperBlocks):
-  """The two barriers of `_Turns`, or None without ping-pong."""
+  """The two barriers of `_Turns` (each arrived on by the other compute
+  warpgroup), or None without ping-pong."""
   return plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if blocks.pingpong else None
 
 
@@ -984,59 +1093,63 @@ def _vectors(n: int, length: int, dtype, present: bool = True):
   return plgpu.SMEM((n, length), dtype) if present else None
 
 
-def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _ForwardScratch:
+  """The forward's scratch; each barrier counts the arrivals of the copies
+  or warpgroups that arrive on it."""
   ring = (blocks.stages, blocks.block_k, D)
-  return [
-      _smem((_COMPUTE_WGS, ROWS, D), dtype),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
-      _smem(ring, dtype), _smem(ring, dtype),
-      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
-      plgpu.Barrier(num_arrivals=1 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=1 + seg, num_barriers=blocks.stages),  # K full
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),  # K free
-      plgpu.Barrier(num_arrivals=1, num_barriers=blocks.stages),  # V full
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),  # V free
-      _turn_barriers(blocks),
-  ]
+  q, q_seg = _smem((_COMPUTE_WGS, ROWS, D), dtype), _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
+  k, v = _smem(ring, dtype), _smem(ring, dtype)
+  kv_seg = _vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
+  return _ForwardScratch(
+      q=q, q_seg=q_seg, lse=_vectors(_COMPUTE_WGS, ROWS, jnp.float32), k=k, v=v,
+      kv_seg=kv_seg,
+      q_full=_filled_by(q, q_seg, num_barriers=_COMPUTE_WGS),
+      k_full=_filled_by(k, kv_seg, num_barriers=blocks.stages),
+      k_free=_each_compute_wg(blocks.stages),
+      v_full=_filled_by(v, num_barriers=blocks.stages),
+      v_free=_each_compute_wg(blocks.stages),
+      turn=_turn_barriers(blocks))
 
 
-def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _DqScratch:
+  """The dQ kernel's scratch (for `blocks`, which it reads `for_dq`)."""
   blocks = blocks.for_dq()
   own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_k, D)
-  return [
-      _smem(own, dtype), _smem(own, dtype),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.float32),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
-      _smem(ring, dtype), _smem(ring, dtype),
-      _vectors(blocks.stages, blocks.block_k, jnp.int32, seg),
-      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
-      _turn_barriers(blocks),
-  ]
+  q, do = _smem(own, dtype), _smem(own, dtype)
+  lse, delta = _vectors(_COMPUTE_WGS, ROWS, jnp.float32), _vectors(_COMPUTE_WGS, ROWS, jnp.float32)
+  q_seg = _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
+  k, v = _smem(ring, dtype), _smem(ring, dtype)
+  kv_seg = _vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
+  return _DqScratch(
+      q=q, do=do, lse=lse, delta=delta, q_seg=q_seg, k=k, v=v, kv_seg=kv_seg,
+      q_full=_filled_by(q, do, lse, delta, q_seg, num_barriers=_COMPUTE_WGS),
+      kv_full=_filled_by(k, v, kv_seg, num_barriers=blocks.stages),
+      kv_free=_each_compute_wg(blocks.stages),
+      turn=_turn_barriers(blocks))
 
 
-def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> list:
+def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _DkDvScratch:
+  """The dK/dV kernel's scratch, with the fused backward's dS and dQ tiles
+  and barriers when `blocks.fused_dq`."""
   own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_q_dkv, D)
   fused = blocks.fused_dq
-  return [
-      _smem(own, dtype), _smem(own, dtype),
-      _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg),
-      _smem(ring, dtype), _smem(ring, dtype),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32),
-      _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg),
-      _smem((_COMPUTE_WGS, ROWS, blocks.block_q_dkv), dtype) if fused else None,
-      _smem((_COMPUTE_WGS, blocks.block_q_dkv, D), jnp.float32) if fused else None,
-      plgpu.Barrier(num_arrivals=2 + seg, num_barriers=_COMPUTE_WGS),
-      plgpu.Barrier(num_arrivals=4 + seg, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=blocks.stages),
-      plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=_COMPUTE_WGS) if fused else None,
-      plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if fused else None,
-      _turn_barriers(blocks),
-  ]
+  k, v = _smem(own, dtype), _smem(own, dtype)
+  kv_seg = _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
+  q, do = _smem(ring, dtype), _smem(ring, dtype)
+  lse = _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
+  delta = _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
+  q_seg = _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg)
+  return _DkDvScratch(
+      k=k, v=v, kv_seg=kv_seg, q=q, do=do, lse=lse, delta=delta, q_seg=q_seg,
+      ds=_smem((_COMPUTE_WGS, ROWS, blocks.block_q_dkv), dtype) if fused else None,
+      dq=_smem((_COMPUTE_WGS, blocks.block_q_dkv, D), jnp.float32) if fused else None,
+      kv_full=_filled_by(k, v, kv_seg, num_barriers=_COMPUTE_WGS),
+      q_full=_filled_by(q, do, lse, delta, q_seg, num_barriers=blocks.stages),
+      q_free=_each_compute_wg(blocks.stages),
+      # `_DqExchange`: ready is arrived on by both warpgroups, read by one.
+      ds_ready=_each_compute_wg(_COMPUTE_WGS) if fused else None,
+      ds_read=plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if fused else None,
+      turn=_turn_barriers(blocks))
 
 
 SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may take on an H100/H200
@@ -1081,19 +1194,19 @@ def _check_shared_memory(head_dim: int, dtype, blocks: HopperBlocks, segments: b
 
 def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
   """The listed plan of the forward or dQ kernel (key tiles of `block_k`)
-  from the segment ids: (tiles [B, C, N], bounds [B, C, 2, 3]), or (None,
-  None) without segment ids."""
+  from the segment ids: (tiles [B, C, J], bounds [B, C, 2, 3]), or None
+  without segment ids."""
   if not cfg.segments:
-    return None, None
+    return None
   return block_sparse.plan_over_keys(q_seg_BT, kv_seg_BS, q_tile=ROWS, k_tile=block_k,
                                      causal=cfg.causal, per_cta=_COMPUTE_WGS)
 
 
 def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
   """The listed plan of the dK/dV kernel (query tiles of block_q_dkv), or
-  (None, None) without segment ids."""
+  None without segment ids."""
   if not cfg.segments:
-    return None, None
+    return None
   return block_sparse.plan_over_queries(q_seg_BT, kv_seg_BS, q_tile=cfg.blocks.block_q_dkv,
                                         k_tile=ROWS, causal=cfg.causal, per_cta=_COMPUTE_WGS)
 
@@ -1101,14 +1214,13 @@ def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
 def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
   """(out [B, T, H, D], lse [B, H, T] base 2)."""
   B, T, H, D = q_BTHD.shape
-  scratch = _forward_scratch(D, q_BTHD.dtype, cfg.blocks, cfg.segments)
-  out_type = (jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
-              jax.ShapeDtypeStruct((B, H, T), jnp.float32))
-  grid = (T // (_COMPUTE_WGS * ROWS), B, H)
-  return _kernel("forward", _forward_kernel, out_type, scratch, grid,
-                 ("q", "b", "h"), cfg)(
-                     q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS,
-                     *_query_plan(q_seg_BT, kv_seg_BS, cfg.blocks.block_k, cfg))
+  gmem = _Operands(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS,
+                   plan=_query_plan(q_seg_BT, kv_seg_BS, cfg.blocks.block_k, cfg))
+  out_type = _ForwardOut(o=jax.ShapeDtypeStruct(q_BTHD.shape, q_BTHD.dtype),
+                         lse=jax.ShapeDtypeStruct((B, H, T), jnp.float32))
+  return _kernel("forward", _forward_kernel, out_type,
+                 _forward_scratch(D, q_BTHD.dtype, cfg.blocks, cfg.segments),
+                 (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(gmem)
 
 
 def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
@@ -1117,40 +1229,37 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   dK/dV kernel alone with `fused_dq`."""
   B, T, H, D = q_BTHD.shape
   dtype = q_BTHD.dtype
-  delta_BHT = jnp.einsum("bthd,bthd->bht", o_BTHD.astype(jnp.float32),
-                         do_BTHD.astype(jnp.float32))
-  args = (q_BTHD, k_BSKD, v_BSKD, do_BTHD, lse_BHT, delta_BHT, q_seg_BT, kv_seg_BS)
-  key_plan = _key_plan(q_seg_BT, kv_seg_BS, cfg)
+  gmem = _Operands(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, do=do_BTHD, lse=lse_BHT,
+                   delta=common.delta(o_BTHD, do_BTHD))
+  dkdv_gmem = gmem._replace(plan=_key_plan(q_seg_BT, kv_seg_BS, cfg))
   if cfg.blocks.fused_dq:
-    return _fused_backward(args, key_plan, cfg)
-  dq_blocks = cfg.blocks.for_dq()
-  dq = _kernel("dq", _dq_kernel, jax.ShapeDtypeStruct(q_BTHD.shape, dtype),
+    return _fused_backward(dkdv_gmem, cfg)
+  dq_cfg = dataclasses.replace(cfg, blocks=cfg.blocks.for_dq())
+  dq = _kernel("dq", _dq_kernel, _DqOut(jax.ShapeDtypeStruct(q_BTHD.shape, dtype)),
                _dq_scratch(D, dtype, cfg.blocks, cfg.segments),
-               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"),
-               dataclasses.replace(cfg, blocks=dq_blocks))(
-                   *args, *_query_plan(q_seg_BT, kv_seg_BS, dq_blocks.block_k, cfg))
-  dk, dv = _dkdv(args, cfg)(*args, *key_plan, None)
-  return dq, dk, dv
+               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), dq_cfg)(
+                   gmem._replace(plan=_query_plan(q_seg_BT, kv_seg_BS,
+                                                  dq_cfg.blocks.block_k, cfg))).dq
+  return (dq, *_dkdv(dkdv_gmem, cfg))
 
 
-def _dkdv(args, cfg: _Config):
-  """The dK/dV kernel for `_backward`'s arguments."""
-  q_BTHD, k_BSKD = args[0], args[1]
-  (B, S, K, D), dtype = k_BSKD.shape, q_BTHD.dtype
-  return _kernel("dkdv", _dkdv_kernel, (jax.ShapeDtypeStruct(k_BSKD.shape, dtype),
-                                        jax.ShapeDtypeStruct(k_BSKD.shape, dtype)),
+def _dkdv(gmem: _Operands, cfg: _Config) -> _DkDvOut:
+  """The dK/dV kernel run on `gmem`."""
+  (B, S, K, D), dtype = gmem.k.shape, gmem.q.dtype
+  grad = jax.ShapeDtypeStruct(gmem.k.shape, dtype)
+  return _kernel("dkdv", _dkdv_kernel, _DkDvOut(dk=grad, dv=grad),
                  _dkdv_scratch(D, dtype, cfg.blocks, cfg.segments),
-                 (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)
+                 (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(gmem)
 
 
-@functools.partial(jax.jit, static_argnums=(2,))
-def _fused_backward(args, key_plan, cfg: _Config):
+@functools.partial(jax.jit, static_argnums=(1,))
+def _fused_backward(gmem: _Operands, cfg: _Config):
   """(dq, dk, dv) from the dK/dV kernel alone, adding into a zeroed float32
   dQ (jitted: a Ref in global memory exists only inside `jit`)."""
-  q_BTHD = args[0]
+  q_BTHD = gmem.q
   dq_acc = jax.new_ref(jnp.zeros((_Ops(cfg.interpret).dq_slabs, *q_BTHD.shape),
                                  jnp.float32), memory_space=plgpu.GMEM)
-  dk, dv = _dkdv(args, cfg)(*args, *key_plan, dq_acc)
+  dk, dv = _dkdv(gmem._replace(dq_acc=dq_acc), cfg)
   return (dq_acc[...].sum(0) * cfg.scale).astype(q_BTHD.dtype), dk, dv
 
 
@@ -1163,23 +1272,19 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   """Attention [B, T, H, D] for inputs `supports` accepts.
 
   Query and key lengths are zero-padded to whole tiles (padded keys are
-  masked, padded query rows cut off), so any T and S work. Causal is top-left
-  aligned; segment ids [B, T] and [B, S] (both or neither) mask keys of other
-  segments and keys with id 0; a query that sees no key gets zeros. The same
+  masked, padded query rows cut off), so any T and S work. The mask
+  semantics of `common.py`: causal top-left aligned; segment ids [B, T] and
+  [B, S] (both or neither); a query that sees no key gets zeros. The same
   semantics as `flash_attention`.
   """
-  B, T, H, D = q_BTHD.shape
+  _, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
-  pair = _COMPUTE_WGS * ROWS
-  T_pad = common.round_up(T, math.lcm(pair, blocks.block_q_dkv))
-  S_pad = common.round_up(S, math.lcm(pair, blocks.block_k, blocks.for_dq().block_k))
-  q = common.pad_to(q_BTHD, 1, T_pad)
-  k = common.pad_to(k_BSKD, 1, S_pad)
-  v = common.pad_to(v_BSKD, 1, S_pad)
-  q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
-  kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
-  _check_shared_memory(D, q_BTHD.dtype, blocks, q_seg is not None)
-  cfg = _Config(scale=scale, causal=causal, segments=q_seg is not None, q_len=T_pad,
-                kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
-  return _flash(q, k, v, q_seg, kv_seg, cfg)[:, :T]
+  segments = q_segment_ids is not None
+  _check_shared_memory(D, q_BTHD.dtype, blocks, segments)
+  cfg = _Config(scale=scale, causal=causal, segments=segments, q_len=T, kv_len=S,
+                group=H // K, blocks=blocks, interpret=interpret)
+  return common.padded_call(
+      lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),
+      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
+      q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple)
