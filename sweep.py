@@ -7,7 +7,7 @@
   python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
 
 Running `run` again resumes the unfinished variants and skips the done ones.
-The library is training/sweep.py; SLURM details in docs/slurm.md.
+The library is training/sweeps/; SLURM details in docs/slurm.md.
 """
 import os
 import sys
@@ -17,7 +17,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
-from training import sweep as sweep_lib
+from training import sweeps as sweep_lib
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "
@@ -70,6 +70,8 @@ def run(overrides: list[str]) -> int:
     if _LAUNCHER.value == "slurm":
       print(sweep_lib.slurm_preview(params, folder, len(todo), _MAX_TIMEOUTS.value))
     return 0
+  if _LAUNCHER.value == "slurm" and todo:
+    sweep_lib.check_fits(params)
   sweep_lib.write_manifest(root, sweep, config, overrides, variants)
   if _LAUNCHER.value == "local":
     return 1 if sweep_lib.run_local(todo, _PARALLEL.value or 1) else 0
