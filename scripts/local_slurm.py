@@ -60,8 +60,9 @@ def _free_port() -> int:
 
 def write_config(directory: str) -> str:
   """slurm.conf (and the directories it names) in `directory`; returns its path."""
-  for sub in ("state", "spool", "munge"):
-    os.makedirs(os.path.join(directory, sub), exist_ok=True)
+  for sub in ("state", "spool", "munge"):  # a new cluster: no jobs of an earlier one
+    shutil.rmtree(os.path.join(directory, sub), ignore_errors=True)
+    os.makedirs(os.path.join(directory, sub))
   host = socket.gethostname()
   memory_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
   d = directory
@@ -141,7 +142,7 @@ def up(directory: str, timeout_s: float = 60) -> str:
         f"--socket={munge}/munge.socket", f"--pid-file={munge}/munged.pid",
         f"--log-file={munge}/munged.log", f"--seed-file={munge}/munged.seed"], env)
     _wait("munged", lambda: os.path.exists(f"{munge}/munge.socket"), 20, f"{directory}/munged.out")
-    _start(directory, "slurmctld", ["slurmctld", "-D", "-i"], env)
+    _start(directory, "slurmctld", ["slurmctld", "-D", "-c"], env)
     _start(directory, "slurmd", ["slurmd", "-D"], env)
     _wait("the node", lambda: _node_state(env) == "idle", timeout_s,
           f"{directory}/slurmctld.log and slurmd.log")

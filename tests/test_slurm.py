@@ -134,10 +134,10 @@ def test_a_request_that_does_not_fit_is_one_line_before_anything_is_submitted(sl
 
 
 def long_flags(cache_dir) -> list[str]:
-  """small_flags, but training long enough (about a minute) to be interrupted twice."""
+  """small_flags, but training long enough (a minute or two) to be interrupted twice."""
   return [f for f in small_flags(cache_dir) if "num_steps" not in f and "_every" not in f] + [
-      "--config.train.num_steps=5000", "--config.train.log_every=50",
-      "--config.train.eval_every=5000", "--config.train.checkpoint_every=2500"]
+      "--config.train.num_steps=6000", "--config.train.log_every=50",
+      "--config.train.eval_every=6000", "--config.train.checkpoint_every=3000"]
 
 
 def params_of(workdir) -> list[np.ndarray]:
@@ -161,35 +161,43 @@ def steps_logged(workdir: pathlib.Path) -> list[int]:
 
 
 @pytest.mark.timeout(600)
-def test_a_variant_requeued_and_timed_out_resumes_to_the_uninterrupted_parameters(
+def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameters(
     slurm, tmp_path):
-  """One variant twice at once: uninterrupted, and with a 2-minute time limit
-  (SLURM signals it 90 s before: train.py saves, submitit requeues) that is
-  also requeued by `scontrol requeue` once it has resumed."""
+  """One variant twice at once: uninterrupted, and interrupted twice. First
+  its 2-minute time limit: SLURM sends USR2 90 s before it, train.py saves,
+  submitit requeues the job (its limit is then raised, so that it is hit
+  once); then `scontrol requeue` once it has resumed: SLURM sends SIGTERM,
+  train.py saves, SLURM requeues it. Both end at the same parameters."""
   path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'rope'}]\n")
   name = "pos_emb=rope"
-  runs = {}
+  jobs = {}
   for label, timeout in (("interrupted", "2"), ("reference", "30")):
     result = sweep_cli("run", "--config", TINY, "--sweep", path, "--root",
                        str(tmp_path / label), *FITS, "--timeout_min", timeout,
-                       "--max_timeouts", "6", *long_flags(tmp_path / "cache"))
+                       *long_flags(tmp_path / "cache"))
     assert result.returncode == 0, result.stdout + result.stderr
-    runs[label] = submitted(result.stdout)[name]
+    jobs[label] = submitted(result.stdout)[name]
   workdir = tmp_path / "interrupted" / name
   log = workdir / "sweep.log"
-  wait_for(lambda: log.exists() and "SIGTERM received: saved step" in log.read_text(),
-           "the time-limit signal")
-  saved = max(steps_logged(workdir))
-  wait_for(lambda: max(steps_logged(workdir)) > saved + 100, "the resumed run's progress")
-  subprocess.run(["scontrol", "requeue", runs["interrupted"]], check=True, timeout=30)
+
+  def saves() -> int:
+    return log.read_text().count("SIGTERM received: saved step") if log.exists() else 0
+
+  wait_for(lambda: saves() == 1, "the time-limit signal")
+  subprocess.run(["scontrol", "update", f"JobId={jobs['interrupted']}", "TimeLimit=30"],
+                 check=True, timeout=30)
+  saved = max(steps_logged(workdir), default=0)
+  wait_for(lambda: max(steps_logged(workdir), default=0) > saved + 100,
+           "the resumed run's progress")
+  subprocess.run(["scontrol", "requeue", jobs["interrupted"]], check=True, timeout=30)
   wait_until_idle(timeout_s=420)
   text = log.read_text()
-  assert text.count("SIGTERM received: saved step") >= 2 and text.count("Resuming") >= 2
-  for label in runs:
+  assert saves() == 2 and text.count("Resuming") == 2, text
+  for label in jobs:
     state = sweep_lib.variant_state(sweep_lib.read_manifest(str(tmp_path / label))[1][0])
-    assert (state.state, state.step) == ("done", 5000), state.detail
+    assert (state.state, state.step) == ("done", 6000), state.detail
   errs = "".join(p.read_text() for p in (tmp_path / "interrupted" / "slurm").glob("*.err"))
-  assert "this job is timed-out" in errs
+  assert "this job is timed-out" in errs and "DUE TO JOB REQUEUE" in errs
   for got, want in zip(params_of(workdir), params_of(tmp_path / "reference" / name)):
     np.testing.assert_array_equal(got, want)
 
