@@ -32,6 +32,8 @@ _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
 _TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
 _CPUS = flags.DEFINE_integer("cpus_per_task", 8, "SLURM: CPUs per process.")
+_MEM = flags.DEFINE_integer("mem_gb", 0, "SLURM: memory per node, GB (0: the cluster's "
+                            "default).", lower_bound=0)
 _TIMEOUT = flags.DEFINE_integer("timeout_min", 240, "SLURM: time limit of a job, minutes.")
 _PARTITION = flags.DEFINE_string("partition", None, "SLURM: partition.")
 _ACCOUNT = flags.DEFINE_string("account", None, "SLURM: account to charge.")
@@ -64,7 +66,7 @@ def run(overrides: list[str]) -> int:
   folder, params = os.path.join(root, "slurm"), sweep_lib.slurm_parameters(
       sweep.name, nodes=_NODES.value, tasks_per_node=_TASKS.value, gpus_per_node=_GPUS.value,
       cpus_per_task=_CPUS.value, timeout_min=_TIMEOUT.value, partition=_PARTITION.value,
-      account=_ACCOUNT.value, parallel=_PARALLEL.value, setup=_SETUP.value)
+      account=_ACCOUNT.value, parallel=_PARALLEL.value, setup=_SETUP.value, mem_gb=_MEM.value)
   if _DRY_RUN.value:
     print("\n".join(sweep_lib.describe(todo)))
     if _LAUNCHER.value == "slurm":

@@ -315,6 +315,7 @@ def test_check_fits_reads_cpus_gpus_nodes_and_time_from_sinfo():
   for change, message in [
       ({"gpus_per_node": 9}, "--gpus_per_node 9: partition gpu has 8 GPUs per node"),
       ({"nodes": 5}, "--nodes 5: partition gpu has 4 node(s)"),
+      ({"mem_gb": 600}, "--mem_gb 600: partition gpu has 500 GB per node; lower --mem_gb"),
       ({"timeout_min": 3000}, "--timeout_min 3000: partition gpu allows at most 2880 minutes"),
       ({"slurm_partition": "cpu"}, "--gpus_per_node 8: partition cpu has 0 GPUs"),
       ({"slurm_partition": "big"}, "--partition big: no such partition (sinfo lists cpu, gpu)")]:

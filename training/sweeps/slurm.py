@@ -18,9 +18,11 @@ from training.sweeps.variants import Variant
 
 def slurm_parameters(name: str, *, nodes: int, tasks_per_node: int, gpus_per_node: int,
                      cpus_per_task: int, timeout_min: int, partition: str | None,
-                     account: str | None, parallel: int | None, setup: list[str]) -> dict:
+                     account: str | None, parallel: int | None, setup: list[str],
+                     mem_gb: int = 0) -> dict:
   """`submitit.AutoExecutor.update_parameters` arguments: one array task per variant
-  (no GPU line at all when `gpus_per_node` is 0, so CPU partitions accept it)."""
+  (no GPU line at all when `gpus_per_node` is 0, so CPU partitions accept it; no
+  memory line when `mem_gb` is 0: the cluster's default applies)."""
   params = {"name": name, "nodes": nodes, "tasks_per_node": tasks_per_node,
             "cpus_per_task": cpus_per_task, "timeout_min": timeout_min,
             # the job unpickles VariantJob, so it imports training.sweeps from here
@@ -29,6 +31,8 @@ def slurm_parameters(name: str, *, nodes: int, tasks_per_node: int, gpus_per_nod
             "slurm_additional_parameters": {"requeue": True}}
   if gpus_per_node:
     params["gpus_per_node"] = gpus_per_node
+  if mem_gb:
+    params["mem_gb"] = mem_gb
   for key, value in (("partition", partition), ("account", account),
                      ("array_parallelism", parallel)):
     if value:
@@ -61,8 +65,8 @@ def sinfo_rows(sinfo: str) -> list[list[str]]:
 
 def check_fits(parameters: dict, sinfo: str | None = None) -> None:
   """UserError naming what does not fit, and the flag that changes it, when the
-  request is more than the partition's nodes offer (CPUs, GPUs as gres, nodes,
-  time limit). `sinfo`: its `%P|%c|%m|%G|%D|%l` lines (asked for when None)."""
+  request is more than the partition's nodes offer (CPUs, memory, GPUs as gres,
+  nodes, time limit). `sinfo`: its `%P|%c|%m|%G|%D|%l` lines (asked for when None)."""
   if sinfo is None:
     if shutil.which("sinfo") is None:
       raise UserError("--launcher slurm: no sinfo here (not a SLURM login node?); "
@@ -85,6 +89,7 @@ def check_fits(parameters: dict, sinfo: str | None = None) -> None:
     raise UserError(f"--partition {wanted}: no such partition (sinfo lists "
                     f"{', '.join(sorted({r[0].rstrip('*') for r in sinfo_rows(sinfo)}))})")
   cpus = max(int(r[1].rstrip("+")) for r in rows)
+  memory_gb = max(int(r[2].rstrip("+")) for r in rows) / 1024
   gpus = max(_gpus(r[3]) for r in rows)
   nodes = sum(int(r[4]) for r in rows)
   limit = max(_minutes(r[5]) for r in rows)
@@ -98,6 +103,9 @@ def check_fits(parameters: dict, sinfo: str | None = None) -> None:
     raise UserError(f"--cpus_per_task {parameters['cpus_per_task']} x --tasks_per_node "
                     f"{parameters['tasks_per_node']} = {want_cpus} CPUs per node: {where} has "
                     f"{cpus}; lower --cpus_per_task (or --tasks_per_node)")
+  if parameters.get("mem_gb", 0) > memory_gb:
+    raise UserError(f"--mem_gb {parameters['mem_gb']}: {where} has {memory_gb:.0f} GB per "
+                    "node; lower --mem_gb")
   if parameters["nodes"] > nodes:
     raise UserError(f"--nodes {parameters['nodes']}: {where} has {nodes} node(s); "
                     f"lower --nodes")
@@ -132,6 +140,8 @@ def slurm_preview(parameters: dict, folder: str, num_jobs: int, max_timeouts: in
   renames = submitit.SlurmExecutor._equivalence_dict()  # pylint: disable=protected-access
   slurm = {key[len("slurm_"):] if key.startswith("slurm_") else renames[key]: value
            for key, value in parameters.items()}
+  if "mem" in slurm:  # submitit writes mem_gb as GB
+    slurm["mem"] = f"{slurm['mem']}GB"
   folder = os.path.abspath(folder)
   command = f"{shlex.quote(sys.executable)} -u -m submitit.core._submit {shlex.quote(folder)}"
   script = submitit_slurm._make_sbatch_string(  # pylint: disable=protected-access
