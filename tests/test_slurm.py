@@ -3,11 +3,10 @@ array that trains and evaluates, a bad variant that fails alone, a rerun that
 skips what is done, a variant requeued by `scontrol requeue` and by its time
 limit that ends with the parameters of an uninterrupted run, a 2-task job with
 jax.distributed from SLURM's environment, and the check of a request against
-sinfo. Run by `make test-slurm` (all `slow`: about 5 minutes on 2 cores)."""
+sinfo. Run by `make test-slurm` (all `slow`: about 6.5 minutes on 2 cores)."""
 import csv
 import json
 import os
-import pathlib
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from flax import nnx
 
 from training import sweeps as sweep_lib
 from training.evaluate import load_run
+from training.sweeps.state import last_step
 from tests.test_sweep import ROOT, TINY, TWO_VARIANTS, small_flags, sweep_cli, write_sweep
 
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -159,13 +159,6 @@ def wait_for(predicate, what: str, timeout_s: float = 240) -> None:
     time.sleep(0.5)
 
 
-def steps_logged(workdir: pathlib.Path) -> list[int]:
-  path = workdir / "metrics.jsonl"
-  if not path.exists():
-    return []
-  return [json.loads(line)["step"] for line in path.read_text().splitlines() if line.strip()]
-
-
 @pytest.mark.timeout(600)
 def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameters(
     slurm, tmp_path):
@@ -192,8 +185,8 @@ def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameter
   wait_for(lambda: saves() == 1, "the time-limit signal")
   subprocess.run(["scontrol", "update", f"JobId={jobs['interrupted']}", "TimeLimit=30"],
                  check=True, timeout=30)
-  saved = max(steps_logged(workdir), default=0)
-  wait_for(lambda: max(steps_logged(workdir), default=0) > saved + 100,
+  saved = last_step(str(workdir)) or 0
+  wait_for(lambda: (last_step(str(workdir)) or 0) > saved + 100,
            "the resumed run's progress")
   subprocess.run(["scontrol", "requeue", jobs["interrupted"]], check=True, timeout=30)
   wait_until_idle(timeout_s=420)
