@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-slow train clean
+.PHONY: install test test-slow test-slurm slurm-up slurm-down sweep-slurm-demo train clean
 
 $(STAMP): requirements.txt requirements-test.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -22,6 +22,29 @@ test: $(STAMP)
 ## The slower checks, marked `slow`, skipped by `make test`.
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
+
+## Sweeps on a real single-node SLURM cluster started here (root; installs
+## slurm-wlm and munge with apt-get when missing); stops it again, pass or fail.
+SLURM_TEST_DIR := /tmp/tlab-slurm-test
+test-slurm: $(STAMP)
+	TLAB_SLURM_DIR=$(SLURM_TEST_DIR) $(BIN)/python -m pytest -q -m slow tests/test_slurm.py; \
+	status=$$?; $(BIN)/python scripts/local_slurm.py down --dir $(SLURM_TEST_DIR); exit $$status
+
+## A local SLURM cluster to try sweeps on (then: export SLURM_CONF=$(SLURM_DIR)/slurm.conf).
+SLURM_DIR := /tmp/tlab-slurm
+slurm-up: $(STAMP)
+	$(BIN)/python scripts/local_slurm.py up --dir $(SLURM_DIR)
+
+slurm-down:
+	$(BIN)/python scripts/local_slurm.py down --dir $(SLURM_DIR)
+
+## The 8-variant pos_norm sweep of configs/tiny.py (40 steps each) as a job array on the local cluster.
+sweep-slurm-demo: slurm-up
+	SLURM_CONF=$(SLURM_DIR)/slurm.conf $(BIN)/python sweep.py run \
+	    --sweep configs/sweeps/pos_norm.py --root runs/sweeps/slurm_demo --launcher slurm \
+	    --gpus_per_node 0 --cpus_per_task 1 --timeout_min 30 \
+	    --config.train.num_steps=40
+	@echo "follow with: SLURM_CONF=$(SLURM_DIR)/slurm.conf squeue; $(BIN)/python sweep.py status --root runs/sweeps/slurm_demo"
 
 ## Train configs/tiny.py on the embedded corpus, evaluate it, plot it.
 train: $(STAMP)

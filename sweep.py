@@ -7,7 +7,7 @@
   python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
 
 Running `run` again resumes the unfinished variants and skips the done ones.
-The library is training/sweep.py; SLURM details in docs/slurm.md.
+The library is training/sweeps/; SLURM details in docs/slurm.md.
 """
 import os
 import sys
@@ -17,7 +17,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
-from training import sweep as sweep_lib
+from training import sweeps as sweep_lib
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "
@@ -32,6 +32,8 @@ _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
 _TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
 _CPUS = flags.DEFINE_integer("cpus_per_task", 8, "SLURM: CPUs per process.")
+_MEM = flags.DEFINE_integer("mem_gb", 0, "SLURM: memory per node, GB (0: the cluster's "
+                            "default).", lower_bound=0)
 _TIMEOUT = flags.DEFINE_integer("timeout_min", 240, "SLURM: time limit of a job, minutes.")
 _PARTITION = flags.DEFINE_string("partition", None, "SLURM: partition.")
 _ACCOUNT = flags.DEFINE_string("account", None, "SLURM: account to charge.")
@@ -64,12 +66,14 @@ def run(overrides: list[str]) -> int:
   folder, params = os.path.join(root, "slurm"), sweep_lib.slurm_parameters(
       sweep.name, nodes=_NODES.value, tasks_per_node=_TASKS.value, gpus_per_node=_GPUS.value,
       cpus_per_task=_CPUS.value, timeout_min=_TIMEOUT.value, partition=_PARTITION.value,
-      account=_ACCOUNT.value, parallel=_PARALLEL.value, setup=_SETUP.value)
+      account=_ACCOUNT.value, parallel=_PARALLEL.value, setup=_SETUP.value, mem_gb=_MEM.value)
   if _DRY_RUN.value:
     print("\n".join(sweep_lib.describe(todo)))
     if _LAUNCHER.value == "slurm":
       print(sweep_lib.slurm_preview(params, folder, len(todo), _MAX_TIMEOUTS.value))
     return 0
+  if _LAUNCHER.value == "slurm" and todo:
+    sweep_lib.check_fits(params)
   sweep_lib.write_manifest(root, sweep, config, overrides, variants)
   if _LAUNCHER.value == "local":
     return 1 if sweep_lib.run_local(todo, _PARALLEL.value or 1) else 0

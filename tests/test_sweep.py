@@ -15,7 +15,7 @@ import pytest
 import submitit
 
 from configs.errors import UserError
-from training import sweep as sweep_lib
+from training import sweeps as sweep_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -203,7 +203,7 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
 
 
 def test_a_variant_runs_to_completion_as_a_submitit_job(tmp_path, monkeypatch):
-  monkeypatch.chdir(ROOT)  # the job imports training.sweep from its working directory
+  monkeypatch.chdir(ROOT)  # the job imports training.sweeps from its working directory
   path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'learned'}]\n")
   variants = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY,
                                      small_flags(tmp_path / "cache"), str(tmp_path / "root"))
@@ -304,3 +304,23 @@ def test_preempted_submitit_job_saves_requeues_and_resumes(tmp_path, monkeypatch
   log = (workdir / "sweep.log").read_text()
   assert "SIGTERM received: saved step" in log and "Resuming" in log
   assert "preempted" in job.stderr()
+
+
+def test_check_fits_reads_cpus_gpus_nodes_and_time_from_sinfo():
+  sinfo = "gpu*|64|512000|gpu:h100:8(S:0-1)|4|2-00:00:00\ncpu|32|256000|(null)|10|30:00\n"
+  params = sweep_lib.slurm_parameters("s", nodes=2, tasks_per_node=8, gpus_per_node=8,
+                                      cpus_per_task=8, timeout_min=240, partition=None,
+                                      account=None, parallel=None, setup=[])
+  sweep_lib.check_fits(params, sinfo)
+  for change, message in [
+      ({"gpus_per_node": 9}, "--gpus_per_node 9: partition gpu has 8 GPUs per node"),
+      ({"nodes": 5}, "--nodes 5: partition gpu has 4 node(s)"),
+      ({"mem_gb": 600}, "--mem_gb 600: partition gpu has 500 GB per node; lower --mem_gb"),
+      ({"timeout_min": 3000}, "--timeout_min 3000: partition gpu allows at most 2880 minutes"),
+      ({"slurm_partition": "cpu"}, "--gpus_per_node 8: partition cpu has 0 GPUs"),
+      ({"slurm_partition": "big"}, "--partition big: no such partition (sinfo lists cpu, gpu)")]:
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+      sweep_lib.check_fits({**params, **change}, sinfo)
+  with pytest.raises(UserError, match="--timeout_min 240: partition cpu allows at most 30"):
+    sweep_lib.check_fits({**params, "gpus_per_node": 0, "cpus_per_task": 4,
+                          "slurm_partition": "cpu"}, sinfo)

@@ -39,8 +39,8 @@ from model.generate import beam_search, generate  # pylint: disable=wrong-import
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.checkpoint import Checkpointer, resolve_step  # pylint: disable=wrong-import-position
-from training.loop import evaluate  # pylint: disable=wrong-import-position
-from training.metrics import read_metrics  # pylint: disable=wrong-import-position
+from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
+from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
 from training.steps import abstract_state, jit_eval_step  # pylint: disable=wrong-import-position
 
 EMBEDDED = ("stdlib", "pydoc", "embedded")
@@ -103,33 +103,29 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
   return config, tok, nnx.merge(graphdef, state["params"]), step
 
 
+def unigram_log_probs(config, tok) -> np.ndarray:
+  """Log-probabilities [V] of the add-one-smoothed train split's token frequencies."""
+  train = tokens.load_split(config.data, tok, "train").tokens
+  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
+  return np.log(counts / counts.sum())
+
+
 def unigram_loss(config, tok) -> float:
   """Cross-entropy (nats) of add-one-smoothed train token frequencies on validation."""
-  train = tokens.load_split(config.data, tok, "train").tokens
   val = tokens.load_split(config.data, tok, "validation").tokens
-  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
-  logp = np.log(counts / counts.sum())
-  return float(-logp[val].mean()) if len(val) else float("nan")
+  return float(-unigram_log_probs(config, tok)[val].mean()) if len(val) else float("nan")
 
 
 def plot_loss_curves(workdir: str, path: str) -> bool:
   records = read_metrics(workdir)
   if not records:
     return False
-  fig, ax = plt.subplots(figsize=(7, 4))
-  for split in ("train", "validation"):
-    rows = [r for r in records if r["split"] == split]
-    if rows:
-      ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], label=split,
-              marker="o" if split == "validation" else None)
-  ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats per token)")
-  ax.set_title(os.path.basename(os.path.abspath(workdir)))
-  ax.legend()
-  ax.grid(alpha=0.3)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
+  curves = {}
+  for split, style in (("train", {}), ("validation", {"marker": "o"})):
+    steps, losses = split_curve(records, split)
+    if steps:
+      curves[split] = (steps, losses, style)
+  plot_curves(path, os.path.basename(os.path.abspath(workdir)), curves)
   return True
 
 
@@ -215,13 +211,11 @@ def masked_lm_report(config, tok, batches, metrics) -> dict:
   position (its accuracy) and the add-one-smoothed train token frequencies
   (its cross-entropy).
   """
-  train = tokens.load_split(config.data, tok, "train").tokens
-  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
-  logp = np.log(counts / counts.sum())
+  logp = unigram_log_probs(config, tok)
   targets = np.concatenate([np.asarray(b["targets"])[np.asarray(b["loss_mask"]) > 0]
                             for b in batches])
   return {"masked_token_accuracy": metrics["accuracy"], "masked_tokens": int(len(targets)),
-          "unigram_accuracy": float(np.mean(targets == np.argmax(counts))),
+          "unigram_accuracy": float(np.mean(targets == np.argmax(logp))),
           "unigram_loss": float(-logp[targets].mean())}
 
 

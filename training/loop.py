@@ -32,7 +32,7 @@ import tokenizer as tokenizer_lib
 from training import hardware
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
-from training.metrics import MetricsWriter
+from training.metrics import MetricsWriter, evaluate
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
 from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
@@ -88,17 +88,6 @@ class StopRequest:
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
-
-
-def evaluate(eval_fn, params, batches) -> dict:
-  """Loss, perplexity and token accuracy over `batches` (sums, then ratios)."""
-  loss_sum = count = correct = 0.0
-  for batch in batches:
-    sums = [float(x) for x in jax.device_get(eval_fn(params, batch))]
-    loss_sum, count, correct = loss_sum + sums[0], count + sums[1], correct + sums[2]
-  loss = loss_sum / max(count, 1.0)
-  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-          "accuracy": correct / max(count, 1.0), "targets": count}
 
 
 def maybe_initialize_distributed() -> None:

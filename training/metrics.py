@@ -1,9 +1,22 @@
-"""Metrics to `metrics.jsonl` and TensorBoard (tensorboardX); process 0 only."""
+"""Metrics: the loss, perplexity and accuracy of an evaluation, and their record in
+`metrics.jsonl` and TensorBoard (tensorboardX; process 0 only)."""
 import json
+import math
 import os
 
 import jax
 from tensorboardX import SummaryWriter
+
+
+def evaluate(eval_fn, params, batches) -> dict:
+  """Loss, perplexity and token accuracy over `batches` (sums, then ratios)."""
+  loss_sum = count = correct = 0.0
+  for batch in batches:
+    sums = [float(x) for x in jax.device_get(eval_fn(params, batch))]
+    loss_sum, count, correct = loss_sum + sums[0], count + sums[1], correct + sums[2]
+  loss = loss_sum / max(count, 1.0)
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+          "accuracy": correct / max(count, 1.0), "targets": count}
 
 
 class MetricsWriter:

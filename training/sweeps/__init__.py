@@ -1,0 +1,37 @@
+"""Ablation sweeps: named variants of a config, run locally or on SLURM, reported.
+
+A sweep file (`configs/sweeps/*.py`) defines `get_sweep()`, returning either a
+grid, `{"model.pos_emb": ["none", "rope"], "model.norm_position": ["pre",
+"post"]}` (every combination; the first field varies slowest), or a list of
+override dicts (one variant each). It may also set `NAME` (default: the file's
+name) and `CONFIG` (the base config used when `--config` is not given).
+
+Each variant is named after its overrides (`pos_emb=rope,norm_position=pre`)
+and is two commands run in `<root>/<name>`: `train.py` (which resumes from the
+workdir) and, once training has reached `train.num_steps`, `eval.py`. Every
+variant's config is resolved and validated exactly as train.py will do it
+before anything starts. Running a sweep again skips the finished variants and
+resumes the others.
+
+`<root>/sweep.json`               the variants and their commands (written by run)
+`<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py
+`<root>/<name>/sweep_error.json`  the failed command and its last line of output
+`<root>/slurm/`                   submitit's job files and logs
+`<root>/report.md`, `report.csv`, `validation_curves.png`, `curves/<name>.png`
+
+One module per job:
+  sweep_file.py  sweep files: loading, expansion, variant names
+  variants.py    config parsing and validation: `Variant` and its commands
+  state.py       the manifest and where each variant stands (status)
+  jobs.py        running a variant (`VariantJob`) and the local launcher
+  slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
+  report.py      report.md, report.csv and the validation-curve plots
+"""
+from training.sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
+from training.sweeps.report import write_report
+from training.sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
+from training.sweeps.state import (State, read_manifest, status_lines, unfinished,
+                                   variant_state, write_manifest)
+from training.sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
+                                        with_default_config)
+from training.sweeps.variants import Variant, describe, load_config, make_variants

@@ -1,0 +1,105 @@
+"""The sweep's manifest (`<root>/sweep.json`) and where each variant stands."""
+import dataclasses
+import json
+import os
+
+from configs.errors import UserError
+from training.metrics import read_metrics
+from training.sweeps.sweep_file import Sweep
+from training.sweeps.variants import Variant
+
+MANIFEST = "sweep.json"
+LOG = "sweep.log"
+ERROR = "sweep_error.json"
+REPORT = "eval_report.json"
+
+
+@dataclasses.dataclass
+class State:
+  """Where a variant stands: `not started`, `running/partial`, `done` or `failed`."""
+  state: str
+  step: int | None  # the last step in metrics.jsonl, or the evaluated step when done
+  detail: str
+  report: dict | None  # eval_report.json when done
+
+
+def write_json(path: str, obj) -> None:
+  """Writes JSON atomically (a reader sees the old file or the new one)."""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(path + ".tmp", path)
+
+
+def read_json(path: str) -> dict | None:
+  """The file's JSON, or None when it is missing or half-written."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except (FileNotFoundError, json.JSONDecodeError):
+    return None
+
+
+def last_step(workdir: str) -> int | None:
+  """The last step a run has logged (metrics.jsonl), None before its first."""
+  steps = [r["step"] for r in read_metrics(workdir)]
+  return max(steps) if steps else None
+
+
+def write_manifest(root: str, sweep: Sweep, config_path: str, extra_flags: list[str],
+                   variants: list[Variant]) -> None:
+  os.makedirs(root, exist_ok=True)
+  write_json(os.path.join(root, MANIFEST), {
+      "name": sweep.name, "sweep": os.path.abspath(sweep.path),
+      "config": os.path.abspath(config_path), "extra_flags": extra_flags,
+      "variants": [dataclasses.asdict(v) for v in variants]})
+
+
+def read_manifest(root: str) -> tuple[dict, list[Variant]]:
+  """The sweep in `root` and its variants (workdirs under `root` as it is now)."""
+  manifest = read_json(os.path.join(root, MANIFEST))
+  if manifest is None:
+    raise UserError(f"--root {root}: not a sweep (no {MANIFEST}); start one with "
+                    "python sweep.py run --sweep ... --root ...")
+  variants = [dataclasses.replace(Variant(**v), workdir=os.path.join(root, v["name"]))
+              for v in manifest["variants"]]
+  return manifest, variants
+
+
+def variant_state(variant: Variant) -> State:
+  error = read_json(os.path.join(variant.workdir, ERROR))
+  step = last_step(variant.workdir)
+  if error is not None:
+    return State("failed", step, f"{error['error']} ({error['command']} {error['how']}; "
+                 f"log {error['log']})", None)
+  report = read_json(os.path.join(variant.workdir, REPORT))
+  if report is not None and report["step"] >= variant.num_steps:
+    return State("done", report["step"], f"step {report['step']}/{variant.num_steps}, "
+                 f"val loss {report['loss']:.4f}", report)
+  if os.path.isdir(variant.workdir):
+    return State("running/partial", step, f"step {step or 0}/{variant.num_steps}", None)
+  return State("not started", None, "", None)
+
+
+def unfinished(variants: list[Variant], out=print) -> list[Variant]:
+  """The variants that are not done; says which are skipped."""
+  todo = []
+  for variant in variants:
+    if variant_state(variant).state == "done":
+      out(f"skip {variant.name}: done")
+    else:
+      todo.append(variant)
+  return todo
+
+
+def status_lines(root: str) -> list[str]:
+  manifest, variants = read_manifest(root)
+  states = [variant_state(v) for v in variants]
+  counts = {}
+  for s in states:
+    counts[s.state] = counts.get(s.state, 0) + 1
+  width = max(len(v.name) for v in variants)
+  lines = [f"sweep {manifest['name']}: {len(variants)} variants in {root} ("
+           + ", ".join(f"{n} {state}" for state, n in counts.items()) + ")"]
+  for variant, s in zip(variants, states):
+    lines.append(f"  {s.state:15s}  {variant.name:{width}s}  {s.detail}".rstrip())
+  return lines

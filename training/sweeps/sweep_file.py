@@ -1,0 +1,101 @@
+"""Sweep files: `get_sweep()` expanded into one override dict per variant, and
+the variants' names."""
+import dataclasses
+import importlib.util
+import itertools
+import os
+import re
+
+from configs.errors import UserError
+from training.sweeps.common import first_line
+
+VALUE_TYPES = (str, int, float, bool)
+
+
+@dataclasses.dataclass
+class Sweep:
+  """A loaded sweep file: its name, its CONFIG (or None), one dict per variant."""
+  path: str
+  name: str
+  config: str | None
+  overrides: list[dict]
+
+
+def load_sweep(path: str) -> Sweep:
+  """Imports a sweep file and expands its `get_sweep()` into override dicts."""
+  if not os.path.isfile(path):
+    raise UserError(f"--sweep {path}: no such file")
+  spec = importlib.util.spec_from_file_location("sweep_file", path)
+  module = importlib.util.module_from_spec(spec)
+  try:
+    spec.loader.exec_module(module)
+    sweep = module.get_sweep()
+  except Exception as e:  # pylint: disable=broad-except  # any mistake in the user's file
+    raise UserError(f"--sweep {path}: cannot load it ({type(e).__name__}: {first_line(e)})")
+  name = getattr(module, "NAME", os.path.splitext(os.path.basename(path))[0])
+  return Sweep(path, name, getattr(module, "CONFIG", None), expand(sweep, f"sweep {path}"))
+
+
+def with_default_config(argv: list[str]) -> list[str]:
+  """Command-line arguments with `--config=<the sweep file's CONFIG>` added when
+  they name a --sweep but no --config."""
+  if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
+    return argv
+  path = None
+  for arg, following in zip(argv, argv[1:] + [None]):
+    if arg.startswith("--sweep="):
+      path = arg[len("--sweep="):]
+    elif arg == "--sweep":
+      path = following
+  config = load_sweep(path).config if path else None
+  return argv if config is None else [argv[0], f"--config={config}", *argv[1:]]
+
+
+def expand(sweep, where: str) -> list[dict]:
+  """A grid (field -> list of values) or a list of override dicts -> one dict per variant."""
+  if isinstance(sweep, dict):
+    if not sweep:
+      raise UserError(f"{where}: get_sweep() returned an empty grid")
+    for field, values in sweep.items():
+      if not isinstance(values, (list, tuple)) or not values:
+        raise UserError(f"{where}: grid field {field} needs a non-empty list of values, "
+                        f"not {values!r}")
+    variants = [dict(zip(sweep, values)) for values in itertools.product(*sweep.values())]
+  elif isinstance(sweep, (list, tuple)):
+    if not sweep:
+      raise UserError(f"{where}: get_sweep() returned an empty list")
+    for overrides in sweep:
+      if not isinstance(overrides, dict):
+        raise UserError(f"{where}: each variant must be a dict of field -> value, "
+                        f"not {overrides!r}")
+    variants = [dict(overrides) for overrides in sweep]
+  else:
+    raise UserError(f"{where}: get_sweep() must return a grid (dict) or a list of dicts, "
+                    f"not {type(sweep).__name__}")
+  for overrides in variants:
+    for field, value in overrides.items():
+      if not isinstance(value, VALUE_TYPES):
+        raise UserError(f"{where}: {field}={value!r}: a value must be a str, int, float or bool")
+  return variants
+
+
+def format_value(value) -> str:
+  """A value as a `--config.<field>=` flag takes it."""
+  if isinstance(value, bool):
+    return "true" if value else "false"
+  return str(value)
+
+
+def _path_safe(text: str) -> str:
+  return re.sub(r"[^A-Za-z0-9._+-]", "_", text)
+
+
+def variant_name(overrides: dict) -> str:
+  """`pos_emb=rope,norm_position=pre`: each field by its last part (all of it when
+  two fields share the last part); characters unsafe in a path become `_`."""
+  if not overrides:
+    return "base"
+  lasts = [field.rsplit(".", 1)[-1] for field in overrides]
+  return ",".join(f"{_path_safe(last if lasts.count(last) == 1 else field)}="
+                  f"{_path_safe(format_value(value))}"
+                  for (field, value), last in zip(overrides.items(), lasts))
