@@ -28,8 +28,11 @@ heads per KV head), and the dK/dV kernel sums over the G query heads of a KV
 head as a grid axis, so K and V are never copied per query head. A query
 whose keys are all masked gets a zero output and zero gradients.
 
-On a CPU the kernels run in Pallas's TPU interpret mode (`interpret=True`),
-which is how the test suite checks them against the reference.
+On a CPU the kernels run in the Pallas interpreter (`interpret=True`; it
+keeps the TPU semantics used here: scalar prefetch, VMEM scratch that
+persists across the steps of a program), which is how the test suite checks
+them against the reference; `tests/test_flash_attention_tpu.py` also
+compiles them for TPU v5e and v5p with libtpu, without a TPU.
 """
 import dataclasses
 import functools
@@ -293,10 +296,6 @@ def _compiler_params(cfg: _Config, num_grid_axes: int):
                               vmem_limit_bytes=cfg.blocks.vmem_limit_bytes)
 
 
-def _interpret(cfg: _Config):
-  return True if cfg.interpret else False
-
-
 def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
   """Launches the forward kernel: (out [B, H, T, D], lse [B, H, T, 1])."""
   B, H, T, D = q_BHTD.shape
@@ -334,7 +333,7 @@ def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
       out_shape=[jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
                  jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
       compiler_params=_compiler_params(cfg, 4),
-      interpret=_interpret(cfg),
+      interpret=cfg.interpret,
       name="flash_attention_tpu_forward",
   )(tiles, bounds, q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S)
 
@@ -342,15 +341,20 @@ def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
 def _backward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, o_BHTD, lse_BHT1, do_BHTD,
               cfg: _Config):
   """Launches the dQ and dK/dV kernels: (dq, dk, dv)."""
-  B, H, T, D = q_BHTD.shape
-  K, S = k_BKSD.shape[1], k_BKSD.shape[2]
-  group = H // K
-  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
   delta_BHT1 = jnp.sum(o_BHTD.astype(jnp.float32) * do_BHTD.astype(jnp.float32),
                        axis=-1, keepdims=True)
   args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
+  return (_dq(*args, cfg=cfg), *_dkdv(*args, cfg=cfg))
 
-  # dQ: grid (batch, query head, query tile, step over its key tiles).
+
+def _dq(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S, *,
+        cfg: _Config):
+  """Launches the dQ kernel, grid (batch, query head, query tile, step over
+  its key tiles): dq [B, H, T, D]."""
+  B, H, T, D = q_BHTD.shape
+  group = H // k_BKSD.shape[1]
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+  args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
   tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=True,
                            q_tile=block_q, k_tile=block_k, causal=cfg.causal)
@@ -379,12 +383,21 @@ def _backward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, o_BHTD, lse_BHT1, d
       ),
       out_shape=jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
       compiler_params=_compiler_params(cfg, 4),
-      interpret=_interpret(cfg),
+      interpret=cfg.interpret,
       name="flash_attention_tpu_dq",
   )(tiles, bounds, *args)
+  return dq_BHTD
 
-  # dK, dV: grid (batch, KV head, key tile, query head of the group, step
-  # over its query tiles).
+
+def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S, *,
+          cfg: _Config):
+  """Launches the dK/dV kernel, grid (batch, KV head, key tile, query head of
+  the group, step over its query tiles): (dk, dv) [B, K, S, D]."""
+  H, D = q_BHTD.shape[1], q_BHTD.shape[3]
+  B, K, S = k_BKSD.shape[:3]
+  group = H // K
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+  args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
   tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=False,
                            q_tile=block_q, k_tile=block_k, causal=cfg.causal)
@@ -416,10 +429,10 @@ def _backward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, o_BHTD, lse_BHT1, d
       out_shape=[jax.ShapeDtypeStruct(k_BKSD.shape, k_BKSD.dtype),
                  jax.ShapeDtypeStruct(v_BKSD.shape, v_BKSD.dtype)],
       compiler_params=_compiler_params(cfg, 5),
-      interpret=_interpret(cfg),
+      interpret=cfg.interpret,
       name="flash_attention_tpu_dkdv",
   )(tiles, bounds, *args)
-  return dq_BHTD, dk_BKSD, dv_BKSD
+  return dk_BKSD, dv_BKSD
 
 
 _flash = common.flash_vjp(_forward, _backward)
