@@ -62,8 +62,8 @@ def test_matches_reference_gqa_causal_packed():
     causal=st.booleans(),
     segment_mode=st.sampled_from([None, "packed", "random"]),
     dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
-    block_q=st.sampled_from([8, 16]),
-    block_k=st.sampled_from([8, 16]),
+    block_q=st.sampled_from([16, 32]),
+    block_k=st.sampled_from([16, 32]),
 )
 def test_matches_reference_random(seed, B, K, group, T, S, D, causal, segment_mode, dtype,
                                   block_q, block_k):
