@@ -3,8 +3,9 @@
 Its numbers are checked in the Pallas interpreter on CPU against
 `implementation="reference"`, forward and the three gradients, with the
 tolerances of `tests/test_flash_attention.py` (max |kernel - oracle| /
-max(max |oracle|, 1): 1e-5 for float32, 3e-2 for bfloat16; the worst of 40
-random cases of `test_matches_reference_random` was 1.2e-6 and 7.8e-3).
+max(max |oracle|, 1): 1e-5 for float32, 3e-2 for bfloat16; over 12 random
+cases of `test_matches_reference_random`'s space, 3 float32 and 9 bfloat16,
+the worst was 9.0e-7 and 4.9e-3).
 Its Mosaic lowering is checked by compiling it for TPU v5e and v5p with
 libtpu's compiler through abstract devices (`jax.experimental.topologies`),
 no TPU attached: a compile error fails the test.
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
+from bench import compile_tpu
 from model.attention import attention
 from model.kernels import flash_attention_tpu as tpu
 from model.kernels.flash_attention import choose_lowering, flash_attention
@@ -131,10 +133,14 @@ def compile_variant(device, *, D: int, causal: bool, segments: bool, group: int,
 
 def test_compiles_for_v5e():
   """One variant through Mosaic and XLA for a v5e: head_dim 128, causal,
-  segment ids, GQA."""
+  segment ids, GQA; the program holds our three kernels, each within the
+  scoped VMEM it was given."""
   compiled = compile_variant(_tpu_device("v5e:2x2"), D=128, causal=True, segments=True,
                              group=4)
-  assert compiled.memory_analysis().argument_size_in_bytes > 0
+  vmem = compile_tpu.kernel_vmem(compiled.as_text())
+  assert set(vmem) == set(compile_tpu.KERNELS)
+  limit = tpu.choose_tpu_blocks(1024, 1024, 128, 2, device_kind="TPU v5 lite").vmem_limit_bytes
+  assert all(0 < used <= limit for used in vmem.values()), vmem
 
 
 @pytest.mark.slow
