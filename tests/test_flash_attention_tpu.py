@@ -84,6 +84,8 @@ def test_attention_dispatches_to_tpu_kernel():
   assert "flash_attention_tpu_forward" in jaxpr
   assert choose_lowering(q, k, backend="tpu", device_kind="TPU v5 lite") == "mosaic_tpu"
   assert choose_lowering(q, k, backend="cpu", device_kind="cpu") == "triton"
+  with pytest.raises(ValueError, match="block_k a multiple of 128"):
+    flash_attention(q, k, v, lowering="mosaic_tpu", interpret=False, block_k=64)
 
 
 def test_tiles_per_generation():

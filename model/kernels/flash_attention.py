@@ -576,6 +576,9 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if interpret is None:
     interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
   if lowering == "mosaic_tpu":
+    if not interpret and block_k is not None and block_k % tpu.LANES:
+      raise ValueError(f"flash_attention: lowering='mosaic_tpu' on a TPU takes block_k "
+                       f"a multiple of {tpu.LANES} (the lane width), not {block_k}")
     blocks = tpu.choose_tpu_blocks(T, S, D, q_BTHD.dtype.itemsize,
                                    device_kind=device.device_kind)
     blocks = dataclasses.replace(

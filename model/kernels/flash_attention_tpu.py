@@ -46,7 +46,7 @@ from jax.experimental.pallas import tpu as pltpu
 from model.kernels import block_sparse
 from model.kernels import common
 
-_LANES = 128  # the lane width: the key tile of a compiled kernel is a multiple of it
+LANES = 128  # the lane width: the key tile of a compiled kernel is a multiple of it
 _SUBLANES = 16  # rows of a bf16 (8 x 128 x 32-bit) vreg: the query tile is a multiple of it
 _HEAD_DIM_MULTIPLE = 64  # the head dim is zero-padded to a multiple of this
 
@@ -99,7 +99,7 @@ def vmem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
   (scores, P, dP, dS) with their row vectors padded to 128 lanes."""
   tiles = 2 * 4 * max(block_q, block_k) * head_dim * itemsize
   accumulators = 2 * max(block_q, block_k) * head_dim * 4
-  rows = 6 * max(block_q, block_k) * _LANES * 4
+  rows = 6 * max(block_q, block_k) * LANES * 4
   return tiles + accumulators + rows + 4 * block_q * block_k * 4
 
 
@@ -116,13 +116,13 @@ def choose_tpu_blocks(q_len: int, kv_len: int, head_dim: int, itemsize: int, *,
   """
   block_q, block_k, limit = _GENERATIONS[tpu_generation(device_kind) or "v5p"]
   while vmem_bytes(block_q, block_k, head_dim, itemsize) > limit // 2 and max(
-      block_q, block_k) > _LANES:
+      block_q, block_k) > LANES:
     if block_k >= block_q:
       block_k //= 2
     else:
       block_q //= 2
   block_q = min(block_q, common.round_up(q_len, _SUBLANES))
-  block_k = min(block_k, common.round_up(kv_len, _LANES))
+  block_k = min(block_k, common.round_up(kv_len, LANES))
   return TpuBlocks(block_q=block_q, block_k=block_k, block_q_dkv=block_q,
                    block_k_dkv=block_k, vmem_limit_bytes=limit)
 
