@@ -18,7 +18,7 @@ compiler allotted it (the `used_scoped_memory_configs` of its
 `tpu_custom_call`, memory space 1 = VMEM), beside the HBM temporaries of
 XLA's memory analysis.
 
-Run (about 4 minutes on 2 cores):
+Run (about 14 minutes on 2 shared cores for the 36 default cases):
 
   python bench/compile_tpu.py --out bench/results/compile_tpu-$(date +%F).json
 
