@@ -67,13 +67,13 @@ class TpuBlocks:
   vmem_limit_bytes: int
 
 
-# Per generation (device_kind as JAX reports it): the largest tiles tried and
-# the scoped-VMEM limit. v6e's MXU is 256 x 256 (tiles multiples of 256);
-# v4, v5e and v5p have 128 x 128 MXUs. VMEM per core: 16 MiB on v4, 128 MiB
-# on v5e and v6e, 95 MiB on v5p; the limit leaves room for Mosaic's own
-# internal scratch.
+# Per generation: the largest tiles tried and the scoped-VMEM limit. v6e's
+# MXU is 256 x 256 (so its key tile may be 1024), v4, v5e and v5p have
+# 128 x 128 MXUs. VMEM per TensorCore (JAX's `pallas.mosaic.tpu_info`):
+# 16 MiB on v4, 64 MiB on v5p, 128 MiB on v5e and v6e; each limit leaves
+# room for the compiler's own scratch.
 _GENERATIONS = {
-    "v4": (512, 512, 16 << 20),
+    "v4": (512, 512, 12 << 20),
     "v5e": (512, 512, 32 << 20),
     "v5p": (512, 512, 32 << 20),
     "v6e": (512, 1024, 32 << 20),
@@ -109,8 +109,10 @@ def choose_tpu_blocks(q_len: int, kv_len: int, head_dim: int, itemsize: int, *,
 
   Start from the generation's largest tiles (`_GENERATIONS`; v5p's for an
   unknown kind, and for the interpreter), halve the larger tile until
-  `vmem_bytes` fits in half the scoped-VMEM limit (so head_dim 256 gets
-  smaller tiles than 64), then shrink each tile to cover the sequence:
+  `vmem_bytes` fits in half the scoped-VMEM limit (so a larger head dim
+  may get smaller tiles: on v6e, 512 x 512 at head_dim 256 against
+  512 x 1024 at 64; on v4, 512 x 256 at 128), then shrink each tile to
+  cover the sequence:
   the query tile to a multiple of 16 rows, the key tile to a multiple of
   128 lanes. `bench/compile_tpu.py` prints what the compiler makes of them.
   """
