@@ -23,6 +23,19 @@ runs, in this one process:
   is non-causal only; it has no softmax scale argument, which does not
   change its time).
 
+On a TPU (or with `--competitors tpu`) the competitors are instead:
+
+- `ours_tpu`: `flash_attention` with lowering="mosaic_tpu"
+  (`model/kernels/flash_attention_tpu.py`);
+- `xla`: as above;
+- `jax_flash_tpu`: JAX's bundled TPU FlashAttention
+  `jax.experimental.pallas.ops.tpu.flash_attention` (layout [B, H, S, D]:
+  the transposes are timed with it; K/V repeated per query head for GQA,
+  which it does not support; no interpreter path);
+- `jax_splash`: JAX's splash attention (`...ops.tpu.splash_attention`,
+  `make_splash_mha` with a causal or full mask, GQA native, vmapped over
+  the batch; q pre-scaled, as it has no scale argument).
+
 Times are the median of timed repeats after warm-up, each ended by
 `block_until_ready`. TFLOP/s follow the FlashAttention convention: forward
 FLOPs = 4 * B * S^2 * H * D, halved when causal; forward+backward = 3.5 x
@@ -40,6 +53,7 @@ A competitor that fails shows "error: <message>" in its cell.
 
   python bench/attention.py --out bench/attention.json          # GPU
   python bench/attention.py --quick --out /tmp/attention.json   # CPU check
+  python bench/attention.py --out bench/attention-tpu.json      # TPU
   python bench/attention.py --tune                               # our tiles
 
 `--tune` times our kernels over their tiles: block_q x block_k for Triton,
@@ -75,6 +89,7 @@ from model.kernels.flash_attention import flash_attention  # pylint: disable=wro
 
 COMPETITORS = ("ours_mosaic", "ours_triton", "xla", "cudnn", "jax_pallas",
                "jax_mosaic")
+TPU_COMPETITORS = ("ours_tpu", "xla", "jax_flash_tpu", "jax_splash")
 MEMORY_SEQ = 32768
 
 
@@ -160,6 +175,12 @@ def attention_fn(name: str, case: dict, tiles=None):
       return jax_attention.mha(q, k, v, seg, sm_scale=scale, causal=causal,
                                interpret=not on_gpu)
     return fn
+  if name == "ours_tpu":
+    return functools.partial(flash_attention, lowering="mosaic_tpu", **ours)
+  if name == "jax_flash_tpu":
+    return _jax_flash_tpu(case, seg, scale)
+  if name == "jax_splash":
+    return _jax_splash(case, seg, scale, interpret=jax.default_backend() != "tpu")
   if name == "jax_mosaic":
     if seg is not None:
       raise ValueError("jax_mosaic takes no segment ids")
@@ -172,6 +193,49 @@ def attention_fn(name: str, case: dict, tiles=None):
 
     return functools.partial(attention_mgpu.attention, config=config)
   raise ValueError(f"unknown competitor {name!r}")
+
+
+def _jax_flash_tpu(case: dict, seg, scale: float):
+  """JAX's bundled TPU FlashAttention as (q, k, v) -> out in our layout."""
+  from jax.experimental.pallas.ops.tpu import flash_attention as tpu_flash  # pylint: disable=import-outside-toplevel
+  group = case["H"] // case["K"]
+  segment_ids = None if seg is None else tpu_flash.SegmentIds(q=seg, kv=seg)
+
+  def fn(q, k, v):
+    k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+    out = tpu_flash.flash_attention(
+        q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3),
+        segment_ids=segment_ids, causal=case["causal"], sm_scale=scale)
+    return out.transpose(0, 2, 1, 3)
+  return fn
+
+
+def _jax_splash(case: dict, seg, scale: float, interpret: bool):
+  """JAX's splash attention as (q, k, v) -> out in our layout."""
+  from jax.experimental.pallas.ops.tpu import splash_attention as splash  # pylint: disable=import-outside-toplevel
+  S, H = case["S"], case["H"]
+  head_mask = splash.CausalMask((S, S)) if case["causal"] else splash.FullMask((S, S))
+  kernel = splash.make_splash_mha(splash.MultiHeadMask([head_mask] * H), head_shards=1,
+                                  q_seq_shards=1, interpret=interpret)
+
+  def one_row(q_HTD, k_KSD, v_KSD, seg_S):
+    segment_ids = None if seg is None else splash.SegmentIds(q=seg_S, kv=seg_S)
+    return kernel(q_HTD * scale, k_KSD, v_KSD, segment_ids=segment_ids)
+
+  def fn(q, k, v):
+    rows = seg if seg is not None else jnp.zeros(q.shape[:2], jnp.int32)
+    out = jax.vmap(one_row)(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                            v.transpose(0, 2, 1, 3), rows)
+    return out.transpose(0, 2, 1, 3)
+  return fn
+
+
+def competitors(choice: str | None) -> tuple:
+  """The competitors of a run: `TPU_COMPETITORS` on a TPU (or choice
+  "tpu"), else the GPU ones."""
+  if choice is None:
+    choice = "tpu" if jax.default_backend() == "tpu" else "gpu"
+  return TPU_COMPETITORS if choice == "tpu" else COMPETITORS
 
 
 def triton_tune_tiles(quick: bool) -> list[tuple]:
@@ -335,15 +399,16 @@ def cell(result: dict) -> str:
 
 
 def speed_table(rows: list[dict]) -> str:
+  names = tuple(rows[0]["results"])
   header = ("| case | B | S | H/K | D | causal | "
-            + " | ".join(f"{c} fwd / fwd+bwd" for c in COMPETITORS) + " |")
-  lines = [header, "|" + "---|" * (6 + len(COMPETITORS))]
+            + " | ".join(f"{c} fwd / fwd+bwd" for c in names) + " |")
+  lines = [header, "|" + "---|" * (6 + len(names))]
   for row in rows:
     c = row["case"]
     lines.append(
         f"| {c['label']} | {c['B']} | {c['S']} | {c['H']}/{c['K']} | {c['D']} "
         f"| {'yes' if c['causal'] else 'no'} | "
-        + " | ".join(cell(row["results"][name]) for name in COMPETITORS) + " |")
+        + " | ".join(cell(row["results"][name]) for name in names) + " |")
   return "\n".join(lines)
 
 
@@ -393,6 +458,8 @@ def main():
   parser.add_argument("--rows", nargs="+", metavar="LABEL",
                       help="only these rows: D:S:causal (e.g. 128:16384:yes), "
                            "gqa, gpt2-small or gpt2-small-packed (packed with --quick)")
+  parser.add_argument("--competitors", choices=("gpu", "tpu"),
+                      help="which set to run (default: tpu on a TPU, else gpu)")
   parser.add_argument("--peak-child", help=argparse.SUPPRESS)
   args = parser.parse_args()
 
@@ -419,17 +486,20 @@ def main():
   if not cases:
     parser.error(f"--rows {' '.join(args.rows)} matches no row; rows are "
                  + ", ".join(row_label(c) for c in grid_cases(args.quick)))
+  names = competitors(args.competitors)
   speed_rows = []
   for case in cases:
     inputs = make_inputs(case)
     results = {name: measure(name, case, inputs, warmup, repeats)
-               for name in COMPETITORS}
+               for name in names}
     speed_rows.append(dict(case=case, results=results))
     table = speed_table(speed_rows).splitlines()
     print("\n".join(table if len(speed_rows) == 1 else table[-1:]), flush=True)
   report = dict(meta=meta, speed=speed_rows)
 
-  if args.tune:
+  if args.tune and names == TPU_COMPETITORS:
+    print("\n--tune sweeps the GPU kernels' tiles only; skipped")
+  elif args.tune:
     tune_rows = []
     for case in cases:
       inputs = make_inputs(case)
@@ -447,7 +517,7 @@ def main():
     memory_rows = []
     for D in ((64,) if args.quick else (64, 128)):
       case = memory_case(args.quick, D)
-      for name in COMPETITORS:
+      for name in names:
         memory_rows.append(dict(case=case, name=name,
                                 compiled=compiled_bytes(name, case),
                                 peak=peak_bytes(name, case)))

@@ -35,7 +35,8 @@ def get_config() -> config_dict.ConfigDict:
   m.tie_embeddings = True  # output head = embedding^T
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
-  #   16-bit, head_dim 64/128; Triton elsewhere) | triton | mosaic_gpu (interpreted on CPU)
+  #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |
+  #   mosaic_tpu (interpreted on CPU)
   m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
   m.param_dtype = "float32"  # parameter dtype: float32 | bfloat16
   m.init_std = 0.02  # std of the normal initialiser of every weight matrix

@@ -16,7 +16,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "swiglu"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
-    "model.pallas_lowering": ("auto", "triton", "mosaic_gpu"),
+    "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
     "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),

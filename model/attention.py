@@ -8,7 +8,8 @@
   heads, so K/V are never repeated in memory.
 - `xla`, `cudnn`: `jax.nn.dot_product_attention` with that implementation.
 - `pallas`: our online-softmax kernels (`model/kernels/`): Mosaic GPU on
-  H100/H200 for 16-bit inputs with head_dim 64 or 128, Triton elsewhere.
+  H100/H200 for 16-bit inputs with head_dim 64 or 128, Mosaic TPU on TPUs,
+  Triton elsewhere.
 - `auto`: the fastest correct choice for the device and the inputs (see
   `choose_implementation`).
 
@@ -124,8 +125,8 @@ def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
   On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
   and no dense mask (cuDNN's fused flash attention, the fastest measured in
   docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
-  chosen explicitly until `bench/attention.py` shows it ahead of cuDNN on the
-  device at hand.
+  chosen explicitly until `bench/attention.py` shows it ahead of cuDNN (on a
+  TPU, of XLA and JAX's splash attention) on the device at hand.
   """
   D = q_BTHD.shape[-1]
   if (jax.default_backend() == "gpu" and not has_dense_mask
@@ -145,7 +146,7 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
 
   q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
   returns [B, T, H, D] in q's dtype. See the module docstring for the masks.
-  `pallas_lowering` (auto, triton, mosaic_gpu) picks our kernel when
+  `pallas_lowering` (auto, triton, mosaic_gpu, mosaic_tpu) picks our kernel when
   implementation is pallas.
   """
   if implementation == "auto":

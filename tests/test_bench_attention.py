@@ -32,3 +32,16 @@ def test_every_competitor_gets_the_segment_ids():
   assert np.abs(np.asarray(unpacked, np.float32) - np.asarray(want, np.float32)).max() > 0.1
   with pytest.raises(ValueError, match="no segment ids"):
     bench_attention.attention_fn("jax_mosaic", case)
+
+
+@pytest.mark.slow
+def test_tpu_competitors_get_the_segment_ids():
+  """On a TPU the bench runs ours (mosaic_tpu) beside JAX's splash attention;
+  here both run interpreted and match XLA with the packed row's dense mask."""
+  case = _packed(quick=True)
+  q, k, v, _ = bench_attention.make_inputs(case)
+  want = np.asarray(bench_attention.attention_fn("xla", case)(q, k, v), np.float32)
+  for name in ("ours_tpu", "jax_splash"):
+    got = np.asarray(bench_attention.attention_fn(name, case)(q, k, v), np.float32)
+    assert np.abs(got - want).max() < 3e-2, name
+  assert bench_attention.competitors("tpu") == bench_attention.TPU_COMPETITORS

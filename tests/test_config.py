@@ -18,7 +18,7 @@ CASES = [
     (dict(attention_impl="flash"), "model.attention_impl='flash': must be one of reference, xla"),
     (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
     (dict(pallas_lowering="cuda"),
-     "model.pallas_lowering='cuda': must be one of auto, triton, mosaic_gpu"),
+     "model.pallas_lowering='cuda': must be one of auto, triton, mosaic_gpu, mosaic_tpu"),
     (dict(pallas_lowering="mosaic_gpu", d_model=128, num_heads=2),
      "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
     (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),

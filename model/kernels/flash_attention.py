@@ -34,7 +34,8 @@ K and V are never copied per query head.
 The kernels are plain `pl.pallas_call`s: Triton lowering on an NVIDIA GPU,
 the Pallas interpreter everywhere else. On Hopper (H100/H200), inputs the
 Mosaic GPU kernels of `flash_attention_hopper.py` take (16-bit, head_dim 64
-or 128) go there instead: `choose_lowering` is the rule and
+or 128) go there instead; on a TPU, the Mosaic TPU kernels of
+`flash_attention_tpu.py`: `choose_lowering` is the rule and
 `flash_attention(lowering=...)` overrides it.
 """
 import dataclasses
@@ -49,6 +50,7 @@ from jax.experimental.pallas import triton as pltriton
 from model.kernels import block_sparse
 from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
+from model.kernels import flash_attention_tpu as tpu
 
 _MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
 
@@ -473,14 +475,16 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
 _flash = common.flash_vjp(_forward, _backward)
 
 
-LOWERINGS = ("triton", "mosaic_gpu")
+LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
 def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
-  """Which kernel runs: "mosaic_gpu" (`flash_attention_hopper.py`: wgmma,
-  TMA, warp specialisation) on a Hopper GPU for the inputs it takes, else
-  "triton" (this file: every GPU, every mask; the one the interpreter runs
-  on CPU)."""
+  """Which kernel runs: "mosaic_tpu" (`flash_attention_tpu.py`) on a TPU;
+  "mosaic_gpu" (`flash_attention_hopper.py`: wgmma, TMA, warp
+  specialisation) on a Hopper GPU for the inputs it takes; else "triton"
+  (this file: every GPU, every mask; the one the interpreter runs on CPU)."""
+  if backend == "tpu":
+    return "mosaic_tpu"
   if backend == "gpu" and _is_hopper(device_kind) and hopper.supports(
       q_BTHD, k_BSKD) is None:
     return "mosaic_gpu"
@@ -505,11 +509,14 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     scale: score multiplier, default 1 / sqrt(D).
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
-    interpret: run the Pallas interpreter; default: when `device` is not a GPU.
-    lowering: "triton" (the portable kernels of this file) or "mosaic_gpu"
+    interpret: run the Pallas interpreter; default: when `device` is not the
+      lowering's platform (a GPU; a TPU for "mosaic_tpu", whose interpreter
+      is Pallas's TPU interpret mode).
+    lowering: "triton" (the portable kernels of this file), "mosaic_gpu"
       (the Hopper kernels: 16-bit, head_dim 64 or 128; only
-      block_k applies, query tiles are 64 rows per warpgroup); default
-      `choose_lowering`.
+      block_k applies, query tiles are 64 rows per warpgroup) or
+      "mosaic_tpu" (the TPU kernels; block_q a multiple of 16 and block_k
+      of 128 when compiled); default `choose_lowering`.
     device: the device tiles and lowering are chosen for; default
       `jax.devices()[0]`. A compile-only device (`jax.experimental.topologies`)
       compiles ahead of time for a GPU this host lacks (`bench/compile_h200.py`).
@@ -534,12 +541,25 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       raise ValueError(f"flash_attention: {name}={block} must be a power of "
                        f"two >= {_MIN_BLOCK}")
   device = device or jax.devices()[0]
-  if interpret is None:
-    interpret = device.platform != "gpu"
   scale = D ** -0.5 if scale is None else float(scale)
   if lowering is None:
     lowering = choose_lowering(q_BTHD, k_BSKD, backend=device.platform,
                                device_kind=device.device_kind)
+  if interpret is None:
+    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  if lowering == "mosaic_tpu":
+    if not interpret and block_k is not None and block_k % tpu.LANES:
+      raise ValueError(f"flash_attention: lowering='mosaic_tpu' on a TPU takes block_k "
+                       f"a multiple of {tpu.LANES} (the lane width), not {block_k}")
+    blocks = tpu.choose_tpu_blocks(T, S, D, q_BTHD.dtype.itemsize,
+                                   device_kind=device.device_kind)
+    blocks = dataclasses.replace(
+        blocks, **({} if block_q is None else dict(block_q=block_q, block_q_dkv=block_q)),
+        **({} if block_k is None else dict(block_k=block_k, block_k_dkv=block_k)))
+    return tpu.tpu_flash_attention(
+        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        blocks=blocks, interpret=interpret)
   if lowering == "mosaic_gpu":
     reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:

@@ -1,0 +1,469 @@
+"""FlashAttention forward and backward for TPUs, lowered by Mosaic TPU.
+
+The same algorithm as the portable kernels of `flash_attention.py` (online
+softmax forward; backward recomputing P from the saved log-sum-exp, with
+delta = rowsum(dO * O), dV = P^T dO, dS = P * (dO V^T - delta),
+dK = scale * dS^T Q, dQ = scale * dS K), laid out the way a TPU core wants
+it: one program per grid step, with the streamed tile a grid axis of its
+own ("arbitrary", run in order) instead of a loop inside the program, so
+Mosaic's pipeline fetches the next K/V (or Q/dO) tile by DMA while the
+current one is on the MXU. Running state (m, l, the float32 accumulators)
+lives in VMEM scratch across those steps.
+
+Which tiles a program streams comes from a block-sparse plan
+(`block_sparse.plan_over_keys` / `plan_over_queries`), handed to the kernels
+as scalar-prefetch arguments in SMEM: the index maps of the streamed
+operands read the plan, so tiles that see nothing (above the causal
+diagonal, or sharing no segment) are never fetched or computed, and tiles
+seen whole run without a mask. Without segment ids the plan is built from
+one segment covering the true lengths (shared by every batch row), which
+also masks the keys past the true length when the lengths were padded up to
+whole tiles. Steps past a program's `count` keep the last tile's block index
+(no new DMA) and do nothing.
+
+Layout: q, k, v are transposed to [B, H, T, D] / [B, K, S, D] so that a tile
+is a (rows, D) slab in the two minor dimensions TPUs tile by (8 sublanes x
+128 lanes). Query head h reads KV head h // G through the index map (G query
+heads per KV head), and the dK/dV kernel sums over the G query heads of a KV
+head as a grid axis, so K and V are never copied per query head. A query
+whose keys are all masked gets a zero output and zero gradients.
+
+On a CPU the kernels run in the Pallas interpreter (`interpret=True`; it
+keeps the TPU semantics used here: scalar prefetch, VMEM scratch that
+persists across the steps of a program), which is how the test suite checks
+them against the reference; `tests/test_flash_attention_tpu.py` also
+compiles them for TPU v5e and v5p with libtpu, without a TPU.
+"""
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from model.kernels import block_sparse
+from model.kernels import common
+
+LANES = 128  # the lane width: the key tile of a compiled kernel is a multiple of it
+_SUBLANES = 16  # rows of a bf16 (8 x 128 x 32-bit) vreg: the query tile is a multiple of it
+_HEAD_DIM_MULTIPLE = 64  # the head dim is zero-padded to a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuBlocks:
+  """Tiles of the three kernels and the scoped-VMEM limit they compile with.
+
+  Attributes:
+    block_q, block_k: query and key tile of the forward and dQ kernels.
+    block_q_dkv, block_k_dkv: tiles of the dK/dV kernel.
+    vmem_limit_bytes: the scoped VMEM the compiler may use per kernel.
+  """
+  block_q: int
+  block_k: int
+  block_q_dkv: int
+  block_k_dkv: int
+  vmem_limit_bytes: int
+
+
+# Per generation: the largest tiles tried and the scoped-VMEM limit. v6e's
+# MXU is 256 x 256 (so its key tile may be 1024), v4, v5e and v5p have
+# 128 x 128 MXUs. VMEM per TensorCore (JAX's `pallas.mosaic.tpu_info`):
+# 16 MiB on v4, 64 MiB on v5p, 128 MiB on v5e and v6e; each limit leaves
+# room for the compiler's own scratch.
+_GENERATIONS = {
+    "v4": (512, 512, 12 << 20),
+    "v5e": (512, 512, 32 << 20),
+    "v5p": (512, 512, 32 << 20),
+    "v6e": (512, 1024, 32 << 20),
+}
+
+
+def tpu_generation(device_kind: str) -> str | None:
+  """"v4", "v5e", "v5p" or "v6e" from a device_kind ("TPU v5 lite", ...)."""
+  kind = device_kind.lower()
+  if "v6" in kind:
+    return "v6e"
+  if "v5" in kind:
+    return "v5e" if ("lite" in kind or "v5e" in kind) else "v5p"
+  if "v4" in kind:
+    return "v4"
+  return None
+
+
+def vmem_bytes(block_q: int, block_k: int, head_dim: int, itemsize: int) -> int:
+  """An upper estimate of one kernel's VMEM: its double-buffered tiles (four
+  row-tiles of block_q or block_k rows, the most any kernel streams), two
+  float32 accumulators, and the float32 [block_q, block_k] intermediates
+  (scores, P, dP, dS) with their row vectors padded to 128 lanes."""
+  tiles = 2 * 4 * max(block_q, block_k) * head_dim * itemsize
+  accumulators = 2 * max(block_q, block_k) * head_dim * 4
+  rows = 6 * max(block_q, block_k) * LANES * 4
+  return tiles + accumulators + rows + 4 * block_q * block_k * 4
+
+
+def choose_tpu_blocks(q_len: int, kv_len: int, head_dim: int, itemsize: int, *,
+                      device_kind: str) -> TpuBlocks:
+  """Tiles for a TPU generation and a shape.
+
+  Start from the generation's largest tiles (`_GENERATIONS`; v5p's for an
+  unknown kind, and for the interpreter), halve the larger tile until
+  `vmem_bytes` fits in half the scoped-VMEM limit (so a larger head dim
+  may get smaller tiles: on v6e, 512 x 512 at head_dim 256 against
+  512 x 1024 at 64; on v4, 512 x 256 at 128), then shrink each tile to
+  cover the sequence:
+  the query tile to a multiple of 16 rows, the key tile to a multiple of
+  128 lanes. `bench/compile_tpu.py` prints what the compiler makes of them.
+  """
+  block_q, block_k, limit = _GENERATIONS[tpu_generation(device_kind) or "v5p"]
+  while vmem_bytes(block_q, block_k, head_dim, itemsize) > limit // 2 and max(
+      block_q, block_k) > LANES:
+    if block_k >= block_q:
+      block_k //= 2
+    else:
+      block_q //= 2
+  block_q = min(block_q, common.round_up(q_len, _SUBLANES))
+  block_k = min(block_k, common.round_up(kv_len, LANES))
+  return TpuBlocks(block_q=block_q, block_k=block_k, block_q_dkv=block_q,
+                   block_k_dkv=block_k, vmem_limit_bytes=limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  """Static description of one call, shared by the forward and backward."""
+  scale: float
+  causal: bool
+  num_kv_heads: int
+  blocks: TpuBlocks
+  interpret: bool
+  per_batch_plan: bool  # segment ids given: one plan per batch row
+
+
+def _dot(a, b, contract_a: int, contract_b: int):
+  """2-D matmul contracting the given axes, accumulated in float32."""
+  return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+
+
+def _scores(q_TD, k_SD, q_start, k_start, q_seg_T1, kv_seg_1S, *, scale: float,
+            causal: bool, masked: bool):
+  """Scaled scores of a tile [block_q, block_k] float32; with `masked`, -inf
+  where the key is after the query (causal) or in another segment or padding
+  (id 0)."""
+  s_TS = _dot(q_TD, k_SD, 1, 1) * scale
+  if not masked:
+    return s_TS
+  visible = (q_seg_T1 == kv_seg_1S) & (kv_seg_1S != 0)
+  if causal:
+    q_pos = q_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 0)
+    k_pos = k_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 1)
+    visible &= k_pos <= q_pos
+  return jnp.where(visible, s_TS, -jnp.inf)
+
+
+def _plan(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,
+          causal: bool):
+  """The block-sparse plan, flattened for SMEM: (tiles [P * N], bounds
+  [P * 2] of (split, count)) over the P = B' x C program tiles, and N, the
+  length of each tile list."""
+  make = block_sparse.plan_over_keys if over_keys else block_sparse.plan_over_queries
+  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal)
+  N = tiles.shape[2]
+  return tiles.reshape(-1), bounds[:, :, 0, 1:].reshape(-1), N
+
+
+def _step(tiles_ref, bounds_ref, program, n, N: int):
+  """The tile a program streams at step n (the last listed one past its
+  count, so the block index repeats and nothing is fetched)."""
+  count = bounds_ref[2 * program + 1]
+  return tiles_ref[program * N + jnp.minimum(n, count - 1)]
+
+
+def _forward_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref,
+                    o_ref, lse_ref, m_ref, l_ref, acc_ref, *, cfg: _Config, N: int,
+                    num_q_tiles: int):
+  """Forward, one (batch, head, query tile) over the key tiles of its plan."""
+  b, _, i, n = (pl.program_id(a) for a in range(4))
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  program = (b if cfg.per_batch_plan else 0) * num_q_tiles + i
+  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
+
+  @pl.when(n == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def update(masked: bool):
+    k_start = _step(tiles_ref, bounds_ref, program, n, N) * block_k
+    s_TS = _scores(q_ref[...], k_ref[...], i * block_q, k_start, q_seg_ref[...],
+                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    m_T1 = m_ref[...]
+    m_new_T1 = jnp.maximum(m_T1, jnp.max(s_TS, axis=1, keepdims=True))
+    # A row with no visible key so far keeps m = -inf; subtracting 0 instead
+    # keeps exp(-inf - m) = 0 rather than NaN.
+    m_safe_T1 = jnp.where(m_new_T1 == -jnp.inf, 0.0, m_new_T1)
+    correction_T1 = jnp.exp(m_T1 - m_safe_T1)
+    p_TS = jnp.exp(s_TS - m_safe_T1)
+    l_ref[...] = correction_T1 * l_ref[...] + jnp.sum(p_TS, axis=1, keepdims=True)
+    v_SD = v_ref[...]
+    acc_ref[...] = correction_T1 * acc_ref[...] + _dot(p_TS.astype(v_SD.dtype), v_SD, 1, 0)
+    m_ref[...] = m_new_T1
+
+  pl.when(n < split)(lambda: update(masked=True))
+  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+
+  @pl.when(n == N - 1)
+  def _finish():
+    l_T1 = l_ref[...]
+    empty_T1 = l_T1 == 0.0
+    o_ref[...] = (acc_ref[...] / jnp.where(empty_T1, 1.0, l_T1)).astype(o_ref.dtype)
+    # +inf for an empty row makes the backward's exp(s - lse) exactly 0.
+    lse_ref[...] = jnp.where(empty_T1, jnp.inf, m_ref[...] + jnp.log(l_T1))
+
+
+def _dq_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               q_seg_ref, kv_seg_ref, dq_ref, acc_ref, *, cfg: _Config, N: int,
+               num_q_tiles: int):
+  """Backward, dQ of one (batch, head, query tile) over its key tiles."""
+  b, _, i, n = (pl.program_id(a) for a in range(4))
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  program = (b if cfg.per_batch_plan else 0) * num_q_tiles + i
+  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
+
+  @pl.when(n == 0)
+  def _init():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  def update(masked: bool):
+    k_start = _step(tiles_ref, bounds_ref, program, n, N) * block_k
+    k_SD = k_ref[...]
+    s_TS = _scores(q_ref[...], k_SD, i * block_q, k_start, q_seg_ref[...],
+                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    p_TS = jnp.exp(s_TS - lse_ref[...])
+    dp_TS = _dot(do_ref[...], v_ref[...], 1, 1)
+    ds_TS = p_TS * (dp_TS - delta_ref[...])
+    acc_ref[...] += _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
+
+  pl.when(n < split)(lambda: update(masked=True))
+  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+
+  @pl.when(n == N - 1)
+  def _finish():
+    dq_ref[...] = (acc_ref[...] * cfg.scale).astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                 q_seg_ref, kv_seg_ref, dk_ref, dv_ref, dk_acc_ref, dv_acc_ref, *,
+                 cfg: _Config, N: int, num_k_tiles: int, group: int):
+  """Backward, dK and dV of one (batch, KV head, key tile): over the G query
+  heads of the KV head and the query tiles of its plan."""
+  b, _, j, g, n = (pl.program_id(a) for a in range(5))
+  block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+  program = (b if cfg.per_batch_plan else 0) * num_k_tiles + j
+  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
+
+  @pl.when((g == 0) & (n == 0))
+  def _init():
+    dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
+    dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
+
+  def update(masked: bool):
+    q_start = _step(tiles_ref, bounds_ref, program, n, N) * block_q
+    q_TD, do_TD = q_ref[...], do_ref[...]
+    s_TS = _scores(q_TD, k_ref[...], q_start, j * block_k, q_seg_ref[...],
+                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    p_TS = jnp.exp(s_TS - lse_ref[...])
+    dv_acc_ref[...] += _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
+    dp_TS = _dot(do_TD, v_ref[...], 1, 1)
+    ds_TS = p_TS * (dp_TS - delta_ref[...])
+    dk_acc_ref[...] += _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
+
+  pl.when(n < split)(lambda: update(masked=True))
+  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+
+  @pl.when((g == group - 1) & (n == N - 1))
+  def _finish():
+    dk_ref[...] = (dk_acc_ref[...] * cfg.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc_ref[...].astype(dv_ref.dtype)
+
+
+def _compiler_params(cfg: _Config, num_grid_axes: int):
+  """Mosaic TPU parameters: every grid axis parallel but the streamed ones
+  (the last, and in the dK/dV kernel the query-head axis before it)."""
+  streamed = 1 if num_grid_axes == 4 else 2
+  semantics = ("parallel",) * (num_grid_axes - streamed) + ("arbitrary",) * streamed
+  return pltpu.CompilerParams(dimension_semantics=semantics,
+                              vmem_limit_bytes=cfg.blocks.vmem_limit_bytes)
+
+
+def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
+  """Launches the forward kernel: (out [B, H, T, D], lse [B, H, T, 1])."""
+  B, H, T, D = q_BHTD.shape
+  group = H // cfg.num_kv_heads
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=True,
+                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
+  C = T // block_q
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+
+  def kv_tile(b, i, n, tiles_ref, bounds_ref):
+    return _step(tiles_ref, bounds_ref, seg_b(b) * C + i, n, N)
+
+  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
+      b, lax.div(h, group), kv_tile(b, i, n, *p), 0))
+  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0))
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(B, H, C, N),
+      in_specs=[
+          q_spec, kv_spec, kv_spec,
+          pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
+          pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
+              seg_b(b), 0, kv_tile(b, i, n, *p))),
+      ],
+      out_specs=[q_spec, row_spec],
+      scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32),
+                      pltpu.VMEM((block_q, 1), jnp.float32),
+                      pltpu.VMEM((block_q, D), jnp.float32)],
+  )
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, cfg=cfg, N=N, num_q_tiles=C),
+      grid_spec=grid_spec,
+      out_shape=[jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
+                 jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
+      compiler_params=_compiler_params(cfg, 4),
+      interpret=cfg.interpret,
+      name="flash_attention_tpu_forward",
+  )(tiles, bounds, q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S)
+
+
+def _backward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, o_BHTD, lse_BHT1, do_BHTD,
+              cfg: _Config):
+  """Launches the dQ and dK/dV kernels: (dq, dk, dv)."""
+  delta_BHT1 = jnp.sum(o_BHTD.astype(jnp.float32) * do_BHTD.astype(jnp.float32),
+                       axis=-1, keepdims=True)
+  args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
+  return (_dq(*args, cfg=cfg), *_dkdv(*args, cfg=cfg))
+
+
+def _dq(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S, *,
+        cfg: _Config):
+  """Launches the dQ kernel, grid (batch, query head, query tile, step over
+  its key tiles): dq [B, H, T, D]."""
+  B, H, T, D = q_BHTD.shape
+  group = H // k_BKSD.shape[1]
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+  args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=True,
+                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
+  C = T // block_q
+
+  def kv_tile(b, i, n, tiles_ref, bounds_ref):
+    return _step(tiles_ref, bounds_ref, seg_b(b) * C + i, n, N)
+
+  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0))
+  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
+      b, lax.div(h, group), kv_tile(b, i, n, *p), 0))
+  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0))
+  dq_BHTD = pl.pallas_call(
+      functools.partial(_dq_kernel, cfg=cfg, N=N, num_q_tiles=C),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(B, H, C, N),
+          in_specs=[
+              q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+              pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
+              pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
+                  seg_b(b), 0, kv_tile(b, i, n, *p))),
+          ],
+          out_specs=q_spec,
+          scratch_shapes=[pltpu.VMEM((block_q, D), jnp.float32)],
+      ),
+      out_shape=jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
+      compiler_params=_compiler_params(cfg, 4),
+      interpret=cfg.interpret,
+      name="flash_attention_tpu_dq",
+  )(tiles, bounds, *args)
+  return dq_BHTD
+
+
+def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S, *,
+          cfg: _Config):
+  """Launches the dK/dV kernel, grid (batch, KV head, key tile, query head of
+  the group, step over its query tiles): (dk, dv) [B, K, S, D]."""
+  H, D = q_BHTD.shape[1], q_BHTD.shape[3]
+  B, K, S = k_BKSD.shape[:3]
+  group = H // K
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+  args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
+  block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=False,
+                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
+  C = S // block_k
+
+  def q_tile(b, j, n, tiles_ref, bounds_ref):
+    return _step(tiles_ref, bounds_ref, seg_b(b) * C + j, n, N)
+
+  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, kh, j, g, n, *p: (
+      b, kh * group + g, q_tile(b, j, n, *p), 0))
+  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, kh, j, g, n, *p: (
+      b, kh * group + g, q_tile(b, j, n, *p), 0))
+  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, kh, j, g, n, *_: (b, kh, j, 0))
+  dk_BKSD, dv_BKSD = pl.pallas_call(
+      functools.partial(_dkdv_kernel, cfg=cfg, N=N, num_k_tiles=C, group=group),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=2,
+          grid=(B, K, C, group, N),
+          in_specs=[
+              q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+              pl.BlockSpec((None, block_q, 1), lambda b, kh, j, g, n, *p: (
+                  seg_b(b), q_tile(b, j, n, *p), 0)),
+              pl.BlockSpec((None, 1, block_k), lambda b, kh, j, g, n, *_: (seg_b(b), 0, j)),
+          ],
+          out_specs=[kv_spec, kv_spec],
+          scratch_shapes=[pltpu.VMEM((block_k, D), jnp.float32),
+                          pltpu.VMEM((block_k, D), jnp.float32)],
+      ),
+      out_shape=[jax.ShapeDtypeStruct(k_BKSD.shape, k_BKSD.dtype),
+                 jax.ShapeDtypeStruct(v_BKSD.shape, v_BKSD.dtype)],
+      compiler_params=_compiler_params(cfg, 5),
+      interpret=cfg.interpret,
+      name="flash_attention_tpu_dkdv",
+  )(tiles, bounds, *args)
+  return dk_BKSD, dv_BKSD
+
+
+_flash = common.flash_vjp(_forward, _backward)
+
+
+def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
+                        q_segment_ids, kv_segment_ids, blocks: TpuBlocks,
+                        interpret: bool):
+  """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k, v
+  [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`.
+
+  Pads the lengths to whole tiles and the head dim to a multiple of 64,
+  builds the segment ids the plans and masks read ([B, T, 1] and [B, 1, S];
+  without segment ids, one segment over the true lengths, [1, ...]), and
+  transposes to the kernels' [B, heads, length, D] layout."""
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  T_pad = common.round_up(T, max(blocks.block_q, blocks.block_q_dkv))
+  S_pad = common.round_up(S, max(blocks.block_k, blocks.block_k_dkv))
+  D_pad = common.round_up(D, _HEAD_DIM_MULTIPLE)
+  if q_segment_ids is None:
+    q_seg = common.pad_segment_ids(jnp.ones((1, T), jnp.int32), T_pad)
+    kv_seg = common.pad_segment_ids(jnp.ones((1, S), jnp.int32), S_pad)
+  else:
+    q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
+    kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
+  layout = lambda x, L: common.pad_to(common.pad_to(x, 1, L), 3, D_pad).transpose(0, 2, 1, 3)
+  cfg = _Config(scale=scale, causal=causal, num_kv_heads=K, blocks=blocks,
+                interpret=interpret, per_batch_plan=q_segment_ids is not None)
+  out_BHTD = _flash(layout(q_BTHD, T_pad), layout(k_BSKD, S_pad), layout(v_BSKD, S_pad),
+                    q_seg[:, :, None], kv_seg[:, None, :], cfg)
+  return out_BHTD.transpose(0, 2, 1, 3)[:, :T, :, :D]
