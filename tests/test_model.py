@@ -147,7 +147,7 @@ def test_kv_cache_prefill_and_steps_equal_full_forward(family, pos_emb):
     src = jax.random.randint(jax.random.key(2), (2, 5), 0, 64)
     encoded = model.encode(src)
     full = model.decode(tokens, encoded)
-    extra = dict(encoded_BSD=encoded)
+    extra = dict(encoded_BSM=encoded)
   cache = model.init_cache(2, 9)
   positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
   logits, cache = model.decode_step(tokens[:, :4], positions[:, :4], cache, **extra)
