@@ -1,6 +1,6 @@
 """Step 2 of the lesson: token embeddings and positional information.
 
-- `Embed`: E in R^{V x d}; `attend` gives logits x E^T for a tied head.
+- `Embed`: E in R^{V x d}; `attend` gives float32 logits x E^T for a tied head.
 - `sinusoidal_table`: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...).
 - `LearnedPositions`: a [max_len, d] table (cannot extrapolate past max_len).
 - RoPE: `rope_frequencies` and `apply_rope` rotate pair i of q and k at
@@ -31,7 +31,9 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.dtype)
 
   def attend(self, x_BTM):
-    return jnp.einsum("btd,vd->btv", x_BTM, self.embedding[...].astype(self.dtype))
+    """Logits x E^T [B, T, V], computed in float32 whatever the model dtype."""
+    return jnp.einsum("btm,vm->btv", x_BTM.astype(jnp.float32),
+                      self.embedding[...].astype(jnp.float32))
 
 
 def sinusoidal_table(num_positions: int, d: int) -> np.ndarray:

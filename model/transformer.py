@@ -10,7 +10,9 @@
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
 Embedding -> L blocks -> final norm (pre-norm only; a post-norm block already
-ends in a norm) -> head (tied E^T or its own matrix). Logits are float32.
+ends in a norm) -> head (tied E^T or its own matrix). The head computes in
+float32 whatever `model.dtype` (its inputs and weights cast up, as nanodo and
+MaxText do), so the loss sees full-precision logits.
 """
 import math
 
@@ -102,16 +104,18 @@ def _default_positions(tokens_BT, positions_BT):
 
 
 class _WithHead(nnx.Module):
-  """Tied (E^T) or untied output projection to float32 logits."""
+  """Tied (E^T) or untied output projection, computed in float32."""
 
   def _init_head(self, cfg, rngs):
     self.head = None if cfg.tie_embeddings else Dense(
-        cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs)
+        cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,
+        dtype=jnp.float32)
 
   def logits(self, stack: _Stack, x_BTM):
+    """Float32 logits [B, T, V] of the final hidden states."""
     if self.head is None:
-      return stack.embed.attend(x_BTM).astype(jnp.float32)
-    return self.head(x_BTM).astype(jnp.float32)
+      return stack.embed.attend(x_BTM)
+    return self.head(x_BTM)
 
 
 class Decoder(_WithHead):
