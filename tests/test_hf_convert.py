@@ -9,6 +9,8 @@ token; then exports it with `convert.py to_hf` and loads that with
 """
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,6 +24,7 @@ from model.generate import generate
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
 PROMPTS = ["def add(", "class "]
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -200,3 +203,34 @@ def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
 def _edit_config(hf_dir, **changes):
   path = hf_dir / "config.json"
   path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+@pytest.mark.slow
+def test_commands_import_evaluate_finetune_export(tok, tmp_path):
+  """The README's worked example with the real commands: convert.py from_hf,
+  eval.py, train.py from the imported run, convert.py to_hf of the fine-tune."""
+  for i in range(9):
+    (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
+
+  def run(*args):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                            check=False, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+  run("convert.py", "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"),
+      "--workdir", tmp_path / "run")
+  run("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
+      "--prompt", "def ", "--max_new_tokens", "4")
+  assert json.loads((tmp_path / "run" / "eval_report.json").read_text())["step"] == 0
+  run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
+      f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
+      "--config.train.num_steps=2", "--config.data.source=files",
+      f"--config.data.paths={tmp_path}/doc*.txt", "--config.data.val_percent=60",
+      "--config.train.batch_size=2", "--config.train.seq_len=16", "--config.train.eval_steps=1",
+      "--config.train.warmup_steps=1")
+  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ft_hf").eval()
+  _, _, model, step = load_run(str(tmp_path / "ft"))
+  assert step == 2
+  ids = _ids(tok)
+  _assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
