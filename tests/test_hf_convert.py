@@ -176,7 +176,7 @@ def _error_line(capsys, *args) -> str:
     (lambda d: os.remove(d / "model.safetensors"), "no model.safetensors"),
     (lambda d: _edit_config(d, model_type="bert"), "model_type 'bert' (planned)"),
     (lambda d: _edit_config(d, activation_function="relu"), "activation_function='relu'"),
-    (lambda d: _edit_config(d, n_head=2, unknown_field=1), "unknown_field=1"),
+    (lambda d: _edit_config(d, unknown_field=1), "unknown_field=1"),
     (lambda d: _edit_config(d, n_embd=64), "has shape"),
     (lambda d: os.remove(d / "tokenizer.json"), "no tokenizer.json"),
 ])

@@ -168,7 +168,7 @@ def from_hf(hf_dir: str, workdir: str) -> int:
       pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
       dtype = abstract_params[path].dtype
-      params[path] = jax.device_put(np.asarray(piece).astype(dtype), shardings[path])
+      params[path] = jax.device_put(np.asarray(piece).astype(dtype, copy=False), shardings[path])
     del pieces
   leaves = [params[path] for path in _flat(abstract["params"])]
   params_tree = jax.tree.unflatten(jax.tree.structure(abstract["params"]), leaves)
