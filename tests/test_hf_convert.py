@@ -18,9 +18,13 @@ import torch
 import transformers
 
 import convert
-from tokenizer import bpe, export_hf
-from training.evaluate import load_run
+from configs import base as base_config
+from configs.errors import UserError
+from model.config import ModelConfig
 from model.generate import generate
+from tokenizer import bpe, export_hf
+from training import hf_convert, hf_mappings
+from training.evaluate import load_run
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
 PROMPTS = ["def add(", "class "]
@@ -191,7 +195,7 @@ def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
 
 def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
   for kw, message in [(dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                             "rope_theta": 1e4}), "'yarn'"),
+                                             "rope_theta": 1e4}), "rope_type='yarn'"),
                       (dict(attention_bias=True), "attention_bias=True")]:
     hf_dir = tmp_path / "hf"
     _save(_llama(), tok, hf_dir)
@@ -234,3 +238,27 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   assert step == 2
   ids = _ids(tok)
   _assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
+
+
+def test_llama_config_fields_old_and_new_rope_forms():
+  """transformers 5's rope_parameters and the earlier rope_theta/rope_scaling
+  give the same fields; what remains in either is refused by name."""
+  base = dict(model_type="llama", hidden_size=32, num_attention_heads=4)
+  llama = hf_mappings.ARCHITECTURES["llama"]
+  new = llama.config_from_hf({**base, "rope_parameters": {
+      "rope_type": "linear", "factor": 4.0, "rope_theta": 500.0}})
+  old = llama.config_from_hf({**base, "rope_theta": 500.0,
+                              "rope_scaling": {"type": "linear", "factor": 4.0}})
+  assert new == old and (new["rope_scaling"], new["rope_scaling_factor"]) == ("linear", 4.0)
+  with pytest.raises(UserError, match="rope_parameters.partial_rotary_factor=0.5"):
+    llama.config_from_hf({**base, "rope_parameters": {"rope_type": "default",
+                                                      "partial_rotary_factor": 0.5}})
+
+
+def test_export_refuses_configs_without_hf_architecture():
+  config = base_config.get_config()
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "llama"
+  config.model.pos_emb = "sinusoidal"
+  with pytest.raises(UserError, match="gpt2: model.pos_emb='sinusoidal' .needs 'learned'.; "
+                                      "llama: model.pos_emb='sinusoidal' .needs 'rope'."):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import safetensors.numpy
+from flax import nnx
 from safetensors import safe_open
 
 from configs import base
@@ -221,7 +222,6 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   cfg = ModelConfig.resolve(config.model)
   arch = export_architecture(cfg)
   config, tok, model, step = load_run(workdir, step)
-  from flax import nnx  # pylint: disable=import-outside-toplevel
   params = _flat(nnx.state(model, nnx.Param))
   vocab = min(tok.vocab_size, cfg.vocab_size)
   dtype = jnp.dtype(cfg.param_dtype)

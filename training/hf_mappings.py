@@ -71,7 +71,7 @@ def _linear_out(name, path, heads, d, m):
 
 def _fields(hf: dict, honoured: set, required: dict, name: str) -> None:
   """Refuses the first HF field that is neither honoured, inert, nor at the
-  value `required` gives it (None in `required`: must be absent or null)."""
+  value `required` gives it (a required False also takes null)."""
   for key, value in hf.items():
     if key in required:
       if value != required[key] and not (required[key] is False and not value):
@@ -158,17 +158,20 @@ def _gpt2_tensors(cfg) -> list[Tensor]:
 
 def _rope(hf: dict) -> dict:
   """RoPE base and scaling from `rope_parameters` (transformers 5) or
-  `rope_theta`/`rope_scaling` (earlier files): none or linear."""
+  `rope_theta`/`rope_scaling` (earlier files): `default` or `linear`."""
   params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
   theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
   kind = params.pop("rope_type", params.pop("type", "default"))
-  if kind == "default":
-    return dict(rope_theta=theta, rope_scaling="none", rope_scaling_factor=1.0)
-  if kind == "linear" and set(params) == {"factor"}:
-    return dict(rope_theta=theta, rope_scaling="linear", rope_scaling_factor=params["factor"])
-  raise UserError(f"Hugging Face config field rope_scaling type {kind!r} "
-                  f"{params if kind == 'linear' else ''} is not supported by the import "
-                  "(default and linear are)".replace("  ", " "))
+  factor = params.pop("factor", 1.0) if kind == "linear" else 1.0
+  if kind not in ("default", "linear"):
+    raise UserError(f"Hugging Face config field rope_type={kind!r} is not supported by the "
+                    "import (default and linear are)")
+  if params:
+    key = next(iter(params))
+    raise UserError(f"Hugging Face config field rope_parameters.{key}={params[key]!r} is not "
+                    f"supported by the import with rope_type={kind!r}")
+  return dict(rope_theta=theta, rope_scaling="none" if kind == "default" else "linear",
+              rope_scaling_factor=factor)
 
 
 def _llama_from_hf(hf: dict, name: str) -> dict:
