@@ -58,6 +58,14 @@ def _read_json(path: pathlib.Path) -> dict:
     raise UserError(f"cannot read {path}: {type(e).__name__}: {e}") from None
 
 
+def _open(path: pathlib.Path):
+  """`safe_open` of a safetensors file (numpy arrays); a UserError if unreadable."""
+  try:
+    return safe_open(path, framework="numpy")
+  except Exception as e:  # pylint: disable=broad-except
+    raise UserError(f"cannot read {path}: {' '.join(str(e).split())}") from None
+
+
 def _weight_files(hf_dir: pathlib.Path) -> dict:
   """{tensor name: file} from the index, or of the one model.safetensors."""
   if (hf_dir / INDEX_FILE).is_file():
@@ -69,7 +77,7 @@ def _weight_files(hf_dir: pathlib.Path) -> dict:
     raise UserError(f"{hf_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors weights are "
                     "read; convert .bin files with transformers' save_pretrained first)")
   if files is None:
-    with safe_open(hf_dir / WEIGHTS_FILE, framework="numpy") as f:
+    with _open(hf_dir / WEIGHTS_FILE) as f:
       return {name: hf_dir / WEIGHTS_FILE for name in f.keys()}
   missing = sorted({str(p) for p in files.values() if not p.is_file()})
   if missing:
@@ -117,7 +125,7 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
     if tensor.hf_name not in names:
       raise UserError(f"{hf_dir}: the weights have no tensor {arch.prefix}{tensor.hf_name}")
     full = names[tensor.hf_name]
-    with safe_open(files[full], framework="numpy") as f:
+    with _open(files[full]) as f:
       shape = tuple(f.get_slice(full).get_shape())
     expected = _hf_shape(tensor, abstract_params)
     if shape != expected:
@@ -165,7 +173,7 @@ def from_hf(hf_dir: str, workdir: str) -> int:
   shardings = _flat(state_shardings(abstract["params"], mesh, rules))
   params = {}
   for tensor, full in plan:
-    with safe_open(files[full], framework="numpy") as f:
+    with _open(files[full]) as f:
       pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
       dtype = abstract_params[path].dtype
