@@ -5,6 +5,7 @@
 
 Reads `<workdir>/config.json` (for example one written by `convert.py
 from_hf`) over configs/base.py, so every field can still be overridden.
+Without a workdir it is configs/base.py.
 """
 import json
 import os
@@ -20,8 +21,10 @@ def _update(section, values: dict) -> None:
       section[key] = tuple(map(tuple, value)) if key == "rules" else value
 
 
-def get_config(workdir: str):
+def get_config(workdir: str | None = None):
   c = base.get_config()
+  if workdir is None:
+    return c
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
     _update(c, json.load(f))
   return c

@@ -19,11 +19,13 @@ import transformers
 
 import convert
 from configs import base as base_config
+from configs import from_run
 from configs.errors import UserError
 from model.config import ModelConfig
 from model.generate import generate
 from tokenizer import bpe, export_hf
 from training import hf_convert, hf_mappings
+from training import workdir as workdir_lib
 from training.evaluate import load_run
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
@@ -116,6 +118,9 @@ def test_gpt2_in_and_out(tok, tmp_path):
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert exported["vocab_size"] == tok.vocab_size == 290
+  # The config to fine-tune it with: the run's own.
+  assert (from_run.get_config(str(workdir)).model.to_dict()
+          == workdir_lib.load_config(str(workdir)).model.to_dict())
 
 
 @pytest.mark.slow
