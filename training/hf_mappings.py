@@ -184,8 +184,8 @@ def _llama_from_hf(hf: dict, name: str) -> dict:
   d, h = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
   return dict(vocab_size=hf.get("vocab_size", 32000), d_model=d,
               num_layers=hf.get("num_hidden_layers", 32), num_heads=h,
-              num_kv_heads=hf.get("num_key_value_heads") or h, head_dim=hf.get("head_dim") or d // h,
-              d_ff=hf.get("intermediate_size", 11008),
+              num_kv_heads=hf.get("num_key_value_heads") or h,
+              head_dim=hf.get("head_dim") or d // h, d_ff=hf.get("intermediate_size", 11008),
               max_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
               norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu",
               use_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False), **_rope(hf))
