@@ -21,6 +21,8 @@ def main(argv=None) -> None:
   pull = commands.add_parser("from_hf", help="import a Hugging Face model directory")
   pull.add_argument("--hf_dir", required=True, help="config.json, safetensors, tokenizer files")
   pull.add_argument("--workdir", required=True, help="the new run directory")
+  pull.add_argument("--fsdp", type=int, default=1, help="the run's mesh.fsdp (default 1)")
+  pull.add_argument("--tensor", type=int, default=1, help="the run's mesh.tensor (default 1)")
   push = commands.add_parser("to_hf", help="export a run as a Hugging Face model directory")
   push.add_argument("--workdir", required=True, help="the run directory")
   push.add_argument("--out", required=True, help="the new Hugging Face model directory")
@@ -29,7 +31,7 @@ def main(argv=None) -> None:
   from training import hf_convert  # pylint: disable=import-outside-toplevel
   try:
     if args.command == "from_hf":
-      count = hf_convert.from_hf(args.hf_dir, args.workdir)
+      count = hf_convert.from_hf(args.hf_dir, args.workdir, fsdp=args.fsdp, tensor=args.tensor)
       print(f"wrote {args.workdir} (step 0, {count:,} parameters)")
     else:
       out = hf_convert.to_hf(args.workdir, args.out, args.step)

@@ -153,6 +153,23 @@ def test_mistral_sharded(tok, tmp_path):
 
 
 @pytest.mark.slow
+def test_import_onto_a_sharded_mesh(tok, tmp_path):
+  """convert.py on 4 (host) devices with mesh fsdp=2, tensor=2: the weights are
+  placed in their shards as read; the run has the same logits."""
+  hf_model = _llama().eval()
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  result = subprocess.run(
+      [sys.executable, "convert.py", "from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
+       "--workdir", str(tmp_path / "run"), "--fsdp", "2", "--tensor", "2"],
+      capture_output=True, text=True, check=False, cwd=ROOT, env=env)
+  assert result.returncode == 0, result.stderr[-2000:]
+  config, _, model, _ = load_run(str(tmp_path / "run"))
+  assert (config.mesh.fsdp, config.mesh.tensor) == (2, 2)
+  ids = _ids(tok)
+  _assert_close(model(ids), _hf_logits(hf_model, ids))
+
+
+@pytest.mark.slow
 def test_bfloat16(tok, tmp_path):
   """A bfloat16 checkpoint imports as bfloat16 parameters and exports as bfloat16."""
   hf_model = _llama().to(torch.bfloat16)

@@ -150,8 +150,12 @@ def _check_target(workdir: pathlib.Path) -> None:
     raise UserError(f"--workdir {workdir} already exists and is not empty; choose a new one")
 
 
-def from_hf(hf_dir: str, workdir: str) -> int:
-  """Imports `hf_dir` into a new run directory `workdir`; returns the parameter count."""
+def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int:
+  """Imports `hf_dir` into a new run directory `workdir`; returns the parameter count.
+
+  `fsdp`, `tensor`: the run's mesh.fsdp and mesh.tensor (the weights are
+  placed in those shards while they are read).
+  """
   hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
   _check_target(workdir)
   if not hf_dir.is_dir():
@@ -163,6 +167,7 @@ def from_hf(hf_dir: str, workdir: str) -> int:
                     "the weights)")
   tok = tokenizer_lib.load_tokenizer(hf_dir)
   config = run_config(hf, arch, tok)
+  config.mesh.update(fsdp=fsdp, tensor=tensor)
   cfg = ModelConfig.resolve(config.model)
   files = _weight_files(hf_dir)
   _, abstract = abstract_state(config)
