@@ -1,8 +1,13 @@
 """All config checks, in one place.
 
 `validate(config)` runs at start-up of every tool (train.py, eval.py,
-model.summary) and `build_model` runs `validate_model`. A bad value raises a
-`UserError` whose one line names the field, the value and what is allowed.
+model.summary) and `build_model` runs `validate_model` (through
+`model.config.ModelConfig.resolve`). A bad value raises a `UserError` whose
+one line names the field, the value and what is allowed. The meaning of the
+optional model fields (`head_dim`, `num_kv_heads`, `num_decoder_layers`) is
+defined here; what an attention kernel takes is checked by the model where
+the implementation is chosen (`model.attention.check_kernel_support`), since
+configs never import the model.
 """
 from ml_collections import config_dict
 
@@ -73,6 +78,7 @@ def head_dim(m) -> int:
 
 
 def num_decoder_layers(m) -> int:
+  """Decoder layers of an encoder_decoder (None means num_layers)."""
   return m.num_layers if m.num_decoder_layers is None else m.num_decoder_layers
 
 
@@ -106,21 +112,6 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
-  if m.pallas_lowering == "mosaic_gpu":
-    _validate_mosaic_gpu(m)
-
-
-def _validate_mosaic_gpu(m: config_dict.ConfigDict) -> None:
-  """What the Hopper kernel takes (`flash_attention_hopper.supports`, at trace
-  time) checked on the config: its dtypes and head dims."""
-  from model.kernels.flash_attention_hopper import DTYPES, HEAD_DIMS  # pylint: disable=import-outside-toplevel
-  if m.dtype not in DTYPES:
-    _fail("model.pallas_lowering", m.pallas_lowering,
-          f"needs model.dtype {' or '.join(DTYPES)}, not {m.dtype} (or use triton)")
-  if head_dim(m) not in HEAD_DIMS:
-    _fail("model.pallas_lowering", m.pallas_lowering,
-          f"needs a head_dim of {' or '.join(map(str, HEAD_DIMS))}, not {head_dim(m)} "
-          "(or use triton)")
 
 
 def validate(config: config_dict.ConfigDict) -> None:

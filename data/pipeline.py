@@ -11,7 +11,11 @@ A batch is a dict of numpy arrays, B rows of T = train.seq_len tokens (see
 
 The objective and data.task choose the rows (`rows_of_split`):
 
-- `next_token`: packed rows of documents, as above.
+- `next_token`: packed rows of documents, as above. With
+  data.packing=concat the rows have no `segment_ids`: a concat row is one
+  stream whose only padding (in the split's last row) comes after every real
+  token, where causal attention alone hides it, so the model attends with
+  `causal` and no mask (see `_causal_rows`).
 - `mlm`: the same packed rows, masked BERT-style (`data/masking.py`):
   `inputs` with the selected tokens replaced, `targets` the original tokens,
   `loss_mask` on the selected positions only.
@@ -26,6 +30,7 @@ gets its slice of B / P rows, [g * B + p * B / P, g * B + (p + 1) * B / P).
 The iterator is Grain's, so `get_state()` / `set_state()` resume exactly.
 """
 import dataclasses
+import functools
 
 from absl import flags
 import grain
@@ -103,7 +108,19 @@ def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str):
         f"the validation split of data.source={config.data.source} is empty: "
         f"data.val_percent={config.data.val_percent} holds out none of the documents; "
         "raise data.val_percent or add documents")
+  if config.data.packing == "concat" and config.train.objective == "next_token":
+    return packer.num_rows, functools.partial(_causal_rows, packer)
   return packer.num_rows, packer
+
+
+def _causal_rows(packer: packing.RowPacker, row: int) -> dict[str, np.ndarray]:
+  """A concat row without `segment_ids`: all ones but for trailing padding,
+  which a causal decoder never attends from a real token, and whose queries
+  carry no loss; leaving them out spares attention a [B, T, S] mask (and
+  cuDNN a bias and its gradient)."""
+  out = packer(row)
+  del out["segment_ids"]
+  return out
 
 
 def _masked(config: config_dict.ConfigDict, tokenizer, ds: grain.MapDataset) -> grain.MapDataset:

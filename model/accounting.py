@@ -21,8 +21,10 @@ the tests hold them equal. Both return the same dict:
 - `params_position_table`: the learned position tables alone.
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
-FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
-estimate is documented at `activation_bytes_per_token`.
+Every function takes the `model` section (a ConfigDict) or a resolved
+`model.config.ModelConfig`. FLOPs follow the PaLM appendix convention
+(docs/benchmarks.md), and the memory estimate is documented at
+`activation_bytes_per_token`.
 """
 import math
 
@@ -30,29 +32,29 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.validation import head_dim, num_decoder_layers, num_kv_heads
 from model import build_model
-from model.layers import DTYPES
+from model.attention import model_implementation
+from model.config import ModelConfig
 
 # The attribute of a `Block` that owns a parameter -> its component.
 _COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
                "norm_attn": "norms", "norm_cross": "norms", "norm_mlp": "norms"}
 
 # Attention implementations that write the [T, S] probabilities to memory;
-# the fused kernels (cudnn, pallas, and auto, which picks cuDNN on a GPU in
-# 16-bit) recompute them in the backward pass instead.
+# the fused kernels (cudnn, pallas) recompute them in the backward pass
+# instead. `auto` counts as what the dispatcher picks (`model_implementation`).
 _MATERIALISED_SCORES = ("reference", "xla")
 
 
-def dtype_bytes(name: str) -> int:
-  """Bytes per element of a config dtype name ("bfloat16" -> 2)."""
-  return jnp.dtype(DTYPES[name]).itemsize
+def _itemsize(dtype) -> int:
+  """Bytes per element of a jnp dtype (bfloat16 -> 2)."""
+  return jnp.dtype(dtype).itemsize
 
 
 def _layer_stacks(m) -> list[tuple[str, int, bool]]:
   """(stack name, layers, has cross-attention) for each stack of blocks."""
   if m.family == "encoder_decoder":
-    return [("encoder", m.num_layers, False), ("decoder", num_decoder_layers(m), True)]
+    return [("encoder", m.num_layers, False), ("decoder", m.num_decoder_layers, True)]
   return [(m.family, m.num_layers, False)]
 
 
@@ -60,7 +62,7 @@ def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
   """The params dict from per-layer breakdowns keyed by stack name."""
   out = dict(counts)
   if m.family == "encoder_decoder":
-    out.update(params_per_layer=per_layer["decoder"], num_layers=num_decoder_layers(m),
+    out.update(params_per_layer=per_layer["decoder"], num_layers=m.num_decoder_layers,
                params_per_encoder_layer=per_layer["encoder"], num_encoder_layers=m.num_layers)
   else:
     out.update(params_per_layer=per_layer[m.family], num_layers=m.num_layers)
@@ -83,6 +85,7 @@ def measured_params(model_cfg) -> dict:
   The per-layer breakdown is layer 0's; `params_total` sums every leaf, so a
   layer that differed from layer 0 would show up as a total off the formula.
   """
+  model_cfg = ModelConfig.resolve(model_cfg)
   counts = dict(params_total=0, params_embedding=0, params_position_table=0,
                 params_final_norms=0)
   per_layer = {stack: {} for stack, _, _ in _layer_stacks(model_cfg)}
@@ -108,7 +111,7 @@ def measured_params(model_cfg) -> dict:
 
 def _attention_params(m) -> int:
   """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; their biases."""
-  d, h, g, dk = m.d_model, m.num_heads, num_kv_heads(m), head_dim(m)
+  d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
   biases = h * dk + 2 * g * dk + d if m.use_bias else 0
   return 2 * d * h * dk + 2 * d * g * dk + biases
 
@@ -137,7 +140,7 @@ def _layer_params(m, cross: bool) -> dict[str, int]:
 
 def formula_params(model_cfg) -> dict:
   """The closed-form parameter counts, the same dict as `measured_params`."""
-  m = model_cfg
+  m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
   per_layer = {stack: _layer_params(m, cross) for stack, _, cross in stacks}
   position_table = (len(stacks) * m.max_len * m.d_model if m.pos_emb == "learned" else 0)
@@ -157,11 +160,11 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
   encoder-decoder this is the decoder's self-attention cache, as in
   `EncoderDecoder.init_cache`.
   """
-  m = model_cfg
+  m = ModelConfig.resolve(model_cfg)
   if m.family == "encoder":
     return 0
-  layers = num_decoder_layers(m) if m.family == "encoder_decoder" else m.num_layers
-  return 2 * layers * num_kv_heads(m) * head_dim(m) * dtype_bytes(m.dtype)
+  layers = m.num_decoder_layers if m.family == "encoder_decoder" else m.num_layers
+  return 2 * layers * m.num_kv_heads * m.head_dim * _itemsize(m.dtype)
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
@@ -175,25 +178,27 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   cross-attention, a "token" then being one source and one target token of
   equal length S.
   """
-  m = model_cfg
+  m = ModelConfig.resolve(model_cfg)
   params = formula_params(m)
   n = params["params_total"] - params["params_position_table"]
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
-  forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * head_dim(m)
+  forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * m.head_dim
   return 3 * forward if train else forward
 
 
-def _layer_activation_elements(m, seq_len: int, cross: bool) -> int:
+def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None) -> int:
   """Elements one layer keeps per token for the backward pass (no remat)."""
-  d, h, g, dk, f = m.d_model, m.num_heads, num_kv_heads(m), head_dim(m), m.d_ff
-  scores = h * seq_len if m.attention_impl in _MATERIALISED_SCORES else 0
+  d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
+  materialised = model_implementation(m, backend) in _MATERIALISED_SCORES
+  scores = h * seq_len if materialised else 0
   attention = d + 2 * h * dk + 2 * g * dk + scores
   mlp = d + (4 if m.mlp == "swiglu" else 2) * f
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
 
 
-def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool) -> int:
+def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
+                               backend: str | None = None) -> int:
   """Activation memory per token of a training step, after Korthikanti et al.
 
   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -204,7 +209,9 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool) -> int:
 
     attention  d (input of W_Q, W_K, W_V) + 2 h d_k (Q; input of W_O)
                + 2 g d_k (K, V) + h S (probabilities; only for the
-               reference and xla implementations, fused kernels recompute)
+               reference and xla implementations, fused kernels recompute;
+               `auto` as the dispatcher resolves it on `backend`, default
+               JAX's default backend: cudnn for 16-bit on a GPU, else xla)
     mlp        d (input) + 2 d_ff (gelu: its input and output)
                          or 4 d_ff (swiglu: gate, SiLU(gate), up, product)
     norms      d per norm (its input)
@@ -219,31 +226,33 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool) -> int:
   layer) and recomputes the rest in the backward pass, where one block's
   full activations are live at a time.
   """
-  m = model_cfg
+  m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
-  per_layer = [(num, _layer_activation_elements(m, seq_len, cross)) for _, num, cross in stacks]
+  per_layer = [(num, _layer_activation_elements(m, seq_len, cross, backend))
+               for _, num, cross in stacks]
   if remat:
     layer_elements = (sum(num for num, _ in per_layer) * m.d_model
                       + max(elements for _, elements in per_layer))
   else:
     layer_elements = sum(num * elements for num, elements in per_layer)
-  return (layer_elements + m.d_model) * dtype_bytes(m.dtype) + 4 * m.vocab_size
+  return (layer_elements + m.d_model) * _itemsize(m.dtype) + 4 * m.vocab_size
 
 
-def training_memory_bytes(config) -> dict[str, int]:
+def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   """Bytes of a training step, summed over all devices (before sharding).
 
   `parameters` and `gradients` in model.param_dtype; `optimizer_state`:
   AdamW's two float32 moments; `activations` at train.batch_size x
   train.seq_len, divided by train.grad_accum_steps (one micro-batch is live
-  at a time; see `activation_bytes_per_token`); `total`: their sum.
+  at a time; see `activation_bytes_per_token`, which also says what
+  `backend` means); `total`: their sum.
   """
-  m, t = config.model, config.train
+  m, t = ModelConfig.resolve(config.model), config.train
   n = formula_params(m)["params_total"]
   tokens = t.batch_size // t.grad_accum_steps * t.seq_len
-  memory = dict(parameters=n * dtype_bytes(m.param_dtype),
-                gradients=n * dtype_bytes(m.param_dtype),
+  memory = dict(parameters=n * _itemsize(m.param_dtype),
+                gradients=n * _itemsize(m.param_dtype),
                 optimizer_state=2 * n * 4,
-                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat))
+                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend))
   memory["total"] = sum(memory.values())
   return memory

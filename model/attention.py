@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs.errors import UserError
 from model.embeddings import apply_rope
+from model.kernels import MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
 from model.layers import Dense
 
 IMPLEMENTATIONS = ("reference", "xla", "cudnn", "pallas", "auto")
@@ -119,7 +121,7 @@ def _log_choice(message: str) -> None:
   logging.info(message)
 
 
-def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
+def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: bool) -> str:
   """The `auto` rule.
 
   On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
@@ -128,15 +130,47 @@ def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
   chosen explicitly until `bench/attention.py` shows it ahead of cuDNN (on a
   TPU, of XLA and JAX's splash attention) on the device at hand.
   """
+  if (backend == "gpu" and not has_dense_mask and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim % 8 == 0 and head_dim <= 128):
+    return "cudnn"
+  return "xla"
+
+
+def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
+  """`auto_implementation` for these queries on the default backend (logged once)."""
   D = q_BTHD.shape[-1]
-  if (jax.default_backend() == "gpu" and not has_dense_mask
-      and q_BTHD.dtype in (jnp.bfloat16, jnp.float16) and D % 8 == 0 and D <= 128):
-    choice = "cudnn"
-  else:
-    choice = "xla"
+  choice = auto_implementation(backend=jax.default_backend(), dtype=q_BTHD.dtype, head_dim=D,
+                               has_dense_mask=has_dense_mask)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
               f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask} on {jax.default_backend()}")
   return choice
+
+
+def model_implementation(cfg, backend: str | None = None) -> str:
+  """The implementation the model's training attention runs (causal and
+  segment masks, no dense mask): `cfg.attention_impl`, with `auto` resolved
+  for `backend` (default: JAX's default backend)."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  return auto_implementation(backend=backend or jax.default_backend(), dtype=cfg.dtype,
+                             head_dim=cfg.head_dim, has_dense_mask=False)
+
+
+def check_kernel_support(cfg) -> None:
+  """Raises `UserError` when `cfg.pallas_lowering` names a kernel that does not
+  take the config's dtype or head dim (the kernel package declares what each
+  takes; `flash_attention` checks the arrays again at trace time)."""
+  if cfg.pallas_lowering != "mosaic_gpu":
+    return
+  field = f"config field model.pallas_lowering={cfg.pallas_lowering!r}"
+  dtype = jnp.dtype(cfg.dtype).name
+  if dtype not in MOSAIC_GPU_DTYPES:
+    raise UserError(f"{field}: needs model.dtype {' or '.join(MOSAIC_GPU_DTYPES)}, "
+                    f"not {dtype} (or use triton)")
+  if cfg.head_dim not in MOSAIC_GPU_HEAD_DIMS:
+    raise UserError(f"{field}: needs a head_dim of "
+                    f"{' or '.join(map(str, MOSAIC_GPU_HEAD_DIMS))}, not {cfg.head_dim} "
+                    "(or use triton)")
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
@@ -171,8 +205,8 @@ class Attention(nnx.Module):
   """
 
   def __init__(self, cfg, *, rope=None, rngs: nnx.Rngs):
-    from configs.validation import head_dim, num_kv_heads  # pylint: disable=import-outside-toplevel
-    d, H, K, Dh = cfg.d_model, cfg.num_heads, num_kv_heads(cfg), head_dim(cfg)
+    """`cfg`: the `model.config.ModelConfig`."""
+    d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b = cfg.use_bias
     self.rope = rope  # (inv_freq, attention_scale) or None
     self.implementation = cfg.attention_impl
@@ -191,35 +225,35 @@ class Attention(nnx.Module):
     inv_freq, attention_scale = self.rope
     return apply_rope(x_BTHD, positions_BT, inv_freq, attention_scale)
 
-  def project_kv(self, context_BSD, positions_BS=None):
+  def project_kv(self, context_BSM, positions_BS=None):
     """K and V [B, S, g, d_k] (rotated when RoPE is on)."""
-    k_BSKD = self.k_proj(context_BSD)
+    k_BSKD = self.k_proj(context_BSM)
     if positions_BS is not None:
       k_BSKD = self._rotate(k_BSKD, positions_BS)
-    return k_BSKD, self.v_proj(context_BSD)
+    return k_BSKD, self.v_proj(context_BSM)
 
-  def __call__(self, x_BTD, *, positions_BT=None, context_BSD=None, causal=False,
+  def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, causal=False,
                segment_ids=None, mask=None):
-    q_BTHD = self.q_proj(x_BTD)
-    if context_BSD is None:
+    q_BTHD = self.q_proj(x_BTM)
+    if context_BSM is None:
       q_BTHD = self._rotate(q_BTHD, positions_BT)
-      k_BSKD, v_BSKD = self.project_kv(x_BTD, positions_BT)
+      k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
     else:
-      k_BSKD, v_BSKD = self.project_kv(context_BSD)
+      k_BSKD, v_BSKD = self.project_kv(context_BSM)
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
                          mask=mask, implementation=self.implementation,
                          pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
-  def weights(self, x_BTD, *, positions_BT, causal):
+  def weights(self, x_BTM, *, positions_BT, causal):
     """Self-attention weights [B, h, T, T] (for plots)."""
-    q_BTHD = self._rotate(self.q_proj(x_BTD), positions_BT)
-    k_BSKD, _ = self.project_kv(x_BTD, positions_BT)
+    q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
+    k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
     w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
-  def decode(self, x_BTD, positions_BT, cache):
+  def decode(self, x_BTM, positions_BT, cache):
     """Self-attention against a KV cache (generation).
 
     `cache` holds k, v [B, L, g, d_k]; the new keys and values of the tokens
@@ -231,9 +265,9 @@ class Attention(nnx.Module):
     decoding query is memory-bound and gains nothing from a fused kernel.
     Returns (output, updated cache).
     """
-    q_BTHD = self._rotate(self.q_proj(x_BTD), positions_BT)
-    k_BTKD, v_BTKD = self.project_kv(x_BTD, positions_BT)
-    rows_B1 = jnp.arange(x_BTD.shape[0])[:, None]
+    q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
+    k_BTKD, v_BTKD = self.project_kv(x_BTM, positions_BT)
+    rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
     cache = dict(k=cache["k"].at[rows_B1, positions_BT].set(k_BTKD.astype(cache["k"].dtype)),
                  v=cache["v"].at[rows_B1, positions_BT].set(v_BTKD.astype(cache["v"].dtype)))
     slots_L = jnp.arange(cache["k"].shape[1])

@@ -28,24 +28,24 @@ class Block(nnx.Module):
       return x + sublayer(norm(x))
     return norm(x + sublayer(x))
 
-  def _cross_and_mlp(self, x, context_BSD, cross_segment_ids):
+  def _cross_and_mlp(self, x, context_BSM, cross_segment_ids):
     if self.cross_attn is not None:
       x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
-          h, context_BSD=context_BSD, segment_ids=cross_segment_ids))
+          h, context_BSM=context_BSM, segment_ids=cross_segment_ids))
     return self._residual(x, self.norm_mlp, self.mlp)
 
-  def __call__(self, x_BTD, *, positions_BT, causal, segment_ids=None, context_BSD=None,
+  def __call__(self, x_BTM, *, positions_BT, causal, segment_ids=None, context_BSM=None,
                cross_segment_ids=None):
-    x_BTD = self._residual(x_BTD, self.norm_attn, lambda h: self.attn(
+    x_BTM = self._residual(x_BTM, self.norm_attn, lambda h: self.attn(
         h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids))
-    return self._cross_and_mlp(x_BTD, context_BSD, cross_segment_ids)
+    return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids)
 
-  def attention_weights(self, x_BTD, *, positions_BT, causal):
+  def attention_weights(self, x_BTM, *, positions_BT, causal):
     """This block's self-attention weights [B, h, T, T] for input x."""
-    h = self.norm_attn(x_BTD) if self.pre_norm else x_BTD
+    h = self.norm_attn(x_BTM) if self.pre_norm else x_BTM
     return self.attn.weights(h, positions_BT=positions_BT, causal=causal)
 
-  def decode(self, x_BTD, *, positions_BT, cache, context_BSD=None, cross_segment_ids=None):
+  def decode(self, x_BTM, *, positions_BT, cache, context_BSM=None, cross_segment_ids=None):
     """One generation step against this block's KV cache; returns (x, cache)."""
     new_cache = {}
 
@@ -53,5 +53,5 @@ class Block(nnx.Module):
       out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache)
       return out
 
-    x_BTD = self._residual(x_BTD, self.norm_attn, self_attention)
-    return self._cross_and_mlp(x_BTD, context_BSD, cross_segment_ids), new_cache["kv"]
+    x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)
+    return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids), new_cache["kv"]

@@ -1,6 +1,6 @@
 """Step 2 of the lesson: token embeddings and positional information.
 
-- `Embed`: E in R^{V x d}; `attend` gives logits x E^T for a tied head.
+- `Embed`: E in R^{V x d}; `attend` gives float32 logits x E^T for a tied head.
 - `sinusoidal_table`: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...).
 - `LearnedPositions`: a [max_len, d] table (cannot extrapolate past max_len).
 - RoPE: `rope_frequencies` and `apply_rope` rotate pair i of q and k at
@@ -16,22 +16,24 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.layers import DTYPES, dense_init, param
+from model.layers import dense_init, param
 
 
 class Embed(nnx.Module):
   """Token embedding; `attend` is the tied output head."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    self.dtype = DTYPES[cfg.dtype]
+    self.dtype = cfg.dtype
     self.embedding = param(rngs, dense_init(cfg.init_std), (cfg.vocab_size, cfg.d_model),
-                           ("vocab", "embed"), DTYPES[cfg.param_dtype])
+                           ("vocab", "embed"), cfg.param_dtype)
 
   def __call__(self, tokens_BT):
     return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.dtype)
 
-  def attend(self, x_BTD):
-    return jnp.einsum("btd,vd->btv", x_BTD, self.embedding[...].astype(self.dtype))
+  def attend(self, x_BTM):
+    """Logits x E^T [B, T, V], computed in float32 whatever the model dtype."""
+    return jnp.einsum("btm,vm->btv", x_BTM.astype(jnp.float32),
+                      self.embedding[...].astype(jnp.float32))
 
 
 def sinusoidal_table(num_positions: int, d: int) -> np.ndarray:
@@ -56,9 +58,9 @@ class LearnedPositions(nnx.Module):
   """BERT/GPT-2 style: a learned [max_len, d] position table."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    self.dtype = DTYPES[cfg.dtype]
+    self.dtype = cfg.dtype
     self.table = param(rngs, dense_init(cfg.init_std), (cfg.max_len, cfg.d_model),
-                       (None, "embed"), DTYPES[cfg.param_dtype])
+                       (None, "embed"), cfg.param_dtype)
 
   def __call__(self, positions_BT):
     return jnp.take(self.table[...], positions_BT, axis=0).astype(self.dtype)

@@ -89,8 +89,8 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
 
   if src_BS is not None:
     src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
-    encoded_BSD = model.encode(src_BS, src_mask_BS)
-    step = functools.partial(model.decode_step, encoded_BSD=encoded_BSD,
+    encoded_BSM = model.encode(src_BS, src_mask_BS)
+    step = functools.partial(model.decode_step, encoded_BSM=encoded_BSM,
                              src_padding_mask=src_mask_BS)
   cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
   logits_BPV, cache = step(tokens_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
@@ -98,7 +98,7 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   if copies == 1:
     return step, first_BV, cache
   if src_BS is not None:
-    step = functools.partial(model.decode_step, encoded_BSD=repeat(encoded_BSD),
+    step = functools.partial(model.decode_step, encoded_BSM=repeat(encoded_BSM),
                              src_padding_mask=repeat(src_mask_BS))
   return step, repeat(first_BV), jax.tree.map(repeat, cache)
 

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# Config dtype names -> jnp dtypes (`model.config.ModelConfig` resolves them).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -27,13 +28,15 @@ class Dense(nnx.Module):
 
   `out_shape` may have several axes (for example heads x head_dim), so the
   query projection is one [d, H, D] weight rather than a reshape of [d, H*D].
+  Computes in `dtype` (default the model's `cfg.dtype`); the weights are
+  stored in `cfg.param_dtype`.
   """
 
   def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str, ...],
-               *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1):
+               *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1, dtype=None):
     self.in_axes = in_axes
-    self.dtype = DTYPES[cfg.dtype]
-    pdt = DTYPES[cfg.param_dtype]
+    self.dtype = cfg.dtype if dtype is None else dtype
+    pdt = cfg.param_dtype
     in_shape = (in_features,) if in_axes == 1 else in_features
     self.kernel = param(rngs, dense_init(cfg.init_std), (*in_shape, *out_shape), axes, pdt)
     self.bias = (param(rngs, jax.nn.initializers.zeros, out_shape, axes[in_axes:], pdt)

@@ -19,9 +19,9 @@ class MLP(nnx.Module):
       self.gate = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs)
     self.down = Dense(f, (d,), ("mlp", "embed"), use_bias=b, cfg=cfg, rngs=rngs)
 
-  def __call__(self, x_BTD):
+  def __call__(self, x_BTM):
     if self.kind == "swiglu":
-      h_BTF = jax.nn.silu(self.gate(x_BTD)) * self.up(x_BTD)
+      h_BTF = jax.nn.silu(self.gate(x_BTM)) * self.up(x_BTM)
     else:
-      h_BTF = jax.nn.gelu(self.up(x_BTD))
+      h_BTF = jax.nn.gelu(self.up(x_BTM))
     return self.down(h_BTF)

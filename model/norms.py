@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from model.layers import DTYPES, param
+from model.layers import param
 
 
 class LayerNorm(nnx.Module):
 
   def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
-    pdt = DTYPES[cfg.param_dtype]
+    pdt = cfg.param_dtype
     self.eps = cfg.norm_eps
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), pdt)
     self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), pdt)
@@ -34,7 +34,7 @@ class RMSNorm(nnx.Module):
   def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
     self.eps = cfg.norm_eps
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",),
-                       DTYPES[cfg.param_dtype])
+                       cfg.param_dtype)
 
   def __call__(self, x):
     x32 = x.astype(jnp.float32)

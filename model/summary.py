@@ -7,6 +7,10 @@ estimate; formulas in `model/accounting.py`.
 
   python -m model.summary --config configs/llama2_7b.py
   python -m model.summary --config configs/llama2_7b.py --config.model.num_kv_heads=8 --json
+  python -m model.summary --config configs/gpt2_small.py --backend=cpu
+
+`--backend` (gpu, the default; tpu; cpu) is the device the training-memory
+estimate is for, since it decides what `attention_impl=auto` runs.
 
 A bad config prints `error: <message>` on one line and exits 2.
 """
@@ -18,16 +22,22 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
-from configs.validation import head_dim, num_kv_heads, validate
+from configs.validation import validate
 from model import accounting
+from model.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
+_BACKEND = flags.DEFINE_enum(
+    "backend", "gpu", ["gpu", "tpu", "cpu"],
+    "The device the training-memory estimate is for: it decides what "
+    "model.attention_impl=auto runs (cudnn keeps no attention scores, xla does).")
 
 
-def summarize(config) -> dict:
-  """Every number of the summary, a JSON-ready dict (bytes, FLOPs, counts)."""
-  m = config.model
+def summarize(config, backend: str = "gpu") -> dict:
+  """Every number of the summary, a JSON-ready dict (bytes, FLOPs, counts);
+  the training memory as on `backend`."""
+  m = ModelConfig.resolve(config.model)
   report = accounting.measured_params(m)
   per_token = accounting.kv_cache_bytes_per_token(m)
   report.update(
@@ -35,7 +45,7 @@ def summarize(config) -> dict:
       kv_cache_bytes_at_max_len=per_token * m.max_len,
       flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False),
       flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True),
-      training_memory_bytes=accounting.training_memory_bytes(config))
+      training_memory_bytes=accounting.training_memory_bytes(config, backend))
   return report
 
 
@@ -65,10 +75,10 @@ def _layer_rows(name: str, num: int, layer: dict[str, int]) -> list[tuple[str, i
 
 def format_table(config, report: dict) -> str:
   """The summary as a readable table."""
-  m, t = config.model, config.train
+  m, t = ModelConfig.resolve(config.model), config.train
   head = "tied head" if m.tie_embeddings else "untied head"
-  lines = [f"{m.family}: d={m.d_model}, {m.num_heads} heads ({num_kv_heads(m)} KV) of "
-           f"{head_dim(m)}, {m.mlp} d_ff={m.d_ff}, {m.norm} {m.norm_position}-norm, "
+  lines = [f"{m.family}: d={m.d_model}, {m.num_heads} heads ({m.num_kv_heads} KV) of "
+           f"{m.head_dim}, {m.mlp} d_ff={m.d_ff}, {m.norm} {m.norm_position}-norm, "
            f"pos_emb={m.pos_emb}, V={m.vocab_size}, {head}", ""]
   params = []
   if "params_per_encoder_layer" in report:
@@ -85,7 +95,7 @@ def format_table(config, report: dict) -> str:
          f"bytes = {_bytes(report['kv_cache_bytes_per_token'])}"),
         (f"per sequence at max_len {m.max_len}", report["kv_cache_bytes_at_max_len"],
          f"bytes = {_bytes(report['kv_cache_bytes_at_max_len'])}")]
-  lines += _rows(f"KV cache ({m.dtype})", kv) + [""]
+  lines += _rows(f"KV cache ({config.model.dtype})", kv) + [""]
   flops = [("forward", report["flops_per_token_forward"], "2N + 4 L S d_attn"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
@@ -101,7 +111,7 @@ def main(argv):
   config = _CONFIG.value
   try:
     validate(config)
-    report = summarize(config)
+    report = summarize(config, _BACKEND.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

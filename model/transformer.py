@@ -10,17 +10,18 @@
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
 Embedding -> L blocks -> final norm (pre-norm only; a post-norm block already
-ends in a norm) -> head (tied E^T or its own matrix). Logits are float32.
+ends in a norm) -> head (tied E^T or its own matrix). The head computes in
+float32 whatever `model.dtype` (its inputs and weights cast up, as nanodo and
+MaxText do), so the loss sees full-precision logits.
 """
 import math
 
 import jax.numpy as jnp
 from flax import nnx
 
-from configs.validation import head_dim, num_decoder_layers
 from model.blocks import Block
 from model.embeddings import Embed, LearnedPositions, rope_frequencies, sinusoidal
-from model.layers import DTYPES, Dense
+from model.layers import Dense
 from model.norms import make_norm
 
 
@@ -38,38 +39,37 @@ class _Stack(nnx.Module):
                rngs: nnx.Rngs, remat: bool = False):
     self.cfg_pos = cfg.pos_emb
     self.d_model = cfg.d_model
-    self.dtype = DTYPES[cfg.dtype]
+    self.dtype = cfg.dtype
     self.remat = remat
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
     self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.pos_emb == "learned" else None
     rope = None
     if cfg.pos_emb == "rope":
-      rope = rope_frequencies(head_dim(cfg), cfg.rope_theta, cfg.rope_scaling,
+      rope = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
                               cfg.rope_scaling_factor, cfg.rope_original_max_len)
     self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
                             for _ in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
-    self.kv_shape = (cfg.num_heads if cfg.num_kv_heads is None else cfg.num_kv_heads,
-                     head_dim(cfg))
+    self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
   def embed_tokens(self, tokens_BT, positions_BT):
-    x_BTD = self.embed(tokens_BT)
+    x_BTM = self.embed(tokens_BT)
     if self.cfg_pos == "sinusoidal":
       # The original transformer scales embeddings by sqrt(d) before adding PE.
-      x_BTD = x_BTD * math.sqrt(self.d_model) + sinusoidal(positions_BT, self.d_model).astype(
+      x_BTM = x_BTM * math.sqrt(self.d_model) + sinusoidal(positions_BT, self.d_model).astype(
           self.dtype)
     elif self.positions is not None:
-      x_BTD = x_BTD + self.positions(positions_BT)
-    return x_BTD
+      x_BTM = x_BTM + self.positions(positions_BT)
+    return x_BTM
 
-  def run_blocks(self, x_BTD, **kwargs):
+  def run_blocks(self, x_BTM, **kwargs):
     for layer in self.layers:
       if self.remat:
-        x_BTD = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, x_BTD)
+        x_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, x_BTM)
       else:
-        x_BTD = layer(x_BTD, **kwargs)
-    return self.final_norm(x_BTD) if self.final_norm is not None else x_BTD
+        x_BTM = layer(x_BTM, **kwargs)
+    return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     """Zeros for every layer: k, v [batch, length, g, d_k]."""
@@ -78,23 +78,23 @@ class _Stack(nnx.Module):
 
   def decode_step(self, tokens_BT, positions_BT, cache, **cross):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache; new cache."""
-    x_BTD = self.embed_tokens(tokens_BT, positions_BT)
+    x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     new_cache = []
     for layer, layer_cache in zip(self.layers, cache):
-      x_BTD, layer_cache = layer.decode(x_BTD, positions_BT=positions_BT, cache=layer_cache,
+      x_BTM, layer_cache = layer.decode(x_BTM, positions_BT=positions_BT, cache=layer_cache,
                                         **cross)
       new_cache.append(layer_cache)
     if self.final_norm is not None:
-      x_BTD = self.final_norm(x_BTD)
-    return x_BTD, new_cache
+      x_BTM = self.final_norm(x_BTM)
+    return x_BTM, new_cache
 
   def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
     positions_BT = _default_positions(tokens_BT, None)
-    x_BTD = self.embed_tokens(tokens_BT, positions_BT)
+    x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     for block in list(self.layers)[:layer]:
-      x_BTD = block(x_BTD, positions_BT=positions_BT, causal=causal)
-    return self.layers[layer].attention_weights(x_BTD, positions_BT=positions_BT, causal=causal)
+      x_BTM = block(x_BTM, positions_BT=positions_BT, causal=causal)
+    return self.layers[layer].attention_weights(x_BTM, positions_BT=positions_BT, causal=causal)
 
 
 def _default_positions(tokens_BT, positions_BT):
@@ -104,16 +104,18 @@ def _default_positions(tokens_BT, positions_BT):
 
 
 class _WithHead(nnx.Module):
-  """Tied (E^T) or untied output projection to float32 logits."""
+  """Tied (E^T) or untied output projection, computed in float32."""
 
   def _init_head(self, cfg, rngs):
     self.head = None if cfg.tie_embeddings else Dense(
-        cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs)
+        cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,
+        dtype=jnp.float32)
 
-  def logits(self, stack: _Stack, x_BTD):
+  def logits(self, stack: _Stack, x_BTM):
+    """Float32 logits [B, T, V] of the final hidden states."""
     if self.head is None:
-      return stack.embed.attend(x_BTD).astype(jnp.float32)
-    return self.head(x_BTD).astype(jnp.float32)
+      return stack.embed.attend(x_BTM)
+    return self.head(x_BTM)
 
 
 class Decoder(_WithHead):
@@ -126,8 +128,8 @@ class Decoder(_WithHead):
 
   def hidden(self, tokens_BT, segment_ids=None, positions=None):
     positions = _default_positions(tokens_BT, positions)
-    x_BTD = self.decoder.embed_tokens(tokens_BT, positions)
-    return self.decoder.run_blocks(x_BTD, positions_BT=positions, causal=True,
+    x_BTM = self.decoder.embed_tokens(tokens_BT, positions)
+    return self.decoder.run_blocks(x_BTM, positions_BT=positions, causal=True,
                                    segment_ids=segment_ids)
 
   def __call__(self, tokens_BT, segment_ids=None, positions=None):
@@ -138,8 +140,8 @@ class Decoder(_WithHead):
 
   def decode_step(self, tokens_BT, positions_BT, cache):
     """Logits of `tokens_BT` at `positions_BT` given the cache; new cache."""
-    x_BTD, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache)
-    return self.logits(self.decoder, x_BTD), cache
+    x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache)
+    return self.logits(self.decoder, x_BTM), cache
 
 
 class Encoder(_WithHead):
@@ -152,10 +154,10 @@ class Encoder(_WithHead):
 
   def hidden(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
     positions = _default_positions(tokens_BT, positions)
-    x_BTD = self.encoder.embed_tokens(tokens_BT, positions)
+    x_BTM = self.encoder.embed_tokens(tokens_BT, positions)
     if segment_ids is None:
       segment_ids = _padding_segments(padding_mask, tokens_BT.shape)
-    return self.encoder.run_blocks(x_BTD, positions_BT=positions, causal=False,
+    return self.encoder.run_blocks(x_BTM, positions_BT=positions, causal=False,
                                    segment_ids=segment_ids)
 
   def __call__(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
@@ -173,14 +175,14 @@ class EncoderDecoder(_WithHead):
   def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
     self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, embed=None,
                           rngs=rngs, remat=remat)
-    self.decoder = _Stack(cfg, num_layers=num_decoder_layers(cfg), cross=True,
+    self.decoder = _Stack(cfg, num_layers=cfg.num_decoder_layers, cross=True,
                           embed=self.encoder.embed, rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
   def encode(self, src_BS, src_padding_mask=None):
     positions = _default_positions(src_BS, None)
-    x_BSD = self.encoder.embed_tokens(src_BS, positions)
-    return self.encoder.run_blocks(x_BSD, positions_BT=positions, causal=False,
+    x_BSM = self.encoder.embed_tokens(src_BS, positions)
+    return self.encoder.run_blocks(x_BSM, positions_BT=positions, causal=False,
                                    segment_ids=_padding_segments(src_padding_mask, src_BS.shape))
 
   def _cross_segments(self, tgt_BT, src_padding_mask):
@@ -188,13 +190,13 @@ class EncoderDecoder(_WithHead):
       return None
     return (jnp.ones(tgt_BT.shape, jnp.int32), src_padding_mask.astype(jnp.int32))
 
-  def decode(self, tgt_BT, encoded_BSD, src_padding_mask=None):
+  def decode(self, tgt_BT, encoded_BSM, src_padding_mask=None):
     positions = _default_positions(tgt_BT, None)
-    x_BTD = self.decoder.embed_tokens(tgt_BT, positions)
-    x_BTD = self.decoder.run_blocks(
-        x_BTD, positions_BT=positions, causal=True, context_BSD=encoded_BSD,
+    x_BTM = self.decoder.embed_tokens(tgt_BT, positions)
+    x_BTM = self.decoder.run_blocks(
+        x_BTM, positions_BT=positions, causal=True, context_BSM=encoded_BSM,
         cross_segment_ids=self._cross_segments(tgt_BT, src_padding_mask))
-    return self.logits(self.decoder, x_BTD)
+    return self.logits(self.decoder, x_BTM)
 
   def __call__(self, src_BS, tgt_BT, src_padding_mask=None):
     return self.decode(tgt_BT, self.encode(src_BS, src_padding_mask), src_padding_mask)
@@ -202,8 +204,8 @@ class EncoderDecoder(_WithHead):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
 
-  def decode_step(self, tokens_BT, positions_BT, cache, encoded_BSD, src_padding_mask=None):
-    x_BTD, cache = self.decoder.decode_step(
-        tokens_BT, positions_BT, cache, context_BSD=encoded_BSD,
+  def decode_step(self, tokens_BT, positions_BT, cache, encoded_BSM, src_padding_mask=None):
+    x_BTM, cache = self.decoder.decode_step(
+        tokens_BT, positions_BT, cache, context_BSM=encoded_BSM,
         cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask))
-    return self.logits(self.decoder, x_BTD), cache
+    return self.logits(self.decoder, x_BTM), cache

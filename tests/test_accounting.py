@@ -4,10 +4,12 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import pytest
 
 from configs import base, bert_base, gpt2_small, llama2_7b, tiny, transformer_base
 from model import accounting
+from model.attention import choose_implementation
 from model.summary import summarize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -182,3 +184,25 @@ def test_cli_bad_config_is_one_line_exit_2():
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error: ")
   assert "model.d_model" in lines[0] and "model.num_heads=5" in lines[0]
+
+
+def test_activations_follow_the_dispatchers_choice_for_auto():
+  """`auto` counts the attention scores exactly when the dispatcher picks an
+  implementation that keeps them: xla on CPU, TPU and for float32 on a GPU,
+  cuDNN (no scores) for 16-bit on a GPU."""
+  def activations(impl, dtype, backend=None):
+    config = gpt2_small.get_config()
+    config.model.update(attention_impl=impl, dtype=dtype)
+    return accounting.training_memory_bytes(config, backend)["activations"]
+
+  for dtype in ("float32", "bfloat16"):
+    assert activations("auto", dtype, "cpu") == activations("xla", dtype)
+    assert activations("auto", dtype, "tpu") == activations("xla", dtype)
+    assert activations("xla", dtype) > activations("cudnn", dtype)
+  assert activations("auto", "float32", "gpu") == activations("xla", "float32")
+  assert activations("auto", "bfloat16", "gpu") == activations("cudnn", "bfloat16")
+  # With no backend given, the estimate is for this machine: what the real
+  # dispatcher picks for gpt2_small's queries here.
+  q = jnp.zeros((1, 1, 12, 64), jnp.bfloat16)
+  here = choose_implementation(q, has_dense_mask=False)
+  assert activations("auto", "bfloat16") == activations(here, "bfloat16")

@@ -19,10 +19,6 @@ CASES = [
     (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
     (dict(pallas_lowering="cuda"),
      "model.pallas_lowering='cuda': must be one of auto, triton, mosaic_gpu, mosaic_tpu"),
-    (dict(pallas_lowering="mosaic_gpu", d_model=128, num_heads=2),
-     "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
-    (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
-     "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
     (dict(param_dtype="float16"), "model.param_dtype='float16': must be one of float32, bfloat16"),
     (dict(d_model=0), "model.d_model=0: must be a positive integer"),
     (dict(num_kv_heads=0), "model.num_kv_heads=0: must be a positive integer"),
@@ -45,6 +41,28 @@ def test_model_rule_messages(overrides, message):
   m.update(**overrides)
   with pytest.raises(UserError) as err:
     validate_model(m)
+  assert str(err.value).startswith("config field " + message)
+  assert "\n" not in str(err.value)
+
+
+# What a kernel takes is declared by model/kernels and checked by the model
+# (`ModelConfig.resolve`, which `build_model` runs), not by configs/.
+KERNEL_CASES = [
+    (dict(pallas_lowering="mosaic_gpu", d_model=128, num_heads=2),
+     "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
+    (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
+     "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", KERNEL_CASES)
+def test_kernel_support_messages(overrides, message):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from model import build_model  # pylint: disable=import-outside-toplevel
+  m = base.get_config().model
+  m.update(**overrides)
+  with pytest.raises(UserError) as err:
+    build_model(m, nnx.Rngs(0))
   assert str(err.value).startswith("config field " + message)
   assert "\n" not in str(err.value)
 

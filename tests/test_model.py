@@ -147,7 +147,7 @@ def test_kv_cache_prefill_and_steps_equal_full_forward(family, pos_emb):
     src = jax.random.randint(jax.random.key(2), (2, 5), 0, 64)
     encoded = model.encode(src)
     full = model.decode(tokens, encoded)
-    extra = dict(encoded_BSD=encoded)
+    extra = dict(encoded_BSM=encoded)
   cache = model.init_cache(2, 9)
   positions = jnp.broadcast_to(jnp.arange(9), (2, 9))
   logits, cache = model.decode_step(tokens[:, :4], positions[:, :4], cache, **extra)
@@ -190,3 +190,24 @@ def test_bf16_compute_keeps_float32_params_and_logits():
   params = nnx.state(model, nnx.Param)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   assert np.all(np.isfinite(np.asarray(out)))
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_bf16_model_logits_are_the_float32_head_of_its_hidden_states(tie_embeddings):
+  """The head computes in float32: a bf16 model's logits equal the float32
+  product of its bf16 hidden states and the float32 head weights, to float32
+  rounding, and differ from the bf16 product (which the check would catch)."""
+  model = build_model(small_cfg(dtype="bfloat16", tie_embeddings=tie_embeddings,
+                                vocab_size=512, d_model=128), nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 512)
+  hidden = model.hidden(tokens)
+  assert hidden.dtype == jnp.bfloat16
+  if tie_embeddings:
+    head_MV = model.decoder.embed.embedding[...].T
+  else:
+    head_MV = model.head.kernel[...]
+  expected = np.asarray(hidden, np.float64) @ np.asarray(head_MV, np.float64)
+  logits = np.asarray(model(tokens))
+  np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
+  bf16_head = np.asarray((hidden @ head_MV.astype(jnp.bfloat16)).astype(jnp.float32))
+  assert np.abs(bf16_head - expected).max() > 100 * np.abs(logits - expected).max()

@@ -36,7 +36,9 @@ def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
 
 
 def next_token_loss(model, batch):
-  logits_BTV = model(batch["inputs"], segment_ids=batch["segment_ids"],
+  """Causal LM loss; a batch without `segment_ids` (data.packing=concat) is
+  attended with the causal mask alone."""
+  logits_BTV = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
                      positions=batch["positions"])
   return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
 

@@ -1,1 +1,11 @@
-"""Pallas kernels: one file per kernel."""
+"""Pallas kernels: one file per kernel.
+
+What each kernel takes, declared here so that the attention dispatcher
+(`model/attention.py`) can check a config without importing the kernels.
+"""
+# The Mosaic GPU (Hopper) kernel, `flash_attention_hopper.py`: 16-bit inputs
+# and these head dims. The portable Triton kernel and the Mosaic TPU kernel
+# (`flash_attention_tpu.py`, head dim padded to a multiple of 64) take every
+# dtype and head dim.
+MOSAIC_GPU_DTYPES = ("bfloat16", "float16")
+MOSAIC_GPU_HEAD_DIMS = (64, 128)

@@ -81,6 +81,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from model.kernels import MOSAIC_GPU_DTYPES as DTYPES
+from model.kernels import MOSAIC_GPU_HEAD_DIMS as HEAD_DIMS
 from model.kernels import block_sparse
 from model.kernels import common
 
@@ -88,8 +90,6 @@ ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
 _COMPUTE_WGS = 2
 _PRODUCER = _COMPUTE_WGS  # index of the producer warpgroup
 _DQ_COLUMNS = 64  # columns of a dQ partial product per wgmma (fused backward)
-HEAD_DIMS = (64, 128)
-DTYPES = ("bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)

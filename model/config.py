@@ -1,0 +1,63 @@
+"""The typed model config: the `model` section resolved once.
+
+`ModelConfig.resolve(config.model)` validates the section (the rules of
+`configs/validation.py`), computes the derived values (`head_dim`,
+`num_kv_heads`, `num_decoder_layers`), resolves the dtypes to jnp dtypes and
+checks that the chosen attention kernel takes them (`model.attention`).
+Every module, the accounting and the attention dispatcher read this frozen
+dataclass; nothing below `build_model` sees the ConfigDict.
+"""
+import dataclasses
+from typing import Any
+
+from configs import validation
+from model.attention import check_kernel_support
+from model.layers import DTYPES
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every field of the `model` section (see configs/base.py), with the
+  optional ones filled in and `dtype`/`param_dtype` as jnp dtypes."""
+  family: str
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_decoder_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  d_ff: int
+  max_len: int
+  pos_emb: str
+  rope_theta: float
+  rope_scaling: str
+  rope_scaling_factor: float
+  rope_original_max_len: int
+  norm: str
+  norm_position: str
+  norm_eps: float
+  mlp: str
+  use_bias: bool
+  tie_embeddings: bool
+  attention_impl: str
+  pallas_lowering: str
+  dtype: Any
+  param_dtype: Any
+  init_std: float
+
+  @classmethod
+  def resolve(cls, section) -> "ModelConfig":
+    """The `model` ConfigDict section -> a ModelConfig (a ModelConfig passes
+    through). Raises `UserError` for a bad value."""
+    if isinstance(section, cls):
+      return section
+    validation.validate_model(section)
+    values = {field.name: section[field.name] for field in dataclasses.fields(cls)}
+    values.update(num_kv_heads=validation.num_kv_heads(section),
+                  head_dim=validation.head_dim(section),
+                  num_decoder_layers=validation.num_decoder_layers(section),
+                  dtype=DTYPES[section.dtype], param_dtype=DTYPES[section.param_dtype])
+    cfg = cls(**values)
+    check_kernel_support(cfg)
+    return cfg

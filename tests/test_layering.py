@@ -1,0 +1,53 @@
+"""The dependency arrows run one way: configs/ at the bottom, model/ above it.
+
+Each check runs in a fresh interpreter, so what a module pulls in is what
+`sys.modules` shows, and an import cycle shows as an ImportError for the
+module imported first.
+"""
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _modules(package: str) -> list[str]:
+  paths = sorted((ROOT / package).rglob("*.py"))
+  names = [".".join(p.relative_to(ROOT).with_suffix("").parts) for p in paths]
+  return [n.removesuffix(".__init__") for n in names]
+
+
+def _run(code: str) -> None:
+  result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+  assert result.returncode == 0, result.stderr
+
+
+def test_configs_never_import_model():
+  """Importing every config module and validating every preset (one with the
+  Mosaic GPU kernel chosen) loads nothing of model/."""
+  _run(f"""
+import importlib, sys
+from configs.validation import validate
+for name in {_modules("configs")!r}:
+  module = importlib.import_module(name)
+  if hasattr(module, "get_config") and name != "configs.base":
+    validate(module.get_config())
+config = importlib.import_module("configs.gpt2_small").get_config()
+config.model.pallas_lowering = "mosaic_gpu"
+validate(config)
+pulled = sorted(m for m in sys.modules if m == "model" or m.startswith("model."))
+assert not pulled, f"configs pulled in {{pulled}}"
+""")
+
+
+def test_every_model_module_imports_first():
+  """Each module of model/ imported first into a clean `model` namespace: an
+  import cycle inside model/ (or through configs/) would fail here."""
+  _run(f"""
+import importlib, sys
+for name in {_modules("model")!r}:
+  for loaded in [m for m in sys.modules if m.split(".")[0] in ("model", "configs")]:
+    del sys.modules[loaded]
+  importlib.import_module(name)
+""")
