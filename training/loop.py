@@ -191,10 +191,11 @@ def train(config, workdir: str) -> dict:
   eval_batches = [shard_batch(batch, mesh) for batch in
                   pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
-  start = checkpointer.latest_step()
-  if start is not None:
-    state, meta = checkpointer.restore(start, with_shardings(abstract, state_sharding),
-                                       data_iter)
+  restored = checkpointer.restore_newest_intact(
+      with_shardings(abstract, state_sharding), data_iter, move_aside=True,
+      where=f"resume of {workdir}")
+  if restored is not None:
+    start, state, meta = restored
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
@@ -279,12 +280,12 @@ def _has_checkpoint(workdir: str) -> bool:
 def restore_source(config, workdir: str, abstract_params, mesh, rules):
   """(parameters, tokenizer path) to start from: train.restore_from, another run's workdir.
 
-  The parameters of its newest checkpoint, on `mesh`, in the dtypes of
-  `abstract_params` (this run's model.param_dtype): Orbax casts each array to
-  its target's dtype while reading it, so a float32 run can be fine-tuned in
-  bfloat16 and back. The tokenizer they were trained with (`_source_tokenizer`).
-  Everything is checked before the arrays are read. Only reads the source,
-  which may still be training.
+  The parameters of its newest intact checkpoint (a damaged newer one is
+  skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
+  `abstract_params` (this run's model.param_dtype), so a float32 run can be
+  fine-tuned in bfloat16 and back. The tokenizer they were trained with
+  (`_source_tokenizer`). Everything is checked before the workdir is written.
+  Only reads the source, which may still be training.
   """
   source = config.train.restore_from
   where = f"train.restore_from={source!r}"
@@ -295,17 +296,18 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
     raise UserError(f"{where}: its parameters have other shapes")
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise UserError(f"{where}: it has no checkpoint")
-    tokenizer_path = _source_tokenizer(
-        config, workdir, checkpointer.restore_meta(step)["tokenizer_fingerprint"])
-    abstract = dict(abstract, params=abstract_params)  # the same shapes, this run's dtypes
-    state, _ = checkpointer.restore(
-        step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
+    restored = checkpointer.restore_newest_intact(
+        with_shardings(abstract, train_state_shardings(abstract, mesh, rules)),
+        move_aside=False, where=where)
   finally:
     checkpointer.close()
-  return state["params"], tokenizer_path
+  if restored is None:
+    raise UserError(f"{where}: it has no checkpoint")
+  _, state, meta = restored
+  tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
+  # Restored in the source's dtypes (so that its checksums are checked), then cast.
+  params = jax.tree.map(lambda x, a: x.astype(a.dtype), state["params"], abstract_params)
+  return params, tokenizer_path
 
 
 def _source_tokenizer(config, workdir: str, expected: str) -> str:
