@@ -51,8 +51,9 @@ def _cause(error: BaseException) -> str:
   return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _all_true(ok: bool) -> bool:
-  """True when `ok` on every process (each process reads its own shards)."""
+def all_true(ok: bool) -> bool:
+  """True when `ok` on every process (each process reads its own shards, and
+  each must take the same branch after a check only some of them can fail)."""
   if jax.process_count() == 1:
     return ok
   return bool(multihost_utils.process_allgather(np.array(ok)).all())
@@ -152,7 +153,7 @@ class Checkpointer:
     except Exception as e:  # pylint: disable=broad-except
       state = meta = None
       cause = _cause(e)
-    if not _all_true(cause is None):
+    if not all_true(cause is None):
       raise DamagedCheckpoint(step, cause or "damaged on another process")
     return state, meta
 

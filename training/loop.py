@@ -30,7 +30,8 @@ from data import pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import workdir as workdir_lib
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, all_true
+from training.lock import WorkdirLock
 from training.metrics import MetricsWriter
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
@@ -162,7 +163,31 @@ def _meta(config, tokenizer) -> dict:
 
 
 def train(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming it); returns the last metrics."""
+  """Trains `config` in `workdir` (resuming it); returns the last metrics.
+
+  The run holds the workdir's lock (training/lock.py) from before it writes
+  anything there until it returns: a second run on the same workdir is refused.
+  """
+  lock = WorkdirLock(workdir)
+  try:
+    return _train(config, workdir, lock)
+  finally:
+    lock.release()
+
+
+def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
+  """Process 0 takes the lock; every process stops if it could not."""
+  refusal = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except UserError as e:
+      refusal = e
+  if not all_true(refusal is None):
+    raise refusal or UserError(f"{workdir} is in use by another run (see process 0's error)")
+
+
+def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   validate(config)
   tc = config.train
@@ -184,6 +209,7 @@ def train(config, workdir: str) -> dict:
     # Before anything is written to the workdir: a bad source leaves it untouched.
     source_params, source_tokenizer = restore_source(config, workdir, abstract["params"],
                                                      mesh, rules)
+  _lock_workdir(lock, workdir)
   workdir_lib.prepare(config, workdir)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
   process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
