@@ -101,7 +101,9 @@ def _read_entry(stem: str) -> tuple[TokenizedSplit | None, str]:
   try:
     with open(stem + ".json", encoding="utf-8") as f:
       meta = json.load(f)
-    recorded = meta.get("crc32", {})
+    if "crc32" not in meta:
+      return None, "written by an older version, without checksums"
+    recorded = meta["crc32"]
     for suffix in _ARRAY_FILES:
       if recorded.get(suffix) != _file_crc32(stem + suffix):
         return None, f"{os.path.basename(stem + suffix)} does not match its recorded checksum"
