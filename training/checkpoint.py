@@ -17,7 +17,9 @@ one aside to `<step>.damaged` (never deleting it). Only the newest
 newer save has been committed. A save that fails raises `SaveFailed` naming
 the cause and the last good step.
 """
+import logging
 import os
+import re
 import sys
 
 import grain
@@ -45,10 +47,28 @@ class SaveFailed(UserError):
 
 
 def _cause(error: BaseException) -> str:
-  """A few words on why reading or writing failed: its type and first line."""
+  """A few words on why reading or writing failed: the operating system's
+  reason when there is one (TensorStore reports it as os_error_code), else the
+  error's type and first line."""
+  code = re.search(r"os_error_code='?(\d+)", str(error))
+  if code:
+    return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
+  if isinstance(error, OSError) and error.errno:
+    return f"{error.strerror} (errno {error.errno})"
   first = next((l.strip() for l in str(error).splitlines() if l.strip()), "")
   text = f"{type(error).__name__}: {first}" if first else type(error).__name__
   return text if len(text) <= 200 else text[:197] + "..."
+
+
+class _DropOrbaxErrors(logging.Filter):
+  """Drops Orbax's own error logs (tracebacks of a failed save or restore):
+  every Orbax call here turns its failure into one line of ours."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return not (record.levelno >= logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname)
+
+
+logging.getLogger("absl").addFilter(_DropOrbaxErrors())
 
 
 def all_true(ok: bool) -> bool:

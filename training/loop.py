@@ -34,6 +34,7 @@ from training.checkpoint import Checkpointer, all_true
 from training.lock import WorkdirLock
 from training.metrics import MetricsWriter
 from training.optim import learning_rate_schedule, make_optimizer
+from training.peers import PeerWatchdog
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
 from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
 
@@ -241,6 +242,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   peak = peak_flops(config)
   last = {}
   step = start
+  watchdog = PeerWatchdog(tc.peer_timeout_s).start() if jax.process_count() > 1 else None
   hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
     with StopRequest(tc.log_every) as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
@@ -249,6 +251,8 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
       while step < tc.num_steps:
         state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
+        if watchdog:
+          watchdog.progress(step)
         window_steps += 1
         window_metrics.append(metrics)
         bar.update(1)
@@ -275,7 +279,13 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
           _print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
                  f"command: python train.py --config ... --workdir {workdir}")
           break
+  except Exception as e:
+    if watchdog and not isinstance(e, UserError):
+      watchdog.fail(e)  # exits when another process went away
+    raise
   finally:
+    if watchdog:
+      watchdog.stop()
     checkpointer.wait()
     checkpointer.close()
     writer.close()
