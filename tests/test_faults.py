@@ -12,12 +12,39 @@ import signal
 import subprocess
 import time
 
+import jax
+import jax.numpy as jnp
+from jax.experimental.compilation_cache import compilation_cache
+import numpy as np
 import pytest
 
 from configs.errors import UserError
-from training import evaluate, loop
+from training import evaluate, integrity, loop
 from tests.test_train import (ROOT, _assert_one_line_error, _run, assert_trees_equal,  # pylint: disable=unused-import
                               final_params, small_config, snapshot, tok_dir, train_cmd)
+
+
+def test_checksums_see_a_flipped_bit_or_two_swapped_words_anywhere():
+  rng = np.random.default_rng(0)
+  tree = {"f32": jnp.asarray(rng.normal(size=(7, 33)), jnp.float32),
+          "bf16": jnp.asarray(rng.normal(size=(5, 3, 4)), jnp.bfloat16),
+          "i32": jnp.arange(11, dtype=jnp.int32), "scalar": jnp.int32(-1)}
+  expected = integrity.fingerprints(tree)
+  assert integrity.first_mismatch(expected, tree) is None
+  for name, leaf in tree.items():
+    words = np.asarray(leaf).copy().reshape(-1).view(f"u{leaf.dtype.itemsize}")
+    for index in {0, words.size // 2, words.size - 1}:
+      for bit in (0, 8 * leaf.dtype.itemsize - 1):
+        flipped = words.copy()
+        flipped[index] ^= 1 << bit
+        damaged = dict(tree, **{name: jnp.asarray(flipped.view(leaf.dtype).reshape(leaf.shape))})
+        assert integrity.first_mismatch(expected, damaged) == f"['{name}']"
+    if words.size > 1 and words[0] != words[-1]:
+      swapped = words.copy()
+      swapped[[0, -1]] = swapped[[-1, 0]]
+      damaged = dict(tree, **{name: jnp.asarray(swapped.view(leaf.dtype).reshape(leaf.shape))})
+      assert integrity.first_mismatch(expected, damaged) == f"['{name}']"
+  assert integrity.first_mismatch(expected, dict(tree, extra=jnp.zeros(2))) == "['extra']"
 
 
 def fault_config(tok_dir: str, num_steps: int = 6):
@@ -26,6 +53,29 @@ def fault_config(tok_dir: str, num_steps: int = 6):
   c.train.update(num_steps=num_steps, checkpoint_every=2, log_every=1, eval_every=1000,
                  eval_steps=1, keep_checkpoints=3)
   return c
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_compilation_cache(tmp_path_factory):
+  """One persistent compilation cache for this module's runs, in this process
+  and in the train.py subprocesses: each run compiles the same steps, which
+  would otherwise be most of its time. Switched off afterwards."""
+  directory = str(tmp_path_factory.mktemp("compilation_cache"))
+  settings = {"jax_compilation_cache_dir": directory,
+              "jax_persistent_cache_min_compile_time_secs": 0,
+              "jax_persistent_cache_min_entry_size_bytes": 0}
+  previous = {name: getattr(jax.config, name) for name in settings}
+  env = {name.upper(): str(value) for name, value in settings.items()}
+  with pytest.MonkeyPatch.context() as patch:
+    for name, value in env.items():
+      patch.setenv(name, value)
+    for name, value in settings.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
+    yield
+    for name, value in previous.items():
+      jax.config.update(name, value)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture(scope="module")
