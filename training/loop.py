@@ -1,7 +1,8 @@
 """The training loop behind train.py.
 
-Resumes from the newest checkpoint of the workdir (state and data position),
-runs the jitted step, logs metrics, validates, checkpoints, and stops
+Resumes from the newest checkpoint of the workdir that restores whole (state
+and data position; a damaged newer one is moved aside, see
+training/checkpoint.py), runs the jitted step, logs metrics, validates, checkpoints, and stops
 cleanly: SIGTERM or SIGINT finish the current step, save and return; a
 non-finite loss stops the run naming the step, with the last good checkpoint
 kept (no checkpoint is written after a bad step).
