@@ -105,11 +105,18 @@ def overwrite_64_bytes(step_dir) -> None:
     f.write(bytes(64))
 
 
+def swap_state(step_dir, other_step_dir) -> None:
+  """Puts another checkpoint's state under this one (a mixed-up copy): every
+  file reads cleanly, only the recorded checksums can tell."""
+  shutil.rmtree(pathlib.Path(step_dir) / "state")
+  shutil.copytree(pathlib.Path(other_step_dir) / "state", pathlib.Path(step_dir) / "state")
+
+
 def test_damaged_newest_checkpoints_are_moved_aside_and_the_run_ends_identical(
     tok_dir, reference, tmp_path, capsys):
   run = copy_run(reference, tmp_path)
   checkpoints = run / "checkpoints"
-  overwrite_64_bytes(checkpoints / "6")
+  swap_state(checkpoints / "6", checkpoints / "2")
   os.remove(checkpoints / "4" / "state" / "_METADATA")
   files_6 = sorted(str(p.relative_to(checkpoints / "6")) for p in (checkpoints / "6").rglob("*"))
   # The lock of a run that was SIGKILLed on a node that is gone.
@@ -145,16 +152,16 @@ def test_no_intact_checkpoint_is_one_line_and_moves_nothing(tok_dir, reference, 
   message = str(error.value)
   assert "\n" not in message
   assert message.startswith(f"resume of {run}: no checkpoint in {run / 'checkpoints'} "
-                            "restores whole: checkpoint step 6 is damaged (checksum mismatch")
+                            "restores whole: checkpoint step 6 is damaged (")
   assert "step 4 is damaged (" in message and "step 2 is damaged (JSONDecodeError" in message
-  assert "nothing was moved or deleted" in message
+  assert "nothing was moved or deleted" in message and "TensorStore(" not in message
   assert snapshot(run / "checkpoints") == before
 
 
 def test_eval_skips_a_damaged_newest_checkpoint_and_refuses_a_damaged_step(
     reference, tmp_path, capsys):
   run = copy_run(reference, tmp_path)
-  overwrite_64_bytes(run / "checkpoints" / "6")
+  swap_state(run / "checkpoints" / "6", run / "checkpoints" / "4")
   capsys.readouterr()
   step = evaluate.load_run(str(run))[3]
   assert step == 4
@@ -182,20 +189,21 @@ def file_size_limit():
 def test_failed_save_names_the_cause_keeps_every_checkpoint_and_resumes(
     tok_dir, reference, tmp_path, file_size_limit):
   run = copy_run(reference, tmp_path)
+  shutil.rmtree(run / "checkpoints" / "6")  # a run stopped at step 4
   before = snapshot(run / "checkpoints")
-  c = fault_config(tok_dir, num_steps=8)
+  c = fault_config(tok_dir)
   file_size_limit(100_000)  # smaller than the checkpoint's largest file
   with pytest.raises(UserError) as error:
     loop.train(c, str(run))
   file_size_limit(resource.RLIM_INFINITY)
   assert str(error.value) == (
-      f"saving checkpoint step 8 in {run / 'checkpoints'} failed (File too large (errno 27)); "
-      "step 6 is the last good checkpoint; fix the cause (disk space, permissions) and run "
+      f"saving checkpoint step 6 in {run / 'checkpoints'} failed (File too large (errno 27)); "
+      "step 4 is the last good checkpoint; fix the cause (disk space, permissions) and run "
       "the same command to resume")
   after = snapshot(run / "checkpoints")
-  assert {k: v for k, v in after.items() if not k.startswith("8.")} == before
+  assert {k: v for k, v in after.items() if not k.startswith("6.")} == before
   loop.train(c, str(run))  # the same command, once the disk has room
-  assert final_params(run)[0] == 8
+  assert_trees_equal(final_params(run)[1], final_params(reference)[1])
 
 
 # Chaos: SIGKILLs at random moments, several inside asynchronous saves.

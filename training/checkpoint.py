@@ -49,13 +49,16 @@ class SaveFailed(UserError):
 def _cause(error: BaseException) -> str:
   """A few words on why reading or writing failed: the operating system's
   reason when there is one (TensorStore reports it as os_error_code), else the
-  error's type and first line."""
+  error's type and first line, of the innermost error behind it."""
+  while error.__cause__ is not None:
+    error = error.__cause__
   code = re.search(r"os_error_code='?(\d+)", str(error))
   if code:
     return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
   if isinstance(error, OSError) and error.errno:
     return f"{error.strerror} (errno {error.errno})"
   first = next((l.strip() for l in str(error).splitlines() if l.strip()), "")
+  first = re.sub(r' in OCDBT database at local file "[^"]*"', "", first)
   text = f"{type(error).__name__}: {first}" if first else type(error).__name__
   return text if len(text) <= 200 else text[:197] + "..."
 
