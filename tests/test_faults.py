@@ -318,6 +318,7 @@ def test_chaos_two_kills_end_identical(tok_dir, reference, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 21 starts of train.py
 def test_chaos_twenty_kills_end_identical(tok_dir, tmp_path):
   """20 kills (7 inside saves, 7 during training, 6 during start-up) and 6
   damaged newest checkpoints, in a 40-step run."""
