@@ -56,7 +56,8 @@ def _cause(error: BaseException) -> str:
   if code:
     return f"{os.strerror(int(code.group(1)))} (errno {code.group(1)})"
   if isinstance(error, OSError) and error.errno:
-    return f"{error.strerror} (errno {error.errno})"
+    where = f": {error.filename}" if error.filename else ""
+    return f"{error.strerror} (errno {error.errno}){where}"
   first = next((l.strip() for l in str(error).splitlines() if l.strip()), "")
   first = re.sub(r' in OCDBT database at local file "[^"]*"', "", first)
   text = f"{type(error).__name__}: {first}" if first else type(error).__name__
