@@ -206,6 +206,17 @@ def test_failed_save_names_the_cause_keeps_every_checkpoint_and_resumes(
   assert_trees_equal(final_params(run)[1], final_params(reference)[1])
 
 
+@pytest.mark.slow
+def test_second_run_is_refused_and_the_live_run_ends_identical(tok_dir, reference, tmp_path):
+  c, run = fault_config(tok_dir), tmp_path / "run"
+  live = subprocess.Popen(train_cmd(c, run), cwd=ROOT, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True)
+  _second_run_is_refused(c, run, live)
+  _, err = live.communicate(timeout=300)
+  assert live.returncode == 0, err
+  assert_trees_equal(final_params(run)[1], final_params(reference)[1])
+
+
 # Chaos: SIGKILLs at random moments, several inside asynchronous saves.
 
 def _saves_in_progress(checkpoints) -> list[str]:
