@@ -92,6 +92,7 @@ def get_config() -> config_dict.ConfigDict:
   # model.param_dtype, and its tokenizer (a tokenizer.path must be that one); new optimizer, step 0
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
   tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
+  tr.peer_timeout_s = 600.0  # multi-process: exit (status 1) after this long without a step
 
   me = c.mesh = config_dict.ConfigDict()
   me.data = -1  # data-parallel axis; -1: the devices left over

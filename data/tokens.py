@@ -11,17 +11,23 @@ machine gives the same one. An entry in `data.cache_dir` (or
                       every document's tokens, concatenated, no special tokens
   <stem>.offsets.npy  [num_documents + 1] int64: document d is
                       tokens[offsets[d]:offsets[d + 1]]
-  <stem>.json         counts (documents, tokens, UTF-8 bytes); written last,
-                      so its presence marks a complete entry
+  <stem>.json         counts (documents, tokens, UTF-8 bytes) and the CRC-32
+                      of each .npy file; written last, so its presence marks a
+                      complete entry
 
 Each file is written to a temporary name and moved into place with
-`os.replace`, so an interrupted run never leaves a partial file behind.
+`os.replace`, so an interrupted run never leaves a partial file behind. An
+entry whose files do not match its recorded counts or checksums (a disk that
+flipped bits, a file truncated or replaced by hand) is rebuilt, with a
+one-line note, never used.
 """
 import dataclasses
 import hashlib
 import json
 import os
+import sys
 import tempfile
+import zlib
 
 from ml_collections import config_dict
 import numpy as np
@@ -31,6 +37,7 @@ from data import sources
 DEFAULT_CACHE_DIR = "~/.cache/transformer_lab"
 _FORMAT_VERSION = 1
 _ENCODE_CHUNK_DOCS = 256  # documents per tokenizer.encode_batch call
+_ARRAY_FILES = (".tokens.npy", ".offsets.npy")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,19 +78,53 @@ def load_split(data_config: config_dict.ConfigDict, tokenizer, split: str) -> To
   stem = os.path.join(cache_dir(data_config),
                       f"{data_config.source}-{split}-{_cache_key(docs, tokenizer)}")
   if os.path.exists(stem + ".json"):
-    with open(stem + ".json", encoding="utf-8") as f:
-      num_bytes = json.load(f)["num_bytes"]
-    return TokenizedSplit(tokens=np.load(stem + ".tokens.npy"),
-                          offsets=np.load(stem + ".offsets.npy"), num_bytes=num_bytes)
+    cached, problem = _read_entry(stem)
+    if cached is not None:
+      return cached
+    print(f"note: token cache entry {stem} is damaged ({problem}); rebuilding it",
+          file=sys.stderr)
   split_tokens = _encode(docs, tokenizer)
   os.makedirs(os.path.dirname(stem), exist_ok=True)
   _atomic_write(stem + ".tokens.npy", lambda f: np.save(f, split_tokens.tokens))
   _atomic_write(stem + ".offsets.npy", lambda f: np.save(f, split_tokens.offsets))
   meta = {"source": data_config.source, "split": split,
           "tokenizer": tokenizer.fingerprint, "num_documents": split_tokens.num_documents,
-          "num_tokens": split_tokens.num_tokens, "num_bytes": split_tokens.num_bytes}
+          "num_tokens": split_tokens.num_tokens, "num_bytes": split_tokens.num_bytes,
+          "crc32": {suffix: _file_crc32(stem + suffix) for suffix in _ARRAY_FILES}}
   _atomic_write(stem + ".json", lambda f: f.write(json.dumps(meta, indent=1).encode()))
   return split_tokens
+
+
+def _read_entry(stem: str) -> tuple[TokenizedSplit | None, str]:
+  """(the cached split, "") when its files match the recorded counts and
+  checksums, else (None, what does not match)."""
+  try:
+    with open(stem + ".json", encoding="utf-8") as f:
+      meta = json.load(f)
+    if "crc32" not in meta:
+      return None, "written by an older version, without checksums"
+    recorded = meta["crc32"]
+    for suffix in _ARRAY_FILES:
+      if recorded.get(suffix) != _file_crc32(stem + suffix):
+        return None, f"{os.path.basename(stem + suffix)} does not match its recorded checksum"
+    split_tokens = TokenizedSplit(tokens=np.load(stem + ".tokens.npy"),
+                                  offsets=np.load(stem + ".offsets.npy"),
+                                  num_bytes=meta["num_bytes"])
+  except (OSError, ValueError, KeyError) as e:
+    return None, f"{type(e).__name__}: {e}"
+  counts = (split_tokens.num_documents, split_tokens.num_tokens, int(split_tokens.offsets[-1]))
+  if counts != (meta["num_documents"], meta["num_tokens"], meta["num_tokens"]):
+    return None, "its files do not match the recorded document and token counts"
+  return split_tokens, ""
+
+
+def _file_crc32(path: str) -> int:
+  """CRC-32 of a file's bytes, read in 16 MiB chunks."""
+  crc = 0
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 24):
+      crc = zlib.crc32(chunk, crc)
+  return crc
 
 
 def _cache_key(docs: list[sources.Document], tokenizer) -> str:

@@ -329,6 +329,40 @@ def test_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
   assert tok.encode_calls > 0 and len(cache_files(tmp_path)) == 3
 
 
+
+@pytest.mark.parametrize("damage", ["flip_bytes", "truncate", "swap_offsets", "counts"])
+def test_damaged_cache_entry_is_rebuilt_with_a_note(tmp_path, capsys, damage):
+  config = make_config(tmp_path, source="pydoc")
+  first = tokens.load_split(config.data, ByteTokenizer(), "train")
+  directory = tmp_path / "cache" / "tokens"
+  (stem,) = [f[:-len(".json")] for f in cache_files(tmp_path) if f.endswith(".json")]
+  token_file = directory / (stem + ".tokens.npy")
+  if damage == "flip_bytes":
+    data = bytearray(token_file.read_bytes())
+    data[len(data) // 2:len(data) // 2 + 64] = bytes(64)
+    token_file.write_bytes(bytes(data))
+  elif damage == "truncate":
+    token_file.write_bytes(token_file.read_bytes()[:1000])
+  elif damage == "swap_offsets":  # a well-formed file of other contents
+    np.save(directory / (stem + ".offsets.npy"), np.array([0, 3], np.int64))
+  else:  # files intact, the recorded counts not theirs
+    meta = json.loads((directory / (stem + ".json")).read_text())
+    meta["num_tokens"] += 1
+    (directory / (stem + ".json")).write_text(json.dumps(meta))
+  capsys.readouterr()
+  tok = ByteTokenizer()
+  again = tokens.load_split(config.data, tok, "train")
+  note = capsys.readouterr().err.strip()
+  assert tok.encode_calls > 0
+  assert note.startswith(f"note: token cache entry {directory / stem} is damaged (")
+  assert note.endswith("; rebuilding it") and "\n" not in note
+  np.testing.assert_array_equal(again.tokens, first.tokens)
+  np.testing.assert_array_equal(again.offsets, first.offsets)
+  tok = ByteTokenizer()
+  tokens.load_split(config.data, tok, "train")  # the rebuilt entry is used
+  assert tok.encode_calls == 0 and not capsys.readouterr().err
+
+
 # Sources.
 
 def test_embedded_split_is_deterministic_and_disjoint():

@@ -1,11 +1,15 @@
 """Two processes on one machine (coordinator on 127.0.0.1) train, checkpoint
-and resume together, with the losses of a single-process run."""
+and resume together, with the losses of a single-process run; when one is
+killed, the other exits in bounded time, naming it in one line."""
 import json
 import os
+import signal
 import socket
 import subprocess
+import time
 
 import numpy as np
+import pytest
 
 from tests.test_train import ROOT, small_config, tok_dir, train_cmd  # pylint: disable=unused-import
 
@@ -52,3 +56,30 @@ def test_two_processes_train_checkpoint_and_resume(tok_dir, tmp_path):
   assert sorted(got) == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],
                              rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_killed_process_makes_the_other_exit_in_one_line(tok_dir, tmp_path):
+  c = small_config(tok_dir)
+  c.train.update(num_steps=100_000, log_every=1, checkpoint_every=100_000,
+                 eval_every=100_000, peer_timeout_s=20.0)
+  port = _free_port()
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid))
+    procs.append(subprocess.Popen(train_cmd(c, tmp_path / "run"), cwd=ROOT, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+  for line in procs[0].stdout:  # process 0 prints the steps
+    if line.startswith("step 3:"):
+      break
+  procs[1].send_signal(signal.SIGKILL)
+  killed_at = time.time()
+  _, err = procs[0].communicate(timeout=120)
+  assert procs[0].returncode == 1
+  assert time.time() - killed_at < 60
+  assert "Traceback" not in err
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("error: process 0 stops: process 1 stopped responding (host "), err
+  assert "exiting with status 1 so that the scheduler requeues the job" in last
+  procs[1].wait()

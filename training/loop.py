@@ -1,7 +1,8 @@
 """The training loop behind train.py.
 
-Resumes from the newest checkpoint of the workdir (state and data position),
-runs the jitted step, logs metrics, validates, checkpoints, and stops
+Resumes from the newest checkpoint of the workdir that restores whole (state
+and data position; a damaged newer one is moved aside, see
+training/checkpoint.py), runs the jitted step, logs metrics, validates, checkpoints, and stops
 cleanly: SIGTERM or SIGINT finish the current step, save and return; a
 non-finite loss stops the run naming the step, with the last good checkpoint
 kept (no checkpoint is written after a bad step).
@@ -31,9 +32,11 @@ from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import hardware
 from training import workdir as workdir_lib
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, all_true
+from training.lock import WorkdirLock
 from training.metrics import MetricsWriter, evaluate
 from training.optim import learning_rate_schedule, make_optimizer
+from training.peers import PeerWatchdog
 from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
 from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
 
@@ -150,7 +153,31 @@ def _meta(config, tokenizer) -> dict:
 
 
 def train(config, workdir: str) -> dict:
-  """Trains `config` in `workdir` (resuming it); returns the last metrics."""
+  """Trains `config` in `workdir` (resuming it); returns the last metrics.
+
+  The run holds the workdir's lock (training/lock.py) from before it writes
+  anything there until it returns: a second run on the same workdir is refused.
+  """
+  lock = WorkdirLock(workdir)
+  try:
+    return _train(config, workdir, lock)
+  finally:
+    lock.release()
+
+
+def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
+  """Process 0 takes the lock; every process stops if it could not."""
+  refusal = None
+  if jax.process_index() == 0:
+    try:
+      lock.acquire()
+    except UserError as e:
+      refusal = e
+  if not all_true(refusal is None):
+    raise refusal or UserError(f"{workdir} is in use by another run (see process 0's error)")
+
+
+def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   validate(config)
   tc = config.train
@@ -172,6 +199,7 @@ def train(config, workdir: str) -> dict:
     # Before anything is written to the workdir: a bad source leaves it untouched.
     source_params, source_tokenizer = restore_source(config, workdir, abstract["params"],
                                                      mesh, rules)
+  _lock_workdir(lock, workdir)
   workdir_lib.prepare(config, workdir)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
   process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
@@ -179,10 +207,11 @@ def train(config, workdir: str) -> dict:
   eval_batches = [shard_batch(batch, mesh) for batch in
                   pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
-  start = checkpointer.latest_step()
-  if start is not None:
-    state, meta = checkpointer.restore(start, with_shardings(abstract, state_sharding),
-                                       data_iter)
+  restored = checkpointer.restore_newest_intact(
+      with_shardings(abstract, state_sharding), data_iter, move_aside=True,
+      where=f"resume of {workdir}")
+  if restored is not None:
+    start, state, meta = restored
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
@@ -202,6 +231,7 @@ def train(config, workdir: str) -> dict:
   peak = peak_flops(config)
   last = {}
   step = start
+  watchdog = PeerWatchdog(tc.peer_timeout_s).start() if jax.process_count() > 1 else None
   hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
     with StopRequest(tc.log_every) as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
@@ -210,6 +240,8 @@ def train(config, workdir: str) -> dict:
       while step < tc.num_steps:
         state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
+        if watchdog:
+          watchdog.progress(step)
         window_steps += 1
         window_metrics.append(metrics)
         bar.update(1)
@@ -236,7 +268,13 @@ def train(config, workdir: str) -> dict:
           _print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
                  f"command: python train.py --config ... --workdir {workdir}")
           break
+  except Exception as e:
+    if watchdog and not isinstance(e, UserError):
+      watchdog.fail(e)  # exits when another process went away
+    raise
   finally:
+    if watchdog:
+      watchdog.stop()
     checkpointer.wait()
     checkpointer.close()
     writer.close()
@@ -267,12 +305,12 @@ def _has_checkpoint(workdir: str) -> bool:
 def restore_source(config, workdir: str, abstract_params, mesh, rules):
   """(parameters, tokenizer path) to start from: train.restore_from, another run's workdir.
 
-  The parameters of its newest checkpoint, on `mesh`, in the dtypes of
-  `abstract_params` (this run's model.param_dtype): Orbax casts each array to
-  its target's dtype while reading it, so a float32 run can be fine-tuned in
-  bfloat16 and back. The tokenizer they were trained with (`_source_tokenizer`).
-  Everything is checked before the arrays are read. Only reads the source,
-  which may still be training.
+  The parameters of its newest intact checkpoint (a damaged newer one is
+  skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
+  `abstract_params` (this run's model.param_dtype), so a float32 run can be
+  fine-tuned in bfloat16 and back. The tokenizer they were trained with
+  (`_source_tokenizer`). Everything is checked before the workdir is written.
+  Only reads the source, which may still be training.
   """
   source = config.train.restore_from
   where = f"train.restore_from={source!r}"
@@ -283,17 +321,18 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
     raise UserError(f"{where}: its parameters have other shapes")
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
-    step = checkpointer.latest_step()
-    if step is None:
-      raise UserError(f"{where}: it has no checkpoint")
-    tokenizer_path = _source_tokenizer(
-        config, workdir, checkpointer.restore_meta(step)["tokenizer_fingerprint"])
-    abstract = dict(abstract, params=abstract_params)  # the same shapes, this run's dtypes
-    state, _ = checkpointer.restore(
-        step, with_shardings(abstract, train_state_shardings(abstract, mesh, rules)))
+    restored = checkpointer.restore_newest_intact(
+        with_shardings(abstract, train_state_shardings(abstract, mesh, rules)),
+        move_aside=False, where=where)
   finally:
     checkpointer.close()
-  return state["params"], tokenizer_path
+  if restored is None:
+    raise UserError(f"{where}: it has no checkpoint")
+  _, state, meta = restored
+  tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
+  # Restored in the source's dtypes (so that its checksums are checked), then cast.
+  params = jax.tree.map(lambda x, a: x.astype(a.dtype), state["params"], abstract_params)
+  return params, tokenizer_path
 
 
 def _source_tokenizer(config, workdir: str, expected: str) -> str:
