@@ -168,7 +168,7 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
-  """Matmul FLOPs per token, the PaLM convention (BENCHMARKS.md's MFU).
+  """Matmul FLOPs per token, the PaLM convention (docs/benchmarks.md's MFU).
 
   Forward = 2 N + 4 L S d_attn, with N the parameters without the position
   tables, S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =
