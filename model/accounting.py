@@ -5,6 +5,7 @@ Implements the lesson's "Counting parameters in a decoder layer" (attention
 the 7B shapes), "Cost: O(n^2) attention and the KV cache" (2 x layers x KV
 heads x head dim x bytes per token) and "Efficient attention variants" (GQA
 and MQA shrink W_K, W_V and the cache by h / g).
+
 Every function takes the `model` section (a ConfigDict) or a resolved
 `model.config.ModelConfig`.
 
