@@ -125,9 +125,9 @@ def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: b
 
   On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
   and no dense mask (cuDNN's fused flash attention, the fastest measured in
-  docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
-  chosen explicitly until `bench/attention.py` shows it ahead of cuDNN on the
-  device at hand.
+  docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas`
+  is chosen explicitly until `bench/attention.py` shows it ahead of cuDNN on
+  the device at hand.
   """
   if (backend == "gpu" and not has_dense_mask and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
