@@ -6,6 +6,9 @@ the 7B shapes), "Cost: O(n^2) attention and the KV cache" (2 x layers x KV
 heads x head dim x bytes per token) and "Efficient attention variants" (GQA
 and MQA shrink W_K, W_V and the cache by h / g).
 
+Every function takes the `model` section (a ConfigDict) or a resolved
+`model.config.ModelConfig`.
+
 Parameters are counted twice: `measured_params` reads the parameter tree of
 the real module under `jax.eval_shape` (nothing is allocated, so the 7B
 preset takes seconds on a CPU) and `formula_params` writes the closed form;
@@ -21,10 +24,8 @@ the tests hold them equal. Both return the same dict:
 - `params_position_table`: the learned position tables alone.
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
-Every function takes the `model` section (a ConfigDict) or a resolved
-`model.config.ModelConfig`. FLOPs follow the PaLM appendix convention
-(docs/benchmarks.md), and the memory estimate is documented at
-`activation_bytes_per_token`.
+FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
+estimate is documented at `activation_bytes_per_token`.
 """
 import math
 

@@ -232,14 +232,19 @@ class Attention(nnx.Module):
       k_BSKD = self._rotate(k_BSKD, positions_BS)
     return k_BSKD, self.v_proj(context_BSM)
 
-  def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, causal=False,
-               segment_ids=None, mask=None):
+  def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, context_kv=None,
+               causal=False, segment_ids=None, mask=None):
+    """Self-attention over x, or cross-attention to `context_BSM` (or to its
+    keys and values `context_kv` = `project_kv(context_BSM)`, computed once
+    for a whole generation)."""
     q_BTHD = self.q_proj(x_BTM)
-    if context_BSM is None:
+    if context_kv is not None:
+      k_BSKD, v_BSKD = context_kv
+    elif context_BSM is not None:
+      k_BSKD, v_BSKD = self.project_kv(context_BSM)
+    else:
       q_BTHD = self._rotate(q_BTHD, positions_BT)
       k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
-    else:
-      k_BSKD, v_BSKD = self.project_kv(context_BSM)
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
                          mask=mask, implementation=self.implementation,
                          pallas_lowering=self.pallas_lowering)

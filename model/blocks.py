@@ -28,10 +28,10 @@ class Block(nnx.Module):
       return x + sublayer(norm(x))
     return norm(x + sublayer(x))
 
-  def _cross_and_mlp(self, x, context_BSM, cross_segment_ids):
+  def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None):
     if self.cross_attn is not None:
       x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
-          h, context_BSM=context_BSM, segment_ids=cross_segment_ids))
+          h, context_BSM=context_BSM, context_kv=context_kv, segment_ids=cross_segment_ids))
     return self._residual(x, self.norm_mlp, self.mlp)
 
   def __call__(self, x_BTM, *, positions_BT, causal, segment_ids=None, context_BSM=None,
@@ -45,8 +45,13 @@ class Block(nnx.Module):
     h = self.norm_attn(x_BTM) if self.pre_norm else x_BTM
     return self.attn.weights(h, positions_BT=positions_BT, causal=causal)
 
-  def decode(self, x_BTM, *, positions_BT, cache, context_BSM=None, cross_segment_ids=None):
-    """One generation step against this block's KV cache; returns (x, cache)."""
+  def cross_kv(self, context_BSM):
+    """This block's cross-attention keys and values of the encoder output."""
+    return self.cross_attn.project_kv(context_BSM)
+
+  def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None):
+    """One generation step against this block's KV cache (and the encoder
+    output's cross-attention `context_kv`); returns (x, cache)."""
     new_cache = {}
 
     def self_attention(h):
@@ -54,4 +59,5 @@ class Block(nnx.Module):
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)
-    return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids), new_cache["kv"]
+    return (self._cross_and_mlp(x_BTM, None, cross_segment_ids, context_kv),
+            new_cache["kv"])

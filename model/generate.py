@@ -1,7 +1,11 @@
 """KV-cache generation (the lesson's "KV cache" and batched-generation pitfall).
 
 A decoder caches each past token's keys and values so that every new token
-costs one position of work. Prompts of different lengths are right-padded
+costs one position of work in every projection and MLP. An encoder-decoder
+also projects the encoder output to each decoder layer's cross-attention
+keys and values once per request (`EncoderDecoder.cross_cache`, at prefill)
+and every step attends to those. The loop runs the decoder once per new
+token but the last (whose logits nobody reads). Prompts of different lengths are right-padded
 into one batch, and every row keeps its own position counter: row b's
 prompt fills cache slots 0..l_b-1, its first new token is read from the
 logits at l_b-1, and its t-th new token is written at slot l_b+t. The query
@@ -13,13 +17,14 @@ right-padding mismatch: positions are never shifted by padding.
 Sampling (`generate`): greedy (temperature 0), temperature, top-k and top-p
 (nucleus), each row with its own random key derived from (seed, step, row).
 
-Beam search (`beam_search`): each row keeps K hypotheses, K cache rows. At
+Beam search (`beam_search`): each row keeps N hypotheses, N cache rows. At
 every step each live hypothesis proposes every token (its log-probability
 plus the token's) and each finished one (it emitted EOS) proposes only
-itself, padded, unchanged; the K best proposals of the row by length-normalised
+itself, padded, unchanged; the N best proposals of the row by length-normalised
 score, log p / ((5 + n) / 6)^alpha (GNMT's length penalty, n = tokens
 generated incl. EOS), survive, and their caches are gathered from their
-parents. The answer is the best of the K at the end. With K = 1 every
+parents (the cross-attention cache is the same for a prompt's beams and is
+not gathered). The answer is the best of the N at the end. With N = 1 every
 proposal has the same length, so beam search picks the argmax: greedy.
 """
 import functools
@@ -79,7 +84,7 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   Returns (step, first logits [B * copies, V], cache of B * copies rows): each
   row repeated `copies` times in a row (the beams of a prompt are adjacent),
   `step(tokens, positions, cache)` the decoder step against the (repeated)
-  encoder output.
+  cross-attention keys and values of the encoder output.
   """
   B, P = tokens_BP.shape
   step = model.decode_step
@@ -89,37 +94,45 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
 
   if src_BS is not None:
     src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
-    encoded_BSM = model.encode(src_BS, src_mask_BS)
-    step = functools.partial(model.decode_step, encoded_BSM=encoded_BSM,
-                             src_padding_mask=src_mask_BS)
+    cross_kv = model.cross_cache(model.encode(src_BS, src_mask_BS))
+    step = functools.partial(model.decode_step, cross_kv=cross_kv, src_padding_mask=src_mask_BS)
   cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
   logits_BPV, cache = step(tokens_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
   first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
   if copies == 1:
     return step, first_BV, cache
   if src_BS is not None:
-    step = functools.partial(model.decode_step, encoded_BSM=repeat(encoded_BSM),
+    step = functools.partial(model.decode_step, cross_kv=jax.tree.map(repeat, cross_kv),
                              src_padding_mask=repeat(src_mask_BS))
   return step, repeat(first_BV), jax.tree.map(repeat, cache)
 
 
 def _decode_loop(step, first_logits_BV, lengths_B, cache, rng, *, max_new_tokens: int,
                  eos_id: int, pad_id: int, sampling: dict):
-  """Samples max_new_tokens per row; tokens after a row's EOS become pad."""
+  """Samples max_new_tokens per row [B, T]; tokens after a row's EOS become pad.
+
+  The decoder runs once per new token but the last: token t + 1 is sampled
+  from the step that read token t.
+  """
   B = first_logits_BV.shape[0]
 
-  def body(t, carry):
-    logits_BV, cache, out_BN, done_B = carry
+  def choose(t, logits_BV, out_BT, done_B):
     token_B = sample_logits(logits_BV, jax.random.fold_in(rng, t), **sampling)
     token_B = jnp.where(done_B, pad_id, token_B)
-    out_BN = out_BN.at[:, t].set(token_B)
-    done_B = done_B | (token_B == eos_id)
-    logits_B1V, cache = step(token_B[:, None], (lengths_B + t)[:, None], cache)
-    return logits_B1V[:, 0], cache, out_BN, done_B
+    return token_B, out_BT.at[:, t].set(token_B), done_B | (token_B == eos_id)
 
-  out_BN = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
-  carry = (first_logits_BV, cache, out_BN, jnp.zeros((B,), bool))
-  return jax.lax.fori_loop(0, max_new_tokens, body, carry)[2]
+  def body(t, carry):
+    logits_BV, cache, out_BT, done_B = carry
+    token_B, out_BT, done_B = choose(t, logits_BV, out_BT, done_B)
+    logits_B1V, cache = step(token_B[:, None], (lengths_B + t)[:, None], cache)
+    return logits_B1V[:, 0], cache, out_BT, done_B
+
+  out_BT = jnp.full((B, max_new_tokens), pad_id, jnp.int32)
+  if max_new_tokens == 0:
+    return out_BT
+  carry = (first_logits_BV, cache, out_BT, jnp.zeros((B,), bool))
+  logits_BV, _, out_BT, done_B = jax.lax.fori_loop(0, max_new_tokens - 1, body, carry)
+  return choose(max_new_tokens - 1, logits_BV, out_BT, done_B)[1]
 
 
 def length_penalty(num_tokens, alpha: float):
@@ -129,40 +142,53 @@ def length_penalty(num_tokens, alpha: float):
 
 def _beam_loop(step, first_logits_RV, lengths_B, cache, *, beam_size: int,
                max_new_tokens: int, eos_id: int, pad_id: int, alpha: float):
-  """Beam search over R = B * K cache rows; the best hypothesis [B, N] of each row."""
-  K = beam_size
+  """Beam search over R = B * N cache rows; the best hypothesis [B, T] of each row.
+
+  As in `_decode_loop`, the decoder runs once per new token but the last.
+  """
+  N = beam_size
   R, V = first_logits_RV.shape
-  B = R // K
+  B = R // N
   neg_inf = jnp.float32(-jnp.inf)
-  lengths_R = jnp.repeat(lengths_B, K)
+  lengths_R = jnp.repeat(lengths_B, N)
   is_pad_V = jnp.arange(V) == pad_id
 
-  def body(t, carry):
-    logits_RV, cache, out_BKN, logp_BK, num_BK, done_BK = carry
-    token_logp_BKV = jax.nn.log_softmax(logits_RV.astype(jnp.float32)).reshape(B, K, V)
-    live_BKV = logp_BK[..., None] + token_logp_BKV
-    finished_BKV = jnp.where(is_pad_V, logp_BK[..., None], neg_inf)
-    proposal_BKV = jnp.where(done_BK[..., None], finished_BKV, live_BKV)
-    proposal_num_BK = jnp.where(done_BK, num_BK, t + 1)
-    score_BKV = proposal_BKV / length_penalty(proposal_num_BK, alpha)[..., None]
-    _, best_BK = jax.lax.top_k(score_BKV.reshape(B, K * V), K)
-    parent_BK, token_BK = best_BK // V, (best_BK % V).astype(jnp.int32)
-    logp_BK = jnp.take_along_axis(proposal_BKV.reshape(B, K * V), best_BK, axis=1)
-    num_BK = jnp.take_along_axis(proposal_num_BK, parent_BK, axis=1)
-    done_BK = jnp.take_along_axis(done_BK, parent_BK, axis=1) | (token_BK == eos_id)
-    out_BKN = jnp.take_along_axis(out_BKN, parent_BK[..., None], axis=1).at[:, :, t].set(token_BK)
-    rows_R = (jnp.arange(B)[:, None] * K + parent_BK).reshape(R)
-    cache = jax.tree.map(lambda c: c[rows_R], cache)
-    logits_R1V, cache = step(token_BK.reshape(R, 1), (lengths_R + t)[:, None], cache)
-    return logits_R1V[:, 0], cache, out_BKN, logp_BK, num_BK, done_BK
+  def choose(t, logits_RV, beams):
+    """The N best proposals of each row at step t: (parents [B, N], tokens, beams)."""
+    out_BNT, logp_BN, num_BN, done_BN = beams
+    token_logp_BNV = jax.nn.log_softmax(logits_RV.astype(jnp.float32)).reshape(B, N, V)
+    live_BNV = logp_BN[..., None] + token_logp_BNV
+    finished_BNV = jnp.where(is_pad_V, logp_BN[..., None], neg_inf)
+    proposal_BNV = jnp.where(done_BN[..., None], finished_BNV, live_BNV)
+    proposal_num_BN = jnp.where(done_BN, num_BN, t + 1)
+    score_BNV = proposal_BNV / length_penalty(proposal_num_BN, alpha)[..., None]
+    _, best_BN = jax.lax.top_k(score_BNV.reshape(B, N * V), N)
+    parent_BN, token_BN = best_BN // V, (best_BN % V).astype(jnp.int32)
+    logp_BN = jnp.take_along_axis(proposal_BNV.reshape(B, N * V), best_BN, axis=1)
+    num_BN = jnp.take_along_axis(proposal_num_BN, parent_BN, axis=1)
+    done_BN = jnp.take_along_axis(done_BN, parent_BN, axis=1) | (token_BN == eos_id)
+    out_BNT = jnp.take_along_axis(out_BNT, parent_BN[..., None], axis=1).at[:, :, t].set(token_BN)
+    return parent_BN, token_BN, (out_BNT, logp_BN, num_BN, done_BN)
 
-  # Only beam 0 is live at the start, so the first step's K best are distinct tokens.
-  logp_BK = jnp.where(jnp.arange(K) == 0, 0.0, neg_inf)[None].repeat(B, axis=0)
-  carry = (first_logits_RV, cache, jnp.full((B, K, max_new_tokens), pad_id, jnp.int32),
-           logp_BK, jnp.zeros((B, K), jnp.int32), jnp.zeros((B, K), bool))
-  _, _, out_BKN, logp_BK, num_BK, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
-  best_B = jnp.argmax(logp_BK / length_penalty(num_BK, alpha), axis=1)
-  return out_BKN[jnp.arange(B), best_B]
+  def body(t, carry):
+    logits_RV, cache, beams = carry
+    parent_BN, token_BN, beams = choose(t, logits_RV, beams)
+    rows_R = (jnp.arange(B)[:, None] * N + parent_BN).reshape(R)
+    cache = jax.tree.map(lambda c: c[rows_R], cache)
+    logits_R1V, cache = step(token_BN.reshape(R, 1), (lengths_R + t)[:, None], cache)
+    return logits_R1V[:, 0], cache, beams
+
+  # Only beam 0 is live at the start, so the first step's N best are distinct tokens.
+  logp_BN = jnp.where(jnp.arange(N) == 0, 0.0, neg_inf)[None].repeat(B, axis=0)
+  beams = (jnp.full((B, N, max_new_tokens), pad_id, jnp.int32), logp_BN,
+           jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), bool))
+  if max_new_tokens == 0:
+    return beams[0][:, 0]
+  logits_RV, _, beams = jax.lax.fori_loop(0, max_new_tokens - 1, body,
+                                          (first_logits_RV, cache, beams))
+  out_BNT, logp_BN, num_BN, _ = choose(max_new_tokens - 1, logits_RV, beams)[2]
+  best_B = jnp.argmax(logp_BN / length_penalty(num_BN, alpha), axis=1)
+  return out_BNT[jnp.arange(B), best_B]
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id",
@@ -182,9 +208,9 @@ def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng,
                       eos_id=eos_id, pad_id=pad_id, sampling=dict(search[1]))
 
 
-def _trim(out_BN, eos_id: int) -> list[list[int]]:
+def _trim(out_BT, eos_id: int) -> list[list[int]]:
   rows = []
-  for row in np.asarray(out_BN).tolist():
+  for row in np.asarray(out_BT).tolist():
     rows.append(row[:row.index(eos_id) + 1] if eos_id in row else row)
   return rows
 
@@ -202,10 +228,10 @@ def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, 
     raise UserError(f"model.family={model_cfg.family!r} does not generate text; "
                     "use a decoder or an encoder_decoder")
   graphdef, state = nnx.split(model)
-  out_BN = _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B,
+  out_BT = _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B,
                      jax.random.key(seed), max_new_tokens=max_new_tokens, eos_id=eos_id,
                      pad_id=pad_id, search=search)
-  return _trim(out_BN, eos_id)
+  return _trim(out_BT, eos_id)
 
 
 def generate(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,

@@ -76,13 +76,20 @@ class _Stack(nnx.Module):
     shape = (batch, length, *self.kv_shape)
     return [dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in self.layers]
 
-  def decode_step(self, tokens_BT, positions_BT, cache, **cross):
-    """Hidden states of `tokens_BT` at `positions_BT` given the cache; new cache."""
+  def cross_kv(self, context_BSM):
+    """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder output."""
+    return [layer.cross_kv(context_BSM) for layer in self.layers]
+
+  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None):
+    """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
+    with cross-attention, each layer's `cross_kv`); new cache."""
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     new_cache = []
-    for layer, layer_cache in zip(self.layers, cache):
-      x_BTM, layer_cache = layer.decode(x_BTM, positions_BT=positions_BT, cache=layer_cache,
-                                        **cross)
+    for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+      x_BTM, layer_cache = layer.decode(
+          x_BTM, positions_BT=positions_BT, cache=layer_cache,
+          context_kv=None if cross_kv is None else cross_kv[i],
+          cross_segment_ids=cross_segment_ids)
       new_cache.append(layer_cache)
     if self.final_norm is not None:
       x_BTM = self.final_norm(x_BTM)
@@ -204,8 +211,15 @@ class EncoderDecoder(_WithHead):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
 
-  def decode_step(self, tokens_BT, positions_BT, cache, encoded_BSM, src_padding_mask=None):
+  def cross_cache(self, encoded_BSM):
+    """The decoder's cross-attention keys and values of `encoded_BSM`, per
+    layer: computed once per generation, then read at every step."""
+    return self.decoder.cross_kv(encoded_BSM)
+
+  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv, src_padding_mask=None):
+    """Logits of `tokens_BT` at `positions_BT` given the self-attention cache
+    and `cross_kv = cross_cache(encoded)`; new cache."""
     x_BTM, cache = self.decoder.decode_step(
-        tokens_BT, positions_BT, cache, context_BSM=encoded_BSM,
+        tokens_BT, positions_BT, cache, cross_kv=cross_kv,
         cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask))
     return self.logits(self.decoder, x_BTM), cache

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from model.attention import attention, combined_mask
+from model.attention import attention, attention_weights, combined_mask
 
 Q = K = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])[None, :, None, :]  # [1, 3, 1, 2]
 V = jnp.array([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])[None, :, None, :]
@@ -26,11 +26,15 @@ def test_lesson_worked_example_causal(impl):
 
 
 def test_lesson_softmax_weights():
-  scores = (Q[0, :, 0] @ K[0, :, 0].T) / jnp.sqrt(2.0)
-  weights = jax.nn.softmax(scores, axis=-1)
+  """Our softmax(Q K^T / sqrt(d_k)) on the lesson's example, and its causal
+  version: the lesson's weights renormalised over the visible keys."""
+  weights = attention_weights(Q, K)[0, 0, 0]
   np.testing.assert_allclose(np.round(np.asarray(weights), 3),
                              [[0.401, 0.198, 0.401], [0.198, 0.401, 0.401],
                               [0.248, 0.248, 0.503]], atol=1e-3)
+  causal = np.asarray(attention_weights(Q, K, causal=True)[0, 0, 0])
+  np.testing.assert_allclose(causal, [[1.0, 0.0, 0.0], [0.198 / 0.599, 0.401 / 0.599, 0.0],
+                                      [0.248, 0.248, 0.503]], atol=2e-3)
 
 
 def _random_qkv(key, B, T, S, H, K, D, dtype=jnp.float32):
@@ -70,11 +74,13 @@ def test_fully_masked_row_gives_zeros_and_finite_grads(impl):
     assert np.all(np.isfinite(np.asarray(g)))
 
 
-def test_gqa_with_as_many_kv_heads_equals_mha_and_repeat():
+@pytest.mark.parametrize("impl", ["reference", "xla"])
+def test_gqa_equals_mha_with_each_kv_head_repeated(impl):
   q, k, v = _random_qkv(jax.random.key(2), 2, 5, 5, 4, 2, 8)
   # GQA with 2 KV heads == MHA with each KV head repeated for its 2 query heads.
-  gqa = attention(q, k, v, causal=True)
-  mha = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), causal=True)
+  gqa = attention(q, k, v, causal=True, implementation=impl)
+  mha = attention(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), causal=True,
+                  implementation="reference")
   np.testing.assert_allclose(np.asarray(gqa), np.asarray(mha), atol=1e-6)
 
 

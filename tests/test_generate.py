@@ -1,4 +1,5 @@
 """KV-cache generation: batched prompts of different lengths, sampling."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -6,7 +7,8 @@ from flax import nnx
 
 from configs.errors import UserError
 from model import build_model
-from model.generate import generate, sample_logits
+from model.generate import beam_search, generate, sample_logits
+from model.transformer import EncoderDecoder
 from tests.test_model import small_cfg
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8], [9], [10, 11, 12]]
@@ -22,10 +24,38 @@ def test_batched_generation_equals_one_by_one(family):
     prompts = [[1]] * len(PROMPTS)
     batched = generate(model, cfg, prompts, sources=PROMPTS, **kwargs)
     alone = [generate(model, cfg, [[1]], sources=[s], **kwargs)[0] for s in PROMPTS]
+    # With the cross-attention keys and values computed once at prefill,
+    # each row is what the full forward pass of its source alone predicts
+    # when teacher-forced on that row.
+    for source, row in zip(PROMPTS, batched):
+      logits = model(jnp.array([source]), jnp.array([[1] + row[:-1]]))
+      assert np.asarray(jnp.argmax(logits[0], axis=-1)).tolist() == row
   else:
     batched = generate(model, cfg, PROMPTS, **kwargs)
     alone = [generate(model, cfg, [p], **kwargs)[0] for p in PROMPTS]
   assert batched == alone
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_the_decoder_runs_once_per_new_token_but_the_last(monkeypatch, search):
+  """Prefill, then one step per new token whose logits are read: 1 + (N - 1)."""
+  cfg = small_cfg(family="encoder_decoder")
+  model = build_model(cfg, nnx.Rngs(0))
+  calls = []
+  step = EncoderDecoder.decode_step
+
+  def counted(self, *args, **kwargs):
+    jax.debug.callback(lambda: calls.append(1))
+    return step(self, *args, **kwargs)
+
+  monkeypatch.setattr(EncoderDecoder, "decode_step", counted)
+  kwargs = dict(sources=[[3, 4, 5]], max_new_tokens=5)
+  if search == "beam":
+    out = beam_search(model, cfg, [[1]], beam_size=2, **kwargs)
+  else:
+    out = generate(model, cfg, [[1]], **kwargs)
+  jax.effects_barrier()
+  assert len(out[0]) == 5 and len(calls) == 1 + 4
 
 
 def test_greedy_generation_equals_argmax_of_full_forward():
@@ -39,7 +69,7 @@ def test_greedy_generation_equals_argmax_of_full_forward():
   assert new == seq[len(prompt):]
 
 
-def test_generation_stops_at_eos_and_pads():
+def test_generation_stops_at_eos():
   cfg = small_cfg()
   model = build_model(cfg, nnx.Rngs(0))
   first = generate(model, cfg, [[5]], max_new_tokens=1)[0][0]
@@ -49,7 +79,6 @@ def test_generation_stops_at_eos_and_pads():
 
 def test_top_k_one_is_greedy_and_top_p_keeps_the_nucleus():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
-  import jax  # pylint: disable=import-outside-toplevel
   for seed in range(20):
     rng = jax.random.key(seed)
     assert int(sample_logits(logits, rng, temperature=1.0, top_k=1)[0]) == 0

@@ -1,14 +1,20 @@
 """Attention gets only the masks a batch needs (issue: masks nobody asked for).
 
 A `data.packing=concat` row is one causal stream: the pipeline gives it no
-segment ids, so the compiled step has no [B, T, S] segment mask. The test
-reads the compiled CPU HLO of the `xla` path; the cuDNN path only compiles
-for a GPU.
+segment ids, so the compiled step has no [B, T, S] segment mask. The fast
+test reads the compiled CPU HLO of the `xla` path. The cuDNN path only
+compiles for a GPU: the slow test builds it for a compile-only H200 with an
+interpreter that has JAX's CUDA plugin (`H200_PYTHON`, set up as in
+bench/compile_h200.py), and is skipped without one.
 """
+import os
+import pathlib
 import re
+import subprocess
 
 import jax
 import numpy as np
+import pytest
 from flax import nnx
 
 from configs import base
@@ -70,3 +76,45 @@ def test_concat_rows_attend_with_causal_alone_and_masks_stay_boolean(tmp_path):
   ones = dict(concat, segment_ids=np.ones((B, T), np.int32))
   np.testing.assert_allclose(np.asarray(concat_loss(concat)), np.asarray(packed_loss(ones)),
                              rtol=1e-6)
+
+
+_CUDNN_STEP = """
+import re, sys
+sys.path.insert(0, ".")
+import jax, jax.numpy as jnp
+from bench.compile_h200 import h200_device
+from model.attention import attention
+B, T, H, D = 8, 1024, 12, 64  # gpt2_small's attention, bfloat16
+def grads(*segment_ids):
+  def loss(q, k, v, *segment_ids):
+    return attention(q, k, v, causal=True, segment_ids=segment_ids[0] if segment_ids else None,
+                     implementation="cudnn").astype(jnp.float32).sum()
+  return jax.grad(loss, argnums=(0, 1, 2))
+qkv = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 3
+with jax.default_device(h200_device()):
+  for name, seg in (("concat", []), ("packed", [jax.ShapeDtypeStruct((B, T), jnp.int32)])):
+    hlo = jax.jit(grads(*seg)).trace(*qkv, *seg).lower(lowering_platforms=("cuda",))
+    hlo = hlo.compile().as_text()
+    fmha = sorted(set(re.findall(r'custom_call_target="__cudnn\\$(fmha\\w*)"', hlo)))
+    bias = sorted(set(re.findall(rf"(?:f32|bf16)\\[{B},1,{T},{T}\\]", hlo)))
+    print(name, ",".join(fmha), ",".join(bias) or "-")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("H200_PYTHON"),
+                    reason="needs H200_PYTHON: a Python with JAX's CUDA plugin")
+def test_cudnn_concat_step_has_no_bias_on_a_compile_only_h200():
+  """Concat rows (no segment ids) compile to cuDNN's unmasked causal kernels
+  with no bias and no [B, 1, T, S] bias gradient; packed rows still get both
+  (JAX's cuDNN attention turns any mask into a bias and returns its
+  gradient)."""
+  root = pathlib.Path(__file__).resolve().parents[1]
+  result = subprocess.run([os.environ["H200_PYTHON"], "-c", _CUDNN_STEP], cwd=root,
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
+  assert result.returncode == 0, result.stderr[-2000:]
+  lines = dict(line.split(" ", 1) for line in result.stdout.splitlines())
+  assert lines["concat"] == "fmhaSoftmax,fmhaSoftmaxBackward -"
+  assert lines["packed"] == ("fmhaScaleBiasSoftmax,fmhaScaleBiasSoftmaxBackward "
+                             "bf16[8,1,1024,1024]")

@@ -63,8 +63,11 @@ def test_encoder_padding_does_not_change_real_positions():
   assert not np.allclose(unmasked[0, :4], alone[0], atol=1e-3)
 
 
-def test_encoder_decoder_source_padding_is_masked_in_encoder_and_cross_attention():
-  cfg = small_cfg(family="encoder_decoder", pos_emb="sinusoidal")
+@pytest.mark.parametrize("pos_emb,num_decoder_layers", [("sinusoidal", None), ("rope", 1)])
+def test_encoder_decoder_source_padding_is_masked_in_encoder_and_cross_attention(
+    pos_emb, num_decoder_layers):
+  cfg = small_cfg(family="encoder_decoder", pos_emb=pos_emb,
+                  num_decoder_layers=num_decoder_layers)
   model = build_model(cfg, nnx.Rngs(0))
   src, tgt = jnp.array([[5, 6, 7]]), jnp.array([[1, 9, 10]])
   alone = model(src, tgt)
@@ -72,6 +75,8 @@ def test_encoder_decoder_source_padding_is_masked_in_encoder_and_cross_attention
   mask = jnp.array([[1, 1, 1, 0, 0]], bool)
   np.testing.assert_allclose(model.encode(padded, mask)[0, :3], model.encode(src)[0], atol=1e-5)
   np.testing.assert_allclose(model(padded, tgt, src_padding_mask=mask), alone, atol=1e-5)
+  # Without the mask the padding leaks in.
+  assert not np.allclose(model(padded, tgt), alone, atol=1e-3)
 
 
 # The prefix LM.
