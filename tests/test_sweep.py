@@ -96,6 +96,8 @@ def get_sweep():
     ('{"model.num_layers": ["two"]}', "variant num_layers=two: flag --config.model.num_layers=two"),
     ('{"train.num_steps": [5]}', "train.num_steps is set both by sweep"),
     ('[{"model.d_model": 64}, {"model.d_model": 64}]', "2 variants are named d_model=64"),
+    ('{"model.pallas_lowering": ["mosaic_gpu"]}', "variant pallas_lowering=mosaic_gpu: config "
+     "field model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16"),
 ])
 def test_bad_sweep_is_one_line_user_error(tmp_path, body, message):
   path = write_sweep(tmp_path, f"def get_sweep():\n  return {body}\n")

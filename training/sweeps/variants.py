@@ -11,6 +11,7 @@ from ml_collections import config_dict, config_flags
 
 from configs.errors import UserError
 from configs.validation import validate
+from model.config import ModelConfig
 from training.sweeps.common import REPO, first_line
 from training.sweeps.sweep_file import Sweep, format_value, variant_name
 
@@ -79,6 +80,7 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
     try:
       config = load_config(config_path, config_flags_)
       validate(config)
+      ModelConfig.resolve(config.model)  # what the chosen kernel takes, as train.py checks it
     except UserError as e:
       raise UserError(f"variant {name}: {e}") from e
     workdir = os.path.join(os.path.abspath(root), name)
