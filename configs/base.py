@@ -24,9 +24,16 @@ def get_config() -> config_dict.ConfigDict:
   m.max_len = 256  # longest sequence (size of a learned position table)
   m.pos_emb = "rope"  # none | sinusoidal | learned | rope
   m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
-  m.rope_scaling = "none"  # none | linear | ntk | yarn (context extension)
+  m.rope_scaling = "none"  # none | linear | ntk | yarn | llama3 (context extension)
   m.rope_scaling_factor = 1.0  # how many times longer than rope_original_max_len
-  m.rope_original_max_len = 256  # context the RoPE model was trained at (ntk, yarn)
+  m.rope_original_max_len = 256  # context the RoPE model was trained at (yarn, llama3)
+  m.rope_beta_fast = 32.0  # yarn: pairs turning more often than this over the context are kept
+  m.rope_beta_slow = 1.0  # yarn: pairs turning less often than this are divided by the factor
+  m.rope_attention_factor = config_dict.placeholder(float)  # yarn: multiplies cos and sin;
+  #   None: 0.1 ln(rope_scaling_factor) + 1
+  m.rope_truncate = True  # yarn: round the ramp's ends to whole pair indices (gpt-oss: False)
+  m.rope_low_freq_factor = 1.0  # llama3: wavelengths over original/low are divided by the factor
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths under original/high are kept
   m.norm = "rmsnorm"  # layernorm | rmsnorm
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root

@@ -16,7 +16,7 @@ from configs.errors import UserError
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope"),
-    "model.rope_scaling": ("none", "linear", "ntk", "yarn"),
+    "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "swiglu"),
@@ -109,8 +109,22 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           "must be >= 1 (how many times longer the context becomes)")
   if m.rope_scaling != "none" and m.pos_emb != "rope":
     _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
+  _validate_rope_scaling(m)
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
+
+
+def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:
+  """The parameters of rope_scaling=yarn and llama3 (as transformers reads them)."""
+  _check_positive(m, "model.rope_original_max_len", "model.")
+  if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    _fail("model.rope_beta_fast", m.rope_beta_fast,
+          f"must exceed model.rope_beta_slow={m.rope_beta_slow} > 0 (rotations per context)")
+  if m.rope_attention_factor is not None and m.rope_attention_factor <= 0:
+    _fail("model.rope_attention_factor", m.rope_attention_factor, "must be positive or None")
+  if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    _fail("model.rope_high_freq_factor", m.rope_high_freq_factor,
+          f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
 
 
 def validate(config: config_dict.ConfigDict) -> None:

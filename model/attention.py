@@ -207,7 +207,7 @@ class Attention(nnx.Module):
     """`cfg`: the `model.config.ModelConfig`."""
     d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b = cfg.use_bias
-    self.rope = rope  # (inv_freq, attention_scale) or None
+    self.rope = rope  # (inv_freq, attention_factor) or None
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
@@ -221,8 +221,8 @@ class Attention(nnx.Module):
   def _rotate(self, x_BTHD, positions_BT):
     if self.rope is None:
       return x_BTHD
-    inv_freq, attention_scale = self.rope
-    return apply_rope(x_BTHD, positions_BT, inv_freq, attention_scale)
+    inv_freq, attention_factor = self.rope
+    return apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor)
 
   def project_kv(self, context_BSM, positions_BS=None):
     """K and V [B, S, g, d_k] (rotated when RoPE is on)."""

@@ -34,6 +34,12 @@ class ModelConfig:
   rope_scaling: str
   rope_scaling_factor: float
   rope_original_max_len: int
+  rope_beta_fast: float
+  rope_beta_slow: float
+  rope_attention_factor: float | None
+  rope_truncate: bool
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
   norm: str
   norm_position: str
   norm_eps: float

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.blocks import Block
-from model.embeddings import Embed, LearnedPositions, rope_frequencies, sinusoidal
+from model.embeddings import Embed, LearnedPositions, rope_from_config, sinusoidal
 from model.layers import Dense
 from model.norms import make_norm
 
@@ -43,10 +43,7 @@ class _Stack(nnx.Module):
     self.remat = remat
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
     self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.pos_emb == "learned" else None
-    rope = None
-    if cfg.pos_emb == "rope":
-      rope = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                              cfg.rope_scaling_factor, cfg.rope_original_max_len)
+    rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
                             for _ in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
