@@ -20,7 +20,7 @@ def get_config() -> config_dict.ConfigDict:
   m.num_heads = 4  # query heads h
   m.num_kv_heads = config_dict.placeholder(int)  # KV heads g: h MHA, <h GQA, 1 MQA; None: h
   m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
-  m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for swiglu)
+  m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for the gated swiglu, geglu)
   m.max_len = 256  # longest sequence (size of a learned position table)
   m.pos_emb = "rope"  # none | sinusoidal | learned | rope
   m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
@@ -37,7 +37,7 @@ def get_config() -> config_dict.ConfigDict:
   m.norm = "rmsnorm"  # layernorm | rmsnorm
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
-  m.mlp = "swiglu"  # gelu | swiglu
+  m.mlp = "swiglu"  # gelu (erf) | gelu_tanh | relu | swiglu | geglu (erf) | geglu_tanh
   m.use_bias = False  # biases in the attention and MLP projections
   m.tie_embeddings = True  # output head = embedding^T
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto

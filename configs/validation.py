@@ -19,7 +19,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.norm_position": ("pre", "post"),
-    "model.mlp": ("gelu", "swiglu"),
+    "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),

@@ -96,6 +96,8 @@ def _small(**overrides):
     dict(use_bias=True),
     dict(tie_embeddings=False),
     dict(norm="layernorm", mlp="gelu"),
+    dict(mlp="relu"),
+    dict(mlp="geglu_tanh", use_bias=True),
     dict(pos_emb="learned", use_bias=True, norm="layernorm"),
     dict(pos_emb="sinusoidal"),
     dict(pos_emb="none", head_dim=6),

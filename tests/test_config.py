@@ -14,7 +14,7 @@ CASES = [
     (dict(rope_scaling="dynamic"), "model.rope_scaling='dynamic': must be one of none, linear"),
     (dict(norm="batchnorm"), "model.norm='batchnorm': must be one of layernorm, rmsnorm"),
     (dict(norm_position="sandwich"), "model.norm_position='sandwich': must be one of pre, post"),
-    (dict(mlp="relu"), "model.mlp='relu': must be one of gelu, swiglu"),
+    (dict(mlp="reglu"), "model.mlp='reglu': must be one of gelu, gelu_tanh, relu, swiglu"),
     (dict(attention_impl="flash"), "model.attention_impl='flash': must be one of reference, xla"),
     (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
     (dict(pallas_lowering="cuda"),
