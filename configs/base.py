@@ -38,7 +38,14 @@ def get_config() -> config_dict.ConfigDict:
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
   m.mlp = "swiglu"  # gelu (erf) | gelu_tanh | relu | swiglu | geglu (erf) | geglu_tanh
-  m.use_bias = False  # biases in the attention and MLP projections
+  m.use_bias = False  # biases in the attention and MLP projections (all or none)
+  m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
+  m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
+  m.mlp_bias = config_dict.placeholder(bool)  # biases of the MLP matrices; None: use_bias
+  m.scale_embeddings = config_dict.placeholder(bool)  # token embeddings times sqrt(d_model)
+  #   (Gemma, the original transformer); None: True for pos_emb=sinusoidal, else False
+  m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
+  #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for

@@ -81,6 +81,23 @@ def num_decoder_layers(m) -> int:
   return m.num_layers if m.num_decoder_layers is None else m.num_decoder_layers
 
 
+def projection_bias(m, field: str) -> bool:
+  """Whether the projections of `field` (qkv_bias, out_bias, mlp_bias) have
+  biases (None means model.use_bias)."""
+  return m.use_bias if m[field] is None else m[field]
+
+
+def scale_embeddings(m) -> bool:
+  """Whether token embeddings are multiplied by sqrt(d_model) (None means only
+  for pos_emb=sinusoidal, as the original transformer)."""
+  return m.pos_emb == "sinusoidal" if m.scale_embeddings is None else m.scale_embeddings
+
+
+def attention_scale(m) -> float:
+  """The factor on Q K^T (None means 1/sqrt(head_dim))."""
+  return head_dim(m) ** -0.5 if m.attention_scale is None else m.attention_scale
+
+
 def validate_model(m: config_dict.ConfigDict) -> None:
   """Checks the `model` section; every rule has a test of its message."""
   p = "model."
@@ -112,6 +129,9 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   _validate_rope_scaling(m)
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
+  if m.attention_scale is not None and m.attention_scale <= 0:
+    _fail("model.attention_scale", m.attention_scale,
+          "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
 
 
 def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:

@@ -111,17 +111,18 @@ def measured_params(model_cfg) -> dict:
 
 
 def _attention_params(m) -> int:
-  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; their biases."""
+  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; the biases
+  of q, k, v (qkv_bias) and of o (out_bias)."""
   d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
-  biases = h * dk + 2 * g * dk + d if m.use_bias else 0
+  biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
   return 2 * d * h * dk + 2 * d * g * dk + biases
 
 
 def _mlp_params(m) -> int:
   """Two matrices d x d_ff (gelu, gelu_tanh, relu) or three (the gated
-  swiglu, geglu, geglu_tanh), and their biases."""
+  swiglu, geglu, geglu_tanh), and their biases (mlp_bias)."""
   matrices = 3 if is_gated(m.mlp) else 2
-  biases = (matrices - 1) * m.d_ff + m.d_model if m.use_bias else 0
+  biases = (matrices - 1) * m.d_ff + m.d_model if m.mlp_bias else 0
   return matrices * m.d_model * m.d_ff + biases
 
 

@@ -206,8 +206,9 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, rope=None, rngs: nnx.Rngs):
     """`cfg`: the `model.config.ModelConfig`."""
     d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b = cfg.use_bias
+    b, b_out = cfg.qkv_bias, cfg.out_bias
     self.rope = rope  # (inv_freq, attention_factor) or None
+    self.scale = cfg.attention_scale
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
@@ -215,7 +216,7 @@ class Attention(nnx.Module):
                         rngs=rngs)
     self.v_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
                         rngs=rngs)
-    self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b, cfg=cfg,
+    self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
                         rngs=rngs, in_axes=2)
 
   def _rotate(self, x_BTHD, positions_BT):
@@ -240,7 +241,7 @@ class Attention(nnx.Module):
     else:
       k_BSKD, v_BSKD = self.project_kv(context_BSM)
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                         mask=mask, implementation=self.implementation,
+                         mask=mask, scale=self.scale, implementation=self.implementation,
                          pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
@@ -248,7 +249,7 @@ class Attention(nnx.Module):
     """Self-attention weights [B, h, T, T] (for plots)."""
     q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
     k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
-    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal)
+    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal, scale=self.scale)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
@@ -273,5 +274,6 @@ class Attention(nnx.Module):
     mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
     impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
-                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, implementation=impl)
+                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, scale=self.scale,
+                         implementation=impl)
     return self.o_proj(out_BTHD), cache

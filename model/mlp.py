@@ -34,7 +34,7 @@ def is_gated(kind: str) -> bool:
 class MLP(nnx.Module):
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
-    d, f, b = cfg.d_model, cfg.d_ff, cfg.use_bias
+    d, f, b = cfg.d_model, cfg.d_ff, cfg.mlp_bias
     self.activation, gated = KINDS[cfg.mlp]
     self.up = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs)
     self.gate = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs) if gated else None

@@ -38,6 +38,7 @@ CASES = [
     (dict(rope_attention_factor=0.0), "model.rope_attention_factor=0.0: must be positive"),
     (dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
      "model.rope_high_freq_factor=1.0: must exceed model.rope_low_freq_factor=1.0 > 0"),
+    (dict(attention_scale=0.0), "model.attention_scale=0.0: must be positive (1.0 for unscaled"),
 ]
 
 
