@@ -47,6 +47,8 @@ def get_config() -> config_dict.ConfigDict:
   m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
   #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
+  m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
+  #   many keys, itself included (Mistral's sliding_window); None: all
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Triton elsewhere) | triton | mosaic_gpu (interpreted on CPU)

@@ -107,7 +107,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
     _check_positive(m, p + field, p)
-  for field in ("num_kv_heads", "head_dim", "num_decoder_layers"):
+  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
     _check_positive(m, p + field, p, allow_none=True)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
@@ -129,6 +129,9 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   _validate_rope_scaling(m)
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
+  if m.sliding_window is not None and m.family != "decoder":
+    _fail("model.sliding_window", m.sliding_window,
+          f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")

@@ -52,6 +52,7 @@ class ModelConfig:
   scale_embeddings: bool
   attention_scale: float
   tie_embeddings: bool
+  sliding_window: int | None
   attention_impl: str
   pallas_lowering: str
   dtype: Any

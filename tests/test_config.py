@@ -39,6 +39,9 @@ CASES = [
     (dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
      "model.rope_high_freq_factor=1.0: must exceed model.rope_low_freq_factor=1.0 > 0"),
     (dict(attention_scale=0.0), "model.attention_scale=0.0: must be positive (1.0 for unscaled"),
+    (dict(sliding_window=0), "model.sliding_window=0: must be a positive integer"),
+    (dict(sliding_window=8, family="encoder"),
+     "model.sliding_window=8: is for causal decoders (model.family=decoder, not encoder)"),
 ]
 
 
@@ -59,6 +62,8 @@ KERNEL_CASES = [
      "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
     (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
      "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
+    (dict(attention_impl="pallas", sliding_window=8),
+     "model.sliding_window=8: our pallas kernels take no sliding window yet"),
 ]
 
 
