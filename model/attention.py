@@ -15,8 +15,9 @@
 Masks, combined by logical AND: `causal` (top-left aligned: query i sees keys
 j <= i), `window` (a sliding window, Mistral's `sliding_window`: query i sees
 keys j with |i - j| < window, so with `causal` the `window` keys i - window
-+ 1 .. i; not in `pallas` yet), `segment_ids` (packing and padding: a query sees keys of its own
-segment; id 0 marks padding and is never attended), and a dense boolean
++ 1 .. i; `cudnn` takes it only with `causal`, `pallas` not yet),
+`segment_ids` (packing and padding: a query sees keys of its own segment; id
+0 marks padding and is never attended), and a dense boolean
 `mask` [B, T, S] (True = may attend). A query whose row is fully masked gets
 zeros, not NaN, from every implementation.
 """
@@ -203,7 +204,10 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
   implementation is pallas.
   """
   if implementation == "auto":
-    implementation = choose_implementation(q_BTHD, has_dense_mask=mask is not None)
+    # cuDNN takes a window only on top of the causal mask.
+    bidirectional_window = window is not None and not causal
+    implementation = choose_implementation(q_BTHD,
+                                           has_dense_mask=mask is not None or bidirectional_window)
   kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window)
   if implementation == "reference":
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
