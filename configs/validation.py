@@ -143,6 +143,9 @@ def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:
   if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
     _fail("model.rope_beta_fast", m.rope_beta_fast,
           f"must exceed model.rope_beta_slow={m.rope_beta_slow} > 0 (rotations per context)")
+  if m.rope_attention_factor is not None and m.rope_scaling != "yarn":
+    _fail("model.rope_attention_factor", m.rope_attention_factor,
+          f"is for model.rope_scaling=yarn (not {m.rope_scaling}); unset it")
   if m.rope_attention_factor is not None and m.rope_attention_factor <= 0:
     _fail("model.rope_attention_factor", m.rope_attention_factor, "must be positive or None")
   if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
