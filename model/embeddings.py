@@ -80,22 +80,22 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: str = "none
   divides every frequency by the factor, `ntk` raises the base; `yarn` and
   `llama3` are `yarn_frequencies` and `llama3_frequencies`.
   """
-  inv_freq = theta ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  scale = 1.0
+  exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+  inv_freq = theta ** -exponents
+  cos_sin_factor = 1.0
   if scaling == "linear":
     inv_freq = inv_freq / factor
   elif scaling == "ntk":
-    inv_freq = (theta * factor ** (head_dim / (head_dim - 2))) ** -(
-        np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_freq = (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents
   elif scaling == "yarn":
-    inv_freq, scale = yarn_frequencies(inv_freq, theta, factor, original_max_len,
-                                       beta_fast=beta_fast, beta_slow=beta_slow,
-                                       attention_factor=attention_factor, truncate=truncate)
+    inv_freq, cos_sin_factor = yarn_frequencies(
+        inv_freq, theta, factor, original_max_len, beta_fast=beta_fast, beta_slow=beta_slow,
+        attention_factor=attention_factor, truncate=truncate)
   elif scaling == "llama3":
     inv_freq = llama3_frequencies(inv_freq, factor, original_max_len,
                                   low_freq_factor=low_freq_factor,
                                   high_freq_factor=high_freq_factor)
-  return tuple(float(f) for f in inv_freq), scale
+  return tuple(float(f) for f in inv_freq), cos_sin_factor
 
 
 def yarn_frequencies(inv_freq, theta: float, factor: float, original_max_len: int, *,
