@@ -20,19 +20,35 @@ def get_config() -> config_dict.ConfigDict:
   m.num_heads = 4  # query heads h
   m.num_kv_heads = config_dict.placeholder(int)  # KV heads g: h MHA, <h GQA, 1 MQA; None: h
   m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
-  m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for swiglu)
+  m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for the gated swiglu, geglu)
   m.max_len = 256  # longest sequence (size of a learned position table)
   m.pos_emb = "rope"  # none | sinusoidal | learned | rope
   m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
-  m.rope_scaling = "none"  # none | linear | ntk | yarn (context extension)
+  m.rope_scaling = "none"  # none | linear | ntk | yarn | llama3 (context extension)
   m.rope_scaling_factor = 1.0  # how many times longer than rope_original_max_len
-  m.rope_original_max_len = 256  # context the RoPE model was trained at (ntk, yarn)
+  m.rope_original_max_len = 256  # context the RoPE model was trained at (yarn, llama3)
+  m.rope_beta_fast = 32.0  # yarn: pairs turning more often than this over the context are kept
+  m.rope_beta_slow = 1.0  # yarn: pairs turning less often than this are divided by the factor
+  m.rope_attention_factor = config_dict.placeholder(float)  # yarn: multiplies cos and sin;
+  #   None: 0.1 ln(rope_scaling_factor) + 1
+  m.rope_truncate = True  # yarn: round the ramp's ends to whole pair indices (gpt-oss: False)
+  m.rope_low_freq_factor = 1.0  # llama3: wavelengths over original/low are divided by the factor
+  m.rope_high_freq_factor = 4.0  # llama3: wavelengths under original/high are kept
   m.norm = "rmsnorm"  # layernorm | rmsnorm
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
-  m.mlp = "swiglu"  # gelu | swiglu
-  m.use_bias = False  # biases in the attention and MLP projections
+  m.mlp = "swiglu"  # gelu (erf) | gelu_tanh | relu | swiglu | geglu (erf) | geglu_tanh
+  m.use_bias = False  # biases in the attention and MLP projections (all or none)
+  m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
+  m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
+  m.mlp_bias = config_dict.placeholder(bool)  # biases of the MLP matrices; None: use_bias
+  m.scale_embeddings = config_dict.placeholder(bool)  # token embeddings times sqrt(d_model)
+  #   (Gemma, the original transformer); None: True for pos_emb=sinusoidal, else False
+  m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
+  #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
+  m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
+  #   many keys, itself included (Mistral's sliding_window); None: all
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |

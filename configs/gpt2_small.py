@@ -1,4 +1,4 @@
-"""GPT-2 small (124M): 12 layers, d=768, 12 heads, GELU MLP 4d, LayerNorm
+"""GPT-2 small (124M): 12 layers, d=768, 12 heads, tanh-GELU MLP 4d, LayerNorm
 pre-norm, learned positions, biases, tied embeddings, context 1024, vocab
 50,304 (50,257 padded to a multiple of 128). bf16 compute, float32 params.
 """
@@ -9,7 +9,7 @@ def get_config():
   c = base.get_config()
   c.model.update(family="decoder", vocab_size=50304, d_model=768, num_layers=12,
                  num_heads=12, d_ff=3072, max_len=1024, pos_emb="learned", norm="layernorm",
-                 norm_eps=1e-5, mlp="gelu", use_bias=True, tie_embeddings=True,
+                 norm_eps=1e-5, mlp="gelu_tanh", use_bias=True, tie_embeddings=True,
                  dtype="bfloat16")
   c.tokenizer.update(kind="bpe", vocab_size=50304)
   c.train.update(batch_size=32, seq_len=1024, learning_rate=6e-4, warmup_steps=700,

@@ -16,10 +16,10 @@ from configs.errors import UserError
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope"),
-    "model.rope_scaling": ("none", "linear", "ntk", "yarn"),
+    "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.norm_position": ("pre", "post"),
-    "model.mlp": ("gelu", "swiglu"),
+    "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -82,6 +82,23 @@ def num_decoder_layers(m) -> int:
   return m.num_layers if m.num_decoder_layers is None else m.num_decoder_layers
 
 
+def projection_bias(m, field: str) -> bool:
+  """Whether the projections of `field` (qkv_bias, out_bias, mlp_bias) have
+  biases (None means model.use_bias)."""
+  return m.use_bias if m[field] is None else m[field]
+
+
+def scale_embeddings(m) -> bool:
+  """Whether token embeddings are multiplied by sqrt(d_model) (None means only
+  for pos_emb=sinusoidal, as the original transformer)."""
+  return m.pos_emb == "sinusoidal" if m.scale_embeddings is None else m.scale_embeddings
+
+
+def attention_scale(m) -> float:
+  """The factor on Q K^T (None means 1/sqrt(head_dim))."""
+  return head_dim(m) ** -0.5 if m.attention_scale is None else m.attention_scale
+
+
 def validate_model(m: config_dict.ConfigDict) -> None:
   """Checks the `model` section; every rule has a test of its message."""
   p = "model."
@@ -91,7 +108,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
     _check_positive(m, p + field, p)
-  for field in ("num_kv_heads", "head_dim", "num_decoder_layers"):
+  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
     _check_positive(m, p + field, p, allow_none=True)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
@@ -110,8 +127,31 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           "must be >= 1 (how many times longer the context becomes)")
   if m.rope_scaling != "none" and m.pos_emb != "rope":
     _fail("model.rope_scaling", m.rope_scaling, "needs model.pos_emb=rope")
+  _validate_rope_scaling(m)
   if m.norm_eps <= 0:
     _fail("model.norm_eps", m.norm_eps, "must be positive")
+  if m.sliding_window is not None and m.family != "decoder":
+    _fail("model.sliding_window", m.sliding_window,
+          f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
+  if m.attention_scale is not None and m.attention_scale <= 0:
+    _fail("model.attention_scale", m.attention_scale,
+          "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
+
+
+def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:
+  """The parameters of rope_scaling=yarn and llama3 (as transformers reads them)."""
+  _check_positive(m, "model.rope_original_max_len", "model.")
+  if m.rope_scaling == "yarn" and not 0 < m.rope_beta_slow < m.rope_beta_fast:
+    _fail("model.rope_beta_fast", m.rope_beta_fast,
+          f"must exceed model.rope_beta_slow={m.rope_beta_slow} > 0 (rotations per context)")
+  if m.rope_attention_factor is not None and m.rope_scaling != "yarn":
+    _fail("model.rope_attention_factor", m.rope_attention_factor,
+          f"is for model.rope_scaling=yarn (not {m.rope_scaling}); unset it")
+  if m.rope_attention_factor is not None and m.rope_attention_factor <= 0:
+    _fail("model.rope_attention_factor", m.rope_attention_factor, "must be positive or None")
+  if m.rope_scaling == "llama3" and not 0 < m.rope_low_freq_factor < m.rope_high_freq_factor:
+    _fail("model.rope_high_freq_factor", m.rope_high_freq_factor,
+          f"must exceed model.rope_low_freq_factor={m.rope_low_freq_factor} > 0")
 
 
 def validate(config: config_dict.ConfigDict) -> None:

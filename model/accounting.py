@@ -36,6 +36,7 @@ from flax import nnx
 from model import build_model
 from model.attention import model_implementation
 from model.config import ModelConfig
+from model.mlp import is_gated
 
 # The attribute of a `Block` that owns a parameter -> its component.
 _COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
@@ -111,16 +112,18 @@ def measured_params(model_cfg) -> dict:
 
 
 def _attention_params(m) -> int:
-  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; their biases."""
+  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; the biases
+  of q, k, v (qkv_bias) and of o (out_bias)."""
   d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
-  biases = h * dk + 2 * g * dk + d if m.use_bias else 0
+  biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
   return 2 * d * h * dk + 2 * d * g * dk + biases
 
 
 def _mlp_params(m) -> int:
-  """Two matrices d x d_ff (gelu) or three (swiglu), and their biases."""
-  matrices = 3 if m.mlp == "swiglu" else 2
-  biases = (matrices - 1) * m.d_ff + m.d_model if m.use_bias else 0
+  """Two matrices d x d_ff (gelu, gelu_tanh, relu) or three (the gated
+  swiglu, geglu, geglu_tanh), and their biases (mlp_bias)."""
+  matrices = 3 if is_gated(m.mlp) else 2
+  biases = (matrices - 1) * m.d_ff + m.d_model if m.mlp_bias else 0
   return matrices * m.d_model * m.d_ff + biases
 
 
@@ -193,7 +196,7 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
   materialised = model_implementation(m, backend) in _MATERIALISED_SCORES
   scores = h * seq_len if materialised else 0
   attention = d + 2 * h * dk + 2 * g * dk + scores
-  mlp = d + (4 if m.mlp == "swiglu" else 2) * f
+  mlp = d + (4 if is_gated(m.mlp) else 2) * f
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
 
@@ -213,8 +216,8 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                reference and xla implementations, fused kernels recompute;
                `auto` as the dispatcher resolves it on `backend`, default
                JAX's default backend: cudnn for 16-bit on a GPU, else xla)
-    mlp        d (input) + 2 d_ff (gelu: its input and output)
-                         or 4 d_ff (swiglu: gate, SiLU(gate), up, product)
+    mlp        d (input) + 2 d_ff (plain: the activation's input and output)
+                         or 4 d_ff (gated: gate, act(gate), up, product)
     norms      d per norm (its input)
 
   times the bytes of model.dtype; cross-attention counts like attention

@@ -14,8 +14,11 @@
   `choose_implementation`).
 
 Masks, combined by logical AND: `causal` (top-left aligned: query i sees keys
-j <= i), `segment_ids` (packing and padding: a query sees keys of its own
-segment; id 0 marks padding and is never attended), and a dense boolean
+j <= i), `window` (a sliding window, Mistral's `sliding_window`: query i sees
+keys j with |i - j| < window, so with `causal` the `window` keys i - window
++ 1 .. i; `cudnn` takes it only with `causal`, `pallas` not yet),
+`segment_ids` (packing and padding: a query sees keys of its own segment; id
+0 marks padding and is never attended), and a dense boolean
 `mask` [B, T, S] (True = may attend). A query whose row is fully masked gets
 zeros, not NaN, from every implementation.
 """
@@ -43,12 +46,20 @@ def _split_segment_ids(segment_ids):
   return segment_ids, segment_ids
 
 
-def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None):
+def window_mask(T: int, S: int, window: int):
+  """[1, T, S]: query i may see key j when |i - j| < window (top-left aligned)."""
+  offset_TS = jnp.arange(T)[:, None] - jnp.arange(S)[None, :]
+  return (jnp.abs(offset_TS) < window)[None]
+
+
+def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None, window=None):
   """The boolean [B or 1, T, S] mask that all the masks add up to, or None."""
   q_seg, kv_seg = _split_segment_ids(segment_ids)
   out = None
   if causal:
     out = jnp.tril(jnp.ones((T, S), bool))[None]
+  if window is not None:
+    out = window_mask(T, S, window) if out is None else out & window_mask(T, S, window)
   if q_seg is not None:
     seg = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
     out = seg if out is None else out & seg
@@ -58,7 +69,7 @@ def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None):
 
 
 def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=None,
-                      scale=None):
+                      scale=None, window=None):
   """softmax(Q K^T * scale + M) in float32, [B, K, G, T, S] (H = K * G heads).
 
   Fully masked rows are all zeros.
@@ -69,7 +80,7 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
-  valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids)
+  valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids, window=window)
   if valid is None:
     return jax.nn.softmax(scores, axis=-1)
   valid_B11TS = valid[:, None, None]
@@ -78,37 +89,43 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
-                        segment_ids=None, scale=None):
+                        segment_ids=None, scale=None, window=None):
   """The lesson's math: weights from `attention_weights`, times V."""
   B, T, H, D = q_BTHD.shape
   weights = attention_weights(q_BTHD, k_BSKD, causal=causal, mask=mask,
-                              segment_ids=segment_ids, scale=scale)
+                              segment_ids=segment_ids, scale=scale, window=window)
   out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale,
+def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
                    implementation):
-  """`jax.nn.dot_product_attention`, with fully masked rows set to zero."""
+  """`jax.nn.dot_product_attention`, with fully masked rows set to zero.
+
+  The window goes in as its `local_window_size` (window - 1 keys to the left;
+  to the right too unless causal).
+  """
   T, S = q_BTHD.shape[1], k_BSKD.shape[1]
   valid = combined_mask(T, S, mask=mask, segment_ids=segment_ids)
+  local = None if window is None else (window - 1, 0 if causal else window - 1)
   out = jax.nn.dot_product_attention(
       q_BTHD, k_BSKD, v_BSKD, mask=None if valid is None else valid[:, None],
-      scale=scale, is_causal=causal, implementation=implementation)
+      scale=scale, is_causal=causal, local_window_size=local, implementation=implementation)
   if valid is None:
     return out
-  if causal:
-    valid = valid & jnp.tril(jnp.ones((T, S), bool))[None]
+  causal_and_window = combined_mask(T, S, causal=causal, window=window)
+  if causal_and_window is not None:
+    valid = valid & causal_and_window
   row_valid_BT11 = valid.any(-1)[:, :, None, None]
   return jnp.where(row_valid_BT11, out, 0).astype(q_BTHD.dtype)
 
 
-def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale,
+def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
                       lowering):
-  if mask is not None:
+  if mask is not None or window is not None:
     raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
-                     "not a dense mask; use 'xla' or 'auto' for a dense mask")
+                     "not a dense mask or a window; use 'xla' or 'auto' for those")
   from model.kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
   q_seg, kv_seg = _split_segment_ids(segment_ids)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=q_seg,
@@ -159,7 +176,11 @@ def model_implementation(cfg, backend: str | None = None) -> str:
 def check_kernel_support(cfg) -> None:
   """Raises `UserError` when `cfg.pallas_lowering` names a kernel that does not
   take the config's dtype or head dim (the kernel package declares what each
-  takes; `flash_attention` checks the arrays again at trace time)."""
+  takes; `flash_attention` checks the arrays again at trace time), or when
+  `attention_impl=pallas` meets a sliding window (not in our kernels yet)."""
+  if cfg.attention_impl == "pallas" and cfg.sliding_window is not None:
+    raise UserError(f"config field model.sliding_window={cfg.sliding_window}: our pallas "
+                    "kernels take no sliding window yet; use attention_impl xla, cudnn or auto")
   if cfg.pallas_lowering != "mosaic_gpu":
     return
   field = f"config field model.pallas_lowering={cfg.pallas_lowering!r}"
@@ -174,7 +195,7 @@ def check_kernel_support(cfg) -> None:
 
 
 def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
-              segment_ids=None, scale: float | None = None,
+              segment_ids=None, scale: float | None = None, window: int | None = None,
               implementation: str = "reference", pallas_lowering: str = "auto"):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
@@ -184,8 +205,11 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
   implementation is pallas.
   """
   if implementation == "auto":
-    implementation = choose_implementation(q_BTHD, has_dense_mask=mask is not None)
-  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale)
+    # cuDNN takes a window only on top of the causal mask.
+    bidirectional_window = window is not None and not causal
+    implementation = choose_implementation(q_BTHD,
+                                           has_dense_mask=mask is not None or bidirectional_window)
+  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window)
   if implementation == "reference":
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
   if implementation in ("xla", "cudnn"):
@@ -207,8 +231,10 @@ class Attention(nnx.Module):
   def __init__(self, cfg, *, rope=None, rngs: nnx.Rngs):
     """`cfg`: the `model.config.ModelConfig`."""
     d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    b = cfg.use_bias
-    self.rope = rope  # (inv_freq, attention_scale) or None
+    b, b_out = cfg.qkv_bias, cfg.out_bias
+    self.rope = rope  # (inv_freq, attention_factor) or None
+    self.scale = cfg.attention_scale
+    self.window = cfg.sliding_window  # self-attention only
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
@@ -216,14 +242,14 @@ class Attention(nnx.Module):
                         rngs=rngs)
     self.v_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
                         rngs=rngs)
-    self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b, cfg=cfg,
+    self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
                         rngs=rngs, in_axes=2)
 
   def _rotate(self, x_BTHD, positions_BT):
     if self.rope is None:
       return x_BTHD
-    inv_freq, attention_scale = self.rope
-    return apply_rope(x_BTHD, positions_BT, inv_freq, attention_scale)
+    inv_freq, attention_factor = self.rope
+    return apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor)
 
   def project_kv(self, context_BSM, positions_BS=None):
     """K and V [B, S, g, d_k] (rotated when RoPE is on)."""
@@ -238,6 +264,7 @@ class Attention(nnx.Module):
     keys and values `context_kv` = `project_kv(context_BSM)`, computed once
     for a whole generation)."""
     q_BTHD = self.q_proj(x_BTM)
+    window = None
     if context_kv is not None:
       k_BSKD, v_BSKD = context_kv
     elif context_BSM is not None:
@@ -245,16 +272,18 @@ class Attention(nnx.Module):
     else:
       q_BTHD = self._rotate(q_BTHD, positions_BT)
       k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
+      window = self.window
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                         mask=mask, implementation=self.implementation,
-                         pallas_lowering=self.pallas_lowering)
+                         mask=mask, scale=self.scale, window=window,
+                         implementation=self.implementation, pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
   def weights(self, x_BTM, *, positions_BT, causal):
     """Self-attention weights [B, h, T, T] (for plots)."""
     q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
     k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
-    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal)
+    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal, scale=self.scale,
+                                window=self.window)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
@@ -263,7 +292,8 @@ class Attention(nnx.Module):
 
     `cache` holds k, v [B, L, g, d_k]; the new keys and values of the tokens
     at `positions_BT` are written at those slots, and query t of row b sees
-    slots 0..positions_BT[b, t]. Rows may sit at different positions, so a
+    slots 0..positions_BT[b, t] (the last `window` of them with a sliding
+    window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
     alone. The slot mask is dense, so `cudnn` and `pallas` (which take
     causal and segment masks only) run this step with `xla`; a single
@@ -277,7 +307,10 @@ class Attention(nnx.Module):
                  v=cache["v"].at[rows_B1, positions_BT].set(v_BTKD.astype(cache["v"].dtype)))
     slots_L = jnp.arange(cache["k"].shape[1])
     mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
+    if self.window is not None:
+      mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - self.window)
     impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
-                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, implementation=impl)
+                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, scale=self.scale,
+                         implementation=impl)
     return self.o_proj(out_BTHD), cache

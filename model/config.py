@@ -2,7 +2,8 @@
 
 `ModelConfig.resolve(config.model)` validates the section (the rules of
 `configs/validation.py`), computes the derived values (`head_dim`,
-`num_kv_heads`, `num_decoder_layers`), resolves the dtypes to jnp dtypes and
+`num_kv_heads`, `num_decoder_layers`, the per-projection biases,
+`scale_embeddings`, `attention_scale`), resolves the dtypes to jnp dtypes and
 checks that the chosen attention kernel takes them (`model.attention`).
 Every module, the accounting and the attention dispatcher read this frozen
 dataclass; nothing below `build_model` sees the ConfigDict.
@@ -34,12 +35,24 @@ class ModelConfig:
   rope_scaling: str
   rope_scaling_factor: float
   rope_original_max_len: int
+  rope_beta_fast: float
+  rope_beta_slow: float
+  rope_attention_factor: float | None
+  rope_truncate: bool
+  rope_low_freq_factor: float
+  rope_high_freq_factor: float
   norm: str
   norm_position: str
   norm_eps: float
   mlp: str
   use_bias: bool
+  qkv_bias: bool
+  out_bias: bool
+  mlp_bias: bool
+  scale_embeddings: bool
+  attention_scale: float
   tie_embeddings: bool
+  sliding_window: int | None
   attention_impl: str
   pallas_lowering: str
   dtype: Any
@@ -57,6 +70,11 @@ class ModelConfig:
     values.update(num_kv_heads=validation.num_kv_heads(section),
                   head_dim=validation.head_dim(section),
                   num_decoder_layers=validation.num_decoder_layers(section),
+                  qkv_bias=validation.projection_bias(section, "qkv_bias"),
+                  out_bias=validation.projection_bias(section, "out_bias"),
+                  mlp_bias=validation.projection_bias(section, "mlp_bias"),
+                  scale_embeddings=validation.scale_embeddings(section),
+                  attention_scale=validation.attention_scale(section),
                   dtype=DTYPES[section.dtype], param_dtype=DTYPES[section.param_dtype])
     cfg = cls(**values)
     check_kernel_support(cfg)

@@ -7,8 +7,10 @@
   position m by m * theta_i, theta_i = base^(-2i/d), so scores depend only on
   the offset n - m. Context extension by rescaling the frequencies:
   `linear` (position interpolation: m / s), `ntk` (NTK-aware: base *
-  s^(d/(d-2))) and `yarn` (per-frequency interpolation with a ramp between
-  wavelengths, plus the attention temperature 0.1 ln s + 1).
+  s^(d/(d-2))), `yarn` (per-frequency interpolation with a ramp in the pair
+  index, plus the attention factor 0.1 ln s + 1 on cos and sin) and `llama3`
+  (Llama 3.1's wavelength bands); `yarn` and `llama3` are exactly
+  transformers' definitions.
 """
 import math
 
@@ -67,37 +69,102 @@ class LearnedPositions(nnx.Module):
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: str = "none",
-                     factor: float = 1.0, original_max_len: int = 2048):
-  """Per-pair angular frequencies theta_i [head_dim // 2] and the attention scale.
+                     factor: float = 1.0, original_max_len: int = 2048, *,
+                     beta_fast: float = 32.0, beta_slow: float = 1.0,
+                     attention_factor: float | None = None, truncate: bool = True,
+                     low_freq_factor: float = 1.0, high_freq_factor: float = 4.0):
+  """Per-pair angular frequencies theta_i [head_dim // 2] and the attention factor.
 
-  Returns (inv_freq as a tuple of floats, attention_scale); `linear` divides every frequency by
-  the factor, `ntk` raises the base, `yarn` interpolates only the
-  low-frequency pairs (wavelength longer than the original context) and keeps
-  the fast ones, with a linear ramp between 1 and 32 rotations per context.
+  Returns (inv_freq as a tuple of floats, attention_factor), the factor that
+  multiplies cos and sin (so the attention logits by its square). `linear`
+  divides every frequency by the factor, `ntk` raises the base; `yarn` and
+  `llama3` are `yarn_frequencies` and `llama3_frequencies`.
   """
   exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
   inv_freq = theta ** -exponents
-  attention_scale = 1.0
+  cos_sin_factor = 1.0
   if scaling == "linear":
     inv_freq = inv_freq / factor
   elif scaling == "ntk":
     inv_freq = (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents
   elif scaling == "yarn":
-    rotations = original_max_len * inv_freq / (2 * math.pi)
-    keep = np.clip((rotations - 1.0) / (32.0 - 1.0), 0.0, 1.0)
-    inv_freq = keep * inv_freq + (1 - keep) * inv_freq / factor
-    attention_scale = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-  return tuple(float(f) for f in inv_freq), attention_scale
+    inv_freq, cos_sin_factor = yarn_frequencies(
+        inv_freq, theta, factor, original_max_len, beta_fast=beta_fast, beta_slow=beta_slow,
+        attention_factor=attention_factor, truncate=truncate)
+  elif scaling == "llama3":
+    inv_freq = llama3_frequencies(inv_freq, factor, original_max_len,
+                                  low_freq_factor=low_freq_factor,
+                                  high_freq_factor=high_freq_factor)
+  return tuple(float(f) for f in inv_freq), cos_sin_factor
 
 
-def apply_rope(x_BTHD, positions_BT, inv_freq, attention_scale: float = 1.0):
+def yarn_frequencies(inv_freq, theta: float, factor: float, original_max_len: int, *,
+                     beta_fast: float, beta_slow: float, attention_factor: float | None,
+                     truncate: bool):
+  """YaRN (Peng et al. 2023) as transformers' `modeling_rope_utils` defines it.
+
+  The pair index at which the frequency turns `r` times over the original
+  context is d ln(L / (2 pi r)) / (2 ln theta); between those of r =
+  `beta_fast` and r = `beta_slow` (rounded outwards when `truncate`, clipped
+  to [0, d - 1]) a linear ramp in the pair index blends the kept frequency
+  (faster pairs) into the frequency divided by `factor` (slower pairs).
+  The attention factor defaults to 0.1 ln(factor) + 1 (1 for factor <= 1).
+  """
+  d = 2 * len(inv_freq)
+
+  def pair_index(rotations):
+    return d * math.log(original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+  low, high = pair_index(beta_fast), pair_index(beta_slow)
+  if truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, d - 1)
+  if low == high:
+    high += 0.001  # the reference's guard against a zero-width ramp
+  interpolated = np.clip((np.arange(len(inv_freq)) - low) / (high - low), 0.0, 1.0)
+  inv_freq = inv_freq / factor * interpolated + inv_freq * (1 - interpolated)
+  if attention_factor is None:
+    attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+  return inv_freq, attention_factor
+
+
+def llama3_frequencies(inv_freq, factor: float, original_max_len: int, *,
+                       low_freq_factor: float, high_freq_factor: float):
+  """Llama 3.1's RoPE scaling, as transformers' `modeling_rope_utils` defines it.
+
+  Wavelengths 2 pi / theta_i shorter than original_max_len / high_freq_factor
+  are kept, longer than original_max_len / low_freq_factor divided by
+  `factor`; in between, a blend by s = (original_max_len / wavelength -
+  low_freq_factor) / (high_freq_factor - low_freq_factor):
+  (1 - s) theta_i / factor + s theta_i.
+  """
+  wavelength = 2 * math.pi / inv_freq
+  smooth = (original_max_len / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+  blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+  return np.where(wavelength < original_max_len / high_freq_factor, inv_freq,
+                  np.where(wavelength > original_max_len / low_freq_factor, inv_freq / factor,
+                           blended))
+
+
+def rope_from_config(cfg):
+  """`rope_frequencies` for the resolved model config: (inv_freq, attention_factor)."""
+  return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+                          cfg.rope_scaling_factor, cfg.rope_original_max_len,
+                          beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
+                          attention_factor=cfg.rope_attention_factor,
+                          truncate=cfg.rope_truncate, low_freq_factor=cfg.rope_low_freq_factor,
+                          high_freq_factor=cfg.rope_high_freq_factor)
+
+
+def apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor: float = 1.0):
   """Rotates pairs (x[i], x[i + D/2]) of every head by position * inv_freq[i].
 
-  Computed in float32 and cast back to x's dtype.
+  cos and sin are multiplied by `attention_factor` (YaRN's). Computed in
+  float32 and cast back to x's dtype.
   """
   angles_BTF = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
-  cos = (jnp.cos(angles_BTF) * attention_scale)[:, :, None, :]
-  sin = (jnp.sin(angles_BTF) * attention_scale)[:, :, None, :]
+  cos = (jnp.cos(angles_BTF) * attention_factor)[:, :, None, :]
+  sin = (jnp.sin(angles_BTF) * attention_factor)[:, :, None, :]
   x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x_BTHD.dtype)

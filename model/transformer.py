@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from model.blocks import Block
-from model.embeddings import Embed, LearnedPositions, rope_frequencies, sinusoidal
+from model.embeddings import Embed, LearnedPositions, rope_from_config, sinusoidal
 from model.layers import Dense
 from model.norms import make_norm
 
@@ -39,14 +39,12 @@ class _Stack(nnx.Module):
                rngs: nnx.Rngs, remat: bool = False):
     self.cfg_pos = cfg.pos_emb
     self.d_model = cfg.d_model
+    self.scale_embeddings = cfg.scale_embeddings
     self.dtype = cfg.dtype
     self.remat = remat
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
     self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.pos_emb == "learned" else None
-    rope = None
-    if cfg.pos_emb == "rope":
-      rope = rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
-                              cfg.rope_scaling_factor, cfg.rope_original_max_len)
+    rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
                             for _ in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
@@ -54,11 +52,13 @@ class _Stack(nnx.Module):
     self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
   def embed_tokens(self, tokens_BT, positions_BT):
+    """Token embeddings (times sqrt(d_model) when `scale_embeddings`) plus
+    the sinusoidal or learned positions."""
     x_BTM = self.embed(tokens_BT)
+    if self.scale_embeddings:
+      x_BTM = x_BTM * math.sqrt(self.d_model)
     if self.cfg_pos == "sinusoidal":
-      # The original transformer scales embeddings by sqrt(d) before adding PE.
-      x_BTM = x_BTM * math.sqrt(self.d_model) + sinusoidal(positions_BT, self.d_model).astype(
-          self.dtype)
+      x_BTM = x_BTM + sinusoidal(positions_BT, self.d_model).astype(self.dtype)
     elif self.positions is not None:
       x_BTM = x_BTM + self.positions(positions_BT)
     return x_BTM

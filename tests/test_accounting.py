@@ -96,6 +96,10 @@ def _small(**overrides):
     dict(use_bias=True),
     dict(tie_embeddings=False),
     dict(norm="layernorm", mlp="gelu"),
+    dict(mlp="relu"),
+    dict(mlp="geglu_tanh", use_bias=True),
+    dict(qkv_bias=True, num_kv_heads=2),
+    dict(use_bias=True, out_bias=False, mlp_bias=False, mlp="gelu"),
     dict(pos_emb="learned", use_bias=True, norm="layernorm"),
     dict(pos_emb="sinusoidal"),
     dict(pos_emb="none", head_dim=6),
@@ -110,6 +114,18 @@ def _small(**overrides):
 def test_measured_equals_formula(overrides):
   m = _small(**overrides)
   assert accounting.measured_params(m) == accounting.formula_params(m)
+
+
+def test_qkv_bias_without_out_bias():
+  """Qwen2's layout (q, k, v biases; none on o or the MLP) and use_bias with
+  out_bias and mlp_bias turned off."""
+  for overrides, want in ((dict(qkv_bias=True), {"q_proj", "k_proj", "v_proj"}),
+                          (dict(use_bias=True, out_bias=False, mlp_bias=False),
+                           {"q_proj", "k_proj", "v_proj"}),
+                          (dict(use_bias=True, qkv_bias=False), {"o_proj", "up", "gate", "down"})):
+    biased = {path.split("/")[-2] for path in accounting.parameter_shapes(_small(**overrides))
+              if path.endswith("/bias")}
+    assert biased == want, overrides
 
 
 def test_presets_measured_equals_formula():

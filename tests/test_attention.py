@@ -106,3 +106,28 @@ def test_combined_mask_cross_attention_segments():
 def test_unknown_implementation_is_an_error():
   with pytest.raises(ValueError, match="must be one of"):
     attention(Q, K, V, implementation="flash")
+
+
+@pytest.mark.parametrize("window", [1, 3, 20])
+def test_sliding_window_mask_is_transformers(window):
+  """causal & window equals transformers' causal mask with its sliding-window overlay."""
+  import torch  # pylint: disable=import-outside-toplevel
+  from transformers.masking_utils import (  # pylint: disable=import-outside-toplevel
+      and_masks, causal_mask_function, sliding_window_overlay)
+  reference = and_masks(causal_mask_function, sliding_window_overlay(window))
+  want = reference(0, 0, torch.arange(9)[:, None], torch.arange(9)[None, :]).numpy()
+  np.testing.assert_array_equal(np.asarray(combined_mask(9, 9, causal=True, window=window)[0]),
+                                want)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_xla_sliding_window_agrees_with_reference(causal):
+  """Packed, padded rows with a 3-key window: xla (local_window_size) == reference."""
+  q, k, v = _random_qkv(jax.random.key(3), 2, 9, 9, 4, 2, 16)
+  seg = _packed_padded_segments()
+  want = attention(q, k, v, causal=causal, segment_ids=seg, window=3, implementation="reference")
+  got = attention(q, k, v, causal=causal, segment_ids=seg, window=3, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  unwindowed = attention(q, k, v, causal=causal, segment_ids=seg, implementation="reference")
+  assert np.abs(np.asarray(unwindowed) - np.asarray(want)).max() > 1e-3
+  assert np.all(np.asarray(got)[0, 7:] == 0)

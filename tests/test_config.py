@@ -14,7 +14,7 @@ CASES = [
     (dict(rope_scaling="dynamic"), "model.rope_scaling='dynamic': must be one of none, linear"),
     (dict(norm="batchnorm"), "model.norm='batchnorm': must be one of layernorm, rmsnorm"),
     (dict(norm_position="sandwich"), "model.norm_position='sandwich': must be one of pre, post"),
-    (dict(mlp="relu"), "model.mlp='relu': must be one of gelu, swiglu"),
+    (dict(mlp="reglu"), "model.mlp='reglu': must be one of gelu, gelu_tanh, relu, swiglu"),
     (dict(attention_impl="flash"), "model.attention_impl='flash': must be one of reference, xla"),
     (dict(dtype="int8"), "model.dtype='int8': must be one of float32, bfloat16, float16"),
     (dict(pallas_lowering="cuda"),
@@ -32,6 +32,19 @@ CASES = [
     (dict(pos_emb="learned", rope_scaling="linear"),
      "model.rope_scaling='linear': needs model.pos_emb=rope"),
     (dict(norm_eps=0.0), "model.norm_eps=0.0: must be positive"),
+    (dict(rope_original_max_len=0), "model.rope_original_max_len=0: must be a positive integer"),
+    (dict(rope_scaling="yarn", rope_beta_fast=1.0),
+     "model.rope_beta_fast=1.0: must exceed model.rope_beta_slow=1.0 > 0"),
+    (dict(pos_emb="rope", rope_scaling="yarn", rope_attention_factor=0.0),
+     "model.rope_attention_factor=0.0: must be positive"),
+    (dict(rope_scaling="linear", rope_attention_factor=1.2),
+     "model.rope_attention_factor=1.2: is for model.rope_scaling=yarn (not linear)"),
+    (dict(rope_scaling="llama3", rope_high_freq_factor=1.0),
+     "model.rope_high_freq_factor=1.0: must exceed model.rope_low_freq_factor=1.0 > 0"),
+    (dict(attention_scale=0.0), "model.attention_scale=0.0: must be positive (1.0 for unscaled"),
+    (dict(sliding_window=0), "model.sliding_window=0: must be a positive integer"),
+    (dict(sliding_window=8, family="encoder"),
+     "model.sliding_window=8: is for causal decoders (model.family=decoder, not encoder)"),
 ]
 
 
@@ -52,6 +65,8 @@ KERNEL_CASES = [
      "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
     (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
      "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
+    (dict(attention_impl="pallas", sliding_window=8),
+     "model.sliding_window=8: our pallas kernels take no sliding window yet"),
 ]
 
 

@@ -192,3 +192,48 @@ def test_bf16_model_logits_are_the_float32_head_of_its_hidden_states(tie_embeddi
   np.testing.assert_allclose(logits, expected, rtol=1e-5, atol=1e-6)
   bf16_head = np.asarray((hidden @ head_MV.astype(jnp.bfloat16)).astype(jnp.float32))
   assert np.abs(bf16_head - expected).max() > 100 * np.abs(logits - expected).max()
+
+
+def test_attention_scale_multiplies_the_scores():
+  """attention_scale=s gives the scores of the default 1/sqrt(d_k) times s sqrt(d_k)."""
+  x = jax.random.normal(jax.random.key(0), (1, 6, 32))
+  positions = jnp.arange(6)[None]
+  maps = {}
+  for scale in (None, 1.0):
+    model = build_model(small_cfg(attention_scale=scale, num_layers=1), nnx.Rngs(0))
+    maps[scale] = model.decoder.layers[0].attn.weights(x, positions_BT=positions, causal=True)
+  d_k = 8
+  default_logits = np.log(np.asarray(maps[None])[0, 0, 5])
+  unscaled_logits = np.log(np.asarray(maps[1.0])[0, 0, 5])
+  np.testing.assert_allclose(unscaled_logits - unscaled_logits[0],
+                             (default_logits - default_logits[0]) * math.sqrt(d_k), atol=1e-4)
+
+
+def test_attention_scale_reaches_every_path():
+  """Training forward and KV-cache decoding agree under attention_scale=1."""
+  model = build_model(small_cfg(attention_scale=1.0, num_layers=1), nnx.Rngs(0))
+  tokens = jax.random.randint(jax.random.key(1), (1, 5), 0, 64)
+  full = model(tokens)
+  cache = model.init_cache(1, 8)
+  step, _ = model.decode_step(tokens, jnp.arange(5)[None], cache)
+  np.testing.assert_allclose(np.asarray(step), np.asarray(full), atol=1e-4)
+  default = build_model(small_cfg(num_layers=1), nnx.Rngs(0))(tokens)
+  assert np.abs(np.asarray(default) - np.asarray(full)).max() > 1e-4
+
+
+def test_scale_embeddings_multiplies_by_sqrt_d_model():
+  tokens = jnp.arange(4)[None]
+  plain = build_model(small_cfg(pos_emb="none", num_layers=1), nnx.Rngs(0))
+  scaled = build_model(small_cfg(pos_emb="none", scale_embeddings=True, num_layers=1),
+                       nnx.Rngs(0))
+  positions = jnp.arange(4)[None]
+  np.testing.assert_allclose(np.asarray(scaled.decoder.embed_tokens(tokens, positions)),
+                             np.asarray(plain.decoder.embed_tokens(tokens, positions))
+                             * math.sqrt(32), rtol=1e-6)
+  sinusoidal_default = build_model(small_cfg(pos_emb="sinusoidal", num_layers=1), nnx.Rngs(0))
+  unscaled = build_model(small_cfg(pos_emb="sinusoidal", scale_embeddings=False, num_layers=1),
+                         nnx.Rngs(0))
+  diff = (sinusoidal_default.decoder.embed_tokens(tokens, positions)
+          - unscaled.decoder.embed_tokens(tokens, positions))
+  np.testing.assert_allclose(np.asarray(diff), np.asarray(plain.decoder.embed_tokens(
+      tokens, positions)) * (math.sqrt(32) - 1), rtol=1e-5, atol=1e-6)
