@@ -82,6 +82,13 @@ def _fields(hf: dict, honoured: set, required: dict, name: str) -> None:
                       f"{name} import")
 
 
+def _plain_attention(cfg, *, bias: bool) -> dict:
+  """The option values of a model whose projections all have `bias` or none,
+  with unscaled embeddings, 1/sqrt(head_dim) scores and no window (GPT-2, LLaMA)."""
+  return dict(qkv_bias=bias, out_bias=bias, mlp_bias=bias, scale_embeddings=False,
+              attention_scale=cfg.head_dim ** -0.5, sliding_window=None)
+
+
 def _need(cfg, **values) -> str:
   """Names the first field of `cfg` that differs from `values` ("" if none)."""
   for key, value in values.items():
@@ -101,7 +108,7 @@ def _gpt2_from_hf(hf: dict) -> dict:
   return dict(vocab_size=hf.get("vocab_size", 50257), d_model=d, num_layers=hf.get("n_layer", 12),
               num_heads=hf.get("n_head", 12), d_ff=hf.get("n_inner") or 4 * d,
               max_len=hf.get("n_positions", 1024), pos_emb="learned", norm="layernorm",
-              norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu",
+              norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu_tanh",
               use_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
 
 
@@ -110,7 +117,7 @@ def _gpt2_check(cfg) -> str:
     return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
             f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
   return _need(cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
-               mlp="gelu", use_bias=True)
+               mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
 
 
 def _gpt2_to_hf(cfg, vocab_size: int) -> dict:
@@ -195,7 +202,7 @@ def _llama_check(cfg) -> str:
   if cfg.rope_scaling not in ("none", "linear"):
     return f"model.rope_scaling={cfg.rope_scaling!r} (needs 'none' or 'linear')"
   return _need(cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre",
-               mlp="swiglu", use_bias=False)
+               mlp="swiglu", **_plain_attention(cfg, bias=False))
 
 
 def _llama_to_hf(cfg, vocab_size: int) -> dict:
