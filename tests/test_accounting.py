@@ -110,6 +110,10 @@ def _small(**overrides):
          tie_embeddings=False, num_kv_heads=2),
     dict(family="encoder_decoder", norm_position="post", norm="layernorm", use_bias=True,
          mlp="gelu", pos_emb="sinusoidal"),
+    dict(family="encoder", pos_emb="learned", norm_position="post", norm="layernorm",
+         type_vocab_size=2, embedding_norm=True, head_transform=True, output_bias=True),
+    dict(head_transform=True, output_bias=True, tie_embeddings=False),
+    dict(family="encoder_decoder", embedding_norm=True, type_vocab_size=3, norm="layernorm"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_measured_equals_formula(overrides):
   m = _small(**overrides)
