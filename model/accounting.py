@@ -239,7 +239,9 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   (source as long as target). For MHA, a GELU MLP with d_ff = 4d and 16-bit
   this is 32 d + 2 h S bytes, the paper's 34 s b h + 5 a s^2 b less the
   dropout masks and dropout outputs. Outside the layers: the head's input (d
-  elements) and the float32 logits (4 V bytes).
+  elements; with `head_transform` 3 d more, the inputs of its dense,
+  activation and norm), the input of each stack's `embedding_norm` (d) and
+  the float32 logits (4 V bytes).
 
   With remat (train.remat) each block keeps only its input (d elements per
   layer) and recomputes the rest in the backward pass, where one block's
@@ -254,7 +256,8 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                       + max(elements for _, elements in per_layer))
   else:
     layer_elements = sum(num * elements for num, elements in per_layer)
-  return (layer_elements + m.d_model) * _itemsize(m.dtype) + 4 * m.vocab_size
+  outside = m.d_model * (1 + 3 * m.head_transform + len(stacks) * m.embedding_norm)
+  return (layer_elements + outside) * _itemsize(m.dtype) + 4 * m.vocab_size
 
 
 def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:

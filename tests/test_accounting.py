@@ -162,6 +162,15 @@ def test_activations_follow_korthikanti_without_dropout():
   assert accounting.training_memory_bytes(config)["activations"] == remat // 4
 
 
+def test_activations_of_the_bert_embedding_norm_and_head_transform():
+  config = bert_base.get_config()
+  d = 768
+  bert = accounting.activation_bytes_per_token(config.model, 128, remat=False)
+  config.model.update(embedding_norm=False, head_transform=False)
+  plain = accounting.activation_bytes_per_token(config.model, 128, remat=False)
+  assert bert - plain == 4 * d * 4  # float32: norm input, dense, activation and norm inputs
+
+
 def test_training_memory_adamw():
   memory = accounting.training_memory_bytes(llama2_7b.get_config())
   n = 6_738_415_616
