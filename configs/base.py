@@ -47,6 +47,13 @@ def get_config() -> config_dict.ConfigDict:
   m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
   #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
+  m.type_vocab_size = 0  # rows of the token-type embedding added to the tokens (BERT's
+  #   segments A/B: 2; the model takes token_type_ids, zeros by default); 0: none
+  m.embedding_norm = False  # a norm (model.norm) after token + position (+ type) embeddings
+  #   (BERT, BART)
+  m.head_transform = False  # before the output projection: dense d->d with bias, the MLP's
+  #   activation, a norm (BERT's masked-LM head)
+  m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
   m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
   #   many keys, itself included (Mistral's sliding_window); None: all
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto

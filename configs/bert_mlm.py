@@ -5,7 +5,7 @@ embedded corpora (Python standard library source and documentation).
 pipeline, `data/masking.py`); packed rows with segment ids, so attention never
 crosses documents. 2 layers, d=128, learned positions, GELU, LayerNorm,
 byte-level BPE of 1,024 ids. eval.py reports the masked-token accuracy beside
-the unigram baseline. `configs/bert_base.py` has BERT-base's shapes.
+the unigram baseline. `configs/bert_base.py` is BERT-base exactly.
 """
 from configs import base
 

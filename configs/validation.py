@@ -110,6 +110,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _check_positive(m, p + field, p)
   for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
     _check_positive(m, p + field, p, allow_none=True)
+  _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
           f"must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")

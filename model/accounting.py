@@ -20,7 +20,9 @@ the tests hold them equal. Both return the same dict:
   and `total`; the decoder's layers, or the encoder's for family=encoder.
 - `params_per_encoder_layer`: the encoder's layers (encoder_decoder only).
 - `num_layers` (the layers of `params_per_layer`), `num_encoder_layers`.
-- `params_embedding`: input embedding + untied output head + position tables.
+- `params_embedding`: input embedding + position tables + token-type tables +
+  embedding norms + the output head (untied matrix, head transform, output
+  bias).
 - `params_position_table`: the learned position tables alone.
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
@@ -95,16 +97,17 @@ def measured_params(model_cfg) -> dict:
     size = math.prod(shape)
     parts = path.split("/")
     counts["params_total"] += size
-    if parts[1] == "layers":
+    if len(parts) > 2 and parts[1] == "layers":
       if parts[2] == "0":
         layer = per_layer[parts[0]]
         component = _COMPONENTS[parts[3]]
         layer[component] = layer.get(component, 0) + size
-    elif parts[1] == "final_norm":
+    elif len(parts) > 1 and parts[1] == "final_norm":
       counts["params_final_norms"] += size
-    else:  # embed/embedding, head/kernel, positions/table
+    else:  # embed/embedding, positions/table, token_types/table, embedding_norm,
+      #      head/kernel, head_transform, output_bias
       counts["params_embedding"] += size
-      if parts[1] == "positions":
+      if len(parts) > 1 and parts[1] == "positions":
         counts["params_position_table"] += size
   for layer in per_layer.values():
     layer["total"] = sum(layer.values())
@@ -132,6 +135,19 @@ def _norm_params(m) -> int:
   return m.d_model * (2 if m.norm == "layernorm" else 1)
 
 
+def _stack_embedding_params(m) -> int:
+  """A stack's token-type table (type_vocab_size x d) and embedding norm."""
+  return m.type_vocab_size * m.d_model + (_norm_params(m) if m.embedding_norm else 0)
+
+
+def _head_params(m) -> int:
+  """The untied output matrix d x V, the head transform (d x d, its bias
+  and a norm) and the output bias (V)."""
+  untied = 0 if m.tie_embeddings else m.d_model * m.vocab_size
+  transform = m.d_model * m.d_model + m.d_model + _norm_params(m) if m.head_transform else 0
+  return untied + transform + (m.vocab_size if m.output_bias else 0)
+
+
 def _layer_params(m, cross: bool) -> dict[str, int]:
   layer = {"attention": _attention_params(m)}
   if cross:
@@ -148,8 +164,8 @@ def formula_params(model_cfg) -> dict:
   stacks = _layer_stacks(m)
   per_layer = {stack: _layer_params(m, cross) for stack, _, cross in stacks}
   position_table = (len(stacks) * m.max_len * m.d_model if m.pos_emb == "learned" else 0)
-  head = 0 if m.tie_embeddings else m.d_model * m.vocab_size
-  embedding = m.vocab_size * m.d_model + head + position_table
+  embedding = (m.vocab_size * m.d_model + position_table + _head_params(m)
+               + len(stacks) * _stack_embedding_params(m))
   final_norms = len(stacks) * _norm_params(m) if m.norm_position == "pre" else 0
   layers = sum(num * per_layer[stack]["total"] for stack, num, _ in stacks)
   return _assemble(m, per_layer, params_total=layers + embedding + final_norms,
@@ -224,7 +240,9 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   (source as long as target). For MHA, a GELU MLP with d_ff = 4d and 16-bit
   this is 32 d + 2 h S bytes, the paper's 34 s b h + 5 a s^2 b less the
   dropout masks and dropout outputs. Outside the layers: the head's input (d
-  elements) and the float32 logits (4 V bytes).
+  elements; with `head_transform` 3 d more, the inputs of its dense,
+  activation and norm), the input of each stack's `embedding_norm` (d) and
+  the float32 logits (4 V bytes).
 
   With remat (train.remat) each block keeps only its input (d elements per
   layer) and recomputes the rest in the backward pass, where one block's
@@ -239,7 +257,8 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                       + max(elements for _, elements in per_layer))
   else:
     layer_elements = sum(num * elements for num, elements in per_layer)
-  return (layer_elements + m.d_model) * _itemsize(m.dtype) + 4 * m.vocab_size
+  outside = m.d_model * (1 + 3 * m.head_transform + len(stacks) * m.embedding_norm)
+  return (layer_elements + outside) * _itemsize(m.dtype) + 4 * m.vocab_size
 
 
 def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:

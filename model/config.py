@@ -52,6 +52,10 @@ class ModelConfig:
   scale_embeddings: bool
   attention_scale: float
   tie_embeddings: bool
+  type_vocab_size: int
+  embedding_norm: bool
+  head_transform: bool
+  output_bias: bool
   sliding_window: int | None
   attention_impl: str
   pallas_lowering: str

@@ -3,6 +3,7 @@
 - `Embed`: E in R^{V x d}; `attend` gives float32 logits x E^T for a tied head.
 - `sinusoidal_table`: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...).
 - `LearnedPositions`: a [max_len, d] table (cannot extrapolate past max_len).
+- `TokenTypes`: BERT's token-type (segment A/B) table, [type_vocab_size, d].
 - RoPE: `rope_frequencies` and `apply_rope` rotate pair i of q and k at
   position m by m * theta_i, theta_i = base^(-2i/d), so scores depend only on
   the offset n - m. Context extension by rescaling the frequencies:
@@ -66,6 +67,19 @@ class LearnedPositions(nnx.Module):
 
   def __call__(self, positions_BT):
     return jnp.take(self.table[...], positions_BT, axis=0).astype(self.dtype)
+
+
+class TokenTypes(nnx.Module):
+  """BERT's token-type embeddings: a learned [type_vocab_size, d] table
+  indexed by each token's type (0 for sentence A, 1 for sentence B)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.dtype = cfg.dtype
+    self.table = param(rngs, dense_init(cfg.init_std), (cfg.type_vocab_size, cfg.d_model),
+                       (None, "embed"), cfg.param_dtype)
+
+  def __call__(self, token_types_BT):
+    return jnp.take(self.table[...], token_types_BT, axis=0).astype(self.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: str = "none",

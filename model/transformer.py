@@ -3,25 +3,31 @@
 - `Decoder` (decoder-only, GPT/LLaMA): causal self-attention, next-token
   logits. `m(tokens_BT, segment_ids=None, positions=None) -> logits_BTV`.
 - `Encoder` (encoder-only, BERT): bidirectional self-attention with a
-  padding mask, masked-LM logits. `m(tokens_BT, padding_mask=None)`.
+  padding mask, masked-LM logits.
+  `m(tokens_BT, padding_mask=None, token_type_ids=None)`.
 - `EncoderDecoder` (original transformer, T5): the encoder over the source;
   a causal decoder with cross-attention to the encoder output.
   `m.encode(src_BS, src_padding_mask=None)`,
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
-Embedding -> L blocks -> final norm (pre-norm only; a post-norm block already
-ends in a norm) -> head (tied E^T or its own matrix). The head computes in
-float32 whatever `model.dtype` (its inputs and weights cast up, as nanodo and
-MaxText do), so the loss sees full-precision logits.
+Embedding (tokens, positions, optional token types, optional norm) -> L
+blocks -> final norm (pre-norm only; a post-norm block already ends in a
+norm) -> head: an optional transform (BERT's masked-LM head: dense,
+activation, norm), the output projection (tied E^T or its own matrix) and an
+optional bias over the vocabulary. The projection computes in float32
+whatever `model.dtype` (its inputs and weights cast up, as nanodo and MaxText
+do), so the loss sees full-precision logits.
 """
 import math
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from model.blocks import Block
-from model.embeddings import Embed, LearnedPositions, rope_from_config, sinusoidal
-from model.layers import Dense
+from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
+from model.layers import Dense, param
+from model.mlp import KINDS
 from model.norms import make_norm
 
 
@@ -44,6 +50,9 @@ class _Stack(nnx.Module):
     self.remat = remat
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
     self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.pos_emb == "learned" else None
+    self.token_types = TokenTypes(cfg, rngs=rngs) if cfg.type_vocab_size else None
+    self.embedding_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+                           if cfg.embedding_norm else None)
     rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
                             for _ in range(num_layers)])
@@ -51,9 +60,10 @@ class _Stack(nnx.Module):
                        if cfg.norm_position == "pre" else None)
     self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
 
-  def embed_tokens(self, tokens_BT, positions_BT):
+  def embed_tokens(self, tokens_BT, positions_BT, token_types_BT=None):
     """Token embeddings (times sqrt(d_model) when `scale_embeddings`) plus
-    the sinusoidal or learned positions."""
+    the sinusoidal or learned positions, plus the token-type embeddings
+    (type 0 where `token_types_BT` is None), then the embedding norm."""
     x_BTM = self.embed(tokens_BT)
     if self.scale_embeddings:
       x_BTM = x_BTM * math.sqrt(self.d_model)
@@ -61,6 +71,12 @@ class _Stack(nnx.Module):
       x_BTM = x_BTM + sinusoidal(positions_BT, self.d_model).astype(self.dtype)
     elif self.positions is not None:
       x_BTM = x_BTM + self.positions(positions_BT)
+    if self.token_types is not None:
+      if token_types_BT is None:
+        token_types_BT = jnp.zeros_like(tokens_BT)
+      x_BTM = x_BTM + self.token_types(token_types_BT)
+    if self.embedding_norm is not None:
+      x_BTM = self.embedding_norm(x_BTM)
     return x_BTM
 
   def run_blocks(self, x_BTM, **kwargs):
@@ -110,19 +126,41 @@ def _default_positions(tokens_BT, positions_BT):
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
 
 
+class HeadTransform(nnx.Module):
+  """BERT's masked-LM head transform, before the output projection:
+  norm(act(x W + b)) with W [d, d], the activation of `model.mlp` and the
+  model's norm."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.dense = Dense(cfg.d_model, (cfg.d_model,), ("embed", None), use_bias=True, cfg=cfg,
+                       rngs=rngs)
+    self.activation = KINDS[cfg.mlp][0]
+    self.norm = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+
+  def __call__(self, x_BTM):
+    return self.norm(self.activation(self.dense(x_BTM)))
+
+
 class _WithHead(nnx.Module):
-  """Tied (E^T) or untied output projection, computed in float32."""
+  """The output head: optional transform, tied (E^T) or untied projection
+  computed in float32, optional bias over the vocabulary."""
 
   def _init_head(self, cfg, rngs):
+    self.head_transform = HeadTransform(cfg, rngs=rngs) if cfg.head_transform else None
     self.head = None if cfg.tie_embeddings else Dense(
         cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,
         dtype=jnp.float32)
+    self.output_bias = (param(rngs, jax.nn.initializers.zeros, (cfg.vocab_size,), ("vocab",),
+                              cfg.param_dtype) if cfg.output_bias else None)
 
   def logits(self, stack: _Stack, x_BTM):
     """Float32 logits [B, T, V] of the final hidden states."""
-    if self.head is None:
-      return stack.embed.attend(x_BTM)
-    return self.head(x_BTM)
+    if self.head_transform is not None:
+      x_BTM = self.head_transform(x_BTM)
+    logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
+    if self.output_bias is not None:
+      logits_BTV = logits_BTV + self.output_bias[...].astype(jnp.float32)
+    return logits_BTV
 
 
 class Decoder(_WithHead):
@@ -159,18 +197,22 @@ class Encoder(_WithHead):
                           rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
-  def hidden(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
+  def hidden(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None,
+             token_type_ids=None):
     positions = _default_positions(tokens_BT, positions)
-    x_BTM = self.encoder.embed_tokens(tokens_BT, positions)
+    x_BTM = self.encoder.embed_tokens(tokens_BT, positions, token_type_ids)
     if segment_ids is None:
       segment_ids = _padding_segments(padding_mask, tokens_BT.shape)
     return self.encoder.run_blocks(x_BTM, positions_BT=positions, causal=False,
                                    segment_ids=segment_ids)
 
-  def __call__(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None):
-    """MLM logits; `padding_mask` (True = real) or packed `segment_ids` (0 = pad)."""
+  def __call__(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None,
+               token_type_ids=None):
+    """MLM logits; `padding_mask` (True = real) or packed `segment_ids` (0 = pad);
+    `token_type_ids` [B, T] (BERT's sentence A/B; zeros when None) with
+    `model.type_vocab_size`."""
     return self.logits(self.encoder, self.hidden(tokens_BT, padding_mask, segment_ids,
-                                                 positions))
+                                                 positions, token_type_ids))
 
 
 class EncoderDecoder(_WithHead):

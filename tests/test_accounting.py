@@ -110,6 +110,10 @@ def _small(**overrides):
          tie_embeddings=False, num_kv_heads=2),
     dict(family="encoder_decoder", norm_position="post", norm="layernorm", use_bias=True,
          mlp="gelu", pos_emb="sinusoidal"),
+    dict(family="encoder", pos_emb="learned", norm_position="post", norm="layernorm",
+         type_vocab_size=2, embedding_norm=True, head_transform=True, output_bias=True),
+    dict(head_transform=True, output_bias=True, tie_embeddings=False),
+    dict(family="encoder_decoder", embedding_norm=True, type_vocab_size=3, norm="layernorm"),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_measured_equals_formula(overrides):
   m = _small(**overrides)
@@ -156,6 +160,15 @@ def test_activations_follow_korthikanti_without_dropout():
   assert remat == B * S * ((L * d + 16 * d + h * S) * 2 + 2 * d + 4 * V)
   config.train.grad_accum_steps = 4
   assert accounting.training_memory_bytes(config)["activations"] == remat // 4
+
+
+def test_activations_of_the_bert_embedding_norm_and_head_transform():
+  config = bert_base.get_config()
+  d = 768
+  bert = accounting.activation_bytes_per_token(config.model, 128, remat=False)
+  config.model.update(embedding_norm=False, head_transform=False)
+  plain = accounting.activation_bytes_per_token(config.model, 128, remat=False)
+  assert bert - plain == 4 * d * 4  # float32: norm input, dense, activation and norm inputs
 
 
 def test_training_memory_adamw():

@@ -43,6 +43,7 @@ CASES = [
      "model.rope_high_freq_factor=1.0: must exceed model.rope_low_freq_factor=1.0 > 0"),
     (dict(attention_scale=0.0), "model.attention_scale=0.0: must be positive (1.0 for unscaled"),
     (dict(sliding_window=0), "model.sliding_window=0: must be a positive integer"),
+    (dict(type_vocab_size=-1), "model.type_vocab_size=-1: must be a positive integer or 0"),
     (dict(sliding_window=8, family="encoder"),
      "model.sliding_window=8: is for causal decoders (model.family=decoder, not encoder)"),
 ]

@@ -12,8 +12,8 @@ import torch
 import transformers
 from flax import nnx
 
-from configs import base
-from model import build_model
+from configs import base, bert_base
+from model import accounting, build_model
 
 SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=48, num_hidden_layers=2, rms_norm_eps=1e-6,
@@ -97,3 +97,89 @@ def test_logits_match_transformers(case):
                                        positions[:, start:stop], cache)
       steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), want, atol=tolerance)
+
+
+BERT = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, intermediate_size=48,
+            num_hidden_layers=2, max_position_embeddings=64, type_vocab_size=2,
+            hidden_act="gelu", layer_norm_eps=1e-12)
+
+
+def _ours_bert():
+  m = base.get_config().model
+  m.update(family="encoder", vocab_size=64, d_model=32, num_heads=4, d_ff=48, num_layers=2,
+           max_len=64, pos_emb="learned", norm="layernorm", norm_position="post",
+           norm_eps=1e-12, mlp="gelu", use_bias=True, tie_embeddings=True, type_vocab_size=2,
+           embedding_norm=True, head_transform=True, output_bias=True, attention_impl="xla")
+  return build_model(m, nnx.Rngs(0))
+
+
+def _copy_dense(ours, hf, in_shape, out_shape):
+  """A torch Linear ([out, in] weight, [out] bias) into our Dense."""
+  _set(ours.kernel, hf.weight.T, (*in_shape, *out_shape))
+  _set(ours.bias, hf.bias, out_shape)
+
+
+def _copy_norm(ours, hf, dim=32):
+  _set(ours.scale, hf.weight, (dim,))
+  _set(ours.bias, hf.bias, (dim,))
+
+
+def _copy_bert_weights(hf, ours):
+  """BertForMaskedLM's weights into our encoder (BERT's names -> ours)."""
+  M, H, D, F = 32, 4, 8, 48
+  emb, stack = hf.bert.embeddings, ours.encoder
+  _set(stack.embed.embedding, emb.word_embeddings.weight, (64, M))
+  _set(stack.positions.table, emb.position_embeddings.weight, (64, M))
+  _set(stack.token_types.table, emb.token_type_embeddings.weight, (2, M))
+  _copy_norm(stack.embedding_norm, emb.LayerNorm)
+  for layer, block in zip(hf.bert.encoder.layer, stack.layers):
+    attn = layer.attention.self
+    for ours_name, hf_name in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
+      _copy_dense(getattr(block.attn, ours_name), getattr(attn, hf_name), (M,), (H, D))
+    _copy_dense(block.attn.o_proj, layer.attention.output.dense, (H, D), (M,))
+    _copy_norm(block.norm_attn, layer.attention.output.LayerNorm)
+    _copy_dense(block.mlp.up, layer.intermediate.dense, (M,), (F,))
+    _copy_dense(block.mlp.down, layer.output.dense, (F,), (M,))
+    _copy_norm(block.norm_mlp, layer.output.LayerNorm)
+  head = hf.cls.predictions
+  _copy_dense(ours.head_transform.dense, head.transform.dense, (M,), (M,))
+  _copy_norm(ours.head_transform.norm, head.transform.LayerNorm)
+  _set(ours.output_bias, head.bias, (64,))
+
+
+def test_bert_masked_lm_logits_match_transformers():
+  """Embedding LayerNorm, token types, the MLM head transform and output bias,
+  erf GELU, post-norm; with padding (compared at the real tokens)."""
+  torch.manual_seed(0)
+  hf = transformers.BertForMaskedLM(transformers.BertConfig(**BERT)).eval()
+  for name, parameter in hf.named_parameters():
+    if name.endswith("bias") or "LayerNorm" in name:  # zeros and ones: make them count
+      torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
+  assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
+  ours = _ours_bert()
+  _copy_bert_weights(hf, ours)
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 64, (2, 12))
+  types = (np.arange(12) >= rng.integers(3, 9, (2, 1))).astype(np.int64)
+  mask = np.ones((2, 12), bool)
+  mask[1, 9:] = False
+  with torch.no_grad():
+    want = hf(input_ids=torch.from_numpy(tokens), token_type_ids=torch.from_numpy(types),
+              attention_mask=torch.from_numpy(mask.astype(np.int64))).logits.numpy()
+  got = np.asarray(ours(jnp.asarray(tokens), padding_mask=jnp.asarray(mask),
+                        token_type_ids=jnp.asarray(types)))
+  np.testing.assert_allclose(got[mask], want[mask], atol=1e-4 * np.abs(want).max())
+  with torch.no_grad():  # no token types: zeros, in both
+    want = hf(input_ids=torch.from_numpy(tokens)).logits.numpy()
+  got = np.asarray(ours(jnp.asarray(tokens)))
+  np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+
+
+def test_bert_base_parameter_count_matches_transformers():
+  """configs/bert_base.py counts the unique parameters of BertForMaskedLM
+  (its decoder weight is tied to the word embeddings, its bias is
+  cls.predictions.bias); built on the meta device, nothing downloaded."""
+  with torch.device("meta"):
+    hf = transformers.BertForMaskedLM(transformers.BertConfig())
+  want = sum(parameter.numel() for parameter in hf.parameters())
+  assert accounting.formula_params(bert_base.get_config().model)["params_total"] == want

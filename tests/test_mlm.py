@@ -119,6 +119,9 @@ def test_mlm_train_and_eval_report(tmp_path):
   c = base.get_config()
   c.model.update(family="encoder", vocab_size=260, d_model=32, num_layers=1, num_heads=2,
                  d_ff=64, max_len=32, pos_emb="learned", attention_impl="xla")
+  c.model.update(norm="layernorm", norm_position="post", mlp="gelu", use_bias=True,
+                 type_vocab_size=2, embedding_norm=True, head_transform=True,
+                 output_bias=True)  # BERT's layout (configs/bert_base.py)
   c.tokenizer.update(vocab_size=260)
   c.data.update(source="pydoc", cache_dir=str(tmp_path / "cache"))
   c.train.update(objective="mlm", num_steps=2, batch_size=4, seq_len=32, warmup_steps=1,

@@ -237,3 +237,16 @@ def test_scale_embeddings_multiplies_by_sqrt_d_model():
           - unscaled.decoder.embed_tokens(tokens, positions))
   np.testing.assert_allclose(np.asarray(diff), np.asarray(plain.decoder.embed_tokens(
       tokens, positions)) * (math.sqrt(32) - 1), rtol=1e-5, atol=1e-6)
+
+
+def test_bert_embedding_and_head_options_reach_kv_cache_decoding():
+  """Token types (type 0 when none are given), the embedding norm, the head
+  transform and the output bias act the same in the forward pass and in
+  KV-cache decoding (tests/test_hf_parity.py checks them against BERT)."""
+  model = build_model(small_cfg(type_vocab_size=2, embedding_norm=True, head_transform=True,
+                                output_bias=True, norm="layernorm", num_layers=1), nnx.Rngs(0))
+  model.output_bias[...] = jax.random.normal(jax.random.key(2), (64,))
+  tokens = jax.random.randint(jax.random.key(1), (1, 5), 0, 64)
+  full = model(tokens)
+  step, _ = model.decode_step(tokens, jnp.arange(5)[None], model.init_cache(1, 8))
+  np.testing.assert_allclose(np.asarray(step), np.asarray(full), atol=1e-4)
