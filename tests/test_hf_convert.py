@@ -285,3 +285,13 @@ def test_export_refuses_configs_without_hf_architecture():
   with pytest.raises(UserError, match="gpt2: model.pos_emb='sinusoidal' .needs 'learned'.; "
                                       "llama: model.pos_emb='sinusoidal' .needs 'rope'."):
     hf_convert.export_architecture(ModelConfig.resolve(config.model))
+
+
+@pytest.mark.parametrize("field,value", [("sliding_window", 4), ("qkv_bias", True),
+                                         ("attention_scale", 1.0), ("embedding_norm", True),
+                                         ("type_vocab_size", 2)])
+def test_export_refuses_options_llama_does_not_have(field, value):
+  config = base_config.get_config()
+  config.model[field] = value
+  with pytest.raises(UserError, match=f"llama: model.{field}="):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))
