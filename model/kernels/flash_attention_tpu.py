@@ -36,6 +36,7 @@ compiles them for TPU v5e and v5p with libtpu, without a TPU.
 """
 import dataclasses
 import functools
+import types
 
 import jax
 import jax.numpy as jnp
@@ -180,14 +181,24 @@ def _step(tiles_ref, bounds_ref, program, n, N: int):
   return tiles_ref[program * N + jnp.minimum(n, count - 1)]
 
 
+def _run_plan_step(update, tiles_ref, bounds_ref, *, b, tile, n, N: int, per_batch_plan: bool,
+                   num_tiles: int):
+  """Step n of the plan of this program's (batch, tile): `update(start_tile,
+  masked)` on the listed tile, masked for the plan's first `split` steps,
+  unmasked up to its count, and nothing past it."""
+  program = (b if per_batch_plan else 0) * num_tiles + tile
+  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
+  listed = _step(tiles_ref, bounds_ref, program, n, N)
+  pl.when(n < split)(lambda: update(listed, masked=True))
+  pl.when((n >= split) & (n < count))(lambda: update(listed, masked=False))
+
+
 def _forward_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref,
                     o_ref, lse_ref, m_ref, l_ref, acc_ref, *, cfg: _Config, N: int,
                     num_q_tiles: int):
   """Forward, one (batch, head, query tile) over the key tiles of its plan."""
   b, _, i, n = (pl.program_id(a) for a in range(4))
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
-  program = (b if cfg.per_batch_plan else 0) * num_q_tiles + i
-  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
 
   @pl.when(n == 0)
   def _init():
@@ -195,9 +206,8 @@ def _forward_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_se
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  def update(masked: bool):
-    k_start = _step(tiles_ref, bounds_ref, program, n, N) * block_k
-    s_TS = _scores(q_ref[...], k_ref[...], i * block_q, k_start, q_seg_ref[...],
+  def update(k_tile, masked: bool):
+    s_TS = _scores(q_ref[...], k_ref[...], i * block_q, k_tile * block_k, q_seg_ref[...],
                    kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
     m_T1 = m_ref[...]
     m_new_T1 = jnp.maximum(m_T1, jnp.max(s_TS, axis=1, keepdims=True))
@@ -211,8 +221,8 @@ def _forward_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_se
     acc_ref[...] = correction_T1 * acc_ref[...] + _dot(p_TS.astype(v_SD.dtype), v_SD, 1, 0)
     m_ref[...] = m_new_T1
 
-  pl.when(n < split)(lambda: update(masked=True))
-  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+  _run_plan_step(update, tiles_ref, bounds_ref, b=b, tile=i, n=n, N=N,
+                 per_batch_plan=cfg.per_batch_plan, num_tiles=num_q_tiles)
 
   @pl.when(n == N - 1)
   def _finish():
@@ -229,25 +239,22 @@ def _dq_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
   """Backward, dQ of one (batch, head, query tile) over its key tiles."""
   b, _, i, n = (pl.program_id(a) for a in range(4))
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
-  program = (b if cfg.per_batch_plan else 0) * num_q_tiles + i
-  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
 
   @pl.when(n == 0)
   def _init():
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  def update(masked: bool):
-    k_start = _step(tiles_ref, bounds_ref, program, n, N) * block_k
+  def update(k_tile, masked: bool):
     k_SD = k_ref[...]
-    s_TS = _scores(q_ref[...], k_SD, i * block_q, k_start, q_seg_ref[...],
+    s_TS = _scores(q_ref[...], k_SD, i * block_q, k_tile * block_k, q_seg_ref[...],
                    kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
     p_TS = jnp.exp(s_TS - lse_ref[...])
     dp_TS = _dot(do_ref[...], v_ref[...], 1, 1)
     ds_TS = p_TS * (dp_TS - delta_ref[...])
     acc_ref[...] += _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
 
-  pl.when(n < split)(lambda: update(masked=True))
-  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+  _run_plan_step(update, tiles_ref, bounds_ref, b=b, tile=i, n=n, N=N,
+                 per_batch_plan=cfg.per_batch_plan, num_tiles=num_q_tiles)
 
   @pl.when(n == N - 1)
   def _finish():
@@ -261,18 +268,15 @@ def _dkdv_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
   heads of the KV head and the query tiles of its plan."""
   b, _, j, g, n = (pl.program_id(a) for a in range(5))
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
-  program = (b if cfg.per_batch_plan else 0) * num_k_tiles + j
-  split, count = bounds_ref[2 * program], bounds_ref[2 * program + 1]
 
   @pl.when((g == 0) & (n == 0))
   def _init():
     dk_acc_ref[...] = jnp.zeros(dk_acc_ref.shape, jnp.float32)
     dv_acc_ref[...] = jnp.zeros(dv_acc_ref.shape, jnp.float32)
 
-  def update(masked: bool):
-    q_start = _step(tiles_ref, bounds_ref, program, n, N) * block_q
+  def update(q_tile, masked: bool):
     q_TD, do_TD = q_ref[...], do_ref[...]
-    s_TS = _scores(q_TD, k_ref[...], q_start, j * block_k, q_seg_ref[...],
+    s_TS = _scores(q_TD, k_ref[...], q_tile * block_q, j * block_k, q_seg_ref[...],
                    kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
     p_TS = jnp.exp(s_TS - lse_ref[...])
     dv_acc_ref[...] += _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
@@ -280,8 +284,8 @@ def _dkdv_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     ds_TS = p_TS * (dp_TS - delta_ref[...])
     dk_acc_ref[...] += _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
 
-  pl.when(n < split)(lambda: update(masked=True))
-  pl.when((n >= split) & (n < count))(lambda: update(masked=False))
+  _run_plan_step(update, tiles_ref, bounds_ref, b=b, tile=j, n=n, N=N,
+                 per_batch_plan=cfg.per_batch_plan, num_tiles=num_k_tiles)
 
   @pl.when((g == group - 1) & (n == N - 1))
   def _finish():
@@ -298,36 +302,57 @@ def _compiler_params(cfg: _Config, num_grid_axes: int):
                               vmem_limit_bytes=cfg.blocks.vmem_limit_bytes)
 
 
+def _launch_plan(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, over_keys: bool, block_q: int,
+                 block_k: int, num_tiles: int):
+  """A launch's plan: (tiles, bounds, N, seg_b, streamed), with seg_b(b) the
+  batch row of the segment ids (and plan) program b reads, and
+  streamed(b, tile, n, tiles_ref, bounds_ref) the tile that program (b, tile)
+  streams at step n, for the index maps."""
+  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=over_keys,
+                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
+  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
+
+  def streamed(b, tile, n, tiles_ref, bounds_ref):
+    return _step(tiles_ref, bounds_ref, seg_b(b) * num_tiles + tile, n, N)
+
+  return tiles, bounds, N, seg_b, streamed
+
+
+def _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, D: int, group: int,
+                     num_tiles: int):
+  """The plan and block specs of a launch with grid (batch, query head, query
+  tile, step over its key tiles), the forward's and dQ's: (tiles, bounds, N,
+  specs) with specs q (also dO, dQ, out), kv, row (lse, delta), q_seg, kv_seg."""
+  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
+  tiles, bounds, N, seg_b, kv_tile = _launch_plan(
+      q_seg_BT1, kv_seg_B1S, cfg, over_keys=True, block_q=block_q, block_k=block_k,
+      num_tiles=num_tiles)
+  specs = types.SimpleNamespace(
+      q=pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0)),
+      kv=pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
+          b, lax.div(h, group), kv_tile(b, i, n, *p), 0)),
+      row=pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0)),
+      q_seg=pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
+      kv_seg=pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
+          seg_b(b), 0, kv_tile(b, i, n, *p))))
+  return tiles, bounds, N, specs
+
+
 def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
   """Launches the forward kernel: (out [B, H, T, D], lse [B, H, T, 1])."""
   B, H, T, D = q_BHTD.shape
   group = H // cfg.num_kv_heads
-  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
-  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=True,
-                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
-  C = T // block_q
-  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
-
-  def kv_tile(b, i, n, tiles_ref, bounds_ref):
-    return _step(tiles_ref, bounds_ref, seg_b(b) * C + i, n, N)
-
-  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
-      b, lax.div(h, group), kv_tile(b, i, n, *p), 0))
-  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0))
+  C = T // cfg.blocks.block_q
+  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D, group=group,
+                                             num_tiles=C)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(B, H, C, N),
-      in_specs=[
-          q_spec, kv_spec, kv_spec,
-          pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
-          pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
-              seg_b(b), 0, kv_tile(b, i, n, *p))),
-      ],
-      out_specs=[q_spec, row_spec],
-      scratch_shapes=[pltpu.VMEM((block_q, 1), jnp.float32),
-                      pltpu.VMEM((block_q, 1), jnp.float32),
-                      pltpu.VMEM((block_q, D), jnp.float32)],
+      in_specs=[specs.q, specs.kv, specs.kv, specs.q_seg, specs.kv_seg],
+      out_specs=[specs.q, specs.row],
+      scratch_shapes=[pltpu.VMEM((cfg.blocks.block_q, 1), jnp.float32),
+                      pltpu.VMEM((cfg.blocks.block_q, 1), jnp.float32),
+                      pltpu.VMEM((cfg.blocks.block_q, D), jnp.float32)],
   )
   return pl.pallas_call(
       functools.partial(_forward_kernel, cfg=cfg, N=N, num_q_tiles=C),
@@ -355,33 +380,19 @@ def _dq(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg
   its key tiles): dq [B, H, T, D]."""
   B, H, T, D = q_BHTD.shape
   group = H // k_BKSD.shape[1]
-  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
   args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
-  block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
-  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=True,
-                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
-  C = T // block_q
-
-  def kv_tile(b, i, n, tiles_ref, bounds_ref):
-    return _step(tiles_ref, bounds_ref, seg_b(b) * C + i, n, N)
-
-  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0))
-  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
-      b, lax.div(h, group), kv_tile(b, i, n, *p), 0))
-  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0))
+  C = T // cfg.blocks.block_q
+  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D, group=group,
+                                             num_tiles=C)
   dq_BHTD = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, N=N, num_q_tiles=C),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(B, H, C, N),
-          in_specs=[
-              q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-              pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
-              pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
-                  seg_b(b), 0, kv_tile(b, i, n, *p))),
-          ],
-          out_specs=q_spec,
-          scratch_shapes=[pltpu.VMEM((block_q, D), jnp.float32)],
+          in_specs=[specs.q, specs.kv, specs.kv, specs.q, specs.row, specs.row, specs.q_seg,
+                    specs.kv_seg],
+          out_specs=specs.q,
+          scratch_shapes=[pltpu.VMEM((cfg.blocks.block_q, D), jnp.float32)],
       ),
       out_shape=jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
       compiler_params=_compiler_params(cfg, 4),
@@ -398,15 +409,12 @@ def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_s
   H, D = q_BHTD.shape[1], q_BHTD.shape[3]
   B, K, S = k_BKSD.shape[:3]
   group = H // K
-  seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
   args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
-  tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=False,
-                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
   C = S // block_k
-
-  def q_tile(b, j, n, tiles_ref, bounds_ref):
-    return _step(tiles_ref, bounds_ref, seg_b(b) * C + j, n, N)
+  tiles, bounds, N, seg_b, q_tile = _launch_plan(
+      q_seg_BT1, kv_seg_B1S, cfg, over_keys=False, block_q=block_q, block_k=block_k,
+      num_tiles=C)
 
   q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, kh, j, g, n, *p: (
       b, kh * group + g, q_tile(b, j, n, *p), 0))
