@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install test test-slow train clean
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-test.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
+	$(BIN)/pip install -q -r requirements-test.txt
 	touch $(STAMP)
 
 install: $(STAMP)

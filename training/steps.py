@@ -30,12 +30,14 @@ def init_state(params, tx, seed: int) -> dict:
               jax.random.key(seed))}
 
 
-def abstract_state(config):
+def abstract_state(config, remat: bool = False):
   """(graphdef, train state of ShapeDtypeStructs) of a run config, nothing allocated.
 
-  The restore target for a checkpoint saved with `config`.
+  The restore target for a checkpoint saved with `config`; with `remat` the
+  graphdef recomputes block activations in the backward pass (train.remat).
   """
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0))))
+  graphdef, params = nnx.split(nnx.eval_shape(
+      lambda: build_model(config.model, nnx.Rngs(0), remat=remat)))
   tx = make_optimizer(config.train)
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
