@@ -49,7 +49,7 @@ from training.aot_targets import Target, target_devices
 from training.loop import train_state_shardings, with_shardings
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import BATCH_AXES, batch_sharding, make_mesh, state_shardings
-from training.steps import abstract_state, jit_eval_step, jit_train_step
+from training.steps import abstract_state, jit_eval_step, jit_train_step, traced_on
 
 STEPS = ("train", "eval", "generate")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -106,7 +106,7 @@ def _lower_eval(config, mesh):
   graphdef, params = _abstract_params(config, mesh)
   batch = abstract_batch(config, mesh)
   held = {"parameters": _shard_bytes(params), "optimizer_state": 0, "batch": _shard_bytes(batch)}
-  return jit_eval_step(graphdef, config.train.objective).lower(params, batch), held
+  return jit_eval_step(graphdef, config.train.objective, mesh).lower(params, batch), held
 
 
 def _lower_generate(config, mesh):
@@ -135,7 +135,8 @@ def _lower_generate(config, mesh):
 
   held = {"parameters": _shard_bytes(params), "optimizer_state": 0,
           "batch": 2 * _shard_bytes(token), "kv_cache": _shard_bytes(cache)}
-  return jax.jit(decode, donate_argnums=(3,)).lower(params, token, token, cache), held
+  return (jax.jit(traced_on(mesh, decode), donate_argnums=(3,)).lower(params, token, token, cache),
+          held)
 
 
 def collectives(hlo_text: str) -> dict[str, dict]:
@@ -303,7 +304,7 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
       "flops_per_device": flops, "formula_flops_per_device": formula,
       "hbm_bytes_accessed_per_device": hbm_bytes, "collectives": found,
       "roofline_seconds": times, "step_seconds_bound": bound,
-      "mfu_bound": formula / (bound * chip.peak_flops) if bound > 0 else None,
+      "mfu_bound": formula / (bound * chip.peak_flops) if compiled and bound > 0 else None,
       "chip": {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
                "interconnect_bandwidth": chip.interconnect_bandwidth, "source": chip.source},
   }
