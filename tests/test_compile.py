@@ -57,14 +57,15 @@ def test_collectives_read_from_hlo():
   %all-reduce.2 = f32[1024,128]{1,0:T(8,128)} all-reduce(%f), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, to_apply=%add
   %ag = (bf16[64,128]{1,0}, bf16[256,128]{1,0}) all-gather-start(%p), replica_groups=[16,4]<=[64], dimensions={0}
   %agd = bf16[256,128]{1,0} all-gather-done(%ag)
+  %ag2 = bf16[1024,128]{0,1:T(8,128)(2,1)} all-gather(%p0), replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2], device_ids=([2,2]T(1,0)) {'axis_1'}, dimensions={1}
   %rs = f32[8]{0} reduce-scatter(%x), replica_groups={{0,1},{2,3}}, dimensions={0}
   %gte = f32[] get-tuple-element(%all-reduce.2), index=0
   """
   found = aot.collectives(hlo)
   assert found["all-reduce"] == {"count": 1, "bytes": 1024 * 128 * 4,
                                  "traffic_bytes": 2 * 3 * 1024 * 128 * 4 // 4}
-  assert found["all-gather"] == {"count": 1, "bytes": 256 * 128 * 2,
-                                 "traffic_bytes": 3 * 256 * 128 * 2 // 4}
+  assert found["all-gather"] == {"count": 2, "bytes": 256 * 128 * 2 + 1024 * 128 * 2,
+                                 "traffic_bytes": 3 * 256 * 128 * 2 // 4 + 1024 * 128 * 2 // 2}
   assert found["reduce-scatter"] == {"count": 1, "bytes": 32, "traffic_bytes": 32}
 
 
@@ -118,3 +119,19 @@ def test_tiny_compiles_for_an_h200():
   assert report["device_kind"] == "NVIDIA H200" and report["fits"]
   assert report["memory_per_device"]["temporaries"] > 0
   assert report["formula_flops_per_device"] > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["eval", "generate"])
+def test_eval_and_generation_steps_compile(step):
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.mesh.fsdp=2", f"--step={step}", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report["step"] == step and report["fits"]
+  assert report["memory_per_device"]["optimizer_state"] == 0
+  assert report["flops_per_device"] == pytest.approx(report["formula_flops_per_device"],
+                                                     rel=0.1)
+  if step == "generate":
+    assert report["memory_per_device"]["kv_cache"] == report["accounting_per_device"]["kv_cache"]

@@ -164,8 +164,8 @@ def collectives(hlo_text: str) -> dict[str, dict]:
 
 def _group_size(line: str) -> int:
   """Devices per replica group of an HLO collective (1 when it names none)."""
-  named = re.search(r"replica_groups=mesh\[(.*?)\]\s*\{(.*?)\}", line)
-  if named:  # mesh['axis_0'=4,'axis_1'=1] {'axis_0'}: the product of the listed axes
+  named = re.search(r"replica_groups=mesh\[(.*?)\][^{]*\{('[^}]*)\}", line)
+  if named:  # mesh['axis_0'=4,'axis_1'=1][, device_ids=...] {'axis_0'}: the listed axes
     sizes = dict(re.findall(r"'(\w+)'=(\d+)", named.group(1)))
     return math.prod(int(sizes[axis]) for axis in re.findall(r"'(\w+)'", named.group(2)))
   iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
