@@ -8,9 +8,9 @@ target's real compiler and reads back, per device:
 
 - memory: parameters and optimizer state (their shards, from the
   shardings), the compiler's arguments, outputs and temporaries
-  (`memory_analysis()`; on TPU, which reports its peak and no temporaries,
-  temporaries are the peak less live arguments, outputs and code), its peak
-  (arguments + outputs - donated aliases + temporaries + code), beside `model.accounting.training_memory_bytes`;
+  (`memory_analysis()`), its peak (arguments + outputs - donated aliases +
+  temporaries + code, or libtpu's own peak where that is larger; where
+  libtpu reports no temporaries, the rest of its peak counts as them), beside `model.accounting.training_memory_bytes`;
 - whether the peak fits the chip's HBM, as one line. A program the TPU
   compiler refuses for lack of HBM is not an error: its report holds the
   input shards and the temporaries the compiler's message names, and no
@@ -228,10 +228,11 @@ def _memory(compiled, held: dict) -> dict:
                 temporaries=analysis.temp_size_in_bytes,
                 code=analysis.generated_code_size_in_bytes)
   live = memory["arguments"] + memory["outputs"] - memory["aliased"]
-  # libtpu reports no temporaries but its peak; the rest of the peak is then temporaries.
-  memory["peak"] = (getattr(analysis, "peak_memory_in_bytes", 0)
-                    or live + memory["temporaries"] + memory["code"])
-  memory["temporaries"] = memory["temporaries"] or max(memory["peak"] - live - memory["code"], 0)
+  # libtpu may report no temporaries but its own peak; the larger of that peak and
+  # live + temporaries + code is taken, and the rest of the peak counts as temporaries.
+  memory["peak"] = max(getattr(analysis, "peak_memory_in_bytes", 0),
+                       live + memory["temporaries"] + memory["code"])
+  memory["temporaries"] = memory["temporaries"] or memory["peak"] - live - memory["code"]
   return memory
 
 
