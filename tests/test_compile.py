@@ -100,9 +100,9 @@ def test_mesh_that_does_not_divide_the_slice_is_one_line():
 
 @needs_libtpu
 @pytest.mark.slow
-def test_llama2_7b_fits_a_v5p_64_with_fsdp():
+def test_llama2_7b_fits_a_v5p_64_with_fsdp_and_remat():
   result = compile_cli("--config", "configs/llama2_7b.py", "--target", "tpu:v5p:4x4x4",
-                       "--config.mesh.fsdp=64", "--json")
+                       "--config.mesh.fsdp=64", "--config.train.remat=True", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
   assert report["fits"]
