@@ -3,8 +3,9 @@
 V=32,000, untied head, no biases: 68,976,648,192 parameters, as published
 for Llama-2-70b; 327,680 KV-cache bytes per token in 16-bit.
 
-Too big for one device: see what fits where with `compile.py`, e.g.
-`python compile.py --config configs/llama2_70b.py --target tpu:v5p:8x8x4 --config.mesh.fsdp=256`.
+Too big for one device; what a slice needs for it, without the slice:
+`python compile.py --config configs/llama2_70b.py --target tpu:v5p:4x8x8 --config.mesh.fsdp=256`
+(the README's "what fits where").
 """
 from configs import base
 
