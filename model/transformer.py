@@ -23,12 +23,29 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.blocks import Block
 from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
 from model.layers import Dense, param
 from model.mlp import KINDS
 from model.norms import make_norm
+
+
+def _batch_split(x_BTM):
+  """x with its batch dimension split over the mesh's batch axes (data, fsdp).
+
+  Without it XLA may gather a block's activations onto every device of an
+  fsdp mesh (whose parameters are split along `embed`) rather than gather
+  the parameters: measured with compile.py, a 2-layer 7B-wide model on 64
+  v5p chips at fsdp=64 needed 64 GiB per chip, 8.6 GiB with the split. A
+  no-op where no mesh is set (`jax.sharding.use_abstract_mesh`, set by the
+  jitted steps of training/steps.py).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
+    return x_BTM
+  return jax.lax.with_sharding_constraint(x_BTM, P(("data", "fsdp")))
 
 
 def _padding_segments(padding_mask_BT, shape):
@@ -80,11 +97,13 @@ class _Stack(nnx.Module):
     return x_BTM
 
   def run_blocks(self, x_BTM, **kwargs):
+    x_BTM = _batch_split(x_BTM)
     for layer in self.layers:
       if self.remat:
         x_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, x_BTM)
       else:
         x_BTM = layer(x_BTM, **kwargs)
+      x_BTM = _batch_split(x_BTM)
     return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):

@@ -225,7 +225,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh))
-  eval_fn = jit_eval_step(graphdef, tc.objective)
+  eval_fn = jit_eval_step(graphdef, tc.objective, mesh)
   writer = MetricsWriter(workdir)
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)

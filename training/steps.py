@@ -36,12 +36,14 @@ def init_state(params, tx, seed: int) -> dict:
               jax.random.key(seed))}
 
 
-def abstract_state(config):
+def abstract_state(config, remat: bool = False):
   """(graphdef, train state of ShapeDtypeStructs) of a run config, nothing allocated.
 
-  The restore target for a checkpoint saved with `config`.
+  The restore target for a checkpoint saved with `config`; with `remat` the
+  graphdef recomputes block activations in the backward pass (train.remat).
   """
-  graphdef, params = nnx.split(nnx.eval_shape(lambda: build_model(config.model, nnx.Rngs(0))))
+  graphdef, params = nnx.split(nnx.eval_shape(
+      lambda: build_model(config.model, nnx.Rngs(0), remat=remat)))
   tx = make_optimizer(config.train)
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
@@ -100,15 +102,28 @@ def eval_step(params, batch, *, graphdef, objective: str):
   return _loss_sums(graphdef, params, batch, objective)
 
 
+def traced_on(mesh, fn):
+  """`fn` traced with `mesh` as the abstract mesh, so that the model's sharding
+  constraints on activations (model/transformer.py) name its axes."""
+
+  def run(*args):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args)
+
+  return run
+
+
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
                    batch_sharding=None):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                          objective=objective, accum_steps=accum_steps)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
-  return jax.jit(fn, donate_argnums=(0,), in_shardings=(state_sharding, batch_sharding),
+  return jax.jit(traced_on(batch_sharding.mesh, fn), donate_argnums=(0,),
+                 in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None))
 
 
-def jit_eval_step(graphdef, objective):
-  return jax.jit(functools.partial(eval_step, graphdef=graphdef, objective=objective))
+def jit_eval_step(graphdef, objective, mesh=None):
+  fn = functools.partial(eval_step, graphdef=graphdef, objective=objective)
+  return jax.jit(fn if mesh is None else traced_on(mesh, fn))

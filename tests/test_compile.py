@@ -1,0 +1,137 @@
+"""compile.py: ahead-of-time compilation for TPU slices and GPU nodes.
+
+TPU targets compile here through libtpu (requirements-test.txt); the GPU
+target needs JAX's CUDA plugin, which the suite's venv does not have: run
+this file from a venv made with `pip install -r requirements-gpu.txt` to
+check it. The 70B preset's parameter count is checked against the published
+Llama-2-70b figure from shapes alone.
+"""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from configs import llama2_70b
+from configs.errors import UserError
+from model import accounting
+from tests.conftest import ROOT
+from training import aot, aot_targets
+
+LLAMA2_70B = 68_976_648_192  # parameters of Llama-2-70b as published
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="needs libtpu: pip install -r requirements-test.txt")
+needs_cuda_plugin = pytest.mark.skipif(
+    importlib.util.find_spec("jax_cuda13_plugin") is None,
+    reason="needs JAX's CUDA plugin: run from a venv with pip install -r requirements-gpu.txt")
+
+
+def compile_cli(*args):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "compile.py", *args], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=600)
+
+
+def test_llama2_70b_has_the_published_parameter_count():
+  assert accounting.formula_params(llama2_70b.get_config().model)["params_total"] == LLAMA2_70B
+
+
+@pytest.mark.slow
+def test_llama2_70b_module_has_the_published_parameter_count():
+  assert accounting.measured_params(llama2_70b.get_config().model)["params_total"] == LLAMA2_70B
+
+
+def test_targets_parse_and_bad_ones_say_the_form():
+  target = aot_targets.parse_target("tpu:v5p:4x4x4")
+  assert (target.chip_name, target.num_devices) == ("v5p", 64)
+  assert aot_targets.parse_target("gpu:h200:8").num_devices == 8
+  for bad in ("tpu:v5p", "tpu:v9:2x2", "gpu:v5e:2x2", "tpu:v5e:2xx"):
+    with pytest.raises(UserError, match="--target"):
+      aot_targets.parse_target(bad)
+
+
+def test_collectives_read_from_hlo():
+  hlo = """
+  %all-reduce.2 = f32[1024,128]{1,0:T(8,128)} all-reduce(%f), replica_groups=mesh['axis_0'=4,'axis_1'=2] {'axis_0'}, to_apply=%add
+  %ag = (bf16[64,128]{1,0}, bf16[256,128]{1,0}) all-gather-start(%p), replica_groups=[16,4]<=[64], dimensions={0}
+  %agd = bf16[256,128]{1,0} all-gather-done(%ag)
+  %ag2 = bf16[1024,128]{0,1:T(8,128)(2,1)} all-gather(%p0), replica_groups=mesh['axis_0'=1,'axis_1'=2,'axis_2'=2], device_ids=([2,2]T(1,0)) {'axis_1'}, dimensions={1}
+  %rs = f32[8]{0} reduce-scatter(%x), replica_groups={{0,1},{2,3}}, dimensions={0}
+  %gte = f32[] get-tuple-element(%all-reduce.2), index=0
+  """
+  found = aot.collectives(hlo)
+  assert found["all-reduce"] == {"count": 1, "bytes": 1024 * 128 * 4,
+                                 "traffic_bytes": 2 * 3 * 1024 * 128 * 4 // 4}
+  assert found["all-gather"] == {"count": 2, "bytes": 256 * 128 * 2 + 1024 * 128 * 2,
+                                 "traffic_bytes": 3 * 256 * 128 * 2 // 4 + 1024 * 128 * 2 // 2}
+  assert found["reduce-scatter"] == {"count": 1, "bytes": 32, "traffic_bytes": 32}
+
+
+@needs_libtpu
+def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.mesh.fsdp=2", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert (report["devices"], report["mesh"]) == (4, {"data": 2, "fsdp": 2, "tensor": 1})
+  memory = report["memory_per_device"]
+  # float32 parameters split over fsdp=2 (the norms' gains replicated), and AdamW's two
+  # float32 moments twice that.
+  assert 0 <= memory["parameters"] * 2 - report["params_total"] * 4 < 0.01 * memory["parameters"]
+  assert 0 <= memory["optimizer_state"] - 2 * memory["parameters"] <= 64  # + step counts
+  assert memory["peak"] >= memory["arguments"] > memory["parameters"]
+  assert report["fits"] and report["verdict"].startswith("fits")
+  assert report["flops_per_device"] == pytest.approx(report["formula_flops_per_device"],
+                                                     rel=0.1)
+  assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the parameters
+  assert 0 < report["mfu_bound"] <= 1
+
+
+@needs_libtpu
+def test_mesh_that_does_not_divide_the_slice_is_one_line():
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.mesh.fsdp=3")
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines()[-1].startswith("error: mesh.data=-1")
+  assert "Traceback" not in result.stderr
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_llama2_7b_fits_a_v5p_64_with_fsdp_and_remat():
+  result = compile_cli("--config", "configs/llama2_7b.py", "--target", "tpu:v5p:4x4x4",
+                       "--config.mesh.fsdp=64", "--config.train.remat=True", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report["fits"]
+  exact = 6_738_415_616 * 4 / 64
+  assert exact <= report["memory_per_device"]["parameters"] <= exact * 1.01
+
+
+@needs_cuda_plugin
+@pytest.mark.slow
+def test_tiny_compiles_for_an_h200():
+  result = compile_cli("--config", "configs/tiny.py", "--target", "gpu:h200:1", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report["device_kind"] == "NVIDIA H200" and report["fits"]
+  assert report["memory_per_device"]["temporaries"] > 0
+  assert report["formula_flops_per_device"] > 0
+
+
+@needs_libtpu
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["eval", "generate"])
+def test_eval_and_generation_steps_compile(step):
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.mesh.fsdp=2", f"--step={step}", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report["step"] == step and report["fits"]
+  assert report["memory_per_device"]["optimizer_state"] == 0
+  assert report["flops_per_device"] == pytest.approx(report["formula_flops_per_device"],
+                                                     rel=0.1)
+  if step == "generate":
+    assert report["memory_per_device"]["kv_cache"] == report["accounting_per_device"]["kv_cache"]

@@ -1,0 +1,365 @@
+"""Ahead-of-time compilation of a run's steps for a slice it does not have (compile.py).
+
+`compile_report(config, target)` builds the train step exactly as
+`training/loop.py` does (the model with `train.remat`, AdamW, the mesh of
+`config.mesh` and the sharding rules of `mesh.rules`) over the abstract
+devices of the target (`training/aot_targets.py`), compiles it with the
+target's real compiler and reads back, per device:
+
+- memory: parameters and optimizer state (their shards, from the
+  shardings), the compiler's arguments, outputs and temporaries
+  (`memory_analysis()`), its peak (arguments + outputs - donated aliases +
+  temporaries + code, or libtpu's own peak where that is larger; where
+  libtpu reports no temporaries, the rest of its peak counts as them), beside `model.accounting.training_memory_bytes`;
+- whether the peak fits the chip's HBM, as one line. A program the TPU
+  compiler refuses for lack of HBM is not an error: its report holds the
+  input shards and the temporaries the compiler's message names, and no
+  cost analysis or collectives;
+- FLOPs per step from `cost_analysis()` beside the PaLM formula
+  (`model.accounting.flops_per_token`: 6N + 12 L S d_attn per token);
+- the collectives of the compiled program, with their result bytes and the
+  bytes a ring moves through each device for them (all-reduce 2 (n-1)/n x,
+  all-gather and all-to-all (n-1)/n x, reduce-scatter (n-1) x its result,
+  collective-permute 1 x; n the group size). A collective inside a loop
+  (gradient accumulation) is counted once;
+- a roofline bound: the step takes at least the longest of compute (FLOPs /
+  peak), HBM traffic (`bytes accessed` / HBM bandwidth) and collective
+  traffic / interconnect bandwidth, so MFU (PaLM FLOPs over that time at
+  peak) is at most the returned bound. Overlap is assumed perfect: a bound,
+  not a prediction. A compile-only GPU gives no cost analysis: its compute
+  time uses the PaLM FLOPs and its HBM time is n/a (None in the JSON).
+
+`step="eval"` compiles the eval step instead (parameters only, no
+optimizer), `step="generate"` one KV-cache decoding step of a decoder
+(train.batch_size rows, a cache of train.seq_len positions).
+"""
+import math
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from configs.errors import UserError
+from configs.validation import validate
+from model import accounting
+from training.aot_targets import Target, target_devices
+from training.loop import train_state_shardings, with_shardings
+from training.optim import learning_rate_schedule, make_optimizer
+from training.sharding import BATCH_AXES, batch_sharding, make_mesh, state_shardings
+from training.steps import abstract_state, jit_eval_step, jit_train_step, traced_on
+
+STEPS = ("train", "eval", "generate")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
+_COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
+_ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|c64)\[([\d,]*)\]")
+
+
+def abstract_batch(config, mesh) -> dict:
+  """ShapeDtypeStructs of one global batch of the run, split over data x fsdp."""
+  t, m = config.train, config.model
+  sharding = batch_sharding(mesh)
+
+  def spec(length, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct((t.batch_size, length), dtype, sharding=sharding)
+
+  if m.family == "encoder_decoder":
+    tgt_len = t.tgt_seq_len or t.seq_len
+    return {"src": spec(t.seq_len), "src_mask": spec(t.seq_len), "tgt_in": spec(tgt_len),
+            "tgt_out": spec(tgt_len), "loss_mask": spec(tgt_len, jnp.float32)}
+  return {"inputs": spec(t.seq_len), "targets": spec(t.seq_len),
+          "segment_ids": spec(t.seq_len), "positions": spec(t.seq_len),
+          "loss_mask": spec(t.seq_len, jnp.float32)}
+
+
+def _shard_bytes(tree) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs carrying shardings."""
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+             for x in jax.tree.leaves(tree))
+
+
+def _lower_train(config, mesh):
+  tc = config.train
+  graphdef, abstract = abstract_state(config, remat=tc.remat)
+  shardings = train_state_shardings(abstract, mesh, config.mesh.rules)
+  state = with_shardings(abstract, shardings)
+  batch = abstract_batch(config, mesh)
+  step = jit_train_step(graphdef, make_optimizer(tc), learning_rate_schedule(tc), tc.objective,
+                        tc.grad_accum_steps, state_sharding=shardings,
+                        batch_sharding=batch_sharding(mesh))
+  held = {"parameters": _shard_bytes(state["params"]),
+          "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
+  return step.lower(state, batch), held
+
+
+def _abstract_params(config, mesh):
+  graphdef, abstract = abstract_state(config)
+  params = abstract["params"]
+  return graphdef, with_shardings(params, state_shardings(params, mesh, config.mesh.rules))
+
+
+def _lower_eval(config, mesh):
+  graphdef, params = _abstract_params(config, mesh)
+  batch = abstract_batch(config, mesh)
+  held = {"parameters": _shard_bytes(params), "optimizer_state": 0, "batch": _shard_bytes(batch)}
+  return jit_eval_step(graphdef, config.train.objective, mesh).lower(params, batch), held
+
+
+def _lower_generate(config, mesh):
+  """One decoding step: one new token per row against a cache of seq_len positions."""
+  if config.model.family != "decoder":
+    raise UserError(f"--step=generate compiles a decoder's KV-cache step; model.family="
+                    f"{config.model.family!r} is not a decoder")
+  graphdef, params = _abstract_params(config, mesh)
+  B, L = config.train.batch_size, config.train.seq_len
+
+  def cache_sharding(x):  # k, v [B, L, K, D]: rows over data x fsdp, KV heads over tensor
+    heads = "tensor" if x.shape[2] % mesh.shape["tensor"] == 0 else None
+    return NamedSharding(mesh, P(BATCH_AXES, None, heads, None))
+
+  def make_cache():
+    model = nnx.merge(graphdef, params)
+    return model.init_cache(B, L, jnp.dtype(model.decoder.dtype))
+
+  cache = jax.eval_shape(make_cache)
+  cache = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                      sharding=cache_sharding(x)), cache)
+  token = jax.ShapeDtypeStruct((B, 1), jnp.int32, sharding=batch_sharding(mesh))
+
+  def decode(params, tokens_B1, positions_B1, cache):
+    return nnx.merge(graphdef, params).decode_step(tokens_B1, positions_B1, cache)
+
+  held = {"parameters": _shard_bytes(params), "optimizer_state": 0,
+          "batch": 2 * _shard_bytes(token), "kv_cache": _shard_bytes(cache)}
+  return (jax.jit(traced_on(mesh, decode), donate_argnums=(3,)).lower(params, token, token, cache),
+          held)
+
+
+def collectives(hlo_text: str) -> dict[str, dict]:
+  """Per collective kind: count, result bytes and ring traffic bytes per device."""
+  out = {}
+  for line in hlo_text.splitlines():
+    match = _COLLECTIVE_RE.search(line)
+    if not match:
+      continue
+    shape, kind, start = match.groups()
+    arrays = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+              for dtype, dims in _ARRAY_RE.findall(shape)]
+    # An async start's tuple holds operands and results; its result is the largest.
+    size = max(arrays, default=0) if start and kind != "all-reduce" else sum(arrays)
+    n = _group_size(line)
+    traffic = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
+               "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
+               "collective-permute": 1}[kind] * size
+    entry = out.setdefault(kind, {"count": 0, "bytes": 0, "traffic_bytes": 0})
+    entry["count"] += 1
+    entry["bytes"] += size
+    entry["traffic_bytes"] += int(traffic)
+  return out
+
+
+def _group_size(line: str) -> int:
+  """Devices per replica group of an HLO collective (1 when it names none)."""
+  named = re.search(r"replica_groups=mesh\[(.*?)\][^{]*\{('[^}]*)\}", line)
+  if named:  # mesh['axis_0'=4,'axis_1'=1][, device_ids=...] {'axis_0'}: the listed axes
+    sizes = dict(re.findall(r"'(\w+)'=(\d+)", named.group(1)))
+    return math.prod(int(sizes[axis]) for axis in re.findall(r"'(\w+)'", named.group(2)))
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+  if iota:
+    return int(iota.group(2))
+  listed = re.search(r"replica_groups=\{\{([\d,]*)\}", line)
+  if listed and listed.group(1):
+    return len(listed.group(1).split(","))
+  pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", line)
+  return 2 if pairs else 1
+
+
+def _cost(compiled) -> dict:
+  """The compiler's cost analysis; empty where it gives none (a compile-only GPU)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  return cost or {}
+
+
+def _accounting(config, mesh, step: str) -> dict:
+  """model.accounting's estimate per device: parameters and optimizer state split
+  over fsdp x tensor (the axes parameters shard over), activations over the batch
+  axes data x fsdp; a generation step holds parameters and the KV cache."""
+  m, t = config.model, config.train
+  param_split = mesh.shape["fsdp"] * mesh.shape["tensor"]
+  batch_split = mesh.shape["data"] * mesh.shape["fsdp"]
+  memory = accounting.training_memory_bytes(config)
+  if step == "train":
+    estimate = {"parameters": memory["parameters"] / param_split,
+                "optimizer_state": memory["optimizer_state"] / param_split,
+                "gradients": memory["gradients"] / param_split,
+                "activations": memory["activations"] / batch_split}
+  elif step == "eval":
+    estimate = {"parameters": memory["parameters"] / param_split}
+  else:
+    estimate = {"parameters": memory["parameters"] / param_split,
+                "kv_cache": accounting.kv_cache_bytes_per_token(m) * t.batch_size * t.seq_len
+                            / batch_split}
+  estimate["total"] = sum(estimate.values())
+  return {name: int(value) for name, value in estimate.items()}
+
+
+def _formula_flops(config, step: str, num_devices: int) -> float:
+  """PaLM FLOPs per device: train 6N + 12 L S d_attn per token, eval a third;
+  a generation step 2N + 4 L S d_attn per new token (S = the cache length)."""
+  t = config.train
+  if step == "generate":
+    return accounting.flops_per_token(config.model, t.seq_len, train=False) * t.batch_size \
+        / num_devices
+  per_token = accounting.flops_per_token(config.model, t.seq_len, train=step == "train")
+  return per_token * t.batch_size * t.seq_len / num_devices
+
+
+def _memory(compiled, held: dict) -> dict:
+  """Bytes per device: `held` (shards of the inputs) and the compiler's memory analysis."""
+  analysis = compiled.memory_analysis()
+  memory = dict(held, arguments=analysis.argument_size_in_bytes,
+                outputs=analysis.output_size_in_bytes, aliased=analysis.alias_size_in_bytes,
+                temporaries=analysis.temp_size_in_bytes,
+                code=analysis.generated_code_size_in_bytes)
+  live = memory["arguments"] + memory["outputs"] - memory["aliased"]
+  # libtpu may report no temporaries but its own peak; the larger of that peak and
+  # live + temporaries + code is taken, and the rest of the peak counts as temporaries.
+  memory["peak"] = max(getattr(analysis, "peak_memory_in_bytes", 0),
+                       live + memory["temporaries"] + memory["code"])
+  memory["temporaries"] = memory["temporaries"] or memory["peak"] - live - memory["code"]
+  return memory
+
+
+def out_of_memory_bytes(message: str) -> int | None:
+  """The temporaries a TPU compile that ran out of HBM needed, from its error; else None.
+
+  libtpu stops a program that cannot fit with "... memory required for HLO
+  temporaries (616.45G) exceeds available HBM (95.74G)".
+  """
+  match = re.search(r"required for HLO temporaries \(([\d.]+)([KMGT]?)\)", message)
+  if not match:
+    return None
+  return int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
+
+
+def compile_report(config, target: Target, *, step: str = "train") -> dict:
+  """Compiles `step` of the run `config` for `target`; the report as a JSON-able dict.
+
+  Raises:
+    UserError: a config or mesh that does not fit the target's device count,
+      or a target whose compiler is not installed.
+  """
+  validate(config)
+  devices = target_devices(target)
+  mesh = make_mesh(config.mesh, devices)
+  lower = {"train": _lower_train, "eval": _lower_eval, "generate": _lower_generate}[step]
+  start = time.perf_counter()
+  lowered, held = lower(config, mesh)
+  try:
+    compiled = lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    needed = out_of_memory_bytes(str(e))
+    if needed is None:
+      raise
+    compiled = None
+  seconds = time.perf_counter() - start
+
+  if compiled is None:  # the compiler refused: what it needed is all it says
+    arguments = sum(held.values())
+    memory = dict(held, arguments=arguments, outputs=None, aliased=None, temporaries=needed,
+                  code=None, peak=arguments + needed)
+  else:
+    memory = _memory(compiled, held)
+  chip = target.chip
+  fits = compiled is not None and memory["peak"] <= chip.hbm_bytes
+
+  cost = _cost(compiled) if compiled is not None else {}
+  flops, hbm_bytes = cost.get("flops"), cost.get("bytes accessed")
+  found = collectives(compiled.as_text()) if compiled is not None else {}
+  traffic = sum(c["traffic_bytes"] for c in found.values())
+  formula = _formula_flops(config, step, len(devices))
+  times = {"compute": (flops or formula) / chip.peak_flops,
+           "hbm": hbm_bytes / chip.hbm_bandwidth if hbm_bytes else None,
+           "interconnect": traffic / chip.interconnect_bandwidth if compiled else None}
+  bound = max(t for t in times.values() if t is not None)
+  verdict = (f"fits: {memory['peak'] / 2**30:.2f} GiB of {chip.hbm_bytes / 2**30:.1f} GiB HBM "
+             f"per device ({100 * memory['peak'] / chip.hbm_bytes:.0f}%)" if fits else
+             f"does NOT fit: needs {memory['peak'] / 2**30:.2f} GiB per device, the chip has "
+             f"{chip.hbm_bytes / 2**30:.1f} GiB HBM"
+             + ("" if compiled else " (the compiler stopped at its temporaries)"))
+  return {
+      "target": target.name, "device_kind": devices[0].device_kind, "devices": len(devices),
+      "mesh": dict(mesh.shape), "step": step, "compiled": compiled is not None,
+      "compile_seconds": round(seconds, 2),
+      "batch_size": config.train.batch_size, "seq_len": config.train.seq_len,
+      "params_total": accounting.formula_params(config.model)["params_total"],
+      "memory_per_device": memory,
+      "accounting_per_device": _accounting(config, mesh, step),
+      "hbm_bytes": chip.hbm_bytes, "fits": fits, "verdict": verdict,
+      "flops_per_device": flops, "formula_flops_per_device": formula,
+      "hbm_bytes_accessed_per_device": hbm_bytes, "collectives": found,
+      "roofline_seconds": times, "step_seconds_bound": bound,
+      "mfu_bound": formula / (bound * chip.peak_flops) if compiled and bound > 0 else None,
+      "chip": {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
+               "interconnect_bandwidth": chip.interconnect_bandwidth, "source": chip.source},
+  }
+
+
+def _size(n: float) -> str:
+  return f"{n / 2**30:9.2f} GiB" if n >= 2**30 else f"{n / 2**20:9.2f} MiB"
+
+
+def _number(x, scale: float = 1.0, spec: str = ".4g") -> str:
+  """`x * scale` formatted, or "n/a" where the compiler gives no number."""
+  return "n/a" if x is None else format(x * scale, spec)
+
+
+def format_report(report: dict) -> str:
+  """The report as the table compile.py prints."""
+  mesh = " ".join(f"{axis}={size}" for axis, size in report["mesh"].items())
+  mem, est = report["memory_per_device"], report["accounting_per_device"]
+  lines = [f"{report['step']} step, batch {report['batch_size']} x {report['seq_len']}, "
+           f"{report['params_total']:,} parameters, on {report['target']} "
+           f"({report['devices']} x {report['device_kind']}), mesh {mesh}; compiled in "
+           f"{report['compile_seconds']:.1f} s",
+           "", f"memory per device        {'compiler':>13}  {'model.accounting':>16}"]
+  rows = [("parameters", mem["parameters"], est.get("parameters")),
+          ("optimizer state", mem["optimizer_state"], est.get("optimizer_state")),
+          ("gradients", None, est.get("gradients")),
+          ("kv cache", mem.get("kv_cache"), est.get("kv_cache")),
+          ("batch", mem["batch"], None),
+          ("arguments", mem["arguments"], None), ("outputs", mem["outputs"], None),
+          ("donated (aliased)", mem["aliased"], None),
+          ("temporaries", mem["temporaries"], est.get("activations")),
+          ("peak / total", mem["peak"], est["total"])]
+  for name, compiler, estimate in rows:
+    if compiler is None and estimate is None:
+      continue
+    left = _size(compiler) if compiler is not None else f"{'-':>13}"
+    right = _size(estimate) if estimate is not None else "-"
+    lines.append(f"  {name:<22} {left}  {right:>16}")
+  lines.append("  (model.accounting's activations stand beside the compiler's temporaries, "
+               "which also hold gradients and workspace)" if report["step"] == "train" else "")
+  lines += [f"verdict: {report['verdict']}", "",
+            f"FLOPs per device per step: compiler {_number(report['flops_per_device'])}, "
+            f"PaLM formula {report['formula_flops_per_device']:.4g}",
+            "collectives per device per step:"]
+  if not report["collectives"]:
+    lines.append("  none")
+  for kind, c in report["collectives"].items():
+    lines.append(f"  {kind:<20} {c['count']:5d} x, {_size(c['bytes'])} results, "
+                 f"{_size(c['traffic_bytes'])} through the links")
+  times = report["roofline_seconds"]
+  mfu = report["mfu_bound"]
+  lines += ["", "roofline per step: " + ", ".join(f"{name} {_number(s, 1e3, '.3f')} ms"
+                                                    for name, s in times.items())
+            + f" -> step >= {1e3 * report['step_seconds_bound']:.3f} ms, MFU <= "
+            + (f"{100 * mfu:.1f}%" if mfu is not None else "-"),
+            f"chip numbers: {report['chip']['source']}"]
+  return "\n".join(lines)
