@@ -135,3 +135,10 @@ def test_eval_and_generation_steps_compile(step):
                                                      rel=0.1)
   if step == "generate":
     assert report["memory_per_device"]["kv_cache"] == report["accounting_per_device"]["kv_cache"]
+
+
+@pytest.mark.parametrize("chip,shape", [("v4", "2x2x1"), ("v5e", "2x2"), ("v5p", "2x2x1"),
+                                        ("v6e", "2x2")])
+def test_each_tpu_chip_names_the_device_kind_its_peak_is_keyed_by(chip, shape):
+  devices = aot_targets.target_devices(aot_targets.parse_target(f"tpu:{chip}:{shape}"))
+  assert devices[0].device_kind == aot_targets.CHIPS[chip].device_kind

@@ -9,8 +9,9 @@ requirements-tpu.txt`; run with JAX_PLATFORMS=cpu on a machine without a
 TPU), GPU targets JAX's CUDA plugin (`pip install -r requirements-gpu.txt`,
 4.4 GB, no driver or GPU needed).
 
-Per-chip numbers, each from its maker's page (`Chip.source`): dense bf16
-peak, HBM capacity and bandwidth, and the interconnect bandwidth per chip
+Per-chip numbers, each from its maker's page (`Chip.source`): the dense bf16
+peak (from `training/hardware.py`, by the chip's `device_kind`, the table
+the training loop's MFU uses), HBM capacity and bandwidth, and the interconnect bandwidth per chip
 counted both directions (ICI for TPUs, NVLink for GPUs), which is what a
 ring collective over the chip's links can use.
 """
@@ -19,6 +20,7 @@ import math
 import pathlib
 
 from configs.errors import UserError
+from training import hardware
 
 GB = 1e9
 GIB = 2**30
@@ -33,24 +35,29 @@ INSTALL = {"tpu": "pip install -r requirements-tpu.txt (and run with JAX_PLATFOR
 class Chip:
   """One accelerator chip: the numbers a roofline needs, and where they come from."""
   platform: str  # "tpu" or "gpu"
-  peak_flops: float  # dense bf16 FLOP/s
+  device_kind: str  # as `jax.Device.device_kind` names it
   hbm_bytes: float
   hbm_bandwidth: float  # bytes/s
   interconnect_bandwidth: float  # bytes/s per chip, both directions (ICI or NVLink)
   source: str
 
+  @property
+  def peak_flops(self) -> float:
+    """Dense bf16 FLOP/s."""
+    return hardware.peak_tflops(self.device_kind) * 1e12
+
 
 CHIPS = {
-    "v4": Chip("tpu", 275e12, 32 * GIB, 1200 * GB, 1.1e15 / 4096,
+    "v4": Chip("tpu", "TPU v4", 32 * GIB, 1200 * GB, 1.1e15 / 4096,
                "cloud.google.com/tpu/docs/v4 (ICI: the pod's 1.1 PB/s all-reduce "
                "bandwidth over its 4096 chips)"),
-    "v5e": Chip("tpu", 197e12, 16 * GIB, 800 * GIB, 400 * GB,
+    "v5e": Chip("tpu", "TPU v5 lite", 16 * GIB, 800 * GIB, 400 * GB,
                 "cloud.google.com/tpu/docs/v5e"),
-    "v5p": Chip("tpu", 459e12, 95 * GIB, 2765 * GB, 1200 * GB,
+    "v5p": Chip("tpu", "TPU v5", 95 * GIB, 2765 * GB, 1200 * GB,
                 "cloud.google.com/tpu/docs/v5p"),
-    "v6e": Chip("tpu", 918e12, 32 * GB, 1638 * GB, 800 * GB,
+    "v6e": Chip("tpu", "TPU v6 lite", 32 * GB, 1638 * GB, 800 * GB,
                 "cloud.google.com/tpu/docs/v6e"),
-    "h200": Chip("gpu", 989e12, 141 * GB, 4.8e12, 900 * GB,
+    "h200": Chip("gpu", "NVIDIA H200", 141 * GB, 4.8e12, 900 * GB,
                  "NVIDIA H200 SXM datasheet (dense bf16 is half the sparse 1,979 TFLOP/s)"),
 }
 
