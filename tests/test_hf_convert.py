@@ -14,6 +14,7 @@ import sys
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
@@ -398,6 +399,32 @@ def test_bert_masked_lm_in_and_out(tok, tmp_path):
   assert (config.model.family, config.train.objective) == ("encoder", "mlm")
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
                 auto_class="AutoModelForMaskedLM")
+
+
+@pytest.mark.slow
+def test_bert_hub_file_layout(tok, tmp_path):
+  """As bert-base-uncased's model.safetensors: LayerNorm gamma/beta names, the
+  pooler and next-sentence head, and the tied decoder's own copies; read as
+  transformers reads them."""
+  hf_model = _randomised(_bert()).eval()
+  hf_dir = _save(hf_model, tok, tmp_path / "hf")
+  path = tmp_path / "hf" / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                      "LayerNorm.beta"): v
+             for k, v in tensors.items()}
+  tensors.update({"bert.pooler.dense.weight": np.zeros((32, 32), np.float32),
+                  "bert.pooler.dense.bias": np.zeros(32, np.float32),
+                  "cls.seq_relationship.weight": np.zeros((2, 32), np.float32),
+                  "cls.seq_relationship.bias": np.zeros(2, np.float32),
+                  "cls.predictions.decoder.weight":
+                      tensors["bert.embeddings.word_embeddings.weight"],
+                  "cls.predictions.decoder.bias": tensors["cls.predictions.bias"]})
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  _, _, model, _ = load_run(str(tmp_path / "run"))
+  ids = _ids(tok)
+  _assert_close(model(ids), _hf_logits(hf_model, ids))
 
 
 def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):

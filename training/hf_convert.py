@@ -46,6 +46,9 @@ from training.steps import abstract_state, init_state
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+# Tensor-name endings of old checkpoints (BERT's hub files) and what
+# transformers renames them to on load.
+_LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 _PARAM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 
@@ -119,6 +122,9 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
     if name.endswith(arch.skipped):
       continue
     short = name.removeprefix(arch.prefix)
+    for old, new in _LEGACY_NAMES.items():
+      if short.endswith(old):
+        short = short.removesuffix(old) + new
     names[short] = name
   plan, wanted = [], set()
   for tensor in arch.tensors(cfg):
@@ -133,8 +139,9 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
       raise UserError(f"{hf_dir}: tensor {full} has shape {shape}, config.json implies "
                       f"{expected}")
     plan.append((tensor, full))
-  extra = sorted(set(names) - wanted)
-  if extra and not (arch.model_type == "gpt2" and extra == ["lm_head.weight"]):
+  # A tied head's own copy in the file is read past, as transformers ties it.
+  extra = sorted(set(names) - wanted - ({arch.head} if cfg.tie_embeddings else set()))
+  if extra:
     raise UserError(f"{hf_dir}: tensor {names[extra[0]]} is not used by the {arch.model_type} "
                     f"mapping ({len(extra)} unused)")
   return plan

@@ -448,6 +448,7 @@ class Architecture:
   `skipped`: tensor-name suffixes read past: buffers, and weights of other
   heads that the architecture's model does not use (BERT's pooler and
   next-sentence head, the copy of the tied MLM decoder bias).
+  `head`: the output projection's weight, read past when tied.
   `objective`: our `train.objective` for fine-tuning an import.
   `auto_class`: the transformers Auto class that loads an export.
   """
@@ -460,6 +461,7 @@ class Architecture:
   tensors: Callable
   skipped: tuple[str, ...] = ()
   unprefixed: tuple[str, ...] = ("lm_head.",)
+  head: str = "lm_head.weight"
   objective: str = "next_token"
   auto_class: str = "AutoModelForCausalLM"
 
@@ -475,7 +477,8 @@ ARCHITECTURES = {
     "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_check,
                           _qwen2_to_hf, _llama_tensors, skipped=_ROTARY),
     "bert": Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_check,
-                         _bert_to_hf, _bert_tensors, unprefixed=("cls.",), objective="mlm",
+                         _bert_to_hf, _bert_tensors, unprefixed=("cls.",),
+                         head="cls.predictions.decoder.weight", objective="mlm",
                          auto_class="AutoModelForMaskedLM",
                          skipped=("embeddings.position_ids", "pooler.dense.weight",
                                   "pooler.dense.bias", "cls.seq_relationship.weight",
