@@ -402,6 +402,15 @@ def test_bert_masked_lm_in_and_out(tok, tmp_path):
 
 
 @pytest.mark.slow
+def test_bert_untied_tanh_gelu_in_and_out(tok, tmp_path):
+  """Untied, the decoder's own bias is the output bias; gelu_new is tanh GELU."""
+  hf_model = _randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
+  workdir = _check_import(hf_model, tok, tmp_path, generation=False)
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
+                auto_class="AutoModelForMaskedLM")
+
+
+@pytest.mark.slow
 def test_bert_hub_file_layout(tok, tmp_path):
   """As bert-base-uncased's model.safetensors: LayerNorm gamma/beta names, the
   pooler and next-sentence head, and the tied decoder's own copies; read as

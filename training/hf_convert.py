@@ -139,8 +139,7 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
       raise UserError(f"{hf_dir}: tensor {full} has shape {shape}, config.json implies "
                       f"{expected}")
     plan.append((tensor, full))
-  # A tied head's own copy in the file is read past, as transformers ties it.
-  extra = sorted(set(names) - wanted - ({arch.head} if cfg.tie_embeddings else set()))
+  extra = sorted(set(names) - wanted - set(arch.read_past(cfg)))
   if extra:
     raise UserError(f"{hf_dir}: tensor {names[extra[0]]} is not used by the {arch.model_type} "
                     f"mapping ({len(extra)} unused)")

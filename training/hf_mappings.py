@@ -414,7 +414,8 @@ def _bert_tensors(cfg) -> list[Tensor]:
          _same("cls.predictions.transform.dense.bias", "head_transform/dense/bias"),
          _same("cls.predictions.transform.LayerNorm.weight", "head_transform/norm/scale"),
          _same("cls.predictions.transform.LayerNorm.bias", "head_transform/norm/bias"),
-         _same("cls.predictions.bias", "output_bias", 0)]
+         _same("cls.predictions.bias" if cfg.tie_embeddings else "cls.predictions.decoder.bias",
+               "output_bias", 0)]
   for i in range(cfg.num_layers):
     hf, ours = f"encoder.layer.{i}.", f"encoder/layers/{i}/"
     for hf_name, p in (("query", "q"), ("key", "k"), ("value", "v")):
@@ -438,6 +439,14 @@ def _bert_tensors(cfg) -> list[Tensor]:
   return out
 
 
+def _bert_read_past(cfg) -> tuple[str, ...]:
+  """Tied, the decoder's weight and bias are copies of the word embeddings and
+  `cls.predictions.bias`; untied, the decoder's bias is the one used."""
+  if cfg.tie_embeddings:
+    return ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+  return ("cls.predictions.bias",)
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
   """One Hugging Face architecture (see the module docstring).
@@ -447,8 +456,10 @@ class Architecture:
   (the heads: "lm_head.", BERT's "cls.") never have it.
   `skipped`: tensor-name suffixes read past: buffers, and weights of other
   heads that the architecture's model does not use (BERT's pooler and
-  next-sentence head, the copy of the tied MLM decoder bias).
-  `head`: the output projection's weight, read past when tied.
+  next-sentence head).
+  `read_past(cfg)`: tensor names in files that transformers does not use with
+  this config: a tied head's own copy; untied BERT's `cls.predictions.bias`
+  (its decoder has its own).
   `objective`: our `train.objective` for fine-tuning an import.
   `auto_class`: the transformers Auto class that loads an export.
   """
@@ -461,7 +472,7 @@ class Architecture:
   tensors: Callable
   skipped: tuple[str, ...] = ()
   unprefixed: tuple[str, ...] = ("lm_head.",)
-  head: str = "lm_head.weight"
+  read_past: Callable = lambda cfg: ("lm_head.weight",) if cfg.tie_embeddings else ()
   objective: str = "next_token"
   auto_class: str = "AutoModelForCausalLM"
 
@@ -478,11 +489,11 @@ ARCHITECTURES = {
                           _qwen2_to_hf, _llama_tensors, skipped=_ROTARY),
     "bert": Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_check,
                          _bert_to_hf, _bert_tensors, unprefixed=("cls.",),
-                         head="cls.predictions.decoder.weight", objective="mlm",
+                         read_past=_bert_read_past, objective="mlm",
                          auto_class="AutoModelForMaskedLM",
                          skipped=("embeddings.position_ids", "pooler.dense.weight",
                                   "pooler.dense.bias", "cls.seq_relationship.weight",
-                                  "cls.seq_relationship.bias", "cls.predictions.decoder.bias")),
+                                  "cls.seq_relationship.bias")),
 }
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
 # without a window is LLaMA).
