@@ -108,6 +108,15 @@ def _need(cfg, **values) -> str:
   return ""
 
 
+def _full_heads(cfg) -> str:
+  """Why `cfg` is not multi-head attention with heads of d_model/num_heads
+  (GPT-2's and BERT's only form; "" if it is)."""
+  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
+    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
+            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
+  return ""
+
+
 # --- GPT-2 -----------------------------------------------------------------
 
 def _gpt2_from_hf(hf: dict) -> dict:
@@ -124,11 +133,9 @@ def _gpt2_from_hf(hf: dict) -> dict:
 
 
 def _gpt2_check(cfg) -> str:
-  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
-    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
-            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
-  return _need(cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
-               mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
+  return _full_heads(cfg) or _need(
+      cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
+      mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
 
 
 def _gpt2_to_hf(cfg, vocab_size: int) -> dict:
@@ -380,9 +387,8 @@ def _bert_from_hf(hf: dict) -> dict:
 
 
 def _bert_check(cfg) -> str:
-  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
-    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
-            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
+  if _full_heads(cfg):
+    return _full_heads(cfg)
   if cfg.mlp not in _BERT_ACT.values() or cfg.type_vocab_size < 1:
     return (f"model.mlp={cfg.mlp!r}, type_vocab_size={cfg.type_vocab_size} (needs gelu, "
             "gelu_tanh or relu, and token types)")
