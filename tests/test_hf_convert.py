@@ -455,3 +455,63 @@ def test_qwen2_refuses_its_sliding_window(tok, tmp_path, capsys):
   _edit_config(hf_dir, use_sliding_window=True, sliding_window=4)
   assert "use_sliding_window=True" in _error_line(capsys, "from_hf", "--hf_dir", hf_dir,
                                                   "--workdir", tmp_path / "run")
+
+
+# The config.json fields of public checkpoints (as published; values only read).
+_PUBLISHED = {
+    "Llama-3.1-8B": ("llama", {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256},
+        dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=8192,
+             num_kv_heads=8, max_len=131072)),
+    "Qwen2-0.5B": ("qwen2", {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+        "max_position_embeddings": 131072, "max_window_layers": 24, "model_type": "qwen2",
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
+        dict(qkv_bias=True, out_bias=False, head_dim=64, tie_embeddings=True)),
+    "Mistral-7B-v0.1": ("mistral", {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000},
+        dict(sliding_window=4096)),
+    "bert-base-uncased": ("bert", {
+        "architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1,
+        "gradient_checkpointing": False, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+        "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 3072,
+        "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert",
+        "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 0,
+        "position_embedding_type": "absolute", "transformers_version": "4.6.0.dev0",
+        "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522},
+        {k: v for k, v in bert_base.get_config().model.to_dict().items()
+         if k in ("family", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
+                  "norm_position", "norm_eps", "mlp", "type_vocab_size", "embedding_norm",
+                  "head_transform", "output_bias", "tie_embeddings")}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_published_configs_import(name):
+  model_type, hf, expected = _PUBLISHED[name]
+  fields = hf_mappings.architecture_of(hf).config_from_hf(hf)
+  assert {k: fields.get(k) for k in expected} == expected
+  config = base_config.get_config()
+  config.model.update(**fields)
+  cfg = ModelConfig.resolve(config.model)
+  assert hf_convert.export_architecture(cfg).model_type == model_type
