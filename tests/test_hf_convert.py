@@ -14,11 +14,13 @@ import sys
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
 import convert
 from configs import base as base_config
+from configs import bert_base
 from configs import from_run
 from configs.errors import UserError
 from model.config import ModelConfig
@@ -47,6 +49,22 @@ def _llama(cls=transformers.LlamaForCausalLM, config=transformers.LlamaConfig, *
   args = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
   return cls(config(**{**args, **kw}))
+
+
+def _bert(**kw):
+  return transformers.BertForMaskedLM(transformers.BertConfig(**{**dict(
+      vocab_size=320, hidden_size=32, num_attention_heads=4, intermediate_size=48,
+      num_hidden_layers=2, max_position_embeddings=64), **kw}))
+
+
+def _randomised(hf_model):
+  """`hf_model` with its biases and LayerNorm parameters drawn at random
+  (initialised to zeros and ones, they would not show a misplaced tensor)."""
+  with torch.no_grad():
+    for name, parameter in hf_model.named_parameters():
+      if name.endswith("bias") or "LayerNorm" in name:
+        torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
+  return hf_model
 
 
 def _save(hf_model, tok, path, **kw):
@@ -79,8 +97,9 @@ def _hf_logits(hf_model, ids):
     return hf_model(torch.as_tensor(ids)).logits.float().numpy()
 
 
-def _check_import(hf_model, tok, tmp_path, **save_kw):
-  """from_hf, then logits and greedy generation against `hf_model`; the run dir."""
+def _check_import(hf_model, tok, tmp_path, generation=True, **save_kw):
+  """from_hf, then logits and (decoders) greedy generation against `hf_model`;
+  the run dir."""
   hf_model.eval()
   workdir = tmp_path / "run"
   assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf", **save_kw),
@@ -89,6 +108,8 @@ def _check_import(hf_model, tok, tmp_path, **save_kw):
   assert step == 0 and run_tok.encode("def f") == tok.encode("def f")
   ids = _ids(tok)
   _assert_close(model(ids), _hf_logits(hf_model, ids))
+  if not generation:
+    return workdir
   prompts = [tok.encode_with_specials(p) for p in PROMPTS]
   ours = generate(model, config.model, prompts, max_new_tokens=8, eos_id=-1)
   for prompt, new in zip(prompts, ours):
@@ -99,11 +120,11 @@ def _check_import(hf_model, tok, tmp_path, **save_kw):
   return workdir
 
 
-def _check_export(workdir, tok, tmp_path, reference):
+def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCausalLM"):
   """to_hf, loaded by transformers: the same logits (on the tokenizer's ids) and ids."""
   out = tmp_path / "exported"
   assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
-  exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  exported = getattr(transformers, auto_class).from_pretrained(out).eval()
   ids = _ids(tok)
   _assert_close(_hf_logits(exported, ids), reference[..., :exported.config.vocab_size])
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
@@ -201,7 +222,7 @@ def _error_line(capsys, *args) -> str:
 @pytest.mark.parametrize("change, message", [
     (lambda d: os.remove(d / "model.safetensors"), "no model.safetensors"),
     (lambda d: (d / "model.safetensors").write_bytes(b"damaged"), "cannot read"),
-    (lambda d: _edit_config(d, model_type="bert"), "model_type 'bert' (planned)"),
+    (lambda d: _edit_config(d, model_type="t5"), "model_type 't5' (planned)"),
     (lambda d: _edit_config(d, activation_function="relu"), "activation_function='relu'"),
     (lambda d: _edit_config(d, unknown_field=1), "unknown_field=1"),
     (lambda d: _edit_config(d, n_embd=64), "has shape"),
@@ -217,8 +238,15 @@ def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
 
 
 def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
-  for kw, message in [(dict(rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                                             "rope_theta": 1e4}), "rope_type='yarn'"),
+  for kw, message in [(dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0,
+                                             "rope_theta": 1e4}), "rope_type='dynamic'"),
+                      (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 0.7,
+                                             "original_max_position_embeddings": 16,
+                                             "rope_theta": 1e4}), "rope_parameters.mscale=0.7"),
+                      (dict(rope_parameters={"rope_type": "llama3", "factor": 8.0,
+                                             "original_max_position_embeddings": 16,
+                                             "rope_theta": 1e4}),
+                       "rope_parameters.low_freq_factor is missing"),
                       (dict(attention_bias=True), "attention_bias=True")]:
     hf_dir = tmp_path / "hf"
     _save(_llama(), tok, hf_dir)
@@ -287,11 +315,203 @@ def test_export_refuses_configs_without_hf_architecture():
     hf_convert.export_architecture(ModelConfig.resolve(config.model))
 
 
-@pytest.mark.parametrize("field,value", [("sliding_window", 4), ("qkv_bias", True),
-                                         ("attention_scale", 1.0), ("embedding_norm", True),
-                                         ("type_vocab_size", 2)])
+@pytest.mark.parametrize("field,value", [("attention_scale", 1.0), ("embedding_norm", True),
+                                         ("type_vocab_size", 2), ("out_bias", True)])
 def test_export_refuses_options_llama_does_not_have(field, value):
   config = base_config.get_config()
   config.model[field] = value
   with pytest.raises(UserError, match=f"llama: model.{field}="):
     hf_convert.export_architecture(ModelConfig.resolve(config.model))
+
+
+@pytest.mark.parametrize("field,value,model_type", [
+    ("sliding_window", 4, "mistral"), ("qkv_bias", True, "qwen2"),
+    ("rope_scaling", "yarn", "llama"), ("rope_scaling", "llama3", "llama")])
+def test_export_picks_the_architecture_of_each_option(field, value, model_type):
+  config = base_config.get_config()
+  config.model[field] = value
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == model_type
+
+
+def test_export_refuses_ntk_rope_by_name():
+  config = base_config.get_config()
+  config.model.update(rope_scaling="ntk", rope_scaling_factor=2.0)
+  with pytest.raises(UserError, match="llama: model.rope_scaling='ntk'"):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))
+
+
+def test_bert_base_preset_exports_as_bert():
+  config = bert_base.get_config()
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "bert"
+
+
+def test_qwen2_in_and_out(tok, tmp_path):
+  """q/k/v biases without an o bias; GQA, untied head."""
+  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+  workdir = _check_import(hf_model, tok, tmp_path)
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert (exported["model_type"], exported["use_sliding_window"]) == ("qwen2", False)
+
+
+@pytest.mark.slow
+def test_mistral_sliding_window_in_and_out(tok, tmp_path):
+  """A window of 4 keys, shorter than the prompts plus the generated tokens."""
+  hf_model = _llama(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4)
+  workdir = _check_import(hf_model, tok, tmp_path)
+  assert workdir_lib.load_config(str(workdir)).model.sliding_window == 4
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert (exported["model_type"], exported["sliding_window"]) == ("mistral", 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=16),
+    dict(rope_type="yarn", rope_theta=500.0, factor=2.0, original_max_position_embeddings=32,
+         beta_fast=16.0, beta_slow=2.0, attention_factor=1.3, truncate=False),
+    dict(rope_type="llama3", rope_theta=500.0, factor=8.0, original_max_position_embeddings=16,
+         low_freq_factor=1.0, high_freq_factor=4.0),
+])
+def test_llama_rope_scaling_in_and_out(tok, tmp_path, rope):
+  hf_model = _llama(head_dim=16, rope_parameters=rope)
+  workdir = _check_import(hf_model, tok, tmp_path)
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert rope.items() <= exported["rope_parameters"].items()
+
+
+def test_llama_yarn_factor_from_the_context_lengths():
+  """No `factor`: transformers takes max_position_embeddings / original."""
+  llama = hf_mappings.ARCHITECTURES["llama"]
+  fields = llama.config_from_hf({"model_type": "llama", "max_position_embeddings": 1024,
+                                 "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4,
+                                                     "original_max_position_embeddings": 256}})
+  assert (fields["rope_scaling"], fields["rope_scaling_factor"]) == ("yarn", 4.0)
+
+
+def test_bert_masked_lm_in_and_out(tok, tmp_path):
+  """Embedding LayerNorm, token types, post-norm, erf GELU, the MLM head
+  transform and output bias, tied; imported with the mlm objective."""
+  hf_model = _randomised(_bert())
+  workdir = _check_import(hf_model, tok, tmp_path, generation=False)
+  config = workdir_lib.load_config(str(workdir))
+  assert (config.model.family, config.train.objective) == ("encoder", "mlm")
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
+                auto_class="AutoModelForMaskedLM")
+
+
+@pytest.mark.slow
+def test_bert_untied_tanh_gelu_in_and_out(tok, tmp_path):
+  """Untied, the decoder's own bias is the output bias; gelu_new is tanh GELU."""
+  hf_model = _randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
+  workdir = _check_import(hf_model, tok, tmp_path, generation=False)
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
+                auto_class="AutoModelForMaskedLM")
+
+
+@pytest.mark.slow
+def test_bert_hub_file_layout(tok, tmp_path):
+  """As bert-base-uncased's model.safetensors: LayerNorm gamma/beta names, the
+  pooler and next-sentence head, and the tied decoder's own copies; read as
+  transformers reads them."""
+  hf_model = _randomised(_bert()).eval()
+  hf_dir = _save(hf_model, tok, tmp_path / "hf")
+  path = tmp_path / "hf" / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
+                                                                      "LayerNorm.beta"): v
+             for k, v in tensors.items()}
+  tensors.update({"bert.pooler.dense.weight": np.zeros((32, 32), np.float32),
+                  "bert.pooler.dense.bias": np.zeros(32, np.float32),
+                  "cls.seq_relationship.weight": np.zeros((2, 32), np.float32),
+                  "cls.seq_relationship.bias": np.zeros(2, np.float32),
+                  "cls.predictions.decoder.weight":
+                      tensors["bert.embeddings.word_embeddings.weight"],
+                  "cls.predictions.decoder.bias": tensors["cls.predictions.bias"]})
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  _, _, model, _ = load_run(str(tmp_path / "run"))
+  ids = _ids(tok)
+  _assert_close(model(ids), _hf_logits(hf_model, ids))
+
+
+def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
+  for kw, message in [(dict(position_embedding_type="relative_key"),
+                       "position_embedding_type='relative_key'"),
+                      (dict(hidden_act="silu"), "hidden_act='silu'"),
+                      (dict(is_decoder=True), "is_decoder=True")]:
+    hf_dir = tmp_path / "hf"
+    _save(_bert(num_hidden_layers=1), tok, hf_dir)
+    _edit_config(hf_dir, **kw)
+    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                  tmp_path / "run")
+
+
+def test_qwen2_refuses_its_sliding_window(tok, tmp_path, capsys):
+  hf_dir = tmp_path / "hf"
+  _save(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, num_hidden_layers=1),
+        tok, hf_dir)
+  _edit_config(hf_dir, use_sliding_window=True, sliding_window=4)
+  assert "use_sliding_window=True" in _error_line(capsys, "from_hf", "--hf_dir", hf_dir,
+                                                  "--workdir", tmp_path / "run")
+
+
+# The config.json fields of public checkpoints (as published; values only read).
+_PUBLISHED = {
+    "Llama-3.1-8B": ("llama", {
+        "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+        "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
+        "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.43.0.dev0", "use_cache": True, "vocab_size": 128256},
+        dict(rope_scaling="llama3", rope_scaling_factor=8.0, rope_original_max_len=8192,
+             num_kv_heads=8, max_len=131072)),
+    "Qwen2-0.5B": ("qwen2", {
+        "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu",
+        "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+        "max_position_embeddings": 131072, "max_window_layers": 24, "model_type": "qwen2",
+        "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 131072,
+        "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+        "use_cache": True, "use_sliding_window": False, "vocab_size": 151936},
+        dict(qkv_bias=True, out_bias=False, head_dim=64, tie_embeddings=True)),
+    "Mistral-7B-v0.1": ("mistral", {
+        "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2,
+        "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mistral",
+        "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000},
+        dict(sliding_window=4096)),
+    "bert-base-uncased": ("bert", {
+        "architectures": ["BertForMaskedLM"], "attention_probs_dropout_prob": 0.1,
+        "gradient_checkpointing": False, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+        "hidden_size": 768, "initializer_range": 0.02, "intermediate_size": 3072,
+        "layer_norm_eps": 1e-12, "max_position_embeddings": 512, "model_type": "bert",
+        "num_attention_heads": 12, "num_hidden_layers": 12, "pad_token_id": 0,
+        "position_embedding_type": "absolute", "transformers_version": "4.6.0.dev0",
+        "type_vocab_size": 2, "use_cache": True, "vocab_size": 30522},
+        {k: v for k, v in bert_base.get_config().model.to_dict().items()
+         if k in ("family", "vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
+                  "norm_position", "norm_eps", "mlp", "type_vocab_size", "embedding_norm",
+                  "head_transform", "output_bias", "tie_embeddings")}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_published_configs_import(name):
+  model_type, hf, expected = _PUBLISHED[name]
+  fields = hf_mappings.architecture_of(hf).config_from_hf(hf)
+  assert {k: fields.get(k) for k in expected} == expected
+  config = base_config.get_config()
+  config.model.update(**fields)
+  cfg = ModelConfig.resolve(config.model)
+  assert hf_convert.export_architecture(cfg).model_type == model_type

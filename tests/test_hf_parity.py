@@ -1,4 +1,5 @@
-"""Logits parity with tiny random `transformers` decoders, weights copied by hand.
+"""Logits parity with tiny random `transformers` models, weights copied in memory
+with convert.py's mappings (`training/hf_mappings.py`).
 
 Covers the model options that these architectures need: Mistral's sliding
 window (with KV-cache decoding), Qwen2's q/k/v biases without an o bias,
@@ -14,6 +15,8 @@ from flax import nnx
 
 from configs import base, bert_base
 from model import accounting, build_model
+from model.config import ModelConfig
+from training import hf_mappings
 
 SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=48, num_hidden_layers=2, rms_norm_eps=1e-6,
@@ -38,36 +41,28 @@ CASES = {
 
 
 def _ours(**overrides):
+  """Our model and its config section."""
   m = base.get_config().model
   m.update(family="decoder", vocab_size=64, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
            d_ff=48, num_layers=2, max_len=64, pos_emb="rope", norm="rmsnorm", norm_eps=1e-6,
            mlp="swiglu", use_bias=False, tie_embeddings=False, attention_impl="xla")
   m.update(**overrides)
-  return build_model(m, nnx.Rngs(0))
+  return build_model(m, nnx.Rngs(0)), m
 
 
-def _set(variable, tensor, shape):
-  variable[...] = jnp.asarray(tensor.detach().numpy()).reshape(shape)
-
-
-def _copy_weights(hf, ours):
-  """transformers' [out, in] Linear weights into our [in, ...out] kernels."""
-  M, H, K, D = 32, 4, 2, 8
-  _set(ours.decoder.embed.embedding, hf.model.embed_tokens.weight, (64, M))
-  _set(ours.head.kernel, hf.lm_head.weight.T, (M, 64))
-  _set(ours.decoder.final_norm.scale, hf.model.norm.weight, (M,))
-  for layer, block in zip(hf.model.layers, ours.decoder.layers):
-    attn = layer.self_attn
-    for name, heads in (("q_proj", H), ("k_proj", K), ("v_proj", K)):
-      _set(getattr(block.attn, name).kernel, getattr(attn, name).weight.T, (M, heads, D))
-      if getattr(block.attn, name).bias is not None:
-        _set(getattr(block.attn, name).bias, getattr(attn, name).bias, (heads, D))
-    _set(block.attn.o_proj.kernel, attn.o_proj.weight.T, (H, D, M))
-    for ours_name, hf_name in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
-      weight = getattr(layer.mlp, hf_name).weight.T
-      _set(getattr(block.mlp, ours_name).kernel, weight, tuple(weight.shape))
-    _set(block.norm_attn.scale, layer.input_layernorm.weight, (M,))
-    _set(block.norm_mlp.scale, layer.post_attention_layernorm.weight, (M,))
+def _copy_weights(hf, ours, model_config):
+  """transformers' weights into our model, through convert.py's mapping
+  (`training/hf_mappings.py`) for the HF model's type."""
+  arch = hf_mappings.ARCHITECTURES[hf.config.model_type]
+  weights = {name.removeprefix(arch.prefix): tensor.detach().numpy()
+             for name, tensor in hf.state_dict().items()}
+  for tensor in arch.tensors(ModelConfig.resolve(model_config)):
+    for path, value in zip(tensor.paths, tensor.to_ours(weights[tensor.hf_name])):
+      node = ours
+      for part in path.split("/"):
+        node = node[int(part)] if part.isdigit() else getattr(node, part)
+      assert node.shape == value.shape, path
+      node[...] = jnp.asarray(value)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -80,8 +75,8 @@ def test_logits_match_transformers(case):
   for name, parameter in hf.named_parameters():
     if name.endswith("bias"):  # initialised to zero: make them count
       torch.nn.init.normal_(parameter, std=0.5)
-  ours = _ours(**our_fields)
-  _copy_weights(hf, ours)
+  ours, model_config = _ours(**our_fields)
+  _copy_weights(hf, ours, model_config)
   tokens = np.random.default_rng(0).integers(0, 64, (2, 12))
   with torch.no_grad():
     want = hf(torch.from_numpy(tokens)).logits.numpy()
@@ -105,46 +100,13 @@ BERT = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, intermediate_s
 
 
 def _ours_bert():
+  """Our BERT and its config section."""
   m = base.get_config().model
   m.update(family="encoder", vocab_size=64, d_model=32, num_heads=4, d_ff=48, num_layers=2,
            max_len=64, pos_emb="learned", norm="layernorm", norm_position="post",
            norm_eps=1e-12, mlp="gelu", use_bias=True, tie_embeddings=True, type_vocab_size=2,
            embedding_norm=True, head_transform=True, output_bias=True, attention_impl="xla")
-  return build_model(m, nnx.Rngs(0))
-
-
-def _copy_dense(ours, hf, in_shape, out_shape):
-  """A torch Linear ([out, in] weight, [out] bias) into our Dense."""
-  _set(ours.kernel, hf.weight.T, (*in_shape, *out_shape))
-  _set(ours.bias, hf.bias, out_shape)
-
-
-def _copy_norm(ours, hf, dim=32):
-  _set(ours.scale, hf.weight, (dim,))
-  _set(ours.bias, hf.bias, (dim,))
-
-
-def _copy_bert_weights(hf, ours):
-  """BertForMaskedLM's weights into our encoder (BERT's names -> ours)."""
-  M, H, D, F = 32, 4, 8, 48
-  emb, stack = hf.bert.embeddings, ours.encoder
-  _set(stack.embed.embedding, emb.word_embeddings.weight, (64, M))
-  _set(stack.positions.table, emb.position_embeddings.weight, (64, M))
-  _set(stack.token_types.table, emb.token_type_embeddings.weight, (2, M))
-  _copy_norm(stack.embedding_norm, emb.LayerNorm)
-  for layer, block in zip(hf.bert.encoder.layer, stack.layers):
-    attn = layer.attention.self
-    for ours_name, hf_name in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
-      _copy_dense(getattr(block.attn, ours_name), getattr(attn, hf_name), (M,), (H, D))
-    _copy_dense(block.attn.o_proj, layer.attention.output.dense, (H, D), (M,))
-    _copy_norm(block.norm_attn, layer.attention.output.LayerNorm)
-    _copy_dense(block.mlp.up, layer.intermediate.dense, (M,), (F,))
-    _copy_dense(block.mlp.down, layer.output.dense, (F,), (M,))
-    _copy_norm(block.norm_mlp, layer.output.LayerNorm)
-  head = hf.cls.predictions
-  _copy_dense(ours.head_transform.dense, head.transform.dense, (M,), (M,))
-  _copy_norm(ours.head_transform.norm, head.transform.LayerNorm)
-  _set(ours.output_bias, head.bias, (64,))
+  return build_model(m, nnx.Rngs(0)), m
 
 
 def test_bert_masked_lm_logits_match_transformers():
@@ -156,8 +118,8 @@ def test_bert_masked_lm_logits_match_transformers():
     if name.endswith("bias") or "LayerNorm" in name:  # zeros and ones: make them count
       torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
   assert hf.cls.predictions.decoder.weight is hf.bert.embeddings.word_embeddings.weight
-  ours = _ours_bert()
-  _copy_bert_weights(hf, ours)
+  ours, model_config = _ours_bert()
+  _copy_weights(hf, ours, model_config)
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, 64, (2, 12))
   types = (np.arange(12) >= rng.integers(3, 9, (2, 1))).astype(np.int64)

@@ -13,11 +13,11 @@ The run is written into a temporary directory next to the workdir and renamed
 at the end: a failure leaves no workdir.
 
 `to_hf(workdir, out_dir, step)` writes config.json, model.safetensors and
-the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` and
-`AutoTokenizer`. Vocabulary rows past the tokenizer's (our padding, 50,304
-against GPT-2's 50,257) are dropped. Imports keep the checkpoint's rows:
-zero rows added on import would give padded ids a logit of 0, above real
-ones, and change the outputs.
+the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
+`AutoModelForMaskedLM`) and `AutoTokenizer`. Vocabulary rows past the
+tokenizer's (our padding, 50,304 against GPT-2's 50,257) are dropped.
+Imports keep the checkpoint's rows: zero rows added on import would give
+padded ids a logit of 0, above real ones, and change the outputs.
 """
 import json
 import os
@@ -46,6 +46,9 @@ from training.steps import abstract_state, init_state
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
+# Tensor-name endings of old checkpoints (BERT's hub files) and what
+# transformers renames them to on load.
+_LEGACY_NAMES = {"LayerNorm.gamma": "LayerNorm.weight", "LayerNorm.beta": "LayerNorm.bias"}
 _PARAM_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float32"}
 
 
@@ -92,9 +95,10 @@ def run_config(hf: dict, arch, tok):
   if dtype not in _PARAM_DTYPES:
     raise UserError(f"Hugging Face config field dtype={dtype!r} is not supported "
                     f"({', '.join(_PARAM_DTYPES)} are)")
-  config.model.update(family="decoder", **arch.config_from_hf(hf), attention_impl="auto",
+  config.model.update(**{"family": "decoder", **arch.config_from_hf(hf)}, attention_impl="auto",
                       dtype=_PARAM_DTYPES[dtype], param_dtype=_PARAM_DTYPES[dtype])
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
+  config.train.objective = arch.objective
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > config.model.vocab_size:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
@@ -115,9 +119,12 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
   """[(Tensor, full HF name)], every name and shape checked before reading."""
   names = {}
   for name in files:
-    if name.endswith(arch.buffers):
+    if name.endswith(arch.skipped):
       continue
-    short = name if name.startswith("lm_head.") else name.removeprefix(arch.prefix)
+    short = name.removeprefix(arch.prefix)
+    for old, new in _LEGACY_NAMES.items():
+      if short.endswith(old):
+        short = short.removesuffix(old) + new
     names[short] = name
   plan, wanted = [], set()
   for tensor in arch.tensors(cfg):
@@ -132,8 +139,8 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
       raise UserError(f"{hf_dir}: tensor {full} has shape {shape}, config.json implies "
                       f"{expected}")
     plan.append((tensor, full))
-  extra = sorted(set(names) - wanted)
-  if extra and not (arch.model_type == "gpt2" and extra == ["lm_head.weight"]):
+  extra = sorted(set(names) - wanted - set(arch.read_past(cfg)))
+  if extra:
     raise UserError(f"{hf_dir}: tensor {names[extra[0]]} is not used by the {arch.model_type} "
                     f"mapping ({len(extra)} unused)")
   return plan
@@ -242,11 +249,10 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   tensors = {}
   for tensor in arch.tensors(cfg):
     arrays = [np.asarray(jax.device_get(params[p])) for p in tensor.paths]
-    if tensor.hf_name in ("wte.weight", "embed_tokens.weight"):
-      arrays = [arrays[0][:vocab]]
-    elif tensor.hf_name == "lm_head.weight":
-      arrays = [arrays[0][:, :vocab]]
-    name = tensor.hf_name if tensor.hf_name.startswith("lm_head.") else arch.prefix + tensor.hf_name
+    if tensor.vocab_axis is not None:
+      arrays = [np.take(arrays[0], np.arange(vocab), axis=tensor.vocab_axis)]
+    name = (tensor.hf_name if tensor.hf_name.startswith(arch.unprefixed)
+            else arch.prefix + tensor.hf_name)
     tensors[name] = np.ascontiguousarray(tensor.to_hf(*arrays).astype(np_dtype))
   hf = arch.config_to_hf(cfg, vocab)
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,

@@ -12,7 +12,7 @@ An `Architecture` says, for one Hugging Face `model_type`:
 Torch `Linear` weights are [out, in]; ours are [in, ...]. GPT-2's `Conv1D` is
 already [in, out] and packs q, k, v into one `c_attn`. Both RoPE layouts
 rotate pairs (x[i], x[i + D/2]), so no permutation is needed. A new
-architecture (BERT, T5, BART, Qwen2) is one more entry in `ARCHITECTURES`.
+architecture (T5, BART) is one more entry in `ARCHITECTURES`.
 """
 import dataclasses
 from collections.abc import Callable
@@ -32,6 +32,8 @@ _INERT = {
     "summary_use_proj", "task_specific_params", "n_ctx", "output_attentions",
     "output_hidden_states", "return_dict", "id2label", "label2id", "chunk_size_feed_forward",
     "is_encoder_decoder", "tokenizer_class", "reorder_and_upcast_attn",
+    "gradient_checkpointing", "hidden_dropout_prob", "attention_probs_dropout_prob",
+    "classifier_dropout",
 }
 
 
@@ -40,21 +42,28 @@ class Tensor:
   """One HF tensor and the parameters of ours it holds.
 
   `to_ours(array)` gives one array per path in `paths`; `to_hf(*arrays)`
-  packs them back.
+  packs them back. `vocab_axis`: the axis of our (single) array that runs over
+  the vocabulary (cut to the tokenizer's rows on export), None if none.
   """
   hf_name: str
   paths: tuple[str, ...]
   to_ours: Callable
   to_hf: Callable
+  vocab_axis: int | None = None
 
 
-def _same(name, path):
-  return Tensor(name, (path,), lambda w: (w,), lambda w: w)
+def _same(name, path, vocab_axis=None):
+  return Tensor(name, (path,), lambda w: (w,), lambda w: w, vocab_axis)
 
 
-def _transposed(name, path):
+def _transposed(name, path, vocab_axis=None):
   """A torch Linear [out, in] <-> our [in, out]."""
-  return Tensor(name, (path,), lambda w: (w.T,), lambda k: k.T)
+  return Tensor(name, (path,), lambda w: (w.T,), lambda k: k.T, vocab_axis)
+
+
+def _bias_in(name, path, heads, d):
+  """A torch Linear bias [heads*d] <-> our projection bias [heads, d]."""
+  return Tensor(name, (path,), lambda b: (b.reshape(heads, d),), lambda b: b.reshape(-1))
 
 
 def _linear_in(name, path, m, heads, d):
@@ -99,6 +108,15 @@ def _need(cfg, **values) -> str:
   return ""
 
 
+def _full_heads(cfg) -> str:
+  """Why `cfg` is not multi-head attention with heads of d_model/num_heads
+  (GPT-2's and BERT's only form; "" if it is)."""
+  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
+    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
+            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
+  return ""
+
+
 # --- GPT-2 -----------------------------------------------------------------
 
 def _gpt2_from_hf(hf: dict) -> dict:
@@ -115,11 +133,9 @@ def _gpt2_from_hf(hf: dict) -> dict:
 
 
 def _gpt2_check(cfg) -> str:
-  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
-    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
-            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
-  return _need(cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
-               mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
+  return _full_heads(cfg) or _need(
+      cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
+      mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
 
 
 def _gpt2_to_hf(cfg, vocab_size: int) -> dict:
@@ -132,7 +148,7 @@ def _gpt2_to_hf(cfg, vocab_size: int) -> dict:
 
 def _gpt2_tensors(cfg) -> list[Tensor]:
   m, h, d = cfg.d_model, cfg.num_heads, cfg.head_dim
-  out = [_same("wte.weight", "decoder/embed/embedding"),
+  out = [_same("wte.weight", "decoder/embed/embedding", 0),
          _same("wpe.weight", "decoder/positions/table"),
          _same("ln_f.weight", "decoder/final_norm/scale"),
          _same("ln_f.bias", "decoder/final_norm/bias")]
@@ -159,37 +175,86 @@ def _gpt2_tensors(cfg) -> list[Tensor]:
         _same(hf + "mlp.c_proj.bias", ours + "mlp/down/bias"),
     ]
   if not cfg.tie_embeddings:
-    out.append(_transposed("lm_head.weight", "head/kernel"))
+    out.append(_transposed("lm_head.weight", "head/kernel", 1))
   return out
 
 
-# --- LLaMA and Mistral -------------------------------------------------------
+# --- LLaMA, Mistral and Qwen2 ------------------------------------------------
+
+# rope_type -> {HF rope_parameters key: (our model field, default)}; a None
+# default is required, except yarn's attention_factor (None: from the factor).
+_ROPE_PARAMS = {
+    "default": {},
+    "linear": {"factor": ("rope_scaling_factor", 1.0)},
+    "yarn": {"factor": ("rope_scaling_factor", None),
+             "original_max_position_embeddings": ("rope_original_max_len", None),
+             "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+             "attention_factor": ("rope_attention_factor", None),
+             "truncate": ("rope_truncate", True)},
+    "llama3": {"factor": ("rope_scaling_factor", None),
+               "original_max_position_embeddings": ("rope_original_max_len", None),
+               "low_freq_factor": ("rope_low_freq_factor", None),
+               "high_freq_factor": ("rope_high_freq_factor", None)},
+}
+
 
 def _rope(hf: dict) -> dict:
   """RoPE base and scaling from `rope_parameters` (transformers 5) or
-  `rope_theta`/`rope_scaling` (earlier files): `default` or `linear`."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  `rope_theta`/`rope_scaling` (earlier files): rope_type default, linear,
+  yarn or llama3, each parameter as transformers defines it (yarn's factor
+  defaults to max_position_embeddings / original_max_position_embeddings)."""
+  params = {k: v for k, v in dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+                                  ).items() if v is not None}
   theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
   kind = params.pop("rope_type", params.pop("type", "default"))
-  factor = params.pop("factor", 1.0) if kind == "linear" else 1.0
-  if kind not in ("default", "linear"):
+  if kind not in _ROPE_PARAMS:
     raise UserError(f"Hugging Face config field rope_type={kind!r} is not supported by the "
-                    "import (default and linear are)")
+                    f"import ({', '.join(_ROPE_PARAMS)} are)")
+  out = dict(rope_theta=theta, rope_scaling="none" if kind == "default" else kind)
+  for key, (field, default) in _ROPE_PARAMS[kind].items():
+    out[field] = params.pop(key, default)
   if params:
     key = next(iter(params))
     raise UserError(f"Hugging Face config field rope_parameters.{key}={params[key]!r} is not "
                     f"supported by the import with rope_type={kind!r}")
-  return dict(rope_theta=theta, rope_scaling="none" if kind == "default" else "linear",
-              rope_scaling_factor=factor)
+  if kind == "yarn":
+    max_len = hf.get("max_position_embeddings", 2048)
+    if out["rope_original_max_len"] is None:
+      out["rope_original_max_len"] = max_len
+    if out["rope_scaling_factor"] is None:
+      out["rope_scaling_factor"] = max_len / out["rope_original_max_len"]
+  for key, (field, _) in _ROPE_PARAMS[kind].items():
+    if out[field] is None and field != "rope_attention_factor":
+      raise UserError(f"Hugging Face config field rope_parameters.{key} is missing "
+                      f"(rope_type={kind!r} needs it)")
+  return out
 
 
-def _llama_from_hf(hf: dict, name: str) -> dict:
-  _fields(hf, {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-               "num_attention_heads", "num_key_value_heads", "head_dim",
-               "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_theta",
-               "rope_scaling", "rope_parameters"},
-          {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "pretraining_tp": 1,
-           "sliding_window": None}, name)
+def _rope_to_hf(cfg) -> dict:
+  """Our RoPE fields -> HF `rope_parameters` (inverse of `_rope`)."""
+  kind = "default" if cfg.rope_scaling == "none" else cfg.rope_scaling
+  out = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+  for key, (field, _) in _ROPE_PARAMS[kind].items():
+    if getattr(cfg, field) is not None:
+      out[key] = getattr(cfg, field)
+  return out
+
+
+def _rope_check(cfg) -> str:
+  if cfg.rope_scaling not in ("none", *_ROPE_PARAMS):
+    return (f"model.rope_scaling={cfg.rope_scaling!r} (needs one of 'none', "
+            f"{', '.join(repr(k) for k in _ROPE_PARAMS if k != 'default')})")
+  return ""
+
+
+_LLAMA_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_theta",
+                 "rope_scaling", "rope_parameters"}
+
+
+def _llama_body(hf: dict) -> dict:
+  """Our fields for the LLaMA body that Mistral and Qwen2 share."""
   d, h = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
   return dict(vocab_size=hf.get("vocab_size", 32000), d_model=d,
               num_layers=hf.get("num_hidden_layers", 32), num_heads=h,
@@ -200,30 +265,77 @@ def _llama_from_hf(hf: dict, name: str) -> dict:
               use_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False), **_rope(hf))
 
 
+def _llama_from_hf(hf: dict) -> dict:
+  _fields(hf, _LLAMA_FIELDS, {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                              "pretraining_tp": 1}, "llama")
+  return _llama_body(hf)
+
+
+def _mistral_from_hf(hf: dict) -> dict:
+  _fields(hf, _LLAMA_FIELDS | {"sliding_window"}, {"hidden_act": "silu"}, "mistral")
+  return dict(_llama_body(hf), sliding_window=hf.get("sliding_window"))
+
+
+def _qwen2_from_hf(hf: dict) -> dict:
+  """Qwen2: LLaMA with q/k/v biases; its window only with use_sliding_window
+  (refused), so `sliding_window` and `max_window_layers` are then unused."""
+  _fields(hf, _LLAMA_FIELDS | {"sliding_window", "max_window_layers", "layer_types"},
+          {"hidden_act": "silu", "use_sliding_window": False}, "qwen2")
+  layer_types = set(hf.get("layer_types") or ["full_attention"])
+  if layer_types != {"full_attention"}:
+    raise UserError(f"Hugging Face config field layer_types={sorted(layer_types)!r} is not "
+                    "supported by the qwen2 import (needs full_attention only)")
+  return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False)
+
+
 def _llama_check(cfg) -> str:
-  if cfg.rope_scaling not in ("none", "linear"):
-    return f"model.rope_scaling={cfg.rope_scaling!r} (needs 'none' or 'linear')"
-  return _need(cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre",
-               mlp="swiglu", **_plain_attention(cfg, bias=False))
+  return _rope_check(cfg) or _need(
+      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
+      **_plain_attention(cfg, bias=False))
 
 
-def _llama_to_hf(cfg, vocab_size: int) -> dict:
-  rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
-  if cfg.rope_scaling == "linear":
-    rope = {"rope_type": "linear", "rope_theta": cfg.rope_theta,
-            "factor": cfg.rope_scaling_factor}
-  return dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=vocab_size,
-              hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+def _mistral_check(cfg) -> str:
+  values = _plain_attention(cfg, bias=False)
+  del values["sliding_window"]
+  return _rope_check(cfg) or _need(
+      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
+      **values)
+
+
+def _qwen2_check(cfg) -> str:
+  return _rope_check(cfg) or _need(
+      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
+      **dict(_plain_attention(cfg, bias=False), qkv_bias=True))
+
+
+def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-              tie_word_embeddings=cfg.tie_embeddings, attention_bias=False, mlp_bias=False,
-              rope_parameters=rope)
+              tie_word_embeddings=cfg.tie_embeddings, rope_parameters=_rope_to_hf(cfg))
+
+
+def _llama_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama",
+              **_llama_body_to_hf(cfg, vocab_size), attention_bias=False, mlp_bias=False)
+
+
+def _mistral_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["MistralForCausalLM"], model_type="mistral",
+              **_llama_body_to_hf(cfg, vocab_size), sliding_window=cfg.sliding_window)
+
+
+def _qwen2_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+              **_llama_body_to_hf(cfg, vocab_size), use_sliding_window=False,
+              sliding_window=None)
 
 
 def _llama_tensors(cfg) -> list[Tensor]:
+  """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias)."""
   m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-  out = [_same("embed_tokens.weight", "decoder/embed/embedding"),
+  out = [_same("embed_tokens.weight", "decoder/embed/embedding", 0),
          _same("norm.weight", "decoder/final_norm/scale")]
   for i in range(cfg.num_layers):
     hf, ours = f"layers.{i}.", f"decoder/layers/{i}/"
@@ -238,9 +350,107 @@ def _llama_tensors(cfg) -> list[Tensor]:
         _transposed(hf + "mlp.up_proj.weight", ours + "mlp/up/kernel"),
         _transposed(hf + "mlp.down_proj.weight", ours + "mlp/down/kernel"),
     ]
+    if cfg.qkv_bias:
+      out += [_bias_in(hf + f"self_attn.{p}_proj.bias", ours + f"attn/{p}_proj/bias", heads, d)
+              for p, heads in (("q", h), ("k", k), ("v", k))]
   if not cfg.tie_embeddings:
-    out.append(_transposed("lm_head.weight", "head/kernel"))
+    out.append(_transposed("lm_head.weight", "head/kernel", 1))
   return out
+
+
+# --- BERT (masked LM) ---------------------------------------------------------
+
+_BERT_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
+             "relu": "relu"}
+
+
+def _bert_from_hf(hf: dict) -> dict:
+  """BertForMaskedLM: post-norm encoder, embedding LayerNorm, token types,
+  the MLM head transform (dense, hidden_act, LayerNorm) and output bias."""
+  _fields(hf, {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "intermediate_size", "hidden_act", "max_position_embeddings", "type_vocab_size",
+               "layer_norm_eps", "tie_word_embeddings"},
+          {"position_embedding_type": "absolute", "is_decoder": False,
+           "add_cross_attention": False}, "bert")
+  act = hf.get("hidden_act", "gelu")
+  if act not in _BERT_ACT:
+    raise UserError(f"Hugging Face config field hidden_act={act!r} is not supported by the bert "
+                    f"import ({', '.join(_BERT_ACT)} are)")
+  return dict(family="encoder", vocab_size=hf.get("vocab_size", 30522),
+              d_model=hf.get("hidden_size", 768), num_layers=hf.get("num_hidden_layers", 12),
+              num_heads=hf.get("num_attention_heads", 12), d_ff=hf.get("intermediate_size", 3072),
+              max_len=hf.get("max_position_embeddings", 512), pos_emb="learned",
+              norm="layernorm", norm_position="post", norm_eps=hf.get("layer_norm_eps", 1e-12),
+              mlp=_BERT_ACT[act], use_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True),
+              type_vocab_size=hf.get("type_vocab_size", 2), embedding_norm=True,
+              head_transform=True, output_bias=True)
+
+
+def _bert_check(cfg) -> str:
+  if _full_heads(cfg):
+    return _full_heads(cfg)
+  if cfg.mlp not in _BERT_ACT.values() or cfg.type_vocab_size < 1:
+    return (f"model.mlp={cfg.mlp!r}, type_vocab_size={cfg.type_vocab_size} (needs gelu, "
+            "gelu_tanh or relu, and token types)")
+  values = dict(_plain_attention(cfg, bias=True), embedding_norm=True, head_transform=True,
+                output_bias=True)
+  del values["type_vocab_size"]
+  return _need(cfg, family="encoder", pos_emb="learned", norm="layernorm",
+               norm_position="post", **values)
+
+
+def _bert_to_hf(cfg, vocab_size: int) -> dict:
+  act = {v: k for k, v in reversed(_BERT_ACT.items())}[cfg.mlp]
+  return dict(architectures=["BertForMaskedLM"], model_type="bert", vocab_size=vocab_size,
+              hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, intermediate_size=cfg.d_ff, hidden_act=act,
+              max_position_embeddings=cfg.max_len, type_vocab_size=cfg.type_vocab_size,
+              layer_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+              hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+
+
+def _bert_tensors(cfg) -> list[Tensor]:
+  m, h, d = cfg.d_model, cfg.num_heads, cfg.head_dim
+  out = [_same("embeddings.word_embeddings.weight", "encoder/embed/embedding", 0),
+         _same("embeddings.position_embeddings.weight", "encoder/positions/table"),
+         _same("embeddings.token_type_embeddings.weight", "encoder/token_types/table"),
+         _same("embeddings.LayerNorm.weight", "encoder/embedding_norm/scale"),
+         _same("embeddings.LayerNorm.bias", "encoder/embedding_norm/bias"),
+         _transposed("cls.predictions.transform.dense.weight", "head_transform/dense/kernel"),
+         _same("cls.predictions.transform.dense.bias", "head_transform/dense/bias"),
+         _same("cls.predictions.transform.LayerNorm.weight", "head_transform/norm/scale"),
+         _same("cls.predictions.transform.LayerNorm.bias", "head_transform/norm/bias"),
+         _same("cls.predictions.bias" if cfg.tie_embeddings else "cls.predictions.decoder.bias",
+               "output_bias", 0)]
+  for i in range(cfg.num_layers):
+    hf, ours = f"encoder.layer.{i}.", f"encoder/layers/{i}/"
+    for hf_name, p in (("query", "q"), ("key", "k"), ("value", "v")):
+      out += [_linear_in(f"{hf}attention.self.{hf_name}.weight", f"{ours}attn/{p}_proj/kernel",
+                         m, h, d),
+              _bias_in(f"{hf}attention.self.{hf_name}.bias", f"{ours}attn/{p}_proj/bias", h, d)]
+    out += [
+        _linear_out(hf + "attention.output.dense.weight", ours + "attn/o_proj/kernel", h, d, m),
+        _same(hf + "attention.output.dense.bias", ours + "attn/o_proj/bias"),
+        _same(hf + "attention.output.LayerNorm.weight", ours + "norm_attn/scale"),
+        _same(hf + "attention.output.LayerNorm.bias", ours + "norm_attn/bias"),
+        _transposed(hf + "intermediate.dense.weight", ours + "mlp/up/kernel"),
+        _same(hf + "intermediate.dense.bias", ours + "mlp/up/bias"),
+        _transposed(hf + "output.dense.weight", ours + "mlp/down/kernel"),
+        _same(hf + "output.dense.bias", ours + "mlp/down/bias"),
+        _same(hf + "output.LayerNorm.weight", ours + "norm_mlp/scale"),
+        _same(hf + "output.LayerNorm.bias", ours + "norm_mlp/bias"),
+    ]
+  if not cfg.tie_embeddings:
+    out.append(_transposed("cls.predictions.decoder.weight", "head/kernel", 1))
+  return out
+
+
+def _bert_read_past(cfg) -> tuple[str, ...]:
+  """Tied, the decoder's weight and bias are copies of the word embeddings and
+  `cls.predictions.bias`; untied, the decoder's bias is the one used."""
+  if cfg.tie_embeddings:
+    return ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
+  return ("cls.predictions.bias",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +458,16 @@ class Architecture:
   """One Hugging Face architecture (see the module docstring).
 
   `prefix`: the body's prefix in HF tensor names ("model."), optional in files
-  (GPT-2's own checkpoint has none); `lm_head.weight` never has it.
-  `buffers`: tensor-name suffixes that are buffers, not weights (skipped).
+  (GPT-2's own checkpoint has none); names starting with one of `unprefixed`
+  (the heads: "lm_head.", BERT's "cls.") never have it.
+  `skipped`: tensor-name suffixes read past: buffers, and weights of other
+  heads that the architecture's model does not use (BERT's pooler and
+  next-sentence head).
+  `read_past(cfg)`: tensor names in files that transformers does not use with
+  this config: a tied head's own copy; untied BERT's `cls.predictions.bias`
+  (its decoder has its own).
+  `objective`: our `train.objective` for fine-tuning an import.
+  `auto_class`: the transformers Auto class that loads an export.
   """
   model_type: str
   hf_class: str
@@ -258,23 +476,36 @@ class Architecture:
   check_ours: Callable
   config_to_hf: Callable
   tensors: Callable
-  buffers: tuple[str, ...] = ()
+  skipped: tuple[str, ...] = ()
+  unprefixed: tuple[str, ...] = ("lm_head.",)
+  read_past: Callable = lambda cfg: ("lm_head.weight",) if cfg.tie_embeddings else ()
+  objective: str = "next_token"
+  auto_class: str = "AutoModelForCausalLM"
 
 
+_ROTARY = (".rotary_emb.inv_freq",)
 ARCHITECTURES = {
     "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_from_hf, _gpt2_check,
-                         _gpt2_to_hf, _gpt2_tensors, buffers=(".attn.bias", ".attn.masked_bias")),
-    "llama": Architecture("llama", "LlamaForCausalLM", "model.",
-                          lambda hf: _llama_from_hf(hf, "llama"), _llama_check, _llama_to_hf,
-                          _llama_tensors, buffers=(".rotary_emb.inv_freq",)),
-    "mistral": Architecture("mistral", "MistralForCausalLM", "model.",
-                            lambda hf: _llama_from_hf(hf, "mistral"), _llama_check, _llama_to_hf,
-                            _llama_tensors, buffers=(".rotary_emb.inv_freq",)),
+                         _gpt2_to_hf, _gpt2_tensors, skipped=(".attn.bias", ".attn.masked_bias")),
+    "llama": Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _llama_check,
+                          _llama_to_hf, _llama_tensors, skipped=_ROTARY),
+    "mistral": Architecture("mistral", "MistralForCausalLM", "model.", _mistral_from_hf,
+                            _mistral_check, _mistral_to_hf, _llama_tensors, skipped=_ROTARY),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_check,
+                          _qwen2_to_hf, _llama_tensors, skipped=_ROTARY),
+    "bert": Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_check,
+                         _bert_to_hf, _bert_tensors, unprefixed=("cls.",),
+                         read_past=_bert_read_past, objective="mlm",
+                         auto_class="AutoModelForMaskedLM",
+                         skipped=("embeddings.position_ids", "pooler.dense.weight",
+                                  "pooler.dense.bias", "cls.seq_relationship.weight",
+                                  "cls.seq_relationship.bias")),
 }
-# What a model of ours exports as (Mistral without a window is LLaMA).
-EXPORTS = ("gpt2", "llama")
+# What a model of ours exports as, first match (LLaMA before Mistral: a model
+# without a window is LLaMA).
+EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "bert")
 # Still to come, with the model options they need (issue 16).
-PLANNED = ("bert", "t5", "bart", "qwen2")
+PLANNED = ("t5", "bart")
 
 
 def architecture_of(hf: dict) -> Architecture:
