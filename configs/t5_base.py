@@ -4,7 +4,7 @@ parameters): encoder-decoder, 12 + 12 layers, d=768, 12 heads of 64, ReLU MLP
 position embeddings but T5's relative position bias (32 buckets, max
 distance 128, one table per stack), unscaled attention, vocabulary 32,128
 shared by encoder, decoder and the tied head, whose input is scaled by
-d_model^-0.5.
+d_model^-0.5; the decoder starts from the pad id.
 """
 from configs import base
 
@@ -16,7 +16,7 @@ def get_config():
                  pos_emb="relative", relative_buckets=32, relative_max_distance=128,
                  norm="rmsnorm", norm_position="pre", norm_eps=1e-6, mlp="relu",
                  use_bias=False, attention_scale=1.0, scale_embeddings=False,
-                 tie_embeddings=True, scale_head_input=True)
+                 tie_embeddings=True, scale_head_input=True, decoder_start="pad")
   c.tokenizer.update(kind="spm_unigram", vocab_size=32128)
   c.data.update(task="code_summary")
   c.train.update(objective="seq2seq", batch_size=128, seq_len=512, tgt_seq_len=128,

@@ -18,6 +18,7 @@ CHOICES = {
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
+    "model.decoder_start": ("bos", "pad"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
@@ -104,7 +105,8 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   p = "model."
   for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
                 "model.norm_position", "model.mlp", "model.attention_impl",
-                "model.pallas_lowering", "model.dtype", "model.param_dtype"):
+                "model.pallas_lowering", "model.dtype", "model.param_dtype",
+                "model.decoder_start"):
     _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                 "relative_buckets", "relative_max_distance"):

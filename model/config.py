@@ -54,6 +54,7 @@ class ModelConfig:
   scale_embeddings: bool
   attention_scale: float
   tie_embeddings: bool
+  decoder_start: str
   scale_head_input: bool
   type_vocab_size: int
   embedding_norm: bool
