@@ -289,7 +289,7 @@ def test_export_refuses_configs_without_hf_architecture():
 
 @pytest.mark.parametrize("field,value", [("sliding_window", 4), ("qkv_bias", True),
                                          ("attention_scale", 1.0), ("embedding_norm", True),
-                                         ("type_vocab_size", 2)])
+                                         ("type_vocab_size", 2), ("scale_head_input", True)])
 def test_export_refuses_options_llama_does_not_have(field, value):
   config = base_config.get_config()
   config.model[field] = value
