@@ -12,11 +12,12 @@
 
 Embedding (tokens, positions, optional token types, optional norm) -> L
 blocks (with `pos_emb=relative`, T5's relative position bias, computed once
-per stack and added to every block's self-attention scores) -> final norm (pre-norm only; a post-norm block already ends in a
-norm) -> head: an optional transform (BERT's masked-LM head: dense,
-activation, norm), the final hidden states times d_model^-0.5 when
-`scale_head_input` (T5 v1.0), the output projection (tied E^T or its own matrix) and an
-optional bias over the vocabulary. The projection computes in float32
+per stack and added to every block's self-attention scores) -> final norm
+(pre-norm only; a post-norm block already ends in a norm) -> head: an
+optional transform (BERT's masked-LM head: dense, activation, norm), the
+final hidden states times d_model^-0.5 when `scale_head_input` (T5 v1.0),
+the output projection (tied E^T or its own matrix) and an optional bias
+over the vocabulary. The projection computes in float32
 whatever `model.dtype` (its inputs and weights cast up, as nanodo and MaxText
 do), so the loss sees full-precision logits.
 """

@@ -115,8 +115,10 @@ def test_logits_match_transformers(version):
 
 def test_buckets_match_transformers():
   offsets = np.arange(-300, 301)[None, :]
+  t5_attention = transformers.models.t5.modeling_t5.T5Attention
+  reference = t5_attention._relative_position_bucket  # pylint: disable=protected-access
   for bidirectional in (True, False):
-    want = transformers.models.t5.modeling_t5.T5Attention._relative_position_bucket(  # pylint: disable=protected-access
+    want = reference(
         torch.from_numpy(offsets), bidirectional=bidirectional, num_buckets=32,
         max_distance=128).numpy()
     got = relative_bucket(jnp.asarray(offsets, jnp.int32), bidirectional=bidirectional,
