@@ -163,14 +163,24 @@ def test_accounting_counts_the_bias_tables():
   assert formula["params_position_table"] == 2 * BUCKETS * H
 
 
-def test_t5_base_has_the_transformers_parameter_count():
-  """configs/t5_base.py against T5 v1.0 base (t5-base's shapes), counted on
-  torch's meta device (unique tensors: the tied embeddings once)."""
-  config = transformers.T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12)
+@pytest.mark.parametrize("shapes", [
+    dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),  # t5-base
+    {},  # T5Config()'s defaults: t5-small's shapes
+], ids=["base", "small"])
+def test_t5_base_has_the_transformers_parameter_count(shapes):
+  """configs/t5_base.py (at t5-small's shapes for T5Config()'s defaults)
+  against T5ForConditionalGeneration, counted on torch's meta device
+  (unique tensors: the tied embeddings once)."""
+  config = transformers.T5Config(**shapes)
   with torch.device("meta"):
     hf = transformers.T5ForConditionalGeneration(config)
   want = sum(p.numel() for p in hf.parameters())
-  assert accounting.formula_params(t5_base.get_config().model)["params_total"] == want
+  m = t5_base.get_config().model
+  m.update(d_model=config.d_model, d_ff=config.d_ff, num_layers=config.num_layers,
+           num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
+           head_dim=config.d_kv)
+  assert accounting.formula_params(m)["params_total"] == want
+  assert accounting.measured_params(m)["params_total"] == want
 
 
 @pytest.mark.slow
