@@ -22,7 +22,9 @@ def get_config() -> config_dict.ConfigDict:
   m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
   m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for the gated swiglu, geglu)
   m.max_len = 256  # longest sequence (size of a learned position table)
-  m.pos_emb = "rope"  # none | sinusoidal | learned | rope
+  m.pos_emb = "rope"  # none | sinusoidal | learned | rope | relative (T5's bias on the scores)
+  m.relative_buckets = 32  # relative: buckets of key - query offsets (T5's num_buckets)
+  m.relative_max_distance = 128  # relative: offsets at least this far share the last bucket
   m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
   m.rope_scaling = "none"  # none | linear | ntk | yarn | llama3 (context extension)
   m.rope_scaling_factor = 1.0  # how many times longer than rope_original_max_len
@@ -47,6 +49,10 @@ def get_config() -> config_dict.ConfigDict:
   m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
   #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
+  m.decoder_start = "bos"  # encoder_decoder: the decoder's first input token, in training and
+  #   generation: bos | pad (T5 starts from the pad id)
+  m.scale_head_input = False  # final hidden states times d_model^-0.5 before the output head
+  #   (T5 v1.0 with its tied head)
   m.type_vocab_size = 0  # rows of the token-type embedding added to the tokens (BERT's
   #   segments A/B: 2; the model takes token_type_ids, zeros by default); 0: none
   m.embedding_norm = False  # a norm (model.norm) after token + position (+ type) embeddings

@@ -15,9 +15,10 @@ from configs.errors import UserError
 
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
-    "model.pos_emb": ("none", "sinusoidal", "learned", "rope"),
+    "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
+    "model.decoder_start": ("bos", "pad"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
@@ -104,9 +105,11 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   p = "model."
   for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
                 "model.norm_position", "model.mlp", "model.attention_impl",
-                "model.pallas_lowering", "model.dtype", "model.param_dtype"):
+                "model.pallas_lowering", "model.dtype", "model.param_dtype",
+                "model.decoder_start"):
     _check_choice(m, field, p)
-  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len"):
+  for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
+                "relative_buckets", "relative_max_distance"):
     _check_positive(m, p + field, p)
   for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
     _check_positive(m, p + field, p, allow_none=True)
@@ -121,6 +124,13 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.head_dim", head_dim(m), "must be even for pos_emb=rope (RoPE rotates pairs)")
   if m.pos_emb == "sinusoidal" and m.d_model % 2:
     _fail("model.d_model", m.d_model, "must be even for pos_emb=sinusoidal (sin/cos pairs)")
+  if m.pos_emb == "relative" and m.relative_buckets < 4:
+    _fail("model.relative_buckets", m.relative_buckets,
+          "must be >= 4 (exact and logarithmic halves, per direction in the encoder)")
+  if m.pos_emb == "relative" and m.relative_max_distance <= m.relative_buckets // 2:
+    _fail("model.relative_max_distance", m.relative_max_distance,
+          f"must exceed model.relative_buckets // 2 = {m.relative_buckets // 2} "
+          "(the offsets with a bucket each)")
   if m.rope_theta <= 0:
     _fail("model.rope_theta", m.rope_theta, "must be positive")
   if m.rope_scaling_factor < 1:

@@ -20,7 +20,8 @@ Encoder-decoder, S = train.seq_len, U = train.tgt_seq_len or S:
 
   src          [S] int32    src, then pad (no BOS/EOS)
   src_mask     [S] int32    1 on src tokens, 0 on padding
-  tgt_in       [U] int32    BOS tgt, then pad (teacher forcing)
+  tgt_in       [U] int32    BOS tgt, then pad (teacher forcing; with
+                            model.decoder_start=pad, T5's, the pad id for BOS)
   tgt_out      [U] int32    tgt EOS, then pad
   loss_mask    [U] float32  1 on tgt EOS
 
@@ -45,11 +46,12 @@ class PairRows:
   """
 
   def __init__(self, pairs: list[tasks.Pair], tokenizer, *, family: str, seq_len: int,
-               tgt_seq_len: int = 0):
+               tgt_seq_len: int = 0, decoder_start: str = "bos"):
     self.family = family
     self.seq_len = seq_len
     self.tgt_seq_len = tgt_seq_len or seq_len
     self.bos_id, self.eos_id, self.pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
+    self.start_id = self.pad_id if decoder_start == "pad" else self.bos_id  # encoder_decoder
     src_ids = tokenizer.encode_batch([src for src, _ in pairs])
     tgt_ids = tokenizer.encode_batch([tgt for _, tgt in pairs])
     keep = [i for i in range(len(pairs)) if self.fits(len(src_ids[i]), len(tgt_ids[i]))]
@@ -75,10 +77,11 @@ class PairRows:
     return self(index)
 
   def prompt(self, index: int) -> list[int]:
-    """What generation starts from: BOS src EOS (decoder) or BOS (encoder-decoder)."""
+    """What generation starts from: BOS src EOS (decoder) or the decoder
+    start token (encoder-decoder)."""
     if self.family == "decoder":
       return [self.bos_id, *self.src_ids[index].tolist(), self.eos_id]
-    return [self.bos_id]
+    return [self.start_id]
 
   def __call__(self, index: int) -> dict[str, np.ndarray]:
     real = index < self.num_pairs
@@ -115,7 +118,7 @@ class PairRows:
     row["src_mask"][:len(src)] = 1
     if real:
       m = len(tgt) + 1
-      row["tgt_in"][:m] = np.concatenate([[self.bos_id], tgt])
+      row["tgt_in"][:m] = np.concatenate([[self.start_id], tgt])
       row["tgt_out"][:m] = np.concatenate([tgt, [self.eos_id]])
       row["loss_mask"][:m] = 1.0
     return row
@@ -137,7 +140,8 @@ def load_rows(config: config_dict.ConfigDict, tokenizer, split: str) -> PairRows
                     f"{config.data.val_percent} leaves it no pairs; change data.val_percent "
                     "or add pairs")
   rows = PairRows(pairs, tokenizer, family=config.model.family,
-                  seq_len=config.train.seq_len, tgt_seq_len=config.train.tgt_seq_len)
+                  seq_len=config.train.seq_len, tgt_seq_len=config.train.tgt_seq_len,
+                  decoder_start=config.model.decoder_start)
   if rows.num_dropped:
     logging.warning("data.task=%s: dropped %d of %d %s pairs longer than the rows (%s)",
                     task, rows.num_dropped, len(pairs), split, _lengths(config))

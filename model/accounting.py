@@ -23,7 +23,8 @@ the tests hold them equal. Both return the same dict:
 - `params_embedding`: input embedding + position tables + token-type tables +
   embedding norms + the output head (untied matrix, head transform, output
   bias).
-- `params_position_table`: the learned position tables alone.
+- `params_position_table`: the learned position tables alone (T5's relative
+  bias tables with `pos_emb=relative`).
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
 FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
@@ -104,10 +105,10 @@ def measured_params(model_cfg) -> dict:
         layer[component] = layer.get(component, 0) + size
     elif len(parts) > 1 and parts[1] == "final_norm":
       counts["params_final_norms"] += size
-    else:  # embed/embedding, positions/table, token_types/table, embedding_norm,
-      #      head/kernel, head_transform, output_bias
+    else:  # embed/embedding, positions/table, relative_bias/table, token_types/table,
+      #      embedding_norm, head/kernel, head_transform, output_bias
       counts["params_embedding"] += size
-      if len(parts) > 1 and parts[1] == "positions":
+      if len(parts) > 1 and parts[1] in ("positions", "relative_bias"):
         counts["params_position_table"] += size
   for layer in per_layer.values():
     layer["total"] = sum(layer.values())
@@ -133,6 +134,16 @@ def _mlp_params(m) -> int:
 def _norm_params(m) -> int:
   """gamma (RMSNorm), or gamma and beta (LayerNorm)."""
   return m.d_model * (2 if m.norm == "layernorm" else 1)
+
+
+def _position_table_params(m) -> int:
+  """A stack's learned positions: the max_len x d table (learned) or T5's
+  relative bias table, relative_buckets x h (relative)."""
+  if m.pos_emb == "learned":
+    return m.max_len * m.d_model
+  if m.pos_emb == "relative":
+    return m.relative_buckets * m.num_heads
+  return 0
 
 
 def _stack_embedding_params(m) -> int:
@@ -163,7 +174,7 @@ def formula_params(model_cfg) -> dict:
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
   per_layer = {stack: _layer_params(m, cross) for stack, _, cross in stacks}
-  position_table = (len(stacks) * m.max_len * m.d_model if m.pos_emb == "learned" else 0)
+  position_table = len(stacks) * _position_table_params(m)
   embedding = (m.vocab_size * m.d_model + position_table + _head_params(m)
                + len(stacks) * _stack_embedding_params(m))
   final_norms = len(stacks) * _norm_params(m) if m.norm_position == "pre" else 0

@@ -21,6 +21,10 @@ keys j with |i - j| < window, so with `causal` the `window` keys i - window
 0 marks padding and is never attended), and a dense boolean
 `mask` [B, T, S] (True = may attend). A query whose row is fully masked gets
 zeros, not NaN, from every implementation.
+
+An additive `bias` [1 or B, H, T, S] (float32; T5's relative position bias)
+is added to the scaled scores by `reference`, `xla` and `cudnn` (through
+`jax.nn.dot_product_attention(bias=...)`); our `pallas` kernels take none.
 """
 import functools
 import logging
@@ -69,8 +73,8 @@ def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None, 
 
 
 def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=None,
-                      scale=None, window=None):
-  """softmax(Q K^T * scale + M) in float32, [B, K, G, T, S] (H = K * G heads).
+                      scale=None, window=None, bias=None):
+  """softmax(Q K^T * scale + bias + M) in float32, [B, K, G, T, S] (H = K * G heads).
 
   Fully masked rows are all zeros.
   """
@@ -80,6 +84,8 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
+  if bias is not None:
+    scores = scores + bias.astype(jnp.float32).reshape(bias.shape[0], K, H // K, T, S)
   valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids, window=window)
   if valid is None:
     return jax.nn.softmax(scores, axis=-1)
@@ -89,29 +95,31 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
-                        segment_ids=None, scale=None, window=None):
+                        segment_ids=None, scale=None, window=None, bias=None):
   """The lesson's math: weights from `attention_weights`, times V."""
   B, T, H, D = q_BTHD.shape
   weights = attention_weights(q_BTHD, k_BSKD, causal=causal, mask=mask,
-                              segment_ids=segment_ids, scale=scale, window=window)
+                              segment_ids=segment_ids, scale=scale, window=window, bias=bias)
   out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
+def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window, bias,
                    implementation):
   """`jax.nn.dot_product_attention`, with fully masked rows set to zero.
 
   The window goes in as its `local_window_size` (window - 1 keys to the left;
-  to the right too unless causal).
+  to the right too unless causal). The bias goes in in q's dtype (cuDNN
+  takes no other).
   """
   T, S = q_BTHD.shape[1], k_BSKD.shape[1]
   valid = combined_mask(T, S, mask=mask, segment_ids=segment_ids)
   local = None if window is None else (window - 1, 0 if causal else window - 1)
   out = jax.nn.dot_product_attention(
       q_BTHD, k_BSKD, v_BSKD, mask=None if valid is None else valid[:, None],
-      scale=scale, is_causal=causal, local_window_size=local, implementation=implementation)
+      bias=None if bias is None else bias.astype(q_BTHD.dtype), scale=scale, is_causal=causal,
+      local_window_size=local, implementation=implementation)
   if valid is None:
     return out
   causal_and_window = combined_mask(T, S, causal=causal, window=window)
@@ -122,7 +130,10 @@ def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, 
 
 
 def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
-                      lowering):
+                      bias, lowering):
+  if bias is not None:
+    raise UserError("attention_impl=pallas: our kernels take no additive bias "
+                    "(pos_emb=relative); use attention_impl xla, cudnn or auto")
   if mask is not None or window is not None:
     raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
                      "not a dense mask or a window; use 'xla' or 'auto' for those")
@@ -165,22 +176,27 @@ def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
 
 def model_implementation(cfg, backend: str | None = None) -> str:
   """The implementation the model's training attention runs (causal and
-  segment masks, no dense mask): `cfg.attention_impl`, with `auto` resolved
-  for `backend` (default: JAX's default backend)."""
+  segment masks; T5's relative bias counts as a dense mask):
+  `cfg.attention_impl`, with `auto` resolved for `backend` (default: JAX's
+  default backend)."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   return auto_implementation(backend=backend or jax.default_backend(), dtype=cfg.dtype,
-                             head_dim=cfg.head_dim, has_dense_mask=False)
+                             head_dim=cfg.head_dim, has_dense_mask=cfg.pos_emb == "relative")
 
 
 def check_kernel_support(cfg) -> None:
   """Raises `UserError` when `cfg.pallas_lowering` names a kernel that does not
   take the config's dtype or head dim (the kernel package declares what each
   takes; `flash_attention` checks the arrays again at trace time), or when
-  `attention_impl=pallas` meets a sliding window (not in our kernels yet)."""
+  `attention_impl=pallas` meets a sliding window (not in our kernels yet) or
+  T5's relative position bias (our kernels take no additive bias)."""
   if cfg.attention_impl == "pallas" and cfg.sliding_window is not None:
     raise UserError(f"config field model.sliding_window={cfg.sliding_window}: our pallas "
                     "kernels take no sliding window yet; use attention_impl xla, cudnn or auto")
+  if cfg.attention_impl == "pallas" and cfg.pos_emb == "relative":
+    raise UserError("config field model.pos_emb='relative': our pallas kernels take no "
+                    "additive bias; use attention_impl xla, cudnn or auto")
   if cfg.pallas_lowering != "mosaic_gpu":
     return
   field = f"config field model.pallas_lowering={cfg.pallas_lowering!r}"
@@ -196,20 +212,23 @@ def check_kernel_support(cfg) -> None:
 
 def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
               segment_ids=None, scale: float | None = None, window: int | None = None,
-              implementation: str = "reference", pallas_lowering: str = "auto"):
+              bias=None, implementation: str = "reference", pallas_lowering: str = "auto"):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
   q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
-  returns [B, T, H, D] in q's dtype. See the module docstring for the masks.
+  returns [B, T, H, D] in q's dtype. See the module docstring for the masks
+  and the additive `bias` [1 or B, H, T, S].
   `pallas_lowering` (auto, triton, mosaic_gpu, mosaic_tpu) picks our kernel when
   implementation is pallas.
   """
   if implementation == "auto":
     # cuDNN takes a window only on top of the causal mask.
+    # A bias counts as dense: `auto` leaves it to XLA.
     bidirectional_window = window is not None and not causal
-    implementation = choose_implementation(q_BTHD,
-                                           has_dense_mask=mask is not None or bidirectional_window)
-  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window)
+    dense = mask is not None or bidirectional_window or bias is not None
+    implementation = choose_implementation(q_BTHD, has_dense_mask=dense)
+  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window,
+                bias=bias)
   if implementation == "reference":
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
   if implementation in ("xla", "cudnn"):
@@ -259,10 +278,11 @@ class Attention(nnx.Module):
     return k_BSKD, self.v_proj(context_BSM)
 
   def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, context_kv=None,
-               causal=False, segment_ids=None, mask=None):
+               causal=False, segment_ids=None, mask=None, bias=None):
     """Self-attention over x, or cross-attention to `context_BSM` (or to its
     keys and values `context_kv` = `project_kv(context_BSM)`, computed once
-    for a whole generation)."""
+    for a whole generation). `bias` [1 or B, H, T, S] is added to the scores
+    (the stack's relative position bias)."""
     q_BTHD = self.q_proj(x_BTM)
     window = None
     if context_kv is not None:
@@ -274,20 +294,20 @@ class Attention(nnx.Module):
       k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
       window = self.window
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                         mask=mask, scale=self.scale, window=window,
+                         mask=mask, scale=self.scale, window=window, bias=bias,
                          implementation=self.implementation, pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
-  def weights(self, x_BTM, *, positions_BT, causal):
+  def weights(self, x_BTM, *, positions_BT, causal, bias=None):
     """Self-attention weights [B, h, T, T] (for plots)."""
     q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
     k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
     w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal, scale=self.scale,
-                                window=self.window)
+                                window=self.window, bias=bias)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
-  def decode(self, x_BTM, positions_BT, cache):
+  def decode(self, x_BTM, positions_BT, cache, bias=None):
     """Self-attention against a KV cache (generation).
 
     `cache` holds k, v [B, L, g, d_k]; the new keys and values of the tokens
@@ -298,6 +318,7 @@ class Attention(nnx.Module):
     alone. The slot mask is dense, so `cudnn` and `pallas` (which take
     causal and segment masks only) run this step with `xla`; a single
     decoding query is memory-bound and gains nothing from a fused kernel.
+    `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).
     """
     q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
@@ -312,5 +333,5 @@ class Attention(nnx.Module):
     impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
                          cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, scale=self.scale,
-                         implementation=impl)
+                         bias=bias, implementation=impl)
     return self.o_proj(out_BTHD), cache

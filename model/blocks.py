@@ -35,27 +35,29 @@ class Block(nnx.Module):
     return self._residual(x, self.norm_mlp, self.mlp)
 
   def __call__(self, x_BTM, *, positions_BT, causal, segment_ids=None, context_BSM=None,
-               cross_segment_ids=None):
+               cross_segment_ids=None, bias=None):
+    """`bias`: the stack's relative position bias for self-attention, or None."""
     x_BTM = self._residual(x_BTM, self.norm_attn, lambda h: self.attn(
-        h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids))
+        h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids, bias=bias))
     return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids)
 
-  def attention_weights(self, x_BTM, *, positions_BT, causal):
+  def attention_weights(self, x_BTM, *, positions_BT, causal, bias=None):
     """This block's self-attention weights [B, h, T, T] for input x."""
     h = self.norm_attn(x_BTM) if self.pre_norm else x_BTM
-    return self.attn.weights(h, positions_BT=positions_BT, causal=causal)
+    return self.attn.weights(h, positions_BT=positions_BT, causal=causal, bias=bias)
 
   def cross_kv(self, context_BSM):
     """This block's cross-attention keys and values of the encoder output."""
     return self.cross_attn.project_kv(context_BSM)
 
-  def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None):
+  def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None,
+             bias=None):
     """One generation step against this block's KV cache (and the encoder
     output's cross-attention `context_kv`); returns (x, cache)."""
     new_cache = {}
 
     def self_attention(h):
-      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache)
+      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias)
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)

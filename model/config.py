@@ -31,6 +31,8 @@ class ModelConfig:
   d_ff: int
   max_len: int
   pos_emb: str
+  relative_buckets: int
+  relative_max_distance: int
   rope_theta: float
   rope_scaling: str
   rope_scaling_factor: float
@@ -52,6 +54,8 @@ class ModelConfig:
   scale_embeddings: bool
   attention_scale: float
   tie_embeddings: bool
+  decoder_start: str
+  scale_head_input: bool
   type_vocab_size: int
   embedding_norm: bool
   head_transform: bool

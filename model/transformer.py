@@ -11,10 +11,13 @@
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
 Embedding (tokens, positions, optional token types, optional norm) -> L
-blocks -> final norm (pre-norm only; a post-norm block already ends in a
-norm) -> head: an optional transform (BERT's masked-LM head: dense,
-activation, norm), the output projection (tied E^T or its own matrix) and an
-optional bias over the vocabulary. The projection computes in float32
+blocks (with `pos_emb=relative`, T5's relative position bias, computed once
+per stack and added to every block's self-attention scores) -> final norm
+(pre-norm only; a post-norm block already ends in a norm) -> head: an
+optional transform (BERT's masked-LM head: dense, activation, norm), the
+final hidden states times d_model^-0.5 when `scale_head_input` (T5 v1.0),
+the output projection (tied E^T or its own matrix) and an optional bias
+over the vocabulary. The projection computes in float32
 whatever `model.dtype` (its inputs and weights cast up, as nanodo and MaxText
 do), so the loss sees full-precision logits.
 """
@@ -30,6 +33,7 @@ from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_conf
 from model.layers import Dense, param
 from model.mlp import KINDS
 from model.norms import make_norm
+from model.relative_bias import RelativeBias, positions_row
 
 
 def _batch_split(x_BTM):
@@ -58,7 +62,7 @@ def _padding_segments(padding_mask_BT, shape):
 class _Stack(nnx.Module):
   """Embedding, positions, a stack of blocks, final norm and output head."""
 
-  def __init__(self, cfg, *, num_layers: int, cross: bool, embed: Embed | None,
+  def __init__(self, cfg, *, num_layers: int, cross: bool, causal: bool, embed: Embed | None,
                rngs: nnx.Rngs, remat: bool = False):
     self.cfg_pos = cfg.pos_emb
     self.d_model = cfg.d_model
@@ -71,6 +75,8 @@ class _Stack(nnx.Module):
     self.embedding_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                            if cfg.embedding_norm else None)
     rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
+    self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
+                          if cfg.pos_emb == "relative" else None)
     self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
                             for _ in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
@@ -96,7 +102,17 @@ class _Stack(nnx.Module):
       x_BTM = self.embedding_norm(x_BTM)
     return x_BTM
 
-  def run_blocks(self, x_BTM, **kwargs):
+  def self_bias(self, q_positions_BT, k_positions_BS):
+    """The relative position bias [B or 1, H, T, S] of this stack's
+    self-attention, or None without `pos_emb=relative`."""
+    if self.relative_bias is None:
+      return None
+    return self.relative_bias(q_positions_BT, k_positions_BS)
+
+  def run_blocks(self, x_BTM, *, bias_positions_BT, **kwargs):
+    """The blocks and the final norm; `bias_positions_BT` ([B or 1, T]) are
+    the positions the relative bias is computed at, once for all blocks."""
+    kwargs["bias"] = self.self_bias(bias_positions_BT, bias_positions_BT)
     x_BTM = _batch_split(x_BTM)
     for layer in self.layers:
       if self.remat:
@@ -119,12 +135,13 @@ class _Stack(nnx.Module):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
     with cross-attention, each layer's `cross_kv`); new cache."""
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
+    bias = self.self_bias(positions_BT, positions_row(cache[0]["k"].shape[1]))
     new_cache = []
     for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
       x_BTM, layer_cache = layer.decode(
           x_BTM, positions_BT=positions_BT, cache=layer_cache,
           context_kv=None if cross_kv is None else cross_kv[i],
-          cross_segment_ids=cross_segment_ids)
+          cross_segment_ids=cross_segment_ids, bias=bias)
       new_cache.append(layer_cache)
     if self.final_norm is not None:
       x_BTM = self.final_norm(x_BTM)
@@ -134,15 +151,24 @@ class _Stack(nnx.Module):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
     positions_BT = _default_positions(tokens_BT, None)
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
+    row = positions_row(tokens_BT.shape[1])
+    bias = self.self_bias(row, row)
     for block in list(self.layers)[:layer]:
-      x_BTM = block(x_BTM, positions_BT=positions_BT, causal=causal)
-    return self.layers[layer].attention_weights(x_BTM, positions_BT=positions_BT, causal=causal)
+      x_BTM = block(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
+    return self.layers[layer].attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
+                                                bias=bias)
 
 
 def _default_positions(tokens_BT, positions_BT):
   if positions_BT is not None:
     return positions_BT
   return jnp.broadcast_to(jnp.arange(tokens_BT.shape[1]), tokens_BT.shape)
+
+
+def _bias_positions(tokens_BT, positions_BT):
+  """Positions for the relative bias: the given ones, else one [1, T] row
+  (so the bias is computed once for the whole batch)."""
+  return positions_row(tokens_BT.shape[1]) if positions_BT is None else positions_BT
 
 
 class HeadTransform(nnx.Module):
@@ -165,6 +191,7 @@ class _WithHead(nnx.Module):
   computed in float32, optional bias over the vocabulary."""
 
   def _init_head(self, cfg, rngs):
+    self.head_input_scale = cfg.d_model ** -0.5 if cfg.scale_head_input else None
     self.head_transform = HeadTransform(cfg, rngs=rngs) if cfg.head_transform else None
     self.head = None if cfg.tie_embeddings else Dense(
         cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,
@@ -176,6 +203,8 @@ class _WithHead(nnx.Module):
     """Float32 logits [B, T, V] of the final hidden states."""
     if self.head_transform is not None:
       x_BTM = self.head_transform(x_BTM)
+    if self.head_input_scale is not None:
+      x_BTM = x_BTM * self.head_input_scale
     logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
     if self.output_bias is not None:
       logits_BTV = logits_BTV + self.output_bias[...].astype(jnp.float32)
@@ -186,15 +215,16 @@ class Decoder(_WithHead):
   """Decoder-only language model (causal, next-token)."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
-    self.decoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, embed=None,
+    self.decoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=True, embed=None,
                           rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
   def hidden(self, tokens_BT, segment_ids=None, positions=None):
+    bias_positions = _bias_positions(tokens_BT, positions)
     positions = _default_positions(tokens_BT, positions)
     x_BTM = self.decoder.embed_tokens(tokens_BT, positions)
-    return self.decoder.run_blocks(x_BTM, positions_BT=positions, causal=True,
-                                   segment_ids=segment_ids)
+    return self.decoder.run_blocks(x_BTM, bias_positions_BT=bias_positions,
+                                   positions_BT=positions, causal=True, segment_ids=segment_ids)
 
   def __call__(self, tokens_BT, segment_ids=None, positions=None):
     return self.logits(self.decoder, self.hidden(tokens_BT, segment_ids, positions))
@@ -212,18 +242,19 @@ class Encoder(_WithHead):
   """Encoder-only model (bidirectional) with a masked-LM head."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
-    self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, embed=None,
-                          rngs=rngs, remat=remat)
+    self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=False,
+                          embed=None, rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
   def hidden(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None,
              token_type_ids=None):
+    bias_positions = _bias_positions(tokens_BT, positions)
     positions = _default_positions(tokens_BT, positions)
     x_BTM = self.encoder.embed_tokens(tokens_BT, positions, token_type_ids)
     if segment_ids is None:
       segment_ids = _padding_segments(padding_mask, tokens_BT.shape)
-    return self.encoder.run_blocks(x_BTM, positions_BT=positions, causal=False,
-                                   segment_ids=segment_ids)
+    return self.encoder.run_blocks(x_BTM, bias_positions_BT=bias_positions,
+                                   positions_BT=positions, causal=False, segment_ids=segment_ids)
 
   def __call__(self, tokens_BT, padding_mask=None, segment_ids=None, positions=None,
                token_type_ids=None):
@@ -241,16 +272,17 @@ class EncoderDecoder(_WithHead):
   """
 
   def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
-    self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, embed=None,
-                          rngs=rngs, remat=remat)
-    self.decoder = _Stack(cfg, num_layers=cfg.num_decoder_layers, cross=True,
+    self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=False,
+                          embed=None, rngs=rngs, remat=remat)
+    self.decoder = _Stack(cfg, num_layers=cfg.num_decoder_layers, cross=True, causal=True,
                           embed=self.encoder.embed, rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
 
   def encode(self, src_BS, src_padding_mask=None):
     positions = _default_positions(src_BS, None)
     x_BSM = self.encoder.embed_tokens(src_BS, positions)
-    return self.encoder.run_blocks(x_BSM, positions_BT=positions, causal=False,
+    return self.encoder.run_blocks(x_BSM, bias_positions_BT=_bias_positions(src_BS, None),
+                                   positions_BT=positions, causal=False,
                                    segment_ids=_padding_segments(src_padding_mask, src_BS.shape))
 
   def _cross_segments(self, tgt_BT, src_padding_mask):
@@ -262,7 +294,8 @@ class EncoderDecoder(_WithHead):
     positions = _default_positions(tgt_BT, None)
     x_BTM = self.decoder.embed_tokens(tgt_BT, positions)
     x_BTM = self.decoder.run_blocks(
-        x_BTM, positions_BT=positions, causal=True, context_BSM=encoded_BSM,
+        x_BTM, bias_positions_BT=_bias_positions(tgt_BT, None), positions_BT=positions,
+        causal=True, context_BSM=encoded_BSM,
         cross_segment_ids=self._cross_segments(tgt_BT, src_padding_mask))
     return self.logits(self.decoder, x_BTM)
 

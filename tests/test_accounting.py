@@ -114,6 +114,8 @@ def _small(**overrides):
          type_vocab_size=2, embedding_norm=True, head_transform=True, output_bias=True),
     dict(head_transform=True, output_bias=True, tie_embeddings=False),
     dict(family="encoder_decoder", embedding_norm=True, type_vocab_size=3, norm="layernorm"),
+    dict(family="encoder", pos_emb="relative", relative_buckets=8, relative_max_distance=16),
+    dict(pos_emb="relative", scale_head_input=True),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_measured_equals_formula(overrides):
   m = _small(**overrides)

@@ -316,7 +316,8 @@ def test_export_refuses_configs_without_hf_architecture():
 
 
 @pytest.mark.parametrize("field,value", [("attention_scale", 1.0), ("embedding_norm", True),
-                                         ("type_vocab_size", 2), ("out_bias", True)])
+                                         ("type_vocab_size", 2), ("out_bias", True),
+                                         ("scale_head_input", True)])
 def test_export_refuses_options_llama_does_not_have(field, value):
   config = base_config.get_config()
   config.model[field] = value

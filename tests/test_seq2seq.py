@@ -363,3 +363,13 @@ def test_train_and_eval_report(tmp_path, family):
 def test_text_scores():
   scores = evaluate.text_scores(["Return the sum.", "x"], ["Return the sum.", "y"])
   assert scores["exact_match"] == 0.5 and scores["chrf"] > 0 and scores["bleu"] > 0
+
+
+def test_decoder_start_pad_replaces_bos_for_t5():
+  """model.decoder_start=pad (T5): the decoder's first input, in training rows
+  and as the generation prompt, is the pad id."""
+  rows = seq2seq.PairRows([("ab", "xyz")], ByteTokenizer(), family="encoder_decoder",
+                          seq_len=4, tgt_seq_len=6, decoder_start="pad")
+  x, y, z = (ord(ch) + 4 for ch in "xyz")
+  np.testing.assert_array_equal(rows(0)["tgt_in"], [PAD, x, y, z, PAD, PAD])
+  assert rows.prompt(0) == [PAD]

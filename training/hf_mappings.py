@@ -93,11 +93,12 @@ def _fields(hf: dict, honoured: set, required: dict, name: str) -> None:
 
 def _plain_attention(cfg, *, bias: bool) -> dict:
   """The option values of a model whose projections all have `bias` or none,
-  with unscaled embeddings, 1/sqrt(head_dim) scores, no window, and none of
-  BERT's extras (GPT-2, LLaMA)."""
+  with unscaled embeddings, 1/sqrt(head_dim) scores, no window, an unscaled
+  head input (T5's), and none of BERT's extras (GPT-2, LLaMA)."""
   return dict(qkv_bias=bias, out_bias=bias, mlp_bias=bias, scale_embeddings=False,
               attention_scale=cfg.head_dim ** -0.5, sliding_window=None, type_vocab_size=0,
-              embedding_norm=False, head_transform=False, output_bias=False)
+              embedding_norm=False, head_transform=False, output_bias=False,
+              scale_head_input=False)
 
 
 def _need(cfg, **values) -> str:

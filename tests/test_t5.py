@@ -1,0 +1,208 @@
+"""T5 (v1.0 and v1.1) as our encoder-decoder: relative position bias,
+unscaled attention, the scaled tied head; logits parity with tiny random
+`transformers` T5 models, weights copied by hand (float32, within 1e-4 of
+the largest logit), for the full forward and for KV-cache decoding."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from configs import base, t5_base
+from configs.errors import UserError
+from model import accounting, build_model
+from model.attention import attention
+from model.relative_bias import relative_bucket
+
+M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
+
+# version -> (transformers' T5Config fields, our model fields)
+VERSIONS = {
+    "v1.0": (dict(feed_forward_proj="relu", tie_word_embeddings=True),
+             dict(mlp="relu", tie_embeddings=True, scale_head_input=True)),
+    "v1.1": (dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+             dict(mlp="geglu_tanh", tie_embeddings=False, scale_head_input=False)),
+}
+
+
+def _ours_config(**overrides):
+  m = base.get_config().model
+  m.update(family="encoder_decoder", vocab_size=V, d_model=M, num_heads=H, head_dim=D, d_ff=F,
+           num_layers=2, num_decoder_layers=2, pos_emb="relative", relative_buckets=BUCKETS,
+           relative_max_distance=MAX_DISTANCE, attention_scale=1.0, norm="rmsnorm",
+           norm_eps=1e-6, use_bias=False, attention_impl="xla")
+  m.update(**overrides)
+  return m
+
+
+def _set(variable, tensor, shape):
+  variable[...] = jnp.asarray(tensor.detach().numpy()).reshape(shape)
+
+
+def _copy_attention(ours, hf):
+  for ours_name, hf_name in (("q_proj", "q"), ("k_proj", "k"), ("v_proj", "v")):
+    _set(getattr(ours, ours_name).kernel, getattr(hf, hf_name).weight.T, (M, H, D))
+  _set(ours.o_proj.kernel, hf.o.weight.T, (H, D, M))
+
+
+def _copy_mlp(ours, hf):
+  if hasattr(hf, "wi"):
+    _set(ours.up.kernel, hf.wi.weight.T, (M, F))
+  else:  # gated: act(wi_0 x) * wi_1 x
+    _set(ours.gate.kernel, hf.wi_0.weight.T, (M, F))
+    _set(ours.up.kernel, hf.wi_1.weight.T, (M, F))
+  _set(ours.down.kernel, hf.wo.weight.T, (F, M))
+
+
+def _copy_weights(hf, ours):
+  """T5ForConditionalGeneration's weights into our EncoderDecoder."""
+  _set(ours.encoder.embed.embedding, hf.shared.weight, (V, M))
+  if ours.head is not None:
+    _set(ours.head.kernel, hf.lm_head.weight.T, (M, V))
+  for hf_stack, stack in ((hf.encoder, ours.encoder), (hf.decoder, ours.decoder)):
+    _set(stack.relative_bias.table,
+         hf_stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight, (BUCKETS, H))
+    _set(stack.final_norm.scale, hf_stack.final_layer_norm.weight, (M,))
+    for hf_block, block in zip(hf_stack.block, stack.layers):
+      _copy_attention(block.attn, hf_block.layer[0].SelfAttention)
+      _set(block.norm_attn.scale, hf_block.layer[0].layer_norm.weight, (M,))
+      if block.cross_attn is not None:
+        _copy_attention(block.cross_attn, hf_block.layer[1].EncDecAttention)
+        _set(block.norm_cross.scale, hf_block.layer[1].layer_norm.weight, (M,))
+      _copy_mlp(block.mlp, hf_block.layer[-1].DenseReluDense)
+      _set(block.norm_mlp.scale, hf_block.layer[-1].layer_norm.weight, (M,))
+
+
+@pytest.mark.parametrize("version", [
+    "v1.0", pytest.param("v1.1", marks=pytest.mark.slow)])
+def test_logits_match_transformers(version):
+  """The full forward, and KV-cache decoding (a 16-token prefill, then one
+  token at a time: the bias row of each new position), against transformers."""
+  hf_fields, our_fields = VERSIONS[version]
+  torch.manual_seed(0)
+  config = transformers.T5Config(
+      vocab_size=V, d_model=M, d_kv=D, d_ff=F, num_layers=2, num_decoder_layers=2,
+      num_heads=H, relative_attention_num_buckets=BUCKETS,
+      relative_attention_max_distance=MAX_DISTANCE, layer_norm_epsilon=1e-6, dropout_rate=0.0,
+      **hf_fields)
+  hf = transformers.T5ForConditionalGeneration(config).eval()
+  ours = build_model(_ours_config(**our_fields), nnx.Rngs(0))
+  _copy_weights(hf, ours)
+  rng = np.random.default_rng(0)
+  # Lengths past max_distance, so the logarithmic and the last buckets are used.
+  src, tgt = rng.integers(0, V, (2, 21)), rng.integers(0, V, (2, 19))
+  src_mask = np.ones_like(src)
+  src_mask[1, 15:] = 0
+  with torch.no_grad():
+    want = hf(input_ids=torch.from_numpy(src), attention_mask=torch.from_numpy(src_mask),
+              decoder_input_ids=torch.from_numpy(tgt)).logits.numpy()
+  forward = nnx.jit(lambda model, s, t, mask: model(s, t, src_padding_mask=mask))
+  got = np.asarray(forward(ours, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(src_mask) > 0))
+  np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
+  cross_kv = nnx.jit(lambda model, s, mask: model.cross_cache(model.encode(s, mask)))(
+      ours, jnp.asarray(src), jnp.asarray(src_mask) > 0)
+  step = nnx.jit(lambda model, *args: model.decode_step(*args))
+  cache = ours.init_cache(2, 19)
+  positions = jnp.broadcast_to(jnp.arange(19), (2, 19))
+  steps = []
+  for start, stop in [(0, 16), (16, 17), (17, 18), (18, 19)]:
+    logits, cache = step(ours, jnp.asarray(tgt[:, start:stop]), positions[:, start:stop], cache,
+                         cross_kv, jnp.asarray(src_mask) > 0)
+    steps.append(np.asarray(logits))
+  np.testing.assert_allclose(np.concatenate(steps, axis=1), want, atol=1e-4 * np.abs(want).max())
+
+
+def test_buckets_match_transformers():
+  offsets = np.arange(-300, 301)[None, :]
+  t5_attention = transformers.models.t5.modeling_t5.T5Attention
+  reference = t5_attention._relative_position_bucket  # pylint: disable=protected-access
+  for bidirectional in (True, False):
+    want = reference(
+        torch.from_numpy(offsets), bidirectional=bidirectional, num_buckets=32,
+        max_distance=128).numpy()
+    got = relative_bucket(jnp.asarray(offsets, jnp.int32), bidirectional=bidirectional,
+                          num_buckets=32, max_distance=128)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_bias_is_the_same_in_reference_and_xla():
+  rng = np.random.default_rng(2)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 4, 8)), jnp.float32) for _ in range(3))
+  k, v = k[:, :, :2], v[:, :, :2]  # GQA: 4 query heads over 2 KV heads
+  bias = jnp.asarray(rng.normal(size=(1, 4, 6, 6)), jnp.float32)
+  want = attention(q, k, v, causal=True, bias=bias, implementation="reference")
+  got = attention(q, k, v, causal=True, bias=bias, implementation="xla")
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+  unbiased = attention(q, k, v, causal=True, implementation="reference")
+  assert not np.allclose(np.asarray(unbiased), np.asarray(want), atol=1e-3)
+
+
+def test_pallas_with_relative_bias_is_refused():
+  with pytest.raises(UserError, match="pallas kernels take no additive bias"):
+    build_model(_ours_config(attention_impl="pallas"), nnx.Rngs(0))
+  q = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(UserError, match="take no additive bias"):
+    attention(q, q, q, bias=jnp.zeros((1, 2, 4, 4)), implementation="pallas")
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("relative_buckets", 2, "must be >= 4"),
+    ("relative_max_distance", 4, "must exceed model.relative_buckets // 2"),
+    ("relative_buckets", 0, "must be a positive integer"),
+])
+def test_bad_relative_fields_are_refused(field, value, message):
+  with pytest.raises(UserError, match=message):
+    build_model(_ours_config(**{field: value}), nnx.Rngs(0))
+
+
+def test_accounting_counts_the_bias_tables():
+  m = _ours_config(**VERSIONS["v1.1"][1])
+  measured, formula = accounting.measured_params(m), accounting.formula_params(m)
+  assert measured == formula
+  assert formula["params_position_table"] == 2 * BUCKETS * H
+
+
+@pytest.mark.parametrize("shapes", [
+    dict(d_model=768, d_ff=3072, num_layers=12, num_heads=12),  # t5-base
+    {},  # T5Config()'s defaults: t5-small's shapes
+], ids=["base", "small"])
+def test_t5_base_has_the_transformers_parameter_count(shapes):
+  """configs/t5_base.py (at t5-small's shapes for T5Config()'s defaults)
+  against T5ForConditionalGeneration, counted on torch's meta device
+  (unique tensors: the tied embeddings once)."""
+  config = transformers.T5Config(**shapes)
+  with torch.device("meta"):
+    hf = transformers.T5ForConditionalGeneration(config)
+  want = sum(p.numel() for p in hf.parameters())
+  m = t5_base.get_config().model
+  m.update(d_model=config.d_model, d_ff=config.d_ff, num_layers=config.num_layers,
+           num_decoder_layers=config.num_decoder_layers, num_heads=config.num_heads,
+           head_dim=config.d_kv)
+  assert accounting.formula_params(m)["params_total"] == want
+  assert accounting.measured_params(m)["params_total"] == want
+
+
+@pytest.mark.slow
+def test_decoder_only_relative_bias_decodes_like_the_forward():
+  """A decoder-only model with the causal relative bias: KV-cache decoding
+  (prefill, then one token at a time) gives the full forward's logits, also
+  with attention_impl=reference."""
+  m = _ours_config(family="decoder", num_decoder_layers=None)
+  rng = np.random.default_rng(3)
+  tokens = jnp.asarray(rng.integers(0, V, (2, 20)))
+  for impl in ("xla", "reference"):
+    m.attention_impl = impl
+    ours = build_model(m, nnx.Rngs(2))
+    # A bias of order 1 (the initialiser's is 0.02), so that a wrong row shows.
+    ours.decoder.relative_bias.table[...] = jnp.asarray(rng.normal(size=(BUCKETS, H)),
+                                                        jnp.float32)
+    want = np.asarray(ours(tokens))
+    cache = ours.init_cache(2, 20)
+    positions = jnp.broadcast_to(jnp.arange(20), (2, 20))
+    steps = []
+    for start, stop in [(0, 18), (18, 19), (19, 20)]:
+      logits, cache = ours.decode_step(tokens[:, start:stop], positions[:, start:stop], cache)
+      steps.append(np.asarray(logits))
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), want,
+                               atol=1e-5 * np.abs(want).max())
