@@ -191,15 +191,35 @@ def _beam_loop(step, first_logits_RV, lengths_B, cache, *, beam_size: int,
   return out_BNT[jnp.arange(B), best_B]
 
 
+def _only_first(step, first_RV, num_tokens: int | None):
+  """`step` and the first logits with every id >= `num_tokens` (rows of the
+  embedding past the tokenizer's vocabulary, e.g. padded to a multiple of 64)
+  at the lowest logit, so that no search can choose an id nobody can decode."""
+  V = first_RV.shape[-1]
+  if num_tokens is None or num_tokens >= V:
+    return step, first_RV
+  valid_V = jnp.arange(V) < num_tokens
+
+  def limit(logits):
+    return jnp.where(valid_V, logits, jnp.finfo(logits.dtype).min)
+
+  def limited_step(*args, **kwargs):
+    logits, cache = step(*args, **kwargs)
+    return limit(logits), cache
+
+  return limited_step, limit(first_RV)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id",
-                                             "pad_id", "search"))
+                                             "pad_id", "search", "num_tokens"))
 def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng, *,
-              max_new_tokens, eos_id, pad_id, search):
+              max_new_tokens, eos_id, pad_id, search, num_tokens):
   """`search` is ("sample", sampling items) or ("beam", beam size, alpha)."""
   model = nnx.merge(graphdef, state)
   copies = search[1] if search[0] == "beam" else 1
   step, first_RV, cache = _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B,
                                    max_new_tokens=max_new_tokens, copies=copies)
+  step, first_RV = _only_first(step, first_RV, num_tokens)
   if search[0] == "beam":
     return _beam_loop(step, first_RV, lengths_B, cache, beam_size=search[1],
                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
@@ -216,7 +236,7 @@ def _trim(out_BT, eos_id: int) -> list[list[int]]:
 
 
 def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, seed, search,
-         prompt_width, source_width) -> list[list[int]]:
+         prompt_width, source_width, num_tokens) -> list[list[int]]:
   tokens_BP, lengths_B = _pad_prompts(prompts, pad_id, prompt_width)
   _check_length(model_cfg, tokens_BP.shape[1] + max_new_tokens)
   src_BS = src_lengths_B = None
@@ -230,34 +250,37 @@ def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, 
   graphdef, state = nnx.split(model)
   out_BT = _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B,
                      jax.random.key(seed), max_new_tokens=max_new_tokens, eos_id=eos_id,
-                     pad_id=pad_id, search=search)
+                     pad_id=pad_id, search=search, num_tokens=num_tokens)
   return _trim(out_BT, eos_id)
 
 
 def generate(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
              eos_id: int = -1, pad_id: int = 0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, sources: list[list[int]] | None = None,
-             prompt_width: int | None = None, source_width: int | None = None
-             ) -> list[list[int]]:
+             prompt_width: int | None = None, source_width: int | None = None,
+             num_tokens: int | None = None) -> list[list[int]]:
   """New tokens for each prompt (up to and including EOS), with a KV cache.
 
   For a decoder, `prompts` are the token prefixes. For an encoder-decoder,
   `sources` are the encoder inputs and `prompts` the decoder prefixes
   (usually just [bos]). `prompt_width`/`source_width` pad every batch to at
   least that many tokens, so that batches of other lengths reuse one
-  compiled function (the output does not change).
+  compiled function (the output does not change). `num_tokens` (the
+  tokenizer's vocabulary size) keeps ids the model has rows for but the
+  tokenizer cannot decode from ever being chosen.
   """
   sampling_items = tuple(sorted(dict(temperature=float(temperature), top_k=int(top_k),
                                      top_p=float(top_p)).items()))
   return _run(model, model_cfg, prompts, sources, max_new_tokens=max_new_tokens,
               eos_id=eos_id, pad_id=pad_id, seed=seed, search=("sample", sampling_items),
-              prompt_width=prompt_width, source_width=source_width)
+              prompt_width=prompt_width, source_width=source_width, num_tokens=num_tokens)
 
 
 def beam_search(model, model_cfg, prompts: list[list[int]], *, beam_size: int,
                 max_new_tokens: int, eos_id: int = -1, pad_id: int = 0, alpha: float = 0.6,
                 sources: list[list[int]] | None = None, prompt_width: int | None = None,
-                source_width: int | None = None) -> list[list[int]]:
+                source_width: int | None = None, num_tokens: int | None = None
+                ) -> list[list[int]]:
   """The best of `beam_size` hypotheses for each prompt, as `generate` returns them.
 
   Scores are log p / ((5 + n) / 6)^alpha (see the module docstring); beam 1
@@ -268,4 +291,4 @@ def beam_search(model, model_cfg, prompts: list[list[int]], *, beam_size: int,
                     f"{model_cfg.vocab_size}]")
   return _run(model, model_cfg, prompts, sources, max_new_tokens=max_new_tokens,
               eos_id=eos_id, pad_id=pad_id, seed=0, search=("beam", int(beam_size), float(alpha)),
-              prompt_width=prompt_width, source_width=source_width)
+              prompt_width=prompt_width, source_width=source_width, num_tokens=num_tokens)

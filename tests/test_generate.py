@@ -104,3 +104,15 @@ def test_samples_are_valid_tokens():
                  top_k=10, top_p=0.9, seed=3)
   assert all(0 <= t < 64 for row in out for t in row)
   assert np.array([len(r) for r in out]).tolist() == [5] * 4
+
+
+def test_num_tokens_keeps_ids_past_the_tokenizer_out_of_every_search():
+  cfg = small_cfg(family="decoder", pos_emb="rope")
+  model = build_model(cfg, nnx.Rngs(0))
+  limit = 5
+  greedy = generate(model, cfg, PROMPTS, max_new_tokens=12)
+  assert any(t >= limit for row in greedy for t in row)  # without the limit it happens
+  runs = [generate(model, cfg, PROMPTS, max_new_tokens=12, num_tokens=limit),
+          generate(model, cfg, PROMPTS, max_new_tokens=12, temperature=2.0, num_tokens=limit),
+          beam_search(model, cfg, PROMPTS, beam_size=3, max_new_tokens=12, num_tokens=limit)]
+  assert all(t < limit for rows in runs for row in rows for t in row)

@@ -194,7 +194,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     prompts = prompts or ["def ", "class ", "import "]
     outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
                     max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                    temperature=temperature, top_k=top_k, top_p=top_p)
+                    temperature=temperature, top_k=top_k, top_p=top_p,
+                    num_tokens=tok.vocab_size)
     report["samples"] = [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
   elif config.train.objective == "mlm":
     report.update(masked_lm_report(config, tok, batches, metrics))
@@ -263,7 +264,7 @@ def predict(model, config, tok, rows, count: int, *, beam_size: int, alpha: floa
       kwargs["sources"] = [sources[i] for i in batch]
     new = beam_search(model, config.model, [prompts[i] for i in batch], beam_size=beam_size,
                       alpha=alpha, max_new_tokens=budget, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                      prompt_width=prompt_width, **kwargs)
+                      prompt_width=prompt_width, num_tokens=tok.vocab_size, **kwargs)
     outs.extend(new[:min(_GENERATION_BATCH, count - start)])
   return [tok.decode(o) for o in outs]
 
