@@ -134,9 +134,13 @@ def test_a_request_that_does_not_fit_is_one_line_before_anything_is_submitted(sl
 
 
 def long_flags(cache_dir) -> list[str]:
-  """small_flags, but training long enough (a minute or two) to be interrupted twice."""
-  return [f for f in small_flags(cache_dir) if "num_steps" not in f and "_every" not in f] + [
-      "--config.train.num_steps=6000", "--config.train.log_every=50",
+  """small_flags, but training long enough (about two minutes on an idle core,
+  4,096 tokens a step) to be interrupted twice: a step of 128 tokens ran
+  6,000 steps in under 10 s, before SLURM's time-limit signal came."""
+  dropped = ("num_steps", "_every", "batch_size", "seq_len")
+  return [f for f in small_flags(cache_dir) if not any(d in f for d in dropped)] + [
+      "--config.train.num_steps=6000", "--config.train.batch_size=64",
+      "--config.train.seq_len=64", "--config.train.log_every=50",
       "--config.train.eval_every=6000", "--config.train.checkpoint_every=3000"]
 
 
@@ -159,14 +163,25 @@ def wait_for(predicate, what: str, timeout_s: float = 240) -> None:
     time.sleep(0.5)
 
 
+def set_time_limit(job: str, minutes: int) -> None:
+  subprocess.run(["scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}"], check=True,
+                 timeout=30)
+
+
 @pytest.mark.timeout(600)
 def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameters(
     slurm, tmp_path):
   """One variant twice at once: uninterrupted, and interrupted twice. First
-  its 2-minute time limit: SLURM sends USR2 90 s before it, train.py saves,
-  submitit requeues the job (its limit is then raised, so that it is hit
-  once); then `scontrol requeue` once it has resumed: SLURM sends SIGTERM,
-  train.py saves, SLURM requeues it. Both end at the same parameters."""
+  a time limit: the job is submitted with 2 minutes (what submitit goes by
+  to call the signal a time-out), raised at once in SLURM, and cut back to
+  2 minutes once the run is seen training, so SLURM sends USR2 (90 s before
+  the limit) at its next check after 30 s of the job, train.py saves,
+  submitit requeues the job (its limit is then raised again, so that it is
+  hit once); then `scontrol requeue` once it has resumed: SLURM sends
+  SIGTERM, train.py saves, SLURM requeues it. Both end at the same
+  parameters. Cutting the limit when the run is seen training, rather than
+  submitting with a short one, keeps the test independent of how fast the
+  machine trains."""
   path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'rope'}]\n")
   name = "pos_emb=rope"
   jobs = {}
@@ -176,15 +191,18 @@ def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameter
                        *long_flags(tmp_path / "cache"))
     assert result.returncode == 0, result.stdout + result.stderr
     jobs[label] = submitted(result.stdout)[name]
+    if label == "interrupted":  # submitit keeps its 2 minutes; SLURM waits for the cut
+      set_time_limit(jobs[label], 30)
   workdir = tmp_path / "interrupted" / name
   log = workdir / "sweep.log"
 
   def saves() -> int:
     return log.read_text().count("SIGTERM received: saved step") if log.exists() else 0
 
+  wait_for(lambda: (last_step(str(workdir)) or 0) >= 50, "the run to train")
+  set_time_limit(jobs["interrupted"], 2)
   wait_for(lambda: saves() == 1, "the time-limit signal")
-  subprocess.run(["scontrol", "update", f"JobId={jobs['interrupted']}", "TimeLimit=30"],
-                 check=True, timeout=30)
+  set_time_limit(jobs["interrupted"], 30)
   saved = last_step(str(workdir)) or 0
   wait_for(lambda: (last_step(str(workdir)) or 0) > saved + 100,
            "the resumed run's progress")
