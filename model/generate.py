@@ -191,7 +191,7 @@ def _beam_loop(step, first_logits_RV, lengths_B, cache, *, beam_size: int,
   return out_BNT[jnp.arange(B), best_B]
 
 
-def _only_first(step, first_RV, num_tokens: int | None):
+def _within_vocabulary(step, first_RV, num_tokens: int | None):
   """`step` and the first logits with every id >= `num_tokens` (rows of the
   embedding past the tokenizer's vocabulary, e.g. padded to a multiple of 64)
   at the lowest logit, so that no search can choose an id nobody can decode."""
@@ -219,7 +219,7 @@ def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng,
   copies = search[1] if search[0] == "beam" else 1
   step, first_RV, cache = _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B,
                                    max_new_tokens=max_new_tokens, copies=copies)
-  step, first_RV = _only_first(step, first_RV, num_tokens)
+  step, first_RV = _within_vocabulary(step, first_RV, num_tokens)
   if search[0] == "beam":
     return _beam_loop(step, first_RV, lengths_B, cache, beam_size=search[1],
                       max_new_tokens=max_new_tokens, eos_id=eos_id, pad_id=pad_id,
