@@ -16,6 +16,21 @@ from model.attention import check_kernel_support
 from model.layers import DTYPES
 
 
+# Fields that say how the model is computed or initialised, not what it computes.
+_HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias")
+# RoPE scaling parameters, and those each `rope_scaling` type reads.
+_ROPE_FIELDS = ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
+                "rope_beta_slow", "rope_attention_factor", "rope_truncate",
+                "rope_low_freq_factor", "rope_high_freq_factor")
+_ROPE_SCALING_READS = {
+    "none": (), "linear": ("rope_scaling_factor",), "ntk": ("rope_scaling_factor",),
+    "yarn": ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
+             "rope_beta_slow", "rope_attention_factor", "rope_truncate"),
+    "llama3": ("rope_scaling_factor", "rope_original_max_len", "rope_low_freq_factor",
+               "rope_high_freq_factor"),
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Every field of the `model` section (see configs/base.py), with the
@@ -66,6 +81,28 @@ class ModelConfig:
   dtype: Any
   param_dtype: Any
   init_std: float
+
+  def forward_fields(self) -> dict:
+    """The fields that decide the function the model computes, each once.
+
+    Left out: how it is computed (`attention_impl`, `pallas_lowering`,
+    `dtype`, `param_dtype`), how it is initialised (`init_std`), `use_bias`
+    (the three per-projection biases resolve it), and the fields the others
+    leave unused: RoPE's without `pos_emb=rope` (and the scaling parameters
+    the scaling type does not read), the relative bias's without
+    `pos_emb=relative`, the decoder's without `family=encoder_decoder`. Two
+    configs with equal forward fields and equal weights give the same logits.
+    """
+    fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+              if f.name not in _HOW}
+    unused = set(_ROPE_FIELDS) - set(_ROPE_SCALING_READS[self.rope_scaling])
+    if self.pos_emb != "rope":
+      unused |= set(_ROPE_FIELDS) | {"rope_theta", "rope_scaling"}
+    if self.pos_emb != "relative":
+      unused |= {"relative_buckets", "relative_max_distance"}
+    if self.family != "encoder_decoder":
+      unused |= {"num_decoder_layers", "decoder_start"}
+    return {k: v for k, v in fields.items() if k not in unused}
 
   @classmethod
   def resolve(cls, section) -> "ModelConfig":

@@ -221,12 +221,36 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int
   return sum(int(np.prod(x.shape)) for x in abstract_params.values())
 
 
+def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
+  """Why `cfg` is not the HF architecture `arch` ("" if it is).
+
+  Writes `arch`'s config.json for `cfg`, imports it back and compares every
+  forward field (`ModelConfig.forward_fields`; the vocabulary aside, which
+  export cuts to the tokenizer's): the first one that does not come back is
+  named with the value `arch` gives it. One rule for every architecture, so a
+  new model option is refused by every architecture that does not map it.
+  """
+  config = base.get_config()
+  try:
+    config.model.update(**{"family": "decoder",
+                           **arch.config_from_hf(arch.config_to_hf(cfg, cfg.vocab_size))},
+                        attention_impl="reference")
+    back = ModelConfig.resolve(config.model).forward_fields()
+  except UserError as e:
+    return str(e)
+  for key, value in cfg.forward_fields().items():
+    if key != "vocab_size" and back.get(key) != value:
+      return f"model.{key}={value!r} (needs {back.get(key)!r})"
+  return ""
+
+
 def export_architecture(cfg) -> hf_mappings.Architecture:
-  """The HF architecture our `cfg` exports as, or a UserError with each reason."""
+  """The HF architecture our `cfg` exports as (the first of
+  `hf_mappings.EXPORTS` that takes it), or a UserError with each one's reason."""
   reasons = []
   for name in hf_mappings.EXPORTS:
     arch = hf_mappings.ARCHITECTURES[name]
-    reason = arch.check_ours(cfg)
+    reason = round_trip_mismatch(arch, cfg)
     if not reason:
       return arch
     reasons.append(f"{name}: {reason}")

@@ -4,8 +4,10 @@ An `Architecture` says, for one Hugging Face `model_type`:
 - `config_from_hf(hf)`: the HF config.json -> our `model` fields; every HF
   field is either honoured, known to leave the forward pass unchanged
   (`_INERT`: dropouts, token ids, bookkeeping), or refused by name;
-- `check_ours(cfg)`: why a `ModelConfig` has no such HF architecture ("" if it has);
-- `config_to_hf(cfg, vocab_size)`: our config -> the HF config.json fields;
+- `config_to_hf(cfg, vocab_size)`: our config -> the HF config.json fields.
+  It never raises: a value the architecture cannot express is written as the
+  nearest one it can, and the export check (`hf_convert.export_architecture`,
+  the round trip through `config_from_hf`) names the field that changed;
 - `tensors(cfg)`: each HF tensor name with our parameter paths it fills
   (`Tensor`, with the transposes/reshapes both ways).
 
@@ -91,33 +93,6 @@ def _fields(hf: dict, honoured: set, required: dict, name: str) -> None:
                       f"{name} import")
 
 
-def _plain_attention(cfg, *, bias: bool) -> dict:
-  """The option values of a model whose projections all have `bias` or none,
-  with unscaled embeddings, 1/sqrt(head_dim) scores, no window, an unscaled
-  head input (T5's), and none of BERT's extras (GPT-2, LLaMA)."""
-  return dict(qkv_bias=bias, out_bias=bias, mlp_bias=bias, scale_embeddings=False,
-              attention_scale=cfg.head_dim ** -0.5, sliding_window=None, type_vocab_size=0,
-              embedding_norm=False, head_transform=False, output_bias=False,
-              scale_head_input=False)
-
-
-def _need(cfg, **values) -> str:
-  """Names the first field of `cfg` that differs from `values` ("" if none)."""
-  for key, value in values.items():
-    if getattr(cfg, key) != value:
-      return f"model.{key}={getattr(cfg, key)!r} (needs {value!r})"
-  return ""
-
-
-def _full_heads(cfg) -> str:
-  """Why `cfg` is not multi-head attention with heads of d_model/num_heads
-  (GPT-2's and BERT's only form; "" if it is)."""
-  if cfg.num_kv_heads != cfg.num_heads or cfg.head_dim * cfg.num_heads != cfg.d_model:
-    return (f"model.num_kv_heads={cfg.num_kv_heads}, head_dim={cfg.head_dim} (needs "
-            f"num_heads={cfg.num_heads} heads of d_model/num_heads)")
-  return ""
-
-
 # --- GPT-2 -----------------------------------------------------------------
 
 def _gpt2_from_hf(hf: dict) -> dict:
@@ -131,12 +106,6 @@ def _gpt2_from_hf(hf: dict) -> dict:
               max_len=hf.get("n_positions", 1024), pos_emb="learned", norm="layernorm",
               norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-5), mlp="gelu_tanh",
               use_bias=True, tie_embeddings=hf.get("tie_word_embeddings", True))
-
-
-def _gpt2_check(cfg) -> str:
-  return _full_heads(cfg) or _need(
-      cfg, family="decoder", pos_emb="learned", norm="layernorm", norm_position="pre",
-      mlp="gelu_tanh", **_plain_attention(cfg, bias=True))
 
 
 def _gpt2_to_hf(cfg, vocab_size: int) -> dict:
@@ -232,20 +201,14 @@ def _rope(hf: dict) -> dict:
 
 
 def _rope_to_hf(cfg) -> dict:
-  """Our RoPE fields -> HF `rope_parameters` (inverse of `_rope`)."""
-  kind = "default" if cfg.rope_scaling == "none" else cfg.rope_scaling
+  """Our RoPE fields -> HF `rope_parameters` (inverse of `_rope`); a scaling
+  HF does not define (ntk) is written as none, so the round trip names it."""
+  kind = cfg.rope_scaling if cfg.rope_scaling in _ROPE_PARAMS else "default"
   out = {"rope_type": kind, "rope_theta": cfg.rope_theta}
   for key, (field, _) in _ROPE_PARAMS[kind].items():
     if getattr(cfg, field) is not None:
       out[key] = getattr(cfg, field)
   return out
-
-
-def _rope_check(cfg) -> str:
-  if cfg.rope_scaling not in ("none", *_ROPE_PARAMS):
-    return (f"model.rope_scaling={cfg.rope_scaling!r} (needs one of 'none', "
-            f"{', '.join(repr(k) for k in _ROPE_PARAMS if k != 'default')})")
-  return ""
 
 
 _LLAMA_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -287,26 +250,6 @@ def _qwen2_from_hf(hf: dict) -> dict:
     raise UserError(f"Hugging Face config field layer_types={sorted(layer_types)!r} is not "
                     "supported by the qwen2 import (needs full_attention only)")
   return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False)
-
-
-def _llama_check(cfg) -> str:
-  return _rope_check(cfg) or _need(
-      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
-      **_plain_attention(cfg, bias=False))
-
-
-def _mistral_check(cfg) -> str:
-  values = _plain_attention(cfg, bias=False)
-  del values["sliding_window"]
-  return _rope_check(cfg) or _need(
-      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
-      **values)
-
-
-def _qwen2_check(cfg) -> str:
-  return _rope_check(cfg) or _need(
-      cfg, family="decoder", pos_emb="rope", norm="rmsnorm", norm_position="pre", mlp="swiglu",
-      **dict(_plain_attention(cfg, bias=False), qkv_bias=True))
 
 
 def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
@@ -387,21 +330,8 @@ def _bert_from_hf(hf: dict) -> dict:
               head_transform=True, output_bias=True)
 
 
-def _bert_check(cfg) -> str:
-  if _full_heads(cfg):
-    return _full_heads(cfg)
-  if cfg.mlp not in _BERT_ACT.values() or cfg.type_vocab_size < 1:
-    return (f"model.mlp={cfg.mlp!r}, type_vocab_size={cfg.type_vocab_size} (needs gelu, "
-            "gelu_tanh or relu, and token types)")
-  values = dict(_plain_attention(cfg, bias=True), embedding_norm=True, head_transform=True,
-                output_bias=True)
-  del values["type_vocab_size"]
-  return _need(cfg, family="encoder", pos_emb="learned", norm="layernorm",
-               norm_position="post", **values)
-
-
 def _bert_to_hf(cfg, vocab_size: int) -> dict:
-  act = {v: k for k, v in reversed(_BERT_ACT.items())}[cfg.mlp]
+  act = {v: k for k, v in reversed(_BERT_ACT.items())}.get(cfg.mlp, "gelu")
   return dict(architectures=["BertForMaskedLM"], model_type="bert", vocab_size=vocab_size,
               hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, intermediate_size=cfg.d_ff, hidden_act=act,
@@ -474,7 +404,6 @@ class Architecture:
   hf_class: str
   prefix: str
   config_from_hf: Callable[[dict], dict]
-  check_ours: Callable
   config_to_hf: Callable
   tensors: Callable
   skipped: tuple[str, ...] = ()
@@ -486,18 +415,17 @@ class Architecture:
 
 _ROTARY = (".rotary_emb.inv_freq",)
 ARCHITECTURES = {
-    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_from_hf, _gpt2_check,
-                         _gpt2_to_hf, _gpt2_tensors, skipped=(".attn.bias", ".attn.masked_bias")),
-    "llama": Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _llama_check,
-                          _llama_to_hf, _llama_tensors, skipped=_ROTARY),
+    "gpt2": Architecture("gpt2", "GPT2LMHeadModel", "transformer.", _gpt2_from_hf, _gpt2_to_hf,
+                         _gpt2_tensors, skipped=(".attn.bias", ".attn.masked_bias")),
+    "llama": Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _llama_to_hf,
+                          _llama_tensors, skipped=_ROTARY),
     "mistral": Architecture("mistral", "MistralForCausalLM", "model.", _mistral_from_hf,
-                            _mistral_check, _mistral_to_hf, _llama_tensors, skipped=_ROTARY),
-    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_check,
-                          _qwen2_to_hf, _llama_tensors, skipped=_ROTARY),
-    "bert": Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_check,
-                         _bert_to_hf, _bert_tensors, unprefixed=("cls.",),
-                         read_past=_bert_read_past, objective="mlm",
-                         auto_class="AutoModelForMaskedLM",
+                            _mistral_to_hf, _llama_tensors, skipped=_ROTARY),
+    "qwen2": Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_to_hf,
+                          _llama_tensors, skipped=_ROTARY),
+    "bert": Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_to_hf,
+                         _bert_tensors, unprefixed=("cls.",), read_past=_bert_read_past,
+                         objective="mlm", auto_class="AutoModelForMaskedLM",
                          skipped=("embeddings.position_ids", "pooler.dense.weight",
                                   "pooler.dense.bias", "cls.seq_relationship.weight",
                                   "cls.seq_relationship.bias")),
