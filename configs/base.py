@@ -62,6 +62,8 @@ def get_config() -> config_dict.ConfigDict:
   m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
   m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
   #   many keys, itself included (Mistral's sliding_window); None: all
+  m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
+  #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |

@@ -89,6 +89,16 @@ def projection_bias(m, field: str) -> bool:
   return m.use_bias if m[field] is None else m[field]
 
 
+def sliding_window_layers(m) -> tuple[int, ...]:
+  """The layers whose self-attention has `model.sliding_window`, sorted (None
+  means every layer; no window: none)."""
+  if m.sliding_window is None:
+    return ()
+  if m.sliding_window_layers is None:
+    return tuple(range(m.num_layers))
+  return tuple(sorted(m.sliding_window_layers))
+
+
 def scale_embeddings(m) -> bool:
   """Whether token embeddings are multiplied by sqrt(d_model) (None means only
   for pos_emb=sinusoidal, as the original transformer)."""
@@ -144,9 +154,28 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   if m.sliding_window is not None and m.family != "decoder":
     _fail("model.sliding_window", m.sliding_window,
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
+  _validate_window_layers(m)
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
+
+
+def _validate_window_layers(m: config_dict.ConfigDict) -> None:
+  """`model.sliding_window_layers`: distinct layer indices, with a window."""
+  layers = m.sliding_window_layers
+  if layers is None:
+    return
+  if m.sliding_window is None:
+    _fail("model.sliding_window_layers", layers,
+          "needs model.sliding_window (the window those layers use); set it or unset this")
+  if (not isinstance(layers, (tuple, list)) or not layers
+      or any(not isinstance(i, int) or isinstance(i, bool) for i in layers)):
+    _fail("model.sliding_window_layers", layers,
+          "must be a non-empty tuple of layer indices, e.g. (1, 2) (None: every layer)")
+  if len(set(layers)) != len(layers) or not all(0 <= i < m.num_layers for i in layers):
+    _fail("model.sliding_window_layers", layers,
+          f"must name distinct layers in 0..{m.num_layers - 1} (model.num_layers="
+          f"{m.num_layers})")
 
 
 def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:

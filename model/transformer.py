@@ -77,8 +77,8 @@ class _Stack(nnx.Module):
     rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
                           if cfg.pos_emb == "relative" else None)
-    self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
-                            for _ in range(num_layers)])
+    self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
+                                  rngs=rngs) for i in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
     self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)

@@ -46,6 +46,14 @@ CASES = [
     (dict(type_vocab_size=-1), "model.type_vocab_size=-1: must be a positive integer or 0"),
     (dict(sliding_window=8, family="encoder"),
      "model.sliding_window=8: is for causal decoders (model.family=decoder, not encoder)"),
+    (dict(sliding_window_layers=(1,)),
+     "model.sliding_window_layers=(1,): needs model.sliding_window"),
+    (dict(sliding_window=8, sliding_window_layers=()),
+     "model.sliding_window_layers=(): must be a non-empty tuple of layer indices"),
+    (dict(sliding_window=8, sliding_window_layers=(1, 1)),
+     "model.sliding_window_layers=(1, 1): must name distinct layers in 0..1"),
+    (dict(sliding_window=8, sliding_window_layers=(2,)),
+     "model.sliding_window_layers=(2,): must name distinct layers in 0..1 (model.num_layers=2)"),
 ]
 
 

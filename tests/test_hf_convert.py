@@ -334,6 +334,17 @@ def test_export_picks_the_architecture_of_each_option(field, value, model_type):
   assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == model_type
 
 
+def test_export_of_a_window_in_some_layers():
+  """Qwen2 has a per-layer window; Mistral's is in every layer or none."""
+  config = base_config.get_config()
+  config.model.update(sliding_window=4, sliding_window_layers=(1,))
+  with pytest.raises(UserError, match=r"mistral: model.sliding_window_layers=\(1,\) .needs the "
+                                      "window in every layer"):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))
+  config.model.qkv_bias = True
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "qwen2"
+
+
 def test_export_refuses_ntk_rope_by_name():
   config = base_config.get_config()
   config.model.update(rope_scaling="ntk", rope_scaling_factor=2.0)
@@ -347,12 +358,45 @@ def test_bert_base_preset_exports_as_bert():
 
 
 def test_qwen2_in_and_out(tok, tmp_path):
-  """q/k/v biases without an o bias; GQA, untied head."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+  """q/k/v biases without an o bias; GQA, untied head; Qwen2's own window of
+  3 keys (shorter than the prompts and the generated tokens) in layer 1 only
+  (max_window_layers=1), full attention in layer 0."""
+  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+                                use_sliding_window=True, sliding_window=3, max_window_layers=1))
+  assert hf_model.config.layer_types == ["full_attention", "sliding_attention"]
   workdir = _check_import(hf_model, tok, tmp_path)
+  model_config = workdir_lib.load_config(str(workdir)).model
+  assert (model_config.sliding_window, list(model_config.sliding_window_layers)) == (3, [1])
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert (exported["model_type"], exported["use_sliding_window"]) == ("qwen2", False)
+  assert (exported["model_type"], exported["use_sliding_window"], exported["sliding_window"],
+          exported["layer_types"]) == ("qwen2", True, 3, ["full_attention", "sliding_attention"])
+
+
+def test_qwen2_window_fields():
+  """How transformers 5 reads Qwen2's window: `layer_types` when given, else
+  the layers from `max_window_layers` on; nothing without use_sliding_window
+  (Qwen2-0.5B's file has sliding_window=131072, unused)."""
+  qwen2 = hf_mappings.ARCHITECTURES["qwen2"]
+  base = dict(model_type="qwen2", num_hidden_layers=4, sliding_window=8)
+
+  def window(**kw):
+    fields = qwen2.config_from_hf({**base, **kw})
+    return fields["sliding_window"], fields["sliding_window_layers"]
+
+  assert window(use_sliding_window=False, max_window_layers=0) == (None, None)
+  assert window(use_sliding_window=True, max_window_layers=0) == (8, None)  # every layer
+  assert window(use_sliding_window=True, max_window_layers=2) == (8, (2, 3))
+  assert window(use_sliding_window=True, max_window_layers=4) == (None, None)
+  assert window(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2,
+                max_window_layers=3) == (8, (0, 2))
+  for kw, message in [
+      (dict(use_sliding_window=True, layer_types=["chunked_attention"] * 4),
+       "layer_types=.'chunked_attention'"),
+      (dict(use_sliding_window=False, layer_types=["sliding_attention"] * 4),
+       "use_sliding_window=False")]:
+    with pytest.raises(UserError, match=message):
+      window(**kw)
 
 
 @pytest.mark.slow
@@ -447,15 +491,6 @@ def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
     _edit_config(hf_dir, **kw)
     assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
                                   tmp_path / "run")
-
-
-def test_qwen2_refuses_its_sliding_window(tok, tmp_path, capsys):
-  hf_dir = tmp_path / "hf"
-  _save(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, num_hidden_layers=1),
-        tok, hf_dir)
-  _edit_config(hf_dir, use_sliding_window=True, sliding_window=4)
-  assert "use_sliding_window=True" in _error_line(capsys, "from_hf", "--hf_dir", hf_dir,
-                                                  "--workdir", tmp_path / "run")
 
 
 # The config.json fields of public checkpoints (as published; values only read).
