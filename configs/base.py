@@ -14,6 +14,9 @@ def get_config() -> config_dict.ConfigDict:
   m = c.model = config_dict.ConfigDict()
   m.family = "decoder"  # decoder | encoder | encoder_decoder
   m.vocab_size = 1024  # rows of the embedding; >= the tokenizer's vocab_size
+  m.real_vocab_size = config_dict.placeholder(int)  # the rows that are tokens; the logits of
+  #   the rows past it (padding: 50,304 rows for GPT-2's 50,257) are masked out of the softmax,
+  #   loss and sampling; None: all vocab_size rows
   m.d_model = 128  # model width d
   m.num_layers = 2  # layers (the encoder's, for encoder_decoder)
   m.num_decoder_layers = config_dict.placeholder(int)  # encoder_decoder; None: num_layers

@@ -89,6 +89,12 @@ def projection_bias(m, field: str) -> bool:
   return m.use_bias if m[field] is None else m[field]
 
 
+def real_vocab_size(m) -> int:
+  """The rows of the vocabulary that are tokens, the rest padding whose
+  logits are masked (None means all vocab_size rows)."""
+  return m.vocab_size if m.real_vocab_size is None else m.real_vocab_size
+
+
 def sliding_window_layers(m) -> tuple[int, ...]:
   """The layers whose self-attention has `model.sliding_window`, sorted (None
   means every layer; no window: none)."""
@@ -121,8 +127,12 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                 "relative_buckets", "relative_max_distance"):
     _check_positive(m, p + field, p)
-  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
+  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window",
+                "real_vocab_size"):
     _check_positive(m, p + field, p, allow_none=True)
+  if real_vocab_size(m) > m.vocab_size:
+    _fail("model.real_vocab_size", m.real_vocab_size,
+          f"must be <= model.vocab_size={m.vocab_size} (the rows past it are padding)")
   _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
@@ -223,9 +233,10 @@ def validate(config: config_dict.ConfigDict) -> None:
           f"must divide train.batch_size={config.train.batch_size}")
   if config.train.learning_rate <= 0:
     _fail("train.learning_rate", config.train.learning_rate, "must be positive")
-  if not config.tokenizer.path and config.tokenizer.vocab_size > config.model.vocab_size:
+  if not config.tokenizer.path and config.tokenizer.vocab_size > real_vocab_size(config.model):
+    field = "real_vocab_size" if config.model.real_vocab_size is not None else "vocab_size"
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
-          f"exceeds model.vocab_size={config.model.vocab_size}")
+          f"exceeds model.{field}={config.model[field]}")
   if config.data.source in ("files", "jsonl", "arrayrecord", "parquet") and not config.data.paths:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:

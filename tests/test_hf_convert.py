@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -25,10 +26,12 @@ from configs import from_run
 from configs.errors import UserError
 from model.config import ModelConfig
 from model.generate import generate
+from model.transformer import PADDED_LOGIT
 from tokenizer import bpe, export_hf
 from training import hf_convert, hf_mappings
 from training import workdir as workdir_lib
 from training.evaluate import load_run
+from training.objectives import cross_entropy_sums
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
 PROMPTS = ["def add(", "class "]
@@ -144,6 +147,34 @@ def test_gpt2_in_and_out(tok, tmp_path):
           == workdir_lib.load_config(str(workdir)).model.to_dict())
 
 
+def test_gpt2_padded_on_import(tok, tmp_path):
+  """A 290-row GPT-2 imported with --pad_vocab_to_multiple 64: 320 rows, the
+  30 padded ones masked (model.real_vocab_size=290). The real ids' logits and
+  the loss are transformers' (so those of the unpadded import), no sampled id
+  is a padded one, and the export is transformers' 290-row model again."""
+  hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=290, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+  workdir = tmp_path / "run"
+  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"), "--workdir",
+                      workdir, "--pad_vocab_to_multiple", 64) == 0
+  config, _, model, _ = load_run(str(workdir))
+  assert (config.model.vocab_size, config.model.real_vocab_size) == (320, 290)
+  assert model.decoder.embed.embedding.shape == (320, 32)
+  ids = _ids(tok)
+  ours, theirs = np.asarray(model(ids)), _hf_logits(hf_model, ids)
+  _assert_close(ours[..., :290], theirs)
+  assert (ours[..., 290:] == PADDED_LOGIT).all()
+  targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
+  loss, _, _ = cross_entropy_sums(jnp.asarray(ours), targets, weights)
+  want, _, _ = cross_entropy_sums(jnp.asarray(theirs), targets, weights)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  sampled = generate(model, config.model, [tok.encode_with_specials(p) for p in PROMPTS],
+                     max_new_tokens=16, temperature=100.0)
+  assert max(max(new) for new in sampled) < 290
+  _check_export(workdir, tok, tmp_path, theirs)
+  assert json.loads((tmp_path / "exported" / "config.json").read_text())["vocab_size"] == 290
+
+
 @pytest.mark.slow
 def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
   """GQA (4 query heads, 2 KV heads) with head_dim 16 != d/h = 8, untied head."""
@@ -234,6 +265,13 @@ def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   change(hf_dir)
   assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
                                 tmp_path / "run")
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
+  assert "--pad_vocab_to_multiple 0: must be a positive integer" in _error_line(
+      capsys, "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"), "--workdir",
+      tmp_path / "run", "--pad_vocab_to_multiple", "0")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
