@@ -1,20 +1,22 @@
-"""Qwen2: the `configs/qwen2_0_5b.py` preset against `transformers`' count.
+"""Qwen2: the `configs/qwen2_0_5b.py` preset against `transformers`' count,
+and its config.json mapping both ways (with its own sliding window).
 
-The checkpoint parity of Qwen2 (import, export, its own sliding window) is in
+The checkpoint parity of Qwen2 (import, export, the window) is in
 tests/test_hf_convert.py with the other architectures.
 """
 import json
 import subprocess
 import sys
 
+import pytest
 import torch
 import transformers
 
-from configs import qwen2_0_5b
+from configs import base, qwen2_0_5b
 from model import accounting
 from model.config import ModelConfig
 from tests.test_hf_convert import ROOT
-from training import hf_convert
+from training import hf_convert, hf_mappings
 
 
 def _hf_qwen2_0_5b():
@@ -53,3 +55,22 @@ def test_qwen2_0_5b_summary_and_export_architecture():
               "num_key_value_heads", "max_position_embeddings", "rms_norm_eps",
               "tie_word_embeddings", "rope_parameters", "vocab_size", "layer_types"):
     assert exported.get(key) == want.get(key), key
+
+
+@pytest.mark.parametrize("window", [
+    {}, dict(sliding_window=8), dict(sliding_window=8, sliding_window_layers=(2,)),
+    dict(sliding_window=8, sliding_window_layers=(0, 2))], ids=["none", "all", "last", "some"])
+def test_qwen2_config_round_trip(window):
+  """Our Qwen2 config -> its config.json (through JSON) -> our config again,
+  every model field the same; transformers reads the window's layers as ours."""
+  config = qwen2_0_5b.get_config()
+  config.model.update(num_layers=3, **window)
+  cfg = ModelConfig.resolve(config.model)
+  qwen2 = hf_mappings.ARCHITECTURES["qwen2"]
+  hf = json.loads(json.dumps(qwen2.config_to_hf(cfg, cfg.vocab_size)))
+  again = base.get_config().model
+  again.update(**qwen2.config_from_hf(hf), dtype="bfloat16")
+  assert ModelConfig.resolve(again) == cfg
+  layer_types = transformers.Qwen2Config(**hf).layer_types
+  assert [i for i, kind in enumerate(layer_types)
+          if kind == "sliding_attention"] == list(cfg.sliding_window_layers)
