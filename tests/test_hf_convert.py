@@ -268,6 +268,17 @@ def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_a_run_refuses_a_tokenizer_past_the_real_vocabulary(tok, tmp_path):
+  """Its ids past model.real_vocab_size would have masked logits."""
+  tok.save(tmp_path / "tok")
+  config = base_config.get_config()
+  config.model.update(vocab_size=320, real_vocab_size=280)
+  config.tokenizer.path = str(tmp_path / "tok")
+  with pytest.raises(UserError, match="the tokenizer has 290 ids but model.real_vocab_size=280; "
+                                      "raise model.real_vocab_size"):
+    workdir_lib.setup_tokenizer(config, str(tmp_path / "run"))
+
+
 def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
   assert "--pad_vocab_to_multiple 0: must be a positive integer" in _error_line(
       capsys, "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"), "--workdir",
