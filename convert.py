@@ -1,6 +1,6 @@
 """Hugging Face checkpoints in and out.
 
-  python convert.py from_hf --hf_dir DIR --workdir W   # a run directory at step 0
+  python convert.py from_hf --hf_dir DIR --workdir W [--pad_vocab_to_multiple N]  # step 0
   python convert.py to_hf --workdir W --out DIR [--step N]
 
 `from_hf` writes a run that `python eval.py --workdir W` evaluates and
@@ -24,6 +24,9 @@ def main(argv=None) -> None:
   pull.add_argument("--workdir", required=True, help="the new run directory")
   pull.add_argument("--fsdp", type=int, default=1, help="the run's mesh.fsdp (default 1)")
   pull.add_argument("--tensor", type=int, default=1, help="the run's mesh.tensor (default 1)")
+  pull.add_argument("--pad_vocab_to_multiple", type=int, default=1,
+                    help="pad the vocabulary rows to a multiple of N; their logits are masked "
+                         "(model.real_vocab_size); default 1: the checkpoint's rows")
   push = commands.add_parser("to_hf", help="export a run as a Hugging Face model directory")
   push.add_argument("--workdir", required=True, help="the run directory")
   push.add_argument("--out", required=True, help="the new Hugging Face model directory")
@@ -32,7 +35,8 @@ def main(argv=None) -> None:
   from training import hf_convert  # pylint: disable=import-outside-toplevel
   try:
     if args.command == "from_hf":
-      count = hf_convert.from_hf(args.hf_dir, args.workdir, fsdp=args.fsdp, tensor=args.tensor)
+      count = hf_convert.from_hf(args.hf_dir, args.workdir, fsdp=args.fsdp, tensor=args.tensor,
+                                 pad_vocab_to_multiple=args.pad_vocab_to_multiple)
       print(f"wrote {args.workdir} (step 0, {count:,} parameters)")
     else:
       out = hf_convert.to_hf(args.workdir, args.out, args.step)

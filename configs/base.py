@@ -14,6 +14,9 @@ def get_config() -> config_dict.ConfigDict:
   m = c.model = config_dict.ConfigDict()
   m.family = "decoder"  # decoder | encoder | encoder_decoder
   m.vocab_size = 1024  # rows of the embedding; >= the tokenizer's vocab_size
+  m.real_vocab_size = config_dict.placeholder(int)  # the rows that are tokens; the logits of
+  #   the rows past it (padding: 50,304 rows for GPT-2's 50,257) are masked out of the softmax,
+  #   loss and sampling; None: all vocab_size rows
   m.d_model = 128  # model width d
   m.num_layers = 2  # layers (the encoder's, for encoder_decoder)
   m.num_decoder_layers = config_dict.placeholder(int)  # encoder_decoder; None: num_layers
@@ -62,6 +65,8 @@ def get_config() -> config_dict.ConfigDict:
   m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
   m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
   #   many keys, itself included (Mistral's sliding_window); None: all
+  m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
+  #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |

@@ -89,6 +89,22 @@ def projection_bias(m, field: str) -> bool:
   return m.use_bias if m[field] is None else m[field]
 
 
+def real_vocab_size(m) -> int:
+  """The rows of the vocabulary that are tokens, the rest padding whose
+  logits are masked (None means all vocab_size rows)."""
+  return m.vocab_size if m.real_vocab_size is None else m.real_vocab_size
+
+
+def sliding_window_layers(m) -> tuple[int, ...]:
+  """The layers whose self-attention has `model.sliding_window`, sorted (None
+  means every layer; no window: none)."""
+  if m.sliding_window is None:
+    return ()
+  if m.sliding_window_layers is None:
+    return tuple(range(m.num_layers))
+  return tuple(sorted(m.sliding_window_layers))
+
+
 def scale_embeddings(m) -> bool:
   """Whether token embeddings are multiplied by sqrt(d_model) (None means only
   for pos_emb=sinusoidal, as the original transformer)."""
@@ -111,8 +127,12 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                 "relative_buckets", "relative_max_distance"):
     _check_positive(m, p + field, p)
-  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window"):
+  for field in ("num_kv_heads", "head_dim", "num_decoder_layers", "sliding_window",
+                "real_vocab_size"):
     _check_positive(m, p + field, p, allow_none=True)
+  if real_vocab_size(m) > m.vocab_size:
+    _fail("model.real_vocab_size", m.real_vocab_size,
+          f"must be <= model.vocab_size={m.vocab_size} (the rows past it are padding)")
   _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
@@ -144,9 +164,28 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   if m.sliding_window is not None and m.family != "decoder":
     _fail("model.sliding_window", m.sliding_window,
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
+  _validate_window_layers(m)
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
+
+
+def _validate_window_layers(m: config_dict.ConfigDict) -> None:
+  """`model.sliding_window_layers`: distinct layer indices, with a window."""
+  layers = m.sliding_window_layers
+  if layers is None:
+    return
+  if m.sliding_window is None:
+    _fail("model.sliding_window_layers", layers,
+          "needs model.sliding_window (the window those layers use); set it or unset this")
+  if (not isinstance(layers, (tuple, list)) or not layers
+      or any(not isinstance(i, int) or isinstance(i, bool) for i in layers)):
+    _fail("model.sliding_window_layers", layers,
+          "must be a non-empty tuple of layer indices, e.g. (1, 2) (None: every layer)")
+  if len(set(layers)) != len(layers) or not all(0 <= i < m.num_layers for i in layers):
+    _fail("model.sliding_window_layers", layers,
+          f"must name distinct layers in 0..{m.num_layers - 1} (model.num_layers="
+          f"{m.num_layers})")
 
 
 def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:
@@ -194,9 +233,10 @@ def validate(config: config_dict.ConfigDict) -> None:
           f"must divide train.batch_size={config.train.batch_size}")
   if config.train.learning_rate <= 0:
     _fail("train.learning_rate", config.train.learning_rate, "must be positive")
-  if not config.tokenizer.path and config.tokenizer.vocab_size > config.model.vocab_size:
+  if not config.tokenizer.path and config.tokenizer.vocab_size > real_vocab_size(config.model):
+    field = "real_vocab_size" if config.model.real_vocab_size is not None else "vocab_size"
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
-          f"exceeds model.vocab_size={config.model.vocab_size}")
+          f"exceeds model.{field}={config.model[field]}")
   if config.data.source in ("files", "jsonl", "arrayrecord", "parquet") and not config.data.paths:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:

@@ -247,13 +247,14 @@ class Attention(nnx.Module):
   W_K and W_V are [d, g, d_k], W_O is [h, d_k, d].
   """
 
-  def __init__(self, cfg, *, rope=None, rngs: nnx.Rngs):
-    """`cfg`: the `model.config.ModelConfig`."""
+  def __init__(self, cfg, *, rope=None, window: int | None = None, rngs: nnx.Rngs):
+    """`cfg`: the `model.config.ModelConfig`; `window`: the sliding window of
+    this layer's self-attention (`cfg.layer_window(layer)`), None for none."""
     d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, b_out = cfg.qkv_bias, cfg.out_bias
     self.rope = rope  # (inv_freq, attention_factor) or None
     self.scale = cfg.attention_scale
-    self.window = cfg.sliding_window  # self-attention only
+    self.window = window  # self-attention only
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)

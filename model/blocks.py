@@ -14,9 +14,10 @@ from model.norms import make_norm
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs):
+  def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs, window: int | None = None):
+    """`window`: this layer's self-attention sliding window (None: none)."""
     self.pre_norm = cfg.norm_position == "pre"
-    self.attn = Attention(cfg, rope=rope, rngs=rngs)
+    self.attn = Attention(cfg, rope=rope, window=window, rngs=rngs)
     self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
     self.norm_cross = make_norm(cfg.d_model, cfg=cfg, rngs=rngs) if cross else None

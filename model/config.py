@@ -2,7 +2,8 @@
 
 `ModelConfig.resolve(config.model)` validates the section (the rules of
 `configs/validation.py`), computes the derived values (`head_dim`,
-`num_kv_heads`, `num_decoder_layers`, the per-projection biases,
+`num_kv_heads`, `num_decoder_layers`, `real_vocab_size`, the
+per-projection biases, the layers with the sliding window,
 `scale_embeddings`, `attention_scale`), resolves the dtypes to jnp dtypes and
 checks that the chosen attention kernel takes them (`model.attention`).
 Every module, the accounting and the attention dispatcher read this frozen
@@ -34,9 +35,13 @@ _ROPE_SCALING_READS = {
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Every field of the `model` section (see configs/base.py), with the
-  optional ones filled in and `dtype`/`param_dtype` as jnp dtypes."""
+  optional ones filled in and `dtype`/`param_dtype` as jnp dtypes.
+  `real_vocab_size` is vocab_size when the section leaves it None;
+  `sliding_window_layers` is always the sorted tuple of the windowed layers
+  (every layer when the section leaves it None; none without a window)."""
   family: str
   vocab_size: int
+  real_vocab_size: int
   d_model: int
   num_layers: int
   num_decoder_layers: int
@@ -76,6 +81,7 @@ class ModelConfig:
   head_transform: bool
   output_bias: bool
   sliding_window: int | None
+  sliding_window_layers: tuple[int, ...]
   attention_impl: str
   pallas_lowering: str
   dtype: Any
@@ -115,6 +121,8 @@ class ModelConfig:
     values.update(num_kv_heads=validation.num_kv_heads(section),
                   head_dim=validation.head_dim(section),
                   num_decoder_layers=validation.num_decoder_layers(section),
+                  real_vocab_size=validation.real_vocab_size(section),
+                  sliding_window_layers=validation.sliding_window_layers(section),
                   qkv_bias=validation.projection_bias(section, "qkv_bias"),
                   out_bias=validation.projection_bias(section, "out_bias"),
                   mlp_bias=validation.projection_bias(section, "mlp_bias"),
@@ -124,3 +132,8 @@ class ModelConfig:
     cfg = cls(**values)
     check_kernel_support(cfg)
     return cfg
+
+  def layer_window(self, layer: int) -> int | None:
+    """The sliding window of decoder layer `layer`'s self-attention (None: it
+    sees every earlier key)."""
+    return self.sliding_window if layer in self.sliding_window_layers else None

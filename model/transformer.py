@@ -17,7 +17,8 @@ per stack and added to every block's self-attention scores) -> final norm
 optional transform (BERT's masked-LM head: dense, activation, norm), the
 final hidden states times d_model^-0.5 when `scale_head_input` (T5 v1.0),
 the output projection (tied E^T or its own matrix) and an optional bias
-over the vocabulary. The projection computes in float32
+over the vocabulary; with `real_vocab_size` < `vocab_size` the logits of
+the padded rows are `PADDED_LOGIT`. The projection computes in float32
 whatever `model.dtype` (its inputs and weights cast up, as nanodo and MaxText
 do), so the loss sees full-precision logits.
 """
@@ -34,6 +35,12 @@ from model.layers import Dense, param
 from model.mlp import KINDS
 from model.norms import make_norm
 from model.relative_bias import RelativeBias, positions_row
+
+
+# The logit of a padded vocabulary row (past `model.real_vocab_size`): finite,
+# so that softmax, cross-entropy, entropies and sampling (also divided by a
+# temperature) give those rows probability 0 exactly, never a NaN.
+PADDED_LOGIT = -1e9
 
 
 def _batch_split(x_BTM):
@@ -77,8 +84,8 @@ class _Stack(nnx.Module):
     rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
                           if cfg.pos_emb == "relative" else None)
-    self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, rngs=rngs)
-                            for _ in range(num_layers)])
+    self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
+                                  rngs=rngs) for i in range(num_layers)])
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
     self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
@@ -188,7 +195,8 @@ class HeadTransform(nnx.Module):
 
 class _WithHead(nnx.Module):
   """The output head: optional transform, tied (E^T) or untied projection
-  computed in float32, optional bias over the vocabulary."""
+  computed in float32, optional bias over the vocabulary, the padded rows
+  masked."""
 
   def _init_head(self, cfg, rngs):
     self.head_input_scale = cfg.d_model ** -0.5 if cfg.scale_head_input else None
@@ -198,6 +206,8 @@ class _WithHead(nnx.Module):
         dtype=jnp.float32)
     self.output_bias = (param(rngs, jax.nn.initializers.zeros, (cfg.vocab_size,), ("vocab",),
                               cfg.param_dtype) if cfg.output_bias else None)
+    self.real_vocab_size = (cfg.real_vocab_size if cfg.real_vocab_size < cfg.vocab_size
+                            else None)
 
   def logits(self, stack: _Stack, x_BTM):
     """Float32 logits [B, T, V] of the final hidden states."""
@@ -208,6 +218,9 @@ class _WithHead(nnx.Module):
     logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
     if self.output_bias is not None:
       logits_BTV = logits_BTV + self.output_bias[...].astype(jnp.float32)
+    if self.real_vocab_size is not None:
+      real_V = jnp.arange(logits_BTV.shape[-1]) < self.real_vocab_size
+      logits_BTV = jnp.where(real_V, logits_BTV, PADDED_LOGIT)
     return logits_BTV
 
 

@@ -46,6 +46,17 @@ CASES = [
     (dict(type_vocab_size=-1), "model.type_vocab_size=-1: must be a positive integer or 0"),
     (dict(sliding_window=8, family="encoder"),
      "model.sliding_window=8: is for causal decoders (model.family=decoder, not encoder)"),
+    (dict(real_vocab_size=0), "model.real_vocab_size=0: must be a positive integer"),
+    (dict(real_vocab_size=1025), "model.real_vocab_size=1025: must be <= model.vocab_size=1024 "
+     "(the rows past it are padding)"),
+    (dict(sliding_window_layers=(1,)),
+     "model.sliding_window_layers=(1,): needs model.sliding_window"),
+    (dict(sliding_window=8, sliding_window_layers=()),
+     "model.sliding_window_layers=(): must be a non-empty tuple of layer indices"),
+    (dict(sliding_window=8, sliding_window_layers=(1, 1)),
+     "model.sliding_window_layers=(1, 1): must name distinct layers in 0..1"),
+    (dict(sliding_window=8, sliding_window_layers=(2,)),
+     "model.sliding_window_layers=(2,): must name distinct layers in 0..1 (model.num_layers=2)"),
 ]
 
 
@@ -131,6 +142,15 @@ def test_objective_must_fit_the_family(family, objective, allowed):
     validate(c)
   assert str(err.value) == (f"config field train.objective={objective!r}: does not fit "
                             f"model.family={family}; use one of {allowed}")
+
+
+def test_tokenizer_must_fit_the_real_vocabulary():
+  """Ids past model.real_vocab_size would have masked logits."""
+  c = base.get_config()
+  c.model.update(vocab_size=1024, real_vocab_size=1000)
+  with pytest.raises(UserError, match="tokenizer.vocab_size=1024: exceeds "
+                                      "model.real_vocab_size=1000"):
+    validate(c)
 
 
 def test_user_data_needs_paths():

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors.numpy
@@ -25,10 +26,12 @@ from configs import from_run
 from configs.errors import UserError
 from model.config import ModelConfig
 from model.generate import generate
+from model.transformer import PADDED_LOGIT
 from tokenizer import bpe, export_hf
 from training import hf_convert, hf_mappings
 from training import workdir as workdir_lib
 from training.evaluate import load_run
+from training.objectives import cross_entropy_sums
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
 PROMPTS = ["def add(", "class "]
@@ -144,6 +147,34 @@ def test_gpt2_in_and_out(tok, tmp_path):
           == workdir_lib.load_config(str(workdir)).model.to_dict())
 
 
+def test_gpt2_padded_on_import(tok, tmp_path):
+  """A 290-row GPT-2 imported with --pad_vocab_to_multiple 64: 320 rows, the
+  30 padded ones masked (model.real_vocab_size=290). The real ids' logits and
+  the loss are transformers' (so those of the unpadded import), no sampled id
+  is a padded one, and the export is transformers' 290-row model again."""
+  hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+      vocab_size=290, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
+  workdir = tmp_path / "run"
+  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"), "--workdir",
+                      workdir, "--pad_vocab_to_multiple", 64) == 0
+  config, _, model, _ = load_run(str(workdir))
+  assert (config.model.vocab_size, config.model.real_vocab_size) == (320, 290)
+  assert model.decoder.embed.embedding.shape == (320, 32)
+  ids = _ids(tok)
+  ours, theirs = np.asarray(model(ids)), _hf_logits(hf_model, ids)
+  _assert_close(ours[..., :290], theirs)
+  assert (ours[..., 290:] == PADDED_LOGIT).all()
+  targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
+  loss, _, _ = cross_entropy_sums(jnp.asarray(ours), targets, weights)
+  want, _, _ = cross_entropy_sums(jnp.asarray(theirs), targets, weights)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  sampled = generate(model, config.model, [tok.encode_with_specials(p) for p in PROMPTS],
+                     max_new_tokens=16, temperature=100.0)
+  assert max(max(new) for new in sampled) < 290
+  _check_export(workdir, tok, tmp_path, theirs)
+  assert json.loads((tmp_path / "exported" / "config.json").read_text())["vocab_size"] == 290
+
+
 @pytest.mark.slow
 def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
   """GQA (4 query heads, 2 KV heads) with head_dim 16 != d/h = 8, untied head."""
@@ -237,6 +268,24 @@ def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
+def test_a_run_refuses_a_tokenizer_past_the_real_vocabulary(tok, tmp_path):
+  """Its ids past model.real_vocab_size would have masked logits."""
+  tok.save(tmp_path / "tok")
+  config = base_config.get_config()
+  config.model.update(vocab_size=320, real_vocab_size=280)
+  config.tokenizer.path = str(tmp_path / "tok")
+  with pytest.raises(UserError, match="the tokenizer has 290 ids but model.real_vocab_size=280; "
+                                      "raise model.real_vocab_size"):
+    workdir_lib.setup_tokenizer(config, str(tmp_path / "run"))
+
+
+def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
+  assert "--pad_vocab_to_multiple 0: must be a positive integer" in _error_line(
+      capsys, "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"), "--workdir",
+      tmp_path / "run", "--pad_vocab_to_multiple", "0")
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
 def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
   for kw, message in [(dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0,
                                              "rope_theta": 1e4}), "rope_type='dynamic'"),
@@ -324,6 +373,17 @@ def test_export_picks_the_architecture_of_each_option(field, value, model_type):
   assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == model_type
 
 
+def test_export_of_a_window_in_some_layers():
+  """Qwen2 has a per-layer window; Mistral's is in every layer or none."""
+  config = base_config.get_config()
+  config.model.update(sliding_window=4, sliding_window_layers=(1,))
+  with pytest.raises(UserError, match=r"mistral: model.sliding_window_layers=\(1,\) "
+                                      r".needs \(0, 1\)\)"):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))
+  config.model.qkv_bias = True
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "qwen2"
+
+
 def test_export_refuses_ntk_rope_by_name():
   config = base_config.get_config()
   config.model.update(rope_scaling="ntk", rope_scaling_factor=2.0)
@@ -333,16 +393,18 @@ def test_export_refuses_ntk_rope_by_name():
 
 # A value other than configs/base.py's for every forward field of its model
 # (a LLaMA): LLaMA's config.json either brings it back or the export check
-# names it.
+# names it (the window's layers: Mistral's, whose window is in every layer).
 _OTHER_VALUES = dict(
     family="encoder", vocab_size=2048, d_model=64, num_layers=3, num_heads=8, num_kv_heads=2,
     head_dim=16, d_ff=256, max_len=128, pos_emb="learned", rope_theta=500.0,
     rope_scaling="ntk", norm="layernorm", norm_position="post", norm_eps=1e-5, mlp="gelu",
     qkv_bias=True, out_bias=True, mlp_bias=True, scale_embeddings=True, attention_scale=1.0,
     tie_embeddings=False, scale_head_input=True, type_vocab_size=2, embedding_norm=True,
-    head_transform=True, output_bias=True, sliding_window=8)
-_LLAMA_MAPS = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-               "d_ff", "max_len", "rope_theta", "norm_eps", "tie_embeddings")
+    head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
+    sliding_window_layers=(1,))
+_LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
+               "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
+               "tie_embeddings")
 
 
 @pytest.mark.parametrize("field", sorted(_OTHER_VALUES))
@@ -353,9 +415,12 @@ def test_export_check_names_every_field_llama_does_not_map(field):
   config = base_config.get_config()
   assert set(ModelConfig.resolve(config.model).forward_fields()) == set(_OTHER_VALUES)
   config.model[field] = _OTHER_VALUES[field]
+  arch = "llama"
   if field == "rope_scaling":
     config.model.rope_scaling_factor = 2.0
-  reason = hf_convert.round_trip_mismatch(hf_mappings.ARCHITECTURES["llama"],
+  if field == "sliding_window_layers":
+    config.model.sliding_window, arch = 8, "mistral"
+  reason = hf_convert.round_trip_mismatch(hf_mappings.ARCHITECTURES[arch],
                                           ModelConfig.resolve(config.model))
   if field in _LLAMA_MAPS:
     assert reason == ""
@@ -369,12 +434,45 @@ def test_bert_base_preset_exports_as_bert():
 
 
 def test_qwen2_in_and_out(tok, tmp_path):
-  """q/k/v biases without an o bias; GQA, untied head."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+  """q/k/v biases without an o bias; GQA, untied head; Qwen2's own window of
+  3 keys (shorter than the prompts and the generated tokens) in layer 1 only
+  (max_window_layers=1), full attention in layer 0."""
+  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+                                use_sliding_window=True, sliding_window=3, max_window_layers=1))
+  assert hf_model.config.layer_types == ["full_attention", "sliding_attention"]
   workdir = _check_import(hf_model, tok, tmp_path)
+  model_config = workdir_lib.load_config(str(workdir)).model
+  assert (model_config.sliding_window, list(model_config.sliding_window_layers)) == (3, [1])
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert (exported["model_type"], exported["use_sliding_window"]) == ("qwen2", False)
+  assert (exported["model_type"], exported["use_sliding_window"], exported["sliding_window"],
+          exported["layer_types"]) == ("qwen2", True, 3, ["full_attention", "sliding_attention"])
+
+
+def test_qwen2_window_fields():
+  """How transformers 5 reads Qwen2's window: `layer_types` when given, else
+  the layers from `max_window_layers` on; nothing without use_sliding_window
+  (Qwen2-0.5B's file has sliding_window=131072, unused)."""
+  qwen2 = hf_mappings.ARCHITECTURES["qwen2"]
+  base = dict(model_type="qwen2", num_hidden_layers=4, sliding_window=8)
+
+  def window(**kw):
+    fields = qwen2.config_from_hf({**base, **kw})
+    return fields["sliding_window"], fields["sliding_window_layers"]
+
+  assert window(use_sliding_window=False, max_window_layers=0) == (None, None)
+  assert window(use_sliding_window=True, max_window_layers=0) == (8, None)  # every layer
+  assert window(use_sliding_window=True, max_window_layers=2) == (8, (2, 3))
+  assert window(use_sliding_window=True, max_window_layers=4) == (None, None)
+  assert window(use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2,
+                max_window_layers=3) == (8, (0, 2))
+  for kw, message in [
+      (dict(use_sliding_window=True, layer_types=["chunked_attention"] * 4),
+       "layer_types=.'chunked_attention'"),
+      (dict(use_sliding_window=False, layer_types=["sliding_attention"] * 4),
+       "use_sliding_window=False")]:
+    with pytest.raises(UserError, match=message):
+      window(**kw)
 
 
 @pytest.mark.slow
@@ -469,15 +567,6 @@ def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
     _edit_config(hf_dir, **kw)
     assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
                                   tmp_path / "run")
-
-
-def test_qwen2_refuses_its_sliding_window(tok, tmp_path, capsys):
-  hf_dir = tmp_path / "hf"
-  _save(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config, num_hidden_layers=1),
-        tok, hf_dir)
-  _edit_config(hf_dir, use_sliding_window=True, sliding_window=4)
-  assert "use_sliding_window=True" in _error_line(capsys, "from_hf", "--hf_dir", hf_dir,
-                                                  "--workdir", tmp_path / "run")
 
 
 # The config.json fields of public checkpoints (as published; values only read).

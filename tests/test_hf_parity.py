@@ -2,7 +2,8 @@
 with convert.py's mappings (`training/hf_mappings.py`).
 
 Covers the model options that these architectures need: Mistral's sliding
-window (with KV-cache decoding), Qwen2's q/k/v biases without an o bias,
+window and Qwen2's in some layers only (with KV-cache decoding), Qwen2's
+q/k/v biases without an o bias,
 LLaMA's yarn and llama3 RoPE scaling. float32, within 1e-4 of the largest
 logit.
 """
@@ -26,6 +27,13 @@ SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_valu
 CASES = {
     "mistral_window": ("MistralForCausalLM", dict(sliding_window=4), dict(sliding_window=4)),
     "qwen2_qkv_bias": ("Qwen2ForCausalLM", {}, dict(qkv_bias=True)),
+    # Qwen2's own window in layer 1 only; our reference implementation (the
+    # others run xla, as the convert.py tests do). Slow: test_hf_convert.py's
+    # fast Qwen2 case has the window too.
+    "qwen2_window_layer_1": ("Qwen2ForCausalLM",
+                             dict(use_sliding_window=True, sliding_window=4, max_window_layers=1),
+                             dict(qkv_bias=True, sliding_window=4, sliding_window_layers=(1,),
+                                  attention_impl="reference")),
     "llama_yarn": ("LlamaForCausalLM",
                    dict(max_position_embeddings=1024,
                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
@@ -38,6 +46,8 @@ CASES = {
                dict(rope_theta=500.0, rope_scaling="llama3", rope_scaling_factor=8.0,
                     rope_original_max_len=16)),
 }
+
+SLOW = ("qwen2_window_layer_1",)
 
 
 def _ours(**overrides):
@@ -65,7 +75,8 @@ def _copy_weights(hf, ours, model_config):
       node[...] = jnp.asarray(value)
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                  for c in sorted(CASES)])
 def test_logits_match_transformers(case):
   cls, hf_fields, our_fields = CASES[case]
   torch.manual_seed(0)
@@ -83,7 +94,7 @@ def test_logits_match_transformers(case):
   got = np.asarray(ours(jnp.asarray(tokens)))
   tolerance = 1e-4 * np.abs(want).max()
   np.testing.assert_allclose(got, want, atol=tolerance)
-  if case == "mistral_window":  # decoding: a 9-token prefill, then one token at a time
+  if "window" in case:  # decoding: a 9-token prefill, then one token at a time
     cache = ours.init_cache(2, 12)
     positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
     steps = []

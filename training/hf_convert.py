@@ -15,9 +15,11 @@ at the end: a failure leaves no workdir.
 `to_hf(workdir, out_dir, step)` writes config.json, model.safetensors and
 the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
 `AutoModelForMaskedLM`) and `AutoTokenizer`. Vocabulary rows past the
-tokenizer's (our padding, 50,304 against GPT-2's 50,257) are dropped.
-Imports keep the checkpoint's rows: zero rows added on import would give
-padded ids a logit of 0, above real ones, and change the outputs.
+tokenizer's or past `model.real_vocab_size` (our padding, 50,304 against
+GPT-2's 50,257) are dropped, and so is the option. Imports keep the
+checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
+`model.real_vocab_size` the checkpoint's, so that the padded rows' logits
+are masked and the outputs do not change.
 """
 import json
 import os
@@ -32,7 +34,7 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
-from configs import base
+from configs import base, validation
 from configs.errors import UserError
 from model.config import ModelConfig
 import tokenizer as tokenizer_lib
@@ -88,8 +90,14 @@ def _weight_files(hf_dir: pathlib.Path) -> dict:
   return files
 
 
-def run_config(hf: dict, arch, tok):
-  """Our run config (configs/base.py defaults) for the HF config `hf`."""
+def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
+  """Our run config (configs/base.py defaults) for the HF config `hf`; the
+  vocabulary rows padded up to a multiple of `pad_vocab_to_multiple` with
+  `model.real_vocab_size` the checkpoint's rows (1: no padding)."""
+  if (not isinstance(pad_vocab_to_multiple, int) or isinstance(pad_vocab_to_multiple, bool)
+      or pad_vocab_to_multiple < 1):
+    raise UserError(f"--pad_vocab_to_multiple {pad_vocab_to_multiple!r}: must be a positive "
+                    "integer (1: keep the checkpoint's rows)")
   config = base.get_config()
   dtype = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
   if dtype not in _PARAM_DTYPES:
@@ -97,12 +105,16 @@ def run_config(hf: dict, arch, tok):
                     f"({', '.join(_PARAM_DTYPES)} are)")
   config.model.update(**{"family": "decoder", **arch.config_from_hf(hf)}, attention_impl="auto",
                       dtype=_PARAM_DTYPES[dtype], param_dtype=_PARAM_DTYPES[dtype])
+  rows = config.model.vocab_size
+  padded = -(-rows // pad_vocab_to_multiple) * pad_vocab_to_multiple
+  if padded != rows:
+    config.model.update(vocab_size=padded, real_vocab_size=rows)
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
-  if tok.vocab_size > config.model.vocab_size:
+  if tok.vocab_size > rows:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
-                    f"vocab_size={config.model.vocab_size} rows")
+                    f"vocab_size={rows} rows")
   return config
 
 
@@ -134,7 +146,7 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
     full = names[tensor.hf_name]
     with _open(files[full]) as f:
       shape = tuple(f.get_slice(full).get_shape())
-    expected = _hf_shape(tensor, abstract_params)
+    expected = _hf_shape(tensor, abstract_params, cfg.real_vocab_size)
     if shape != expected:
       raise UserError(f"{hf_dir}: tensor {full} has shape {shape}, config.json implies "
                       f"{expected}")
@@ -146,10 +158,23 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
   return plan
 
 
-def _hf_shape(tensor, abstract_params: dict) -> tuple:
-  """The HF shape our parameters imply (to_hf of zeros of their shapes)."""
-  zeros = [np.zeros(abstract_params[p].shape, np.float32) for p in tensor.paths]
-  return tuple(tensor.to_hf(*zeros).shape)
+def _hf_shape(tensor, abstract_params: dict, vocab: int) -> tuple:
+  """The HF shape our parameters imply (to_hf of zeros of their shapes), with
+  `vocab` rows on the vocabulary axis (the checkpoint's, before padding)."""
+  shapes = [list(abstract_params[p].shape) for p in tensor.paths]
+  if tensor.vocab_axis is not None:
+    shapes[0][tensor.vocab_axis] = vocab
+  return tuple(tensor.to_hf(*[np.zeros(s, np.float32) for s in shapes]).shape)
+
+
+def _padded(piece, tensor, shape: tuple):
+  """`piece` with zero rows appended on the vocabulary axis up to `shape`
+  (their logits are masked: `model.real_vocab_size`)."""
+  if tensor.vocab_axis is None or piece.shape == shape:
+    return piece
+  widths = [(0, 0)] * piece.ndim
+  widths[tensor.vocab_axis] = (0, shape[tensor.vocab_axis] - piece.shape[tensor.vocab_axis])
+  return np.pad(piece, widths)
 
 
 def _check_target(workdir: pathlib.Path) -> None:
@@ -157,11 +182,13 @@ def _check_target(workdir: pathlib.Path) -> None:
     raise UserError(f"--workdir {workdir} already exists and is not empty; choose a new one")
 
 
-def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int:
+def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
+            pad_vocab_to_multiple: int = 1) -> int:
   """Imports `hf_dir` into a new run directory `workdir`; returns the parameter count.
 
   `fsdp`, `tensor`: the run's mesh.fsdp and mesh.tensor (the weights are
-  placed in those shards while they are read).
+  placed in those shards while they are read). `pad_vocab_to_multiple`:
+  see `run_config`.
   """
   hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
   _check_target(workdir)
@@ -173,7 +200,7 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int
     raise UserError(f"{hf_dir}: no tokenizer.json (the Hugging Face tokenizer is imported with "
                     "the weights)")
   tok = tokenizer_lib.load_tokenizer(hf_dir)
-  config = run_config(hf, arch, tok)
+  config = run_config(hf, arch, tok, pad_vocab_to_multiple)
   config.mesh.update(fsdp=fsdp, tensor=tensor)
   cfg = ModelConfig.resolve(config.model)
   files = _weight_files(hf_dir)
@@ -189,7 +216,9 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int
       pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
       dtype = abstract_params[path].dtype
-      params[path] = jax.device_put(np.asarray(piece).astype(dtype, copy=False), shardings[path])
+      piece = _padded(np.asarray(piece).astype(dtype, copy=False), tensor,
+                      abstract_params[path].shape)
+      params[path] = jax.device_put(piece, shardings[path])
     del pieces
   leaves = [params[path] for path in _flat(abstract["params"])]
   params_tree = jax.tree.unflatten(jax.tree.structure(abstract["params"]), leaves)
@@ -225,8 +254,8 @@ def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
   """Why `cfg` is not the HF architecture `arch` ("" if it is).
 
   Writes `arch`'s config.json for `cfg`, imports it back and compares every
-  forward field (`ModelConfig.forward_fields`; the vocabulary aside, which
-  export cuts to the tokenizer's): the first one that does not come back is
+  forward field (`ModelConfig.forward_fields`; the vocabulary's size aside,
+  which export cuts to the tokenizer's rows): the first one that does not come back is
   named with the value `arch` gives it. One rule for every architecture, so a
   new model option is refused by every architecture that does not map it.
   """
@@ -239,7 +268,7 @@ def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
   except UserError as e:
     return str(e)
   for key, value in cfg.forward_fields().items():
-    if key != "vocab_size" and back.get(key) != value:
+    if key not in ("vocab_size", "real_vocab_size") and back.get(key) != value:
       return f"model.{key}={value!r} (needs {back.get(key)!r})"
   return ""
 
@@ -267,7 +296,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   arch = export_architecture(cfg)
   config, tok, model, step = load_run(workdir, step)
   params = _flat(nnx.state(model, nnx.Param))
-  vocab = min(tok.vocab_size, cfg.vocab_size)
+  vocab = min(tok.vocab_size, cfg.real_vocab_size)
   dtype = jnp.dtype(cfg.param_dtype)
   np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
   tensors = {}

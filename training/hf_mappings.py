@@ -240,16 +240,40 @@ def _mistral_from_hf(hf: dict) -> dict:
   return dict(_llama_body(hf), sliding_window=hf.get("sliding_window"))
 
 
+def _qwen2_window(hf: dict) -> dict:
+  """Qwen2's own window as transformers 5 applies it: layer i attends to the
+  last `sliding_window` keys (itself included) when `use_sliding_window` and
+  `layer_types[i]` is "sliding_attention"; without `layer_types`, the layers
+  i >= `max_window_layers`. -> our `sliding_window` and
+  `sliding_window_layers` (None: every layer)."""
+  num_layers = hf.get("num_hidden_layers", 32)
+  window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+  first = hf.get("max_window_layers", 28)
+  layer_types = hf.get("layer_types") or [
+      "sliding_attention" if window is not None and i >= first else "full_attention"
+      for i in range(num_layers)]
+  if (len(layer_types) != num_layers
+      or not set(layer_types) <= {"full_attention", "sliding_attention"}):
+    raise UserError(f"Hugging Face config field layer_types={layer_types!r} is not supported "
+                    f"by the qwen2 import (needs {num_layers} of full_attention, "
+                    "sliding_attention)")
+  layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+  if layers and window is None:
+    raise UserError("Hugging Face config field layer_types has sliding_attention layers but "
+                    f"use_sliding_window={hf.get('use_sliding_window')!r}, sliding_window="
+                    f"{hf.get('sliding_window')!r}: no window for them (transformers refuses "
+                    "it too)")
+  if not layers:
+    return dict(sliding_window=None, sliding_window_layers=None)
+  return dict(sliding_window=window,
+              sliding_window_layers=None if len(layers) == num_layers else layers)
+
+
 def _qwen2_from_hf(hf: dict) -> dict:
-  """Qwen2: LLaMA with q/k/v biases; its window only with use_sliding_window
-  (refused), so `sliding_window` and `max_window_layers` are then unused."""
-  _fields(hf, _LLAMA_FIELDS | {"sliding_window", "max_window_layers", "layer_types"},
-          {"hidden_act": "silu", "use_sliding_window": False}, "qwen2")
-  layer_types = set(hf.get("layer_types") or ["full_attention"])
-  if layer_types != {"full_attention"}:
-    raise UserError(f"Hugging Face config field layer_types={sorted(layer_types)!r} is not "
-                    "supported by the qwen2 import (needs full_attention only)")
-  return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False)
+  """Qwen2: LLaMA with q/k/v biases and its per-layer window (`_qwen2_window`)."""
+  _fields(hf, _LLAMA_FIELDS | {"use_sliding_window", "sliding_window", "max_window_layers",
+                               "layer_types"}, {"hidden_act": "silu"}, "qwen2")
+  return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False, **_qwen2_window(hf))
 
 
 def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
@@ -271,9 +295,16 @@ def _mistral_to_hf(cfg, vocab_size: int) -> dict:
 
 
 def _qwen2_to_hf(cfg, vocab_size: int) -> dict:
+  """LLaMA's fields and the window: `layer_types` says which layers have it
+  (`max_window_layers`, which transformers reads only without `layer_types`,
+  is the first of them)."""
+  layers = cfg.sliding_window_layers
   return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-              **_llama_body_to_hf(cfg, vocab_size), use_sliding_window=False,
-              sliding_window=None)
+              **_llama_body_to_hf(cfg, vocab_size), use_sliding_window=bool(layers),
+              sliding_window=cfg.sliding_window,
+              max_window_layers=layers[0] if layers else cfg.num_layers,
+              layer_types=["sliding_attention" if i in layers else "full_attention"
+                           for i in range(cfg.num_layers)])
 
 
 def _llama_tensors(cfg) -> list[Tensor]:

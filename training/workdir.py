@@ -12,7 +12,7 @@ import jax
 from jax.experimental import multihost_utils
 from ml_collections import config_dict
 
-from configs import base
+from configs import base, validation
 from configs.errors import UserError
 from data import pipeline
 from model import accounting
@@ -122,7 +122,8 @@ def setup_tokenizer(config: config_dict.ConfigDict, workdir: str, given: str | N
     tok.save(run_dir)
   _barrier("setup_tokenizer")
   tok = tokenizer_lib.load_tokenizer(run_dir)
-  if tok.vocab_size > config.model.vocab_size:
-    raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.vocab_size="
-                    f"{config.model.vocab_size}; raise model.vocab_size")
+  if tok.vocab_size > validation.real_vocab_size(config.model):
+    field = "real_vocab_size" if config.model.real_vocab_size is not None else "vocab_size"
+    raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.{field}="
+                    f"{config.model[field]}; raise model.{field}")
   return tok
