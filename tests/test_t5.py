@@ -1,7 +1,11 @@
 """T5 (v1.0 and v1.1) as our encoder-decoder: relative position bias,
 unscaled attention, the scaled tied head; logits parity with tiny random
-`transformers` T5 models, weights copied by hand (float32, within 1e-4 of
-the largest logit), for the full forward and for KV-cache decoding."""
+`transformers` T5 models (float32, within 1e-4 of the largest logit), for
+the full forward and for KV-cache decoding: weights copied by hand, and
+through `convert.py from_hf` / `to_hf` with greedy generation token for token."""
+import json
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -13,7 +17,13 @@ from configs import base, t5_base
 from configs.errors import UserError
 from model import accounting, build_model
 from model.attention import attention
+from model.config import ModelConfig
+from model.generate import generate
 from model.relative_bias import relative_bucket
+from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
+    _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
+from training import hf_convert, hf_mappings
+from training.evaluate import load_run
 
 M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
 
@@ -206,3 +216,108 @@ def test_decoder_only_relative_bias_decodes_like_the_forward():
       steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), want,
                                atol=1e-5 * np.abs(want).max())
+
+
+# --- convert.py from_hf / to_hf -------------------------------------------------
+
+CONVERT_V = 320  # the tiny checkpoints' rows, past the tokenizer's 290
+
+
+def _t5(version, **kw):
+  """A tiny random T5ForConditionalGeneration (decoder start: the pad id, 0 as
+  our tokenizers'), its norm weights drawn at random so that a misplaced
+  tensor shows; v1.1 with its own head, as the published v1.1 checkpoints."""
+  torch.manual_seed(0)
+  config = transformers.T5Config(**{**dict(
+      vocab_size=CONVERT_V, d_model=M, d_kv=D, d_ff=F, num_layers=2, num_decoder_layers=3,
+      num_heads=H, relative_attention_num_buckets=BUCKETS,
+      relative_attention_max_distance=MAX_DISTANCE, dropout_rate=0.0, pad_token_id=0,
+      decoder_start_token_id=0, eos_token_id=2), **VERSIONS[version][0], **kw})
+  hf = transformers.T5ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for name, parameter in hf.named_parameters():
+      if "layer_norm" in name:
+        torch.nn.init.normal_(parameter, mean=1.0, std=0.5)
+    if not VERSIONS[version][0]["tie_word_embeddings"]:
+      hf.lm_head.weight = torch.nn.Parameter(torch.randn(CONVERT_V, M))
+  return hf
+
+
+def _pairs(vocab):
+  """Sources [2, 21] (row 1 padded after 15 tokens) and targets [2, 19]: past
+  max_distance, so the logarithmic and the last buckets are used."""
+  rng = np.random.default_rng(1)
+  src, tgt = rng.integers(3, vocab, (2, 21)), rng.integers(3, vocab, (2, 19))
+  mask = np.ones_like(src)
+  mask[1, 15:] = 0
+  return src, tgt, mask
+
+
+def _hf_seq2seq_logits(hf, src, tgt, mask):
+  with torch.no_grad():
+    return hf(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(mask),
+              decoder_input_ids=torch.as_tensor(tgt)).logits.numpy()
+
+
+@pytest.mark.parametrize("version", ["v1.0", pytest.param("v1.1", marks=pytest.mark.slow)])
+def test_t5_in_and_out(tok, tmp_path, version):
+  """from_hf: the run's logits (with a padded source) and greedy KV-cache
+  generation from the pad id match transformers; to_hf: AutoModelForSeq2SeqLM
+  and AutoTokenizer load it to the same logits and ids."""
+  hf = _t5(version)
+  workdir = tmp_path / "run"
+  assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
+                      "--workdir", workdir) == 0
+  config, _, model, _ = load_run(str(workdir))
+  m = config.model
+  assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective) == (
+      "encoder_decoder", VERSIONS[version][1]["mlp"], 3,
+      VERSIONS[version][1]["tie_embeddings"], "seq2seq")
+  src, tgt, mask = _pairs(tok.vocab_size)
+  want = _hf_seq2seq_logits(hf, src, tgt, mask)
+  _assert_close(model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+
+  sources = [row[:n].tolist() for row, n in zip(src, mask.sum(1))]
+  ours = generate(model, m, [[tok.pad_id]] * 2, sources=sources, max_new_tokens=8,
+                  pad_id=tok.pad_id)
+  with torch.no_grad():
+    theirs = hf.generate(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(mask),
+                         max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         use_cache=False)  # transformers sizes its cache by num_layers
+  assert ours == theirs[:, 1:].tolist()
+
+  out = tmp_path / "exported"
+  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want[..., :tok.vocab_size])
+  assert exported.config.decoder_start_token_id == tok.pad_id
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(feed_forward_proj="gated-relu", dense_act_fn="relu", is_gated_act=True),
+     "feed_forward_proj='gated-relu' (dense_act_fn='relu', is_gated_act=True)"),
+    (dict(decoder_start_token_id=2), "decoder_start_token_id=2"),
+    (dict(is_decoder=True), "is_decoder=True"),
+])
+def test_t5_refuses_unsupported_fields(tok, tmp_path, capsys, fields, message):
+  hf_dir = tmp_path / "hf"
+  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  _edit_config(hf_dir, **fields)
+  assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                tmp_path / "run")
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_t5_base_preset_exports_as_t5_and_back():
+  """The preset is T5 v1.0 base: it exports as t5, and its config.json
+  imports to the same model fields (as does v1.1's form of it)."""
+  t5 = hf_mappings.ARCHITECTURES["t5"]
+  for version in VERSIONS:
+    config = t5_base.get_config()
+    config.model.update(**VERSIONS[version][1])
+    cfg = ModelConfig.resolve(config.model)
+    assert hf_convert.export_architecture(cfg).model_type == "t5"
+    config.model.update(**t5.config_from_hf(json.loads(json.dumps(t5.config_to_hf(cfg, 32128)))))
+    assert ModelConfig.resolve(config.model) == cfg

@@ -103,6 +103,13 @@ def run_config(hf: dict, arch, tok):
   if tok.vocab_size > config.model.vocab_size:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
                     f"vocab_size={config.model.vocab_size} rows")
+  start = hf.get("decoder_start_token_id")
+  if config.model.family == "encoder_decoder" and start is not None:
+    ours = getattr(tok, f"{config.model.decoder_start}_id")
+    if start != ours:
+      raise UserError(f"Hugging Face config field decoder_start_token_id={start!r} is not the "
+                      f"tokenizer's {config.model.decoder_start} id ({ours}), where our decoder "
+                      f"starts (model.decoder_start={config.model.decoder_start})")
   return config
 
 
@@ -152,6 +159,21 @@ def _hf_shape(tensor, abstract_params: dict) -> tuple:
   return tuple(tensor.to_hf(*zeros).shape)
 
 
+def _own_head(arch, files: dict) -> bool:
+  """Whether the file holds `arch.tied_head`'s head with other values than
+  its embedding (compared in blocks of rows): transformers 5 then unties them."""
+  if not arch.tied_head or not all(name in files for name in arch.tied_head):
+    return False
+  head, embedding = arch.tied_head
+  with _open(files[head]) as f, _open(files[embedding]) as g:
+    head_slice, embedding_slice = f.get_slice(head), g.get_slice(embedding)
+    rows = head_slice.get_shape()[0]
+    if head_slice.get_shape() != embedding_slice.get_shape():
+      return True
+    return any(not np.array_equal(head_slice[i:i + 4096], embedding_slice[i:i + 4096])
+               for i in range(0, rows, 4096))
+
+
 def _check_target(workdir: pathlib.Path) -> None:
   if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
     raise UserError(f"--workdir {workdir} already exists and is not empty; choose a new one")
@@ -175,8 +197,10 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int
   tok = tokenizer_lib.load_tokenizer(hf_dir)
   config = run_config(hf, arch, tok)
   config.mesh.update(fsdp=fsdp, tensor=tensor)
-  cfg = ModelConfig.resolve(config.model)
   files = _weight_files(hf_dir)
+  if config.model.tie_embeddings and _own_head(arch, files):
+    config.model.tie_embeddings = False
+  cfg = ModelConfig.resolve(config.model)
   _, abstract = abstract_state(config)
   abstract_params = _flat(abstract["params"])
   plan = _plan(arch, cfg, files, abstract_params, hf_dir)
@@ -257,6 +281,8 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   hf = arch.config_to_hf(cfg, vocab)
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id)
+  if cfg.family == "encoder_decoder":
+    hf["decoder_start_token_id"] = getattr(tok, f"{cfg.decoder_start}_id")
   tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
