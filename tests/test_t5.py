@@ -5,6 +5,8 @@ the full forward and for KV-cache decoding: weights copied by hand, and
 through `convert.py from_hf` / `to_hf` with greedy generation token for token."""
 import json
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from model.config import ModelConfig
 from model.generate import generate
 from model.relative_bias import relative_bucket
 from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
-    _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
+    ROOT, _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
 from training import hf_convert, hf_mappings
 from training.evaluate import load_run
 
@@ -259,23 +261,26 @@ def _hf_seq2seq_logits(hf, src, tgt, mask):
               decoder_input_ids=torch.as_tensor(tgt)).logits.numpy()
 
 
-@pytest.mark.parametrize("version", ["v1.0", pytest.param("v1.1", marks=pytest.mark.slow)])
-def test_t5_in_and_out(tok, tmp_path, version):
+@pytest.mark.parametrize("version,layers", [
+    ("v1.0", (1, 2)), pytest.param("v1.1", (2, 3), marks=pytest.mark.slow)])
+def test_t5_in_and_out(tok, tmp_path, version, layers):
   """from_hf: the run's logits (with a padded source) and greedy KV-cache
   generation from the pad id match transformers; to_hf: AutoModelForSeq2SeqLM
-  and AutoTokenizer load it to the same logits and ids."""
-  hf = _t5(version)
+  and AutoTokenizer load it to the same logits and ids. `layers`: encoder's,
+  decoder's."""
+  hf = _t5(version, num_layers=layers[0], num_decoder_layers=layers[1])
   workdir = tmp_path / "run"
   assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
                       "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   m = config.model
   assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective) == (
-      "encoder_decoder", VERSIONS[version][1]["mlp"], 3,
+      "encoder_decoder", VERSIONS[version][1]["mlp"], layers[1],
       VERSIONS[version][1]["tie_embeddings"], "seq2seq")
   src, tgt, mask = _pairs(tok.vocab_size)
   want = _hf_seq2seq_logits(hf, src, tgt, mask)
-  _assert_close(model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+  forward = nnx.jit(lambda model, s, t, k: model(s, t, src_padding_mask=k))
+  _assert_close(forward(model, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
 
   sources = [row[:n].tolist() for row, n in zip(src, mask.sum(1))]
   ours = generate(model, m, [[tok.pad_id]] * 2, sources=sources, max_new_tokens=8,
@@ -321,3 +326,35 @@ def test_t5_base_preset_exports_as_t5_and_back():
     assert hf_convert.export_architecture(cfg).model_type == "t5"
     config.model.update(**t5.config_from_hf(json.loads(json.dumps(t5.config_to_hf(cfg, 32128)))))
     assert ModelConfig.resolve(config.model) == cfg
+
+
+@pytest.mark.slow
+def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
+  """The commands on a T5 import: eval.py (the code_summary pairs the import
+  sets, generation from the pad id), train.py fine-tuning it with
+  objective seq2seq, convert.py to_hf of the fine-tune, loaded by transformers."""
+  def run(*args):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                            check=False, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+  run("convert.py", "from_hf", "--hf_dir",
+      _save(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
+      "--workdir", tmp_path / "run")
+  run("eval.py", "--workdir", tmp_path / "run", "--max_examples", "4", "--beam_size", "2",
+      "--max_new_tokens", "4")
+  report = json.loads((tmp_path / "run" / "eval_report.json").read_text())
+  assert (report["step"], report["data"]) == (0, "task=code_summary")
+  run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
+      f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
+      "--config.train.num_steps=2", "--config.train.batch_size=2", "--config.train.seq_len=64",
+      "--config.train.tgt_seq_len=16", "--config.train.eval_steps=1",
+      "--config.train.warmup_steps=1")
+  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()
+  config, _, model, step = load_run(str(tmp_path / "ft"))
+  assert (step, config.train.objective) == (2, "seq2seq")
+  src, tgt, mask = _pairs(tok.vocab_size)
+  ours = model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0)
+  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask),
+                np.asarray(ours)[..., :tok.vocab_size])

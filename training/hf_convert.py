@@ -99,6 +99,8 @@ def run_config(hf: dict, arch, tok):
                       dtype=_PARAM_DTYPES[dtype], param_dtype=_PARAM_DTYPES[dtype])
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
+  if arch.objective == "seq2seq":  # pairs that eval.py and train.py read without files
+    config.data.task = "code_summary"
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > config.model.vocab_size:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
@@ -167,11 +169,11 @@ def _own_head(arch, files: dict) -> bool:
   head, embedding = arch.tied_head
   with _open(files[head]) as f, _open(files[embedding]) as g:
     head_slice, embedding_slice = f.get_slice(head), g.get_slice(embedding)
-    rows = head_slice.get_shape()[0]
     if head_slice.get_shape() != embedding_slice.get_shape():
       return True
-    return any(not np.array_equal(head_slice[i:i + 4096], embedding_slice[i:i + 4096])
-               for i in range(0, rows, 4096))
+    rows = head_slice.get_shape()[0]
+    blocks = [slice(i, min(i + 4096, rows)) for i in range(0, rows, 4096)]
+    return any(not np.array_equal(head_slice[b], embedding_slice[b]) for b in blocks)
 
 
 def _check_target(workdir: pathlib.Path) -> None:
