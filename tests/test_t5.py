@@ -11,6 +11,7 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
@@ -25,6 +26,7 @@ from model.relative_bias import relative_bucket
 from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
     ROOT, _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
 from training import hf_convert, hf_mappings
+from training import workdir as workdir_lib
 from training.evaluate import load_run
 
 M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
@@ -300,6 +302,21 @@ def test_t5_in_and_out(tok, tmp_path, version, layers):
   assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
 
 
+def test_t5_hub_file_layout_imports_tied(tok, tmp_path):
+  """As older hub files: the stacks' `embed_tokens` and the head saved as
+  copies of `shared`; read past, the import is tied (the v1.1 case of
+  test_t5_in_and_out: a head that differs is untied)."""
+  hf_dir = tmp_path / "hf"
+  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  path = hf_dir / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+    tensors[name] = tensors["shared.weight"]
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert workdir_lib.load_config(str(tmp_path / "run")).model.tie_embeddings
+
+
 @pytest.mark.parametrize("fields,message", [
     (dict(feed_forward_proj="gated-relu", dense_act_fn="relu", is_gated_act=True),
      "feed_forward_proj='gated-relu' (dense_act_fn='relu', is_gated_act=True)"),
@@ -358,3 +375,40 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   ours = model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0)
   _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask),
                 np.asarray(ours)[..., :tok.vocab_size])
+
+
+# config.json of public checkpoints (as published, task_specific_params left
+# out; values only read): t5-small (v1.0) and flan-t5-small (v1.1, 6 heads of
+# 64 in a width of 512).
+_PUBLISHED = {
+    "t5-small": ({
+        "architectures": ["T5WithLMHeadModel"], "d_ff": 2048, "d_kv": 64, "d_model": 512,
+        "decoder_start_token_id": 0, "dropout_rate": 0.1, "eos_token_id": 1,
+        "initializer_factor": 1.0, "is_encoder_decoder": True, "layer_norm_epsilon": 1e-06,
+        "model_type": "t5", "n_positions": 512, "num_heads": 8, "num_layers": 6,
+        "output_past": True, "pad_token_id": 0, "relative_attention_num_buckets": 32,
+        "vocab_size": 32128},
+        dict(mlp="relu", tie_embeddings=True, scale_head_input=True, num_decoder_layers=6,
+             head_dim=64, relative_max_distance=128)),
+    "flan-t5-small": ({
+        "architectures": ["T5ForConditionalGeneration"], "d_ff": 1024, "d_kv": 64,
+        "d_model": 512, "decoder_start_token_id": 0, "dense_act_fn": "gelu_new",
+        "dropout_rate": 0.1, "eos_token_id": 1, "feed_forward_proj": "gated-gelu",
+        "initializer_factor": 1.0, "is_encoder_decoder": True, "is_gated_act": True,
+        "layer_norm_epsilon": 1e-06, "model_type": "t5", "n_positions": 512,
+        "num_decoder_layers": 8, "num_heads": 6, "num_layers": 8, "pad_token_id": 0,
+        "relative_attention_max_distance": 128, "relative_attention_num_buckets": 32,
+        "tie_word_embeddings": False, "vocab_size": 32128},
+        dict(mlp="geglu_tanh", tie_embeddings=False, scale_head_input=False,
+             num_decoder_layers=8, num_heads=6, head_dim=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_published_t5_configs_import(name):
+  hf, expected = _PUBLISHED[name]
+  fields = hf_mappings.architecture_of(hf).config_from_hf(hf)
+  assert {k: fields.get(k) for k in expected} == expected
+  config = base.get_config()
+  config.model.update(**fields)
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "t5"
