@@ -16,8 +16,9 @@ at the end: a failure leaves no workdir.
 the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
 `AutoModelForMaskedLM`, T5: `AutoModelForSeq2SeqLM`) and `AutoTokenizer`; an
 encoder-decoder's `decoder_start_token_id` is the tokenizer's id that
-`model.decoder_start` names (and is checked against it on import). Vocabulary rows past the
-tokenizer's (our padding, 50,304 against GPT-2's 50,257) are dropped.
+`model.decoder_start` names (an import checks it against that id).
+Vocabulary rows past the tokenizer's (our padding, 50,304 against GPT-2's
+50,257) are dropped.
 Imports keep the checkpoint's rows: zero rows added on import would give
 padded ids a logit of 0, above real ones, and change the outputs.
 """

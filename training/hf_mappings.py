@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 
 from configs.errors import UserError
+from model.mlp import is_gated
 
 # HF config fields that do not change what the model computes at inference:
 # bookkeeping, token ids (the tokenizer carries them), dropouts (our model has
@@ -542,7 +543,7 @@ def _t5_tensors(cfg) -> list[Tensor]:
   """T5's tensors: no prefix; the relative bias table in block 0 of each stack;
   the decoder's block i: layer.0 self-attention, layer.1 cross-attention,
   layer.2 the MLP (the encoder's: layer.0, layer.1)."""
-  gated = cfg.mlp in ("geglu", "geglu_tanh", "swiglu")
+  gated = is_gated(cfg.mlp)
   out = [_same("shared.weight", "decoder/embed/embedding", 0)]
   for stack, num_layers in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
     out += [_same(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
@@ -589,10 +590,10 @@ class Architecture:
   (its decoder has its own).
   `objective`: our `train.objective` for fine-tuning an import.
   `auto_class`: the transformers Auto class that loads an export.
-  `tied_head`: (head, embedding) tensor names: an import whose config ties
-  them is untied when the file holds the head with other values than the
-  embedding, as transformers 5 loads it (T5 v1.1 saved by transformers 5:
-  its T5Config always says tie_word_embeddings=true).
+  `tied_head`: (head, embedding) tensor names as in files: an import whose
+  config ties them is untied when the file holds the head with other values
+  than the embedding, as transformers 5 loads it (T5 v1.1 saved by
+  transformers 5: its T5Config always says tie_word_embeddings=true).
   """
   model_type: str
   hf_class: str
