@@ -334,11 +334,17 @@ def test_t5_refuses_unsupported_fields(tok, tmp_path, capsys, fields, message):
 
 def test_t5_base_preset_exports_as_t5_and_back():
   """The preset is T5 v1.0 base: it exports as t5, and its config.json
-  imports to the same model fields (as does v1.1's form of it)."""
+  imports to the same model fields; so do v1.1's form of it, every MLP kind,
+  a tied unscaled and an untied scaled head, and other depths and widths."""
   t5 = hf_mappings.ARCHITECTURES["t5"]
-  for version in VERSIONS:
+  variants = [*(fields for _, fields in VERSIONS.values()),
+              *(dict(mlp=kind) for kind in ("gelu", "gelu_tanh", "geglu", "swiglu")),
+              dict(tie_embeddings=True, scale_head_input=False),
+              dict(tie_embeddings=False, scale_head_input=True),
+              dict(num_decoder_layers=3, head_dim=32, relative_buckets=16, max_len=1024)]
+  for fields in variants:
     config = t5_base.get_config()
-    config.model.update(**VERSIONS[version][1])
+    config.model.update(**fields)
     cfg = ModelConfig.resolve(config.model)
     assert hf_convert.export_architecture(cfg).model_type == "t5"
     config.model.update(**t5.config_from_hf(json.loads(json.dumps(t5.config_to_hf(cfg, 32128)))))
