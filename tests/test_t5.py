@@ -1,10 +1,17 @@
 """T5 (v1.0 and v1.1) as our encoder-decoder: relative position bias,
 unscaled attention, the scaled tied head; logits parity with tiny random
-`transformers` T5 models, weights copied by hand (float32, within 1e-4 of
-the largest logit), for the full forward and for KV-cache decoding."""
+`transformers` T5 models (float32, within 1e-4 of the largest logit), for
+the full forward and for KV-cache decoding: weights copied by hand, and
+through `convert.py from_hf` / `to_hf` with greedy generation token for token."""
+import json
+import os
+import subprocess
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 from flax import nnx
@@ -13,7 +20,14 @@ from configs import base, t5_base
 from configs.errors import UserError
 from model import accounting, build_model
 from model.attention import attention
+from model.config import ModelConfig
+from model.generate import generate
 from model.relative_bias import relative_bucket
+from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
+    ROOT, _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
+from training import hf_convert, hf_mappings
+from training import workdir as workdir_lib
+from training.evaluate import load_run
 
 M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
 
@@ -206,3 +220,201 @@ def test_decoder_only_relative_bias_decodes_like_the_forward():
       steps.append(np.asarray(logits))
     np.testing.assert_allclose(np.concatenate(steps, axis=1), want,
                                atol=1e-5 * np.abs(want).max())
+
+
+# --- convert.py from_hf / to_hf -------------------------------------------------
+
+CONVERT_V = 320  # the tiny checkpoints' rows, past the tokenizer's 290
+
+
+def _t5(version, **kw):
+  """A tiny random T5ForConditionalGeneration (decoder start: the pad id, 0 as
+  our tokenizers'), its norm weights drawn at random so that a misplaced
+  tensor shows; v1.1 with its own head, as the published v1.1 checkpoints."""
+  torch.manual_seed(0)
+  config = transformers.T5Config(**{**dict(
+      vocab_size=CONVERT_V, d_model=M, d_kv=D, d_ff=F, num_layers=2, num_decoder_layers=3,
+      num_heads=H, relative_attention_num_buckets=BUCKETS,
+      relative_attention_max_distance=MAX_DISTANCE, dropout_rate=0.0, pad_token_id=0,
+      decoder_start_token_id=0, eos_token_id=2), **VERSIONS[version][0], **kw})
+  hf = transformers.T5ForConditionalGeneration(config).eval()
+  with torch.no_grad():
+    for name, parameter in hf.named_parameters():
+      if "layer_norm" in name:
+        torch.nn.init.normal_(parameter, mean=1.0, std=0.5)
+    if not VERSIONS[version][0]["tie_word_embeddings"]:
+      hf.lm_head.weight = torch.nn.Parameter(torch.randn(CONVERT_V, M))
+  return hf
+
+
+def _pairs(vocab):
+  """Sources [2, 21] (row 1 padded after 15 tokens) and targets [2, 19]: past
+  max_distance, so the logarithmic and the last buckets are used."""
+  rng = np.random.default_rng(1)
+  src, tgt = rng.integers(3, vocab, (2, 21)), rng.integers(3, vocab, (2, 19))
+  mask = np.ones_like(src)
+  mask[1, 15:] = 0
+  return src, tgt, mask
+
+
+def _hf_seq2seq_logits(hf, src, tgt, mask):
+  with torch.no_grad():
+    return hf(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(mask),
+              decoder_input_ids=torch.as_tensor(tgt)).logits.numpy()
+
+
+@pytest.mark.parametrize("version,layers", [
+    ("v1.0", (1, 2)), pytest.param("v1.1", (2, 3), marks=pytest.mark.slow)])
+def test_t5_in_and_out(tok, tmp_path, version, layers):
+  """from_hf: the run's logits (with a padded source) and greedy KV-cache
+  generation from the pad id match transformers; to_hf: AutoModelForSeq2SeqLM
+  and AutoTokenizer load it to the same logits and ids. `layers`: encoder's,
+  decoder's."""
+  hf = _t5(version, num_layers=layers[0], num_decoder_layers=layers[1])
+  workdir = tmp_path / "run"
+  assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
+                      "--workdir", workdir) == 0
+  config, _, model, _ = load_run(str(workdir))
+  m = config.model
+  assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective) == (
+      "encoder_decoder", VERSIONS[version][1]["mlp"], layers[1],
+      VERSIONS[version][1]["tie_embeddings"], "seq2seq")
+  src, tgt, mask = _pairs(tok.vocab_size)
+  want = _hf_seq2seq_logits(hf, src, tgt, mask)
+  forward = nnx.jit(lambda model, s, t, k: model(s, t, src_padding_mask=k))
+  _assert_close(forward(model, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+
+  sources = [row[:n].tolist() for row, n in zip(src, mask.sum(1))]
+  ours = generate(model, m, [[tok.pad_id]] * 2, sources=sources, max_new_tokens=8,
+                  pad_id=tok.pad_id)
+  with torch.no_grad():
+    theirs = hf.generate(input_ids=torch.as_tensor(src), attention_mask=torch.as_tensor(mask),
+                         max_new_tokens=8, min_new_tokens=8, do_sample=False,
+                         use_cache=False)  # transformers sizes its cache by num_layers
+  assert ours == theirs[:, 1:].tolist()
+
+  out = tmp_path / "exported"
+  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want[..., :tok.vocab_size])
+  assert exported.config.decoder_start_token_id == tok.pad_id
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
+
+
+def test_t5_hub_file_layout_imports_tied(tok, tmp_path):
+  """As older hub files: the stacks' `embed_tokens` and the head saved as
+  copies of `shared`; read past, the import is tied (the v1.1 case of
+  test_t5_in_and_out: a head that differs is untied)."""
+  hf_dir = tmp_path / "hf"
+  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  path = hf_dir / "model.safetensors"
+  tensors = safetensors.numpy.load_file(path)
+  for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+    tensors[name] = tensors["shared.weight"]
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert workdir_lib.load_config(str(tmp_path / "run")).model.tie_embeddings
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(feed_forward_proj="gated-relu", dense_act_fn="relu", is_gated_act=True),
+     "feed_forward_proj='gated-relu' (dense_act_fn='relu', is_gated_act=True)"),
+    (dict(decoder_start_token_id=2), "decoder_start_token_id=2"),
+    (dict(is_decoder=True), "is_decoder=True"),
+])
+def test_t5_refuses_unsupported_fields(tok, tmp_path, capsys, fields, message):
+  hf_dir = tmp_path / "hf"
+  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  _edit_config(hf_dir, **fields)
+  assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                tmp_path / "run")
+  assert sorted(os.listdir(tmp_path)) == ["hf"]
+
+
+def test_t5_base_preset_exports_as_t5_and_back():
+  """The preset is T5 v1.0 base: it exports as t5, and its config.json
+  imports to the same model fields; so do v1.1's form of it, every MLP kind,
+  a tied unscaled and an untied scaled head, and other depths and widths."""
+  t5 = hf_mappings.ARCHITECTURES["t5"]
+  variants = [*(fields for _, fields in VERSIONS.values()),
+              *(dict(mlp=kind) for kind in ("gelu", "gelu_tanh", "geglu", "swiglu")),
+              dict(tie_embeddings=True, scale_head_input=False),
+              dict(tie_embeddings=False, scale_head_input=True),
+              dict(num_decoder_layers=3, head_dim=32, relative_buckets=16, max_len=1024)]
+  for fields in variants:
+    config = t5_base.get_config()
+    config.model.update(**fields)
+    cfg = ModelConfig.resolve(config.model)
+    assert hf_convert.export_architecture(cfg).model_type == "t5"
+    config.model.update(**t5.config_from_hf(json.loads(json.dumps(t5.config_to_hf(cfg, 32128)))))
+    assert ModelConfig.resolve(config.model) == cfg
+
+
+@pytest.mark.slow
+def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
+  """The commands on a T5 import: eval.py (the code_summary pairs the import
+  sets, generation from the pad id), train.py fine-tuning it with
+  objective seq2seq, convert.py to_hf of the fine-tune, loaded by transformers."""
+  def run(*args):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                            check=False, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+  run("convert.py", "from_hf", "--hf_dir",
+      _save(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
+      "--workdir", tmp_path / "run")
+  run("eval.py", "--workdir", tmp_path / "run", "--max_examples", "4", "--beam_size", "2",
+      "--max_new_tokens", "4")
+  report = json.loads((tmp_path / "run" / "eval_report.json").read_text())
+  assert (report["step"], report["data"]) == (0, "task=code_summary")
+  run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
+      f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
+      "--config.train.num_steps=2", "--config.train.batch_size=2", "--config.train.seq_len=64",
+      "--config.train.tgt_seq_len=16", "--config.train.eval_steps=1",
+      "--config.train.warmup_steps=1")
+  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()
+  config, _, model, step = load_run(str(tmp_path / "ft"))
+  assert (step, config.train.objective) == (2, "seq2seq")
+  src, tgt, mask = _pairs(tok.vocab_size)
+  ours = model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0)
+  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask),
+                np.asarray(ours)[..., :tok.vocab_size])
+
+
+# config.json of public checkpoints (as published, task_specific_params left
+# out; values only read): t5-small (v1.0) and flan-t5-small (v1.1, 6 heads of
+# 64 in a width of 512).
+_PUBLISHED = {
+    "t5-small": ({
+        "architectures": ["T5WithLMHeadModel"], "d_ff": 2048, "d_kv": 64, "d_model": 512,
+        "decoder_start_token_id": 0, "dropout_rate": 0.1, "eos_token_id": 1,
+        "initializer_factor": 1.0, "is_encoder_decoder": True, "layer_norm_epsilon": 1e-06,
+        "model_type": "t5", "n_positions": 512, "num_heads": 8, "num_layers": 6,
+        "output_past": True, "pad_token_id": 0, "relative_attention_num_buckets": 32,
+        "vocab_size": 32128},
+        dict(mlp="relu", tie_embeddings=True, scale_head_input=True, num_decoder_layers=6,
+             head_dim=64, relative_max_distance=128)),
+    "flan-t5-small": ({
+        "architectures": ["T5ForConditionalGeneration"], "d_ff": 1024, "d_kv": 64,
+        "d_model": 512, "decoder_start_token_id": 0, "dense_act_fn": "gelu_new",
+        "dropout_rate": 0.1, "eos_token_id": 1, "feed_forward_proj": "gated-gelu",
+        "initializer_factor": 1.0, "is_encoder_decoder": True, "is_gated_act": True,
+        "layer_norm_epsilon": 1e-06, "model_type": "t5", "n_positions": 512,
+        "num_decoder_layers": 8, "num_heads": 6, "num_layers": 8, "pad_token_id": 0,
+        "relative_attention_max_distance": 128, "relative_attention_num_buckets": 32,
+        "tie_word_embeddings": False, "vocab_size": 32128},
+        dict(mlp="geglu_tanh", tie_embeddings=False, scale_head_input=False,
+             num_decoder_layers=8, num_heads=6, head_dim=64)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_PUBLISHED))
+def test_published_t5_configs_import(name):
+  hf, expected = _PUBLISHED[name]
+  fields = hf_mappings.architecture_of(hf).config_from_hf(hf)
+  assert {k: fields.get(k) for k in expected} == expected
+  config = base.get_config()
+  config.model.update(**fields)
+  assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "t5"

@@ -14,12 +14,14 @@ at the end: a failure leaves no workdir.
 
 `to_hf(workdir, out_dir, step)` writes config.json, model.safetensors and
 the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
-`AutoModelForMaskedLM`) and `AutoTokenizer`. Vocabulary rows past the
-tokenizer's or past `model.real_vocab_size` (our padding, 50,304 against
-GPT-2's 50,257) are dropped, and so is the option. Imports keep the
-checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
-`model.real_vocab_size` the checkpoint's, so that the padded rows' logits
-are masked and the outputs do not change.
+`AutoModelForMaskedLM`, T5: `AutoModelForSeq2SeqLM`) and `AutoTokenizer`; an
+encoder-decoder's `decoder_start_token_id` is the tokenizer's id that
+`model.decoder_start` names (an import checks it against that id).
+Vocabulary rows past the tokenizer's or past `model.real_vocab_size` (our
+padding, 50,304 against GPT-2's 50,257) are dropped, and so is the option.
+Imports keep the checkpoint's rows, or pad them to a multiple
+(`pad_vocab_to_multiple`) with `model.real_vocab_size` the checkpoint's, so
+that the padded rows' logits are masked and the outputs do not change.
 """
 import json
 import os
@@ -111,10 +113,19 @@ def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
     config.model.update(vocab_size=padded, real_vocab_size=rows)
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
+  if arch.objective == "seq2seq":  # pairs that eval.py and train.py read without files
+    config.data.task = "code_summary"
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > rows:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
                     f"vocab_size={rows} rows")
+  start = hf.get("decoder_start_token_id")
+  if config.model.family == "encoder_decoder" and start is not None:
+    ours = getattr(tok, f"{config.model.decoder_start}_id")
+    if start != ours:
+      raise UserError(f"Hugging Face config field decoder_start_token_id={start!r} is not the "
+                      f"tokenizer's {config.model.decoder_start} id ({ours}), where our decoder "
+                      f"starts (model.decoder_start={config.model.decoder_start})")
   return config
 
 
@@ -177,6 +188,21 @@ def _padded(piece, tensor, shape: tuple):
   return np.pad(piece, widths)
 
 
+def _own_head(arch, files: dict) -> bool:
+  """Whether the file holds `arch.tied_head`'s head with other values than
+  its embedding (compared in blocks of rows): transformers 5 then unties them."""
+  if not arch.tied_head or not all(name in files for name in arch.tied_head):
+    return False
+  head, embedding = arch.tied_head
+  with _open(files[head]) as f, _open(files[embedding]) as g:
+    head_slice, embedding_slice = f.get_slice(head), g.get_slice(embedding)
+    if head_slice.get_shape() != embedding_slice.get_shape():
+      return True
+    rows = head_slice.get_shape()[0]
+    blocks = [slice(i, min(i + 4096, rows)) for i in range(0, rows, 4096)]
+    return any(not np.array_equal(head_slice[b], embedding_slice[b]) for b in blocks)
+
+
 def _check_target(workdir: pathlib.Path) -> None:
   if workdir.exists() and (not workdir.is_dir() or any(workdir.iterdir())):
     raise UserError(f"--workdir {workdir} already exists and is not empty; choose a new one")
@@ -202,8 +228,10 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   tok = tokenizer_lib.load_tokenizer(hf_dir)
   config = run_config(hf, arch, tok, pad_vocab_to_multiple)
   config.mesh.update(fsdp=fsdp, tensor=tensor)
-  cfg = ModelConfig.resolve(config.model)
   files = _weight_files(hf_dir)
+  if config.model.tie_embeddings and _own_head(arch, files):
+    config.model.tie_embeddings = False
+  cfg = ModelConfig.resolve(config.model)
   _, abstract = abstract_state(config)
   abstract_params = _flat(abstract["params"])
   plan = _plan(arch, cfg, files, abstract_params, hf_dir)
@@ -310,6 +338,8 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   hf = arch.config_to_hf(cfg, vocab)
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id)
+  if cfg.family == "encoder_decoder":
+    hf["decoder_start_token_id"] = getattr(tok, f"{cfg.decoder_start}_id")
   tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
