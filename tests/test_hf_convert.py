@@ -355,6 +355,15 @@ def test_llama_config_fields_old_and_new_rope_forms():
                                                       "partial_rotary_factor": 0.5}})
 
 
+def test_bookkeeping_fields_of_transformers_4_files_are_inert():
+  """Files saved by transformers 4 often carry `_name_or_path` (the directory
+  it was loaded from) and `_attn_implementation_autoset`."""
+  hf = dict(model_type="llama", hidden_size=32, num_attention_heads=4)
+  llama = hf_mappings.ARCHITECTURES["llama"]
+  assert llama.config_from_hf({**hf, "_name_or_path": "meta-llama/Llama-2-7b-hf",
+                               "_attn_implementation_autoset": True}) == llama.config_from_hf(hf)
+
+
 def test_export_refuses_configs_without_hf_architecture():
   config = base_config.get_config()
   assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "llama"

@@ -36,7 +36,7 @@ _INERT = {
     "output_hidden_states", "return_dict", "id2label", "label2id", "chunk_size_feed_forward",
     "is_encoder_decoder", "tokenizer_class", "reorder_and_upcast_attn",
     "gradient_checkpointing", "hidden_dropout_prob", "attention_probs_dropout_prob",
-    "classifier_dropout",
+    "classifier_dropout", "_name_or_path", "_attn_implementation_autoset",
 }
 
 
