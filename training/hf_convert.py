@@ -14,8 +14,10 @@ at the end: a failure leaves no workdir.
 
 `to_hf(workdir, out_dir, step)` writes config.json, model.safetensors and
 the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
-`AutoModelForMaskedLM`) and `AutoTokenizer`. Vocabulary rows past the
-tokenizer's (our padding, 50,304 against GPT-2's 50,257) are dropped.
+`AutoModelForMaskedLM`, BART: `AutoModelForSeq2SeqLM`) and `AutoTokenizer`;
+the token ids in config.json are the tokenizer's (an encoder-decoder's
+`decoder_start_token_id` too, from `model.decoder_start`). Vocabulary rows
+past the tokenizer's (our padding, 50,304 against GPT-2's 50,257) are dropped.
 Imports keep the checkpoint's rows: zero rows added on import would give
 padded ids a logit of 0, above real ones, and change the outputs.
 """
@@ -34,6 +36,7 @@ from safetensors import safe_open
 
 from configs import base
 from configs.errors import UserError
+from data import seq2seq
 from model.config import ModelConfig
 import tokenizer as tokenizer_lib
 from training import hf_mappings
@@ -257,6 +260,8 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   hf = arch.config_to_hf(cfg, vocab)
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id)
+  if cfg.family == "encoder_decoder":
+    hf["decoder_start_token_id"] = seq2seq.decoder_start_id(tok, cfg.decoder_start)
   tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
