@@ -11,6 +11,8 @@ with `convert.py to_hf` and loaded by `AutoModelForSeq2SeqLM` and
 """
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -22,8 +24,9 @@ from configs.errors import UserError
 from model import accounting
 from model.config import ModelConfig
 from model.generate import generate
-from tests.test_hf_convert import PROMPTS, _assert_close, _edit_config, _error_line, _run_convert
-from tests.test_hf_convert import _save, tok  # pylint: disable=unused-import (a fixture)
+from tests.test_hf_convert import (PROMPTS, ROOT, _assert_close, _edit_config, _error_line,
+                                   _run_convert, _save)
+from tests.test_hf_convert import tok  # pylint: disable=unused-import (a fixture)
 from training import hf_convert, hf_mappings
 from training.evaluate import load_run
 
@@ -201,17 +204,28 @@ def test_bart_base_config_imports_as_the_preset():
   assert bart.config_from_hf(bart.config_to_hf(cfg, 50265)) == fields
 
 
-@pytest.mark.parametrize("field,value", [("decoder_start", "bos"), ("tie_embeddings", False),
-                                         ("norm_eps", 1e-6), ("output_bias", False)])
+@pytest.mark.parametrize("changes", [
+    dict(decoder_start="pad"), dict(decoder_start="bos"), dict(scale_embeddings=True),
+    dict(mlp="relu"), dict(mlp="gelu_tanh"), dict(num_decoder_layers=2, max_len=64)])
+def test_bart_config_round_trip(changes):
+  """Each is BART: it exports as bart, and config_to_hf then config_from_hf
+  gives back each field it sets."""
+  bart = hf_mappings.ARCHITECTURES["bart"]
+  preset = bart_base.get_config().model
+  preset.update(**changes)
+  cfg = ModelConfig.resolve(preset)
+  assert hf_convert.export_architecture(cfg).model_type == "bart"
+  fields = bart.config_from_hf(bart.config_to_hf(cfg, 50265))
+  assert {k: preset[k] for k in fields} == fields
+
+
+@pytest.mark.parametrize("field,value", [("tie_embeddings", False), ("norm_eps", 1e-6),
+                                         ("output_bias", False), ("embedding_norm", False)])
 def test_export_names_what_bart_needs(field, value):
   config = bart_base.get_config()
   config.model[field] = value
-  cfg = ModelConfig.resolve(config.model)
-  if field == "decoder_start":  # any start token is BART's decoder_start_token_id
-    assert hf_convert.export_architecture(cfg).model_type == "bart"
-  else:
-    with pytest.raises(UserError, match=f"bart: model.{field}="):
-      hf_convert.export_architecture(cfg)
+  with pytest.raises(UserError, match=f"bart: model.{field}="):
+    hf_convert.export_architecture(ModelConfig.resolve(config.model))
 
 
 def test_bart_base_has_the_transformers_parameter_count():
@@ -234,3 +248,33 @@ def test_bart_base_has_the_transformers_parameter_count():
   want = parameters + hf.final_logits_bias.numel() - 2 * 2 * m.d_model
   assert accounting.formula_params(m)["params_total"] == want
   assert accounting.measured_params(m)["params_total"] == want
+
+
+@pytest.mark.slow
+def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
+  """An imported BART is a data.task=pairs run: eval.py --data takes a pairs
+  file, train.py fine-tunes it on data.paths, to_hf exports the fine-tune."""
+  workdir = _import(_bart(tok), tok, tmp_path)
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
+
+  def run(*args):
+    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                            check=False, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+  run("eval.py", "--workdir", workdir, "--data", pairs, "--max_examples", 2, "--beam_size", 2)
+  report = json.loads((workdir / "eval_report.json").read_text())
+  assert (report["step"], report["data"], report["examples"]) == (0, "task=pairs", 2)
+  run("train.py", f"--config=configs/from_run.py:{workdir}",
+      f"--config.train.restore_from={workdir}", "--workdir", tmp_path / "ft",
+      "--config.train.num_steps=2", f"--config.data.paths={pairs}",
+      "--config.data.val_percent=50", "--config.train.batch_size=2",
+      "--config.train.seq_len=16", "--config.train.eval_steps=1", "--config.train.warmup_steps=1")
+  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()
+  _, _, model, step = load_run(str(tmp_path / "ft"))
+  assert step == 2
+  _, src, mask, tgt = _inputs(tok)
+  _assert_close(_hf_logits(exported, tok),
+                np.asarray(model(src, tgt, src_padding_mask=mask))[..., :tok.vocab_size])

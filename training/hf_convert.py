@@ -102,6 +102,8 @@ def run_config(hf: dict, arch, tok):
                       dtype=_PARAM_DTYPES[dtype], param_dtype=_PARAM_DTYPES[dtype])
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
+  if arch.objective == "seq2seq":  # the user's pairs: eval.py --data, train.py data.paths
+    config.data.task = "pairs"
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > config.model.vocab_size:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
