@@ -16,6 +16,7 @@ import sys
 
 import numpy as np
 import pytest
+import safetensors.numpy
 import torch
 import transformers
 
@@ -83,10 +84,11 @@ def _hf_generate(hf_model, tok, **kw):
   return out[:, 1:].tolist()
 
 
-def _import(hf_model, tok, tmp_path):
+def _import(hf_model, tok, tmp_path, hf_dir=None):
+  """from_hf of `hf_model` saved with `tok` (or of `hf_dir`); the workdir."""
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
-                      "--workdir", workdir) == 0
+  hf_dir = hf_dir or _save(hf_model, tok, tmp_path / "hf")
+  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", workdir) == 0
   return workdir
 
 
@@ -150,6 +152,26 @@ def test_bart_scaled_embeddings_tanh_gelu_in_and_out(tok, tmp_path):
   _, exported = _export(workdir, tmp_path)
   assert exported.config.scale_embedding
   _assert_close(_hf_logits(exported, tok), _hf_logits(hf_model, tok)[..., :tok.vocab_size])
+
+
+@pytest.mark.slow
+def test_bart_hub_file_layout(tok, tmp_path):
+  """As facebook/bart-base's file (saved from `BartModel`): no "model."
+  prefix, no final_logits_bias (zeros, as transformers reads it), no
+  lm_head, the encoder's and decoder's own copies of `shared`."""
+  hf_dir = _save(_bart(tok), tok, tmp_path / "hf")
+  path = tmp_path / "hf" / "model.safetensors"
+  tensors = {k.removeprefix("model."): v for k, v in safetensors.numpy.load_file(path).items()
+             if k != "final_logits_bias"}
+  tensors.update({f"{stack}.embed_tokens.weight": tensors["shared.weight"]
+                  for stack in ("encoder", "decoder")})
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  reference = transformers.BartForConditionalGeneration.from_pretrained(hf_dir).eval()
+  assert not reference.final_logits_bias.any()
+  workdir = _import(None, tok, tmp_path, hf_dir=hf_dir)
+  _, _, model, _ = load_run(str(workdir))
+  _, src, mask, tgt = _inputs(tok)
+  _assert_close(model(src, tgt, src_padding_mask=mask), _hf_logits(reference, tok))
 
 
 def test_bart_refuses_what_it_cannot_express(tok, tmp_path, capsys):

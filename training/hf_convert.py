@@ -121,7 +121,8 @@ def _flat(tree) -> dict:
 
 
 def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
-  """[(Tensor, full HF name)], every name and shape checked before reading."""
+  """[(Tensor, full HF name)], every name and shape checked before reading;
+  the name is None for a missing `Tensor.zeros_if_missing` (read as zeros)."""
   names = {}
   for name in files:
     if name.endswith(arch.skipped):
@@ -134,6 +135,9 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
   plan, wanted = [], set()
   for tensor in arch.tensors(cfg):
     wanted.add(tensor.hf_name)
+    if tensor.hf_name not in names and tensor.zeros_if_missing:
+      plan.append((tensor, None))
+      continue
     if tensor.hf_name not in names:
       raise UserError(f"{hf_dir}: the weights have no tensor {arch.prefix}{tensor.hf_name}")
     full = names[tensor.hf_name]
@@ -190,8 +194,11 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1) -> int
   shardings = _flat(state_shardings(abstract["params"], mesh, rules))
   params = {}
   for tensor, full in plan:
-    with _open(files[full]) as f:
-      pieces = tensor.to_ours(f.get_tensor(full))
+    if full is None:
+      pieces = tensor.to_ours(np.zeros(_hf_shape(tensor, abstract_params), np.float32))
+    else:
+      with _open(files[full]) as f:
+        pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
       dtype = abstract_params[path].dtype
       params[path] = jax.device_put(np.asarray(piece).astype(dtype, copy=False), shardings[path])

@@ -44,12 +44,15 @@ class Tensor:
   `to_ours(array)` gives one array per path in `paths`; `to_hf(*arrays)`
   packs them back. `vocab_axis`: the axis of our (single) array that runs over
   the vocabulary (cut to the tokenizer's rows on export), None if none.
+  `zeros_if_missing`: a file without it is read as zeros, as transformers
+  does (BART's `final_logits_bias` in files saved from `BartModel`).
   """
   hf_name: str
   paths: tuple[str, ...]
   to_ours: Callable
   to_hf: Callable
   vocab_axis: int | None = None
+  zeros_if_missing: bool = False
 
 
 def _same(name, path, vocab_axis=None):
@@ -565,7 +568,7 @@ def _bart_tensors(cfg) -> list[Tensor]:
   m, h, d = cfg.d_model, cfg.num_heads, cfg.head_dim
   out = [_same("shared.weight", "decoder/embed/embedding", 0),
          Tensor("final_logits_bias", ("output_bias",), lambda b: (b.reshape(-1),),
-                lambda b: b.reshape(1, -1), 0)]
+                lambda b: b.reshape(1, -1), 0, zeros_if_missing=True)]
   for stack, num_layers in (("encoder", cfg.num_layers), ("decoder", cfg.num_decoder_layers)):
     out += [_bart_positions(f"{stack}.embed_positions.weight", f"{stack}/positions/table"),
             _same(f"{stack}.layernorm_embedding.weight", f"{stack}/embedding_norm/scale"),
