@@ -565,6 +565,8 @@ def _bart_attention(hf, ours, m, h, d) -> list[Tensor]:
 
 
 def _bart_tensors(cfg) -> list[Tensor]:
+  """`shared` is our one embedding of both stacks, which the parameter tree
+  lists once, under the decoder."""
   m, h, d = cfg.d_model, cfg.num_heads, cfg.head_dim
   out = [_same("shared.weight", "decoder/embed/embedding", 0),
          Tensor("final_logits_bias", ("output_bias",), lambda b: (b.reshape(-1),),
