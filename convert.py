@@ -6,7 +6,7 @@
 `from_hf` writes a run that `python eval.py --workdir W` evaluates and
 `python train.py --config configs/from_run.py:W --config.train.restore_from=W
 --workdir W2` fine-tunes; `to_hf` writes a directory that
-`transformers.AutoModelForCausalLM` (BERT: `AutoModelForMaskedLM`, T5:
+`transformers.AutoModelForCausalLM` (BERT: `AutoModelForMaskedLM`, T5 and BART:
 `AutoModelForSeq2SeqLM`) and `AutoTokenizer` load. See
 training/hf_convert.py and, for the architectures, training/hf_mappings.py.
 """

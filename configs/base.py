@@ -53,7 +53,7 @@ def get_config() -> config_dict.ConfigDict:
   #   1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
   m.decoder_start = "bos"  # encoder_decoder: the decoder's first input token, in training and
-  #   generation: bos | pad (T5 starts from the pad id)
+  #   generation: bos | pad (T5 starts from the pad id) | eos (BART starts from the eos id)
   m.scale_head_input = False  # final hidden states times d_model^-0.5 before the output head
   #   (T5 v1.0 with its tied head)
   m.type_vocab_size = 0  # rows of the token-type embedding added to the tokens (BERT's

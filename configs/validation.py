@@ -18,7 +18,7 @@ CHOICES = {
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
-    "model.decoder_start": ("bos", "pad"),
+    "model.decoder_start": ("bos", "pad", "eos"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),

@@ -20,8 +20,10 @@ Encoder-decoder, S = train.seq_len, U = train.tgt_seq_len or S:
 
   src          [S] int32    src, then pad (no BOS/EOS)
   src_mask     [S] int32    1 on src tokens, 0 on padding
-  tgt_in       [U] int32    BOS tgt, then pad (teacher forcing; with
-                            model.decoder_start=pad, T5's, the pad id for BOS)
+  tgt_in       [U] int32    BOS tgt, then pad (teacher forcing; the first
+                            token is `decoder_start_id`: BOS, or with
+                            model.decoder_start=pad (T5's) the pad id, with
+                            model.decoder_start=eos (BART's) the EOS id)
   tgt_out      [U] int32    tgt EOS, then pad
   loss_mask    [U] float32  1 on tgt EOS
 
@@ -38,6 +40,12 @@ from configs.errors import UserError
 from data import tasks
 
 
+def decoder_start_id(tokenizer, decoder_start: str) -> int:
+  """The id an encoder-decoder's decoder starts from (`model.decoder_start`):
+  the tokenizer's bos, pad (T5) or eos (BART) id."""
+  return {"bos": tokenizer.bos_id, "pad": tokenizer.pad_id, "eos": tokenizer.eos_id}[decoder_start]
+
+
 class PairRows:
   """The tokenised pairs of a split that fit, and their rows; a Grain source.
 
@@ -51,7 +59,7 @@ class PairRows:
     self.seq_len = seq_len
     self.tgt_seq_len = tgt_seq_len or seq_len
     self.bos_id, self.eos_id, self.pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
-    self.start_id = self.pad_id if decoder_start == "pad" else self.bos_id  # encoder_decoder
+    self.start_id = decoder_start_id(tokenizer, decoder_start)  # encoder_decoder
     src_ids = tokenizer.encode_batch([src for src, _ in pairs])
     tgt_ids = tokenizer.encode_batch([tgt for _, tgt in pairs])
     keep = [i for i in range(len(pairs)) if self.fits(len(src_ids[i]), len(tgt_ids[i]))]

@@ -253,7 +253,7 @@ def _error_line(capsys, *args) -> str:
 @pytest.mark.parametrize("change, message", [
     (lambda d: os.remove(d / "model.safetensors"), "no model.safetensors"),
     (lambda d: (d / "model.safetensors").write_bytes(b"damaged"), "cannot read"),
-    (lambda d: _edit_config(d, model_type="bart"), "model_type 'bart' (planned)"),
+    (lambda d: _edit_config(d, model_type="mamba"), "model_type 'mamba' is not supported"),
     (lambda d: _edit_config(d, activation_function="relu"), "activation_function='relu'"),
     (lambda d: _edit_config(d, unknown_field=1), "unknown_field=1"),
     (lambda d: _edit_config(d, n_embd=64), "has shape"),

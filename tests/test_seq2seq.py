@@ -365,11 +365,13 @@ def test_text_scores():
   assert scores["exact_match"] == 0.5 and scores["chrf"] > 0 and scores["bleu"] > 0
 
 
-def test_decoder_start_pad_replaces_bos_for_t5():
-  """model.decoder_start=pad (T5): the decoder's first input, in training rows
-  and as the generation prompt, is the pad id."""
+@pytest.mark.parametrize("decoder_start, start_id", [("pad", PAD), ("eos", EOS)])
+def test_decoder_start_replaces_bos(decoder_start, start_id):
+  """model.decoder_start=pad (T5) or eos (BART): the decoder's first input,
+  in training rows and as the generation prompt, is the pad or EOS id."""
   rows = seq2seq.PairRows([("ab", "xyz")], ByteTokenizer(), family="encoder_decoder",
-                          seq_len=4, tgt_seq_len=6, decoder_start="pad")
+                          seq_len=4, tgt_seq_len=6, decoder_start=decoder_start)
   x, y, z = (ord(ch) + 4 for ch in "xyz")
-  np.testing.assert_array_equal(rows(0)["tgt_in"], [PAD, x, y, z, PAD, PAD])
-  assert rows.prompt(0) == [PAD]
+  np.testing.assert_array_equal(rows(0)["tgt_in"], [start_id, x, y, z, PAD, PAD])
+  np.testing.assert_array_equal(rows(0)["tgt_out"], [x, y, z, EOS, PAD, PAD])
+  assert rows.prompt(0) == [start_id]

@@ -14,14 +14,15 @@ at the end: a failure leaves no workdir.
 
 `to_hf(workdir, out_dir, step)` writes config.json, model.safetensors and
 the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
-`AutoModelForMaskedLM`, T5: `AutoModelForSeq2SeqLM`) and `AutoTokenizer`; an
-encoder-decoder's `decoder_start_token_id` is the tokenizer's id that
-`model.decoder_start` names (an import checks it against that id).
-Vocabulary rows past the tokenizer's or past `model.real_vocab_size` (our
-padding, 50,304 against GPT-2's 50,257) are dropped, and so is the option.
-Imports keep the checkpoint's rows, or pad them to a multiple
-(`pad_vocab_to_multiple`) with `model.real_vocab_size` the checkpoint's, so
-that the padded rows' logits are masked and the outputs do not change.
+`AutoModelForMaskedLM`, T5 and BART: `AutoModelForSeq2SeqLM`) and
+`AutoTokenizer`; the token ids in config.json are the tokenizer's (an
+encoder-decoder's `decoder_start_token_id` too, the id `model.decoder_start`
+names; an import checks it against that id). Vocabulary rows past the
+tokenizer's or past `model.real_vocab_size` (our padding, 50,304 against
+GPT-2's 50,257) are dropped, and so is the option. Imports keep the
+checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
+`model.real_vocab_size` the checkpoint's, so that the padded rows' logits
+are masked and the outputs do not change.
 """
 import json
 import os
@@ -38,6 +39,7 @@ from safetensors import safe_open
 
 from configs import base, validation
 from configs.errors import UserError
+from data import seq2seq
 from model.config import ModelConfig
 import tokenizer as tokenizer_lib
 from training import hf_mappings
@@ -113,8 +115,8 @@ def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
     config.model.update(vocab_size=padded, real_vocab_size=rows)
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
-  if arch.objective == "seq2seq":  # pairs that eval.py and train.py read without files
-    config.data.task = "code_summary"
+  if arch.objective == "seq2seq":  # the user's pairs: eval.py --data, train.py data.paths
+    config.data.task = "pairs"
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > rows:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
@@ -139,7 +141,8 @@ def _flat(tree) -> dict:
 
 
 def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
-  """[(Tensor, full HF name)], every name and shape checked before reading."""
+  """[(Tensor, full HF name)], every name and shape checked before reading;
+  the name is None for a missing `Tensor.zeros_if_missing` (read as zeros)."""
   names = {}
   for name in files:
     if name.endswith(arch.skipped):
@@ -152,6 +155,9 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
   plan, wanted = [], set()
   for tensor in arch.tensors(cfg):
     wanted.add(tensor.hf_name)
+    if tensor.hf_name not in names and tensor.zeros_if_missing:
+      plan.append((tensor, None))
+      continue
     if tensor.hf_name not in names:
       raise UserError(f"{hf_dir}: the weights have no tensor {arch.prefix}{tensor.hf_name}")
     full = names[tensor.hf_name]
@@ -240,8 +246,11 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   shardings = _flat(state_shardings(abstract["params"], mesh, rules))
   params = {}
   for tensor, full in plan:
-    with _open(files[full]) as f:
-      pieces = tensor.to_ours(f.get_tensor(full))
+    if full is None:
+      pieces = tensor.to_ours(np.zeros(_hf_shape(tensor, abstract_params), np.float32))
+    else:
+      with _open(files[full]) as f:
+        pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
       dtype = abstract_params[path].dtype
       piece = _padded(np.asarray(piece).astype(dtype, copy=False), tensor,
@@ -339,7 +348,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id)
   if cfg.family == "encoder_decoder":
-    hf["decoder_start_token_id"] = getattr(tok, f"{cfg.decoder_start}_id")
+    hf["decoder_start_token_id"] = seq2seq.decoder_start_id(tok, cfg.decoder_start)
   tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
