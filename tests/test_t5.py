@@ -353,9 +353,13 @@ def test_t5_base_preset_exports_as_t5_and_back():
 
 @pytest.mark.slow
 def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
-  """The commands on a T5 import: eval.py (the code_summary pairs the import
-  sets, generation from the pad id), train.py fine-tuning it with
-  objective seq2seq, convert.py to_hf of the fine-tune, loaded by transformers."""
+  """The commands on a T5 import: eval.py on a pairs file (the import is a
+  data.task=pairs run; generation from the pad id), train.py fine-tuning it
+  with objective seq2seq, convert.py to_hf of the fine-tune, loaded by
+  transformers."""
+  pairs = tmp_path / "pairs.tsv"
+  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
+
   def run(*args):
     result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
                             check=False, cwd=ROOT)
@@ -364,14 +368,15 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   run("convert.py", "from_hf", "--hf_dir",
       _save(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
-  run("eval.py", "--workdir", tmp_path / "run", "--max_examples", "4", "--beam_size", "2",
-      "--max_new_tokens", "4")
+  run("eval.py", "--workdir", tmp_path / "run", "--data", pairs, "--max_examples", "4",
+      "--beam_size", "2", "--max_new_tokens", "4")
   report = json.loads((tmp_path / "run" / "eval_report.json").read_text())
-  assert (report["step"], report["data"]) == (0, "task=code_summary")
+  assert (report["step"], report["data"]) == (0, "task=pairs")
   run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
       f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
-      "--config.train.num_steps=2", "--config.train.batch_size=2", "--config.train.seq_len=64",
-      "--config.train.tgt_seq_len=16", "--config.train.eval_steps=1",
+      "--config.train.num_steps=2", f"--config.data.paths={pairs}",
+      "--config.data.val_percent=50", "--config.train.batch_size=2",
+      "--config.train.seq_len=16", "--config.train.eval_steps=1",
       "--config.train.warmup_steps=1")
   run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
   exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()

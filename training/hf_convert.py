@@ -247,7 +247,8 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   params = {}
   for tensor, full in plan:
     if full is None:
-      pieces = tensor.to_ours(np.zeros(_hf_shape(tensor, abstract_params), np.float32))
+      pieces = tensor.to_ours(np.zeros(_hf_shape(tensor, abstract_params, cfg.real_vocab_size),
+                                       np.float32))
     else:
       with _open(files[full]) as f:
         pieces = tensor.to_ours(f.get_tensor(full))
