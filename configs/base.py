@@ -100,6 +100,9 @@ def get_config() -> config_dict.ConfigDict:
   # zero-padded to task_max_len digits, sum least-significant digit first: "012+005" -> "7100")
   d.src_field = "src"  # pairs: JSONL field or TSV header column of the source
   d.tgt_field = "tgt"  # pairs: JSONL field or TSV header column of the target
+  d.pair_specials = False  # encoder_decoder pairs marked as the tokenizer marks a model input
+  #   (its special tokens: T5's "src </s>", BART's "<s> src </s>", the target likewise); set by
+  #   convert.py from_hf for T5 and BART, as they were trained; False: bare src, tgt EOS
 
   tr = c.train = config_dict.ConfigDict()
   tr.objective = "next_token"  # next_token | seq2seq | mlm

@@ -255,6 +255,9 @@ def _validate_tasks(config: config_dict.ConfigDict) -> None:
   if d.task != "none" and config.train.objective != "seq2seq":
     _fail("data.task", d.task, f"needs train.objective=seq2seq (is "
           f"{config.train.objective}); set data.task=none for {config.train.objective}")
+  if d.pair_specials and config.model.family != "encoder_decoder":
+    _fail("data.pair_specials", d.pair_specials, "is for model.family=encoder_decoder (a "
+          "decoder's prefix-LM row is BOS src EOS tgt EOS); unset it")
   if d.task_max_len < d.task_min_len:
     _fail("data.task_max_len", d.task_max_len,
           f"must be >= data.task_min_len={d.task_min_len}")

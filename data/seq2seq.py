@@ -16,7 +16,12 @@ tokens, and a row holds its first T + 1:
   positions    [T] int32    0, 1, ..., 0 on padding
   loss_mask    [T] float32  1 only where the target is a tgt token or the final EOS
 
-Encoder-decoder, S = train.seq_len, U = train.tgt_seq_len or S:
+Encoder-decoder, S = train.seq_len, U = train.tgt_seq_len or S (src and tgt
+as `encode` gives them; with data.pair_specials, as `encode_with_specials`
+marks a model input, a final EOS of the target's marking taken as the EOS
+below: T5's src is "src </s>", BART's "<s> src </s>" and its tgt "<s> tgt",
+so that tgt_in is "</s> <s> tgt" and tgt_out "<s> tgt </s>", as
+transformers shifts BART's labels):
 
   src          [S] int32    src, then pad (no BOS/EOS)
   src_mask     [S] int32    1 on src tokens, 0 on padding
@@ -40,6 +45,13 @@ from configs.errors import UserError
 from data import tasks
 
 
+def _marked(tokenizer, text: str, eos_id: int) -> list[int]:
+  """`text` as the tokenizer marks a model input, without a final EOS (the
+  rows add it back where it belongs)."""
+  ids = tokenizer.encode_with_specials(text)
+  return ids[:-1] if ids and ids[-1] == eos_id else ids
+
+
 def decoder_start_id(tokenizer, decoder_start: str) -> int:
   """The id an encoder-decoder's decoder starts from (`model.decoder_start`):
   the tokenizer's bos, pad (T5) or eos (BART) id."""
@@ -50,18 +62,25 @@ class PairRows:
   """The tokenised pairs of a split that fit, and their rows; a Grain source.
 
   `src_texts`/`tgt_texts` and `src_ids`/`tgt_ids` (lists of int32 arrays)
-  hold the kept pairs in order; `self(i)` or `self[i]` is row i.
+  hold the kept pairs in order; `self(i)` or `self[i]` is row i. `specials`
+  (encoder-decoder, data.pair_specials): src and tgt marked with the
+  tokenizer's special tokens (see the module docstring); the source's final
+  EOS is kept.
   """
 
   def __init__(self, pairs: list[tasks.Pair], tokenizer, *, family: str, seq_len: int,
-               tgt_seq_len: int = 0, decoder_start: str = "bos"):
+               tgt_seq_len: int = 0, decoder_start: str = "bos", specials: bool = False):
     self.family = family
     self.seq_len = seq_len
     self.tgt_seq_len = tgt_seq_len or seq_len
     self.bos_id, self.eos_id, self.pad_id = tokenizer.bos_id, tokenizer.eos_id, tokenizer.pad_id
     self.start_id = decoder_start_id(tokenizer, decoder_start)  # encoder_decoder
-    src_ids = tokenizer.encode_batch([src for src, _ in pairs])
-    tgt_ids = tokenizer.encode_batch([tgt for _, tgt in pairs])
+    if specials:
+      src_ids = [tokenizer.encode_with_specials(src) for src, _ in pairs]
+      tgt_ids = [_marked(tokenizer, tgt, self.eos_id) for _, tgt in pairs]
+    else:
+      src_ids = tokenizer.encode_batch([src for src, _ in pairs])
+      tgt_ids = tokenizer.encode_batch([tgt for _, tgt in pairs])
     keep = [i for i in range(len(pairs)) if self.fits(len(src_ids[i]), len(tgt_ids[i]))]
     self.num_dropped = len(pairs) - len(keep)
     self.src_texts = [pairs[i][0] for i in keep]
@@ -149,7 +168,8 @@ def load_rows(config: config_dict.ConfigDict, tokenizer, split: str) -> PairRows
                     "or add pairs")
   rows = PairRows(pairs, tokenizer, family=config.model.family,
                   seq_len=config.train.seq_len, tgt_seq_len=config.train.tgt_seq_len,
-                  decoder_start=config.model.decoder_start)
+                  decoder_start=config.model.decoder_start,
+                  specials=config.data.pair_specials)
   if rows.num_dropped:
     logging.warning("data.task=%s: dropped %d of %d %s pairs longer than the rows (%s)",
                     task, rows.num_dropped, len(pairs), split, _lengths(config))

@@ -105,8 +105,9 @@ def test_bart_in_and_out(tok, tmp_path):
   workdir = _import(hf_model, tok, tmp_path)
   config, _, model, step = load_run(str(workdir))
   assert step == 0
-  assert (config.model.family, config.model.decoder_start, config.train.objective) == (
-      "encoder_decoder", "eos", "seq2seq")
+  assert (config.model.family, config.model.decoder_start, config.train.objective,
+          config.data.task, config.data.pair_specials) == (
+      "encoder_decoder", "eos", "seq2seq", "pairs", True)
   _, src, mask, tgt = _inputs(tok)
   assert not mask.all()  # a padded source
   reference = _hf_logits(hf_model, tok)

@@ -375,3 +375,67 @@ def test_decoder_start_replaces_bos(decoder_start, start_id):
   np.testing.assert_array_equal(rows(0)["tgt_in"], [start_id, x, y, z, PAD, PAD])
   np.testing.assert_array_equal(rows(0)["tgt_out"], [x, y, z, EOS, PAD, PAD])
   assert rows.prompt(0) == [start_id]
+
+
+def _bart_like_tokenizer(directory):
+  """A byte-level BPE with BART's specials and its post-processor
+  (`<s> $A </s>`), saved by transformers."""
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+  from transformers import PreTrainedTokenizerFast
+  tok = Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  tok.train_from_iterator(["def add(a, b): return a + b", "Return the sum."] * 3,
+                          trainers.BpeTrainer(
+                              vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                              show_progress=False))
+  tok.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+  PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", pad_token="<pad>",
+                          eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
+
+
+@pytest.mark.parametrize("kind, decoder_start", [("t5", "pad"), ("bart", "eos")])
+def test_pair_specials_frame_pairs_as_transformers(kind, decoder_start, tmp_path):
+  """data.pair_specials (set by T5 and BART imports): the source is what
+  transformers' tokenizer gives, tgt_out the labels `tokenizer(text_target=)`
+  gives, tgt_in those labels shifted right from the decoder start, as
+  transformers' `shift_tokens_right` makes the decoder inputs."""
+  import torch  # pylint: disable=import-outside-toplevel
+  import transformers  # pylint: disable=import-outside-toplevel
+  from tests.test_tokenizer_hf import t5_like  # pylint: disable=import-outside-toplevel
+  import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+  if kind == "t5":
+    tok, special = t5_like()
+    transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special).save_pretrained(
+        tmp_path)
+  else:
+    _bart_like_tokenizer(tmp_path)
+  reference, ours = transformers.AutoTokenizer.from_pretrained(tmp_path), \
+      tokenizer_lib.load_tokenizer(tmp_path)
+  src, tgt = "def add(a, b): return a + b", "Return the sum."
+  rows = seq2seq.PairRows([(src, tgt)], ours, family="encoder_decoder", seq_len=40,
+                          tgt_seq_len=30, decoder_start=decoder_start, specials=True)
+  row = rows(0)
+  want_src = reference(src)["input_ids"]
+  labels = reference(text_target=tgt)["input_ids"]
+  start = seq2seq.decoder_start_id(ours, decoder_start)
+  shift = transformers.models.bart.modeling_bart.shift_tokens_right
+  want_in = shift(torch.tensor([labels]), ours.pad_id, start)[0].tolist()
+  assert row["src"][:len(want_src)].tolist() == want_src and row["src_mask"].sum() == len(
+      want_src)
+  assert row["tgt_out"][:len(labels)].tolist() == labels
+  assert row["tgt_in"][:len(labels)].tolist() == want_in
+  assert row["loss_mask"].sum() == len(labels)
+  plain = seq2seq.PairRows([(src, tgt)], ours, family="encoder_decoder", seq_len=40,
+                           tgt_seq_len=30, decoder_start=decoder_start)(0)
+  assert plain["src"][:len(want_src)].tolist() != want_src
+
+
+def test_pair_specials_is_for_encoder_decoders():
+  c = base.get_config()
+  c.train.objective = "seq2seq"
+  c.data.update(task="reverse", pair_specials=True)
+  with pytest.raises(UserError, match="data.pair_specials=True: is for model.family="
+                                      "encoder_decoder"):
+    validate(c)

@@ -276,9 +276,10 @@ def test_t5_in_and_out(tok, tmp_path, version, layers):
                       "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   m = config.model
-  assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective) == (
+  assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective,
+          config.data.pair_specials) == (
       "encoder_decoder", VERSIONS[version][1]["mlp"], layers[1],
-      VERSIONS[version][1]["tie_embeddings"], "seq2seq")
+      VERSIONS[version][1]["tie_embeddings"], "seq2seq", True)
   src, tgt, mask = _pairs(tok.vocab_size)
   want = _hf_seq2seq_logits(hf, src, tgt, mask)
   forward = nnx.jit(lambda model, s, t, k: model(s, t, src_padding_mask=k))

@@ -115,8 +115,8 @@ def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
     config.model.update(vocab_size=padded, real_vocab_size=rows)
   config.tokenizer.update(path="", vocab_size=tok.vocab_size)
   config.train.objective = arch.objective
-  if arch.objective == "seq2seq":  # the user's pairs: eval.py --data, train.py data.paths
-    config.data.task = "pairs"
+  if arch.objective == "seq2seq":  # the user's pairs (eval.py --data, train.py data.paths),
+    config.data.update(task="pairs", pair_specials=True)  # marked as T5 and BART were trained
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > rows:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
