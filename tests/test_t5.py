@@ -424,3 +424,32 @@ def test_published_t5_configs_import(name):
   config = base.get_config()
   config.model.update(**fields)
   assert hf_convert.export_architecture(ModelConfig.resolve(config.model)).model_type == "t5"
+
+
+@pytest.mark.slow
+def test_mt5_imports_with_an_unscaled_head_and_exports_as_t5(tok, tmp_path):
+  """mT5 (model_type mt5): T5 v1.1's layout, its own head, the head input not
+  scaled; from_hf's logits match MT5ForConditionalGeneration's, and the
+  export is a T5 (v1.1, scale_decoder_outputs false) with the same logits."""
+  torch.manual_seed(1)
+  hf = transformers.MT5ForConditionalGeneration(transformers.MT5Config(
+      vocab_size=CONVERT_V, d_model=M, d_kv=D, d_ff=F, num_layers=1, num_decoder_layers=1,
+      num_heads=H, relative_attention_num_buckets=BUCKETS,
+      relative_attention_max_distance=MAX_DISTANCE, dropout_rate=0.0, pad_token_id=0,
+      decoder_start_token_id=0, eos_token_id=2)).eval()
+  with torch.no_grad():
+    hf.lm_head.weight = torch.nn.Parameter(torch.randn(CONVERT_V, M))
+  workdir = tmp_path / "run"
+  assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
+                      "--workdir", workdir) == 0
+  config, _, model, _ = load_run(str(workdir))
+  m = config.model
+  assert (m.mlp, m.tie_embeddings, m.scale_head_input) == ("geglu_tanh", False, False)
+  src, tgt, mask = _pairs(tok.vocab_size)
+  want = _hf_seq2seq_logits(hf, src, tgt, mask)
+  _assert_close(model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+  out = tmp_path / "exported"
+  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert json.loads((out / "config.json").read_text())["model_type"] == "t5"
+  exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want[..., :tok.vocab_size])

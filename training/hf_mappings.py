@@ -447,16 +447,16 @@ def _t5_mlp(hf: dict) -> str:
   return _T5_MLP[gated, act]
 
 
-def _t5_from_hf(hf: dict) -> dict:
+def _t5_from_hf(hf: dict, name: str = "t5") -> dict:
   """T5ForConditionalGeneration: pre-norm RMSNorm, relative position bias,
   unscaled attention, no biases; the head input times d_model^-0.5 when
   scale_decoder_outputs (transformers 5) or, in older files, when
   tie_word_embeddings is not false (v1.0). The decoder starts from the pad id."""
-  _fields(hf, _T5_FIELDS, {"is_decoder": False}, "t5")
+  _fields(hf, _T5_FIELDS, {"is_decoder": False}, name)
   start, pad = hf.get("decoder_start_token_id"), hf.get("pad_token_id", 0)
   if start is not None and start != pad:
     raise UserError(f"Hugging Face config field decoder_start_token_id={start!r} is not "
-                    f"supported by the t5 import (needs the pad id, {pad!r})")
+                    f"supported by the {name} import (needs the pad id, {pad!r})")
   tied = hf.get("tie_word_embeddings", True) is not False
   num_layers = hf.get("num_layers", 6)
   return dict(family="encoder_decoder", vocab_size=hf.get("vocab_size", 32128),
@@ -469,6 +469,19 @@ def _t5_from_hf(hf: dict) -> dict:
               norm="rmsnorm", norm_position="pre", norm_eps=hf.get("layer_norm_epsilon", 1e-6),
               mlp=_t5_mlp(hf), use_bias=False, attention_scale=1.0, decoder_start="pad",
               tie_embeddings=tied, scale_head_input=hf.get("scale_decoder_outputs", tied))
+
+
+def _mt5_from_hf(hf: dict) -> dict:
+  """MT5ForConditionalGeneration: T5's layout, gated-gelu by default, and a
+  head input never scaled (transformers' mT5 has no scale_decoder_outputs;
+  its head is the file's own, untied as for T5 v1.1). Exported, it is a T5
+  v1.1 (`scale_decoder_outputs: false`)."""
+  if "scale_decoder_outputs" in hf:
+    raise UserError(f"Hugging Face config field scale_decoder_outputs="
+                    f"{hf['scale_decoder_outputs']!r} is not supported by the mt5 import "
+                    "(mT5 never scales the head input)")
+  return dict(_t5_from_hf({"feed_forward_proj": "gated-gelu", **hf}, "mt5"),
+              scale_head_input=False)
 
 
 def _t5_to_hf(cfg, vocab_size: int) -> dict:
@@ -715,6 +728,11 @@ ARCHITECTURES = {
                        auto_class="AutoModelForSeq2SeqLM",
                        tied_head=("lm_head.weight", "shared.weight"),
                        skipped=("EncDecAttention.relative_attention_bias.weight",)),
+    "mt5": Architecture("mt5", "MT5ForConditionalGeneration", "", _mt5_from_hf, _t5_to_hf,
+                        _t5_tensors, read_past=_t5_read_past, objective="seq2seq",
+                        auto_class="AutoModelForSeq2SeqLM",
+                        tied_head=("lm_head.weight", "shared.weight"),
+                        skipped=("EncDecAttention.relative_attention_bias.weight",)),
     "bart": Architecture("bart", "BartForConditionalGeneration", "model.", _bart_from_hf,
                          _bart_to_hf, _bart_tensors,
                          unprefixed=("lm_head.", "final_logits_bias"),
@@ -722,7 +740,7 @@ ARCHITECTURES = {
                          auto_class="AutoModelForSeq2SeqLM"),
 }
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
-# without a window is LLaMA).
+# without a window is LLaMA; an mT5 import exports as T5 v1.1).
 EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "bart")
 
 
