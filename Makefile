@@ -15,7 +15,7 @@ $(STAMP): requirements.txt requirements-test.txt
 
 install: $(STAMP)
 
-## Run the test suite (about 11 minutes on 2 CPU cores).
+## Run the test suite (about 12 minutes on 2 CPU cores).
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
