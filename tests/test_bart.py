@@ -11,8 +11,6 @@ with `convert.py to_hf` and loaded by `AutoModelForSeq2SeqLM` and
 """
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -25,8 +23,8 @@ from configs.errors import UserError
 from model import accounting
 from model.config import ModelConfig
 from model.generate import generate
-from tests.test_hf_convert import (ROOT, _assert_close, _edit_config, _error_line,
-                                   _run_convert, _save)
+from tests.test_hf_convert import (_assert_close, _edit_config, _error_line,
+                                   _run_convert, _save, run_command)
 from tests.test_hf_convert import tok  # pylint: disable=unused-import (a fixture)
 from training import hf_convert, hf_mappings
 from training.evaluate import load_run
@@ -283,20 +281,16 @@ def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
   pairs = tmp_path / "pairs.tsv"
   pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
 
-  def run(*args):
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                            check=False, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-  run("eval.py", "--workdir", workdir, "--data", pairs, "--max_examples", 2, "--beam_size", 2)
+  run_command("eval.py", "--workdir", workdir, "--data", pairs, "--max_examples", 2,
+              "--beam_size", 2)
   report = json.loads((workdir / "eval_report.json").read_text())
   assert (report["step"], report["data"], report["examples"]) == (0, "task=pairs", 2)
-  run("train.py", f"--config=configs/from_run.py:{workdir}",
+  run_command("train.py", f"--config=configs/from_run.py:{workdir}",
       f"--config.train.restore_from={workdir}", "--workdir", tmp_path / "ft",
       "--config.train.num_steps=2", f"--config.data.paths={pairs}",
       "--config.data.val_percent=50", "--config.train.batch_size=2",
       "--config.train.seq_len=16", "--config.train.eval_steps=1", "--config.train.warmup_steps=1")
-  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  run_command("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
   exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2

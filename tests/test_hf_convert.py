@@ -76,6 +76,13 @@ def _save(hf_model, tok, path, **kw):
   return str(path)
 
 
+def run_command(*args) -> None:
+  """`python args...` in the repository root; its stderr's tail if it fails."""
+  result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
+                          check=False, cwd=ROOT)
+  assert result.returncode == 0, result.stderr[-2000:]
+
+
 def _run_convert(*args) -> int:
   try:
     convert.main([str(a) for a in args])
@@ -316,23 +323,18 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
 
-  def run(*args):
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                            check=False, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-  run("convert.py", "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"),
+  run_command("convert.py", "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
-  run("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
+  run_command("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
       "--prompt", "def ", "--max_new_tokens", "4")
   assert json.loads((tmp_path / "run" / "eval_report.json").read_text())["step"] == 0
-  run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
+  run_command("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
       f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
       "--config.train.num_steps=2", "--config.data.source=files",
       f"--config.data.paths={tmp_path}/doc*.txt", "--config.data.val_percent=60",
       "--config.train.batch_size=2", "--config.train.seq_len=16", "--config.train.eval_steps=1",
       "--config.train.warmup_steps=1")
-  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  run_command("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
   exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ft_hf").eval()
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2

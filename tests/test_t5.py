@@ -5,8 +5,6 @@ the full forward and for KV-cache decoding: weights copied by hand, and
 through `convert.py from_hf` / `to_hf` with greedy generation token for token."""
 import json
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -24,7 +22,7 @@ from model.config import ModelConfig
 from model.generate import generate
 from model.relative_bias import relative_bucket
 from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
-    ROOT, _assert_close, _edit_config, _error_line, _run_convert, _save, tok)
+    _assert_close, _edit_config, _error_line, _run_convert, _save, run_command, tok)
 from training import hf_convert, hf_mappings
 from training import workdir as workdir_lib
 from training.evaluate import load_run
@@ -361,25 +359,20 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   pairs = tmp_path / "pairs.tsv"
   pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
 
-  def run(*args):
-    result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                            check=False, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-  run("convert.py", "from_hf", "--hf_dir",
+  run_command("convert.py", "from_hf", "--hf_dir",
       _save(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
-  run("eval.py", "--workdir", tmp_path / "run", "--data", pairs, "--max_examples", "4",
+  run_command("eval.py", "--workdir", tmp_path / "run", "--data", pairs, "--max_examples", "4",
       "--beam_size", "2", "--max_new_tokens", "4")
   report = json.loads((tmp_path / "run" / "eval_report.json").read_text())
   assert (report["step"], report["data"]) == (0, "task=pairs")
-  run("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
+  run_command("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
       f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
       "--config.train.num_steps=2", f"--config.data.paths={pairs}",
       "--config.data.val_percent=50", "--config.train.batch_size=2",
       "--config.train.seq_len=16", "--config.train.eval_steps=1",
       "--config.train.warmup_steps=1")
-  run("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
+  run_command("convert.py", "to_hf", "--workdir", tmp_path / "ft", "--out", tmp_path / "ft_hf")
   exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ft_hf").eval()
   config, _, model, step = load_run(str(tmp_path / "ft"))
   assert (step, config.train.objective) == (2, "seq2seq")

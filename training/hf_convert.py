@@ -37,7 +37,7 @@ import safetensors.numpy
 from flax import nnx
 from safetensors import safe_open
 
-from configs import base, validation
+from configs import base
 from configs.errors import UserError
 from data import seq2seq
 from model.config import ModelConfig
