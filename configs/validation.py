@@ -89,10 +89,16 @@ def projection_bias(m, field: str) -> bool:
   return m.use_bias if m[field] is None else m[field]
 
 
+def token_rows_field(m) -> str:
+  """The model field that bounds the tokenizer's ids: `real_vocab_size` when
+  set (the rows past it are padding), else `vocab_size`."""
+  return "vocab_size" if m.real_vocab_size is None else "real_vocab_size"
+
+
 def real_vocab_size(m) -> int:
   """The rows of the vocabulary that are tokens, the rest padding whose
   logits are masked (None means all vocab_size rows)."""
-  return m.vocab_size if m.real_vocab_size is None else m.real_vocab_size
+  return m[token_rows_field(m)]
 
 
 def sliding_window_layers(m) -> tuple[int, ...]:
@@ -234,7 +240,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   if config.train.learning_rate <= 0:
     _fail("train.learning_rate", config.train.learning_rate, "must be positive")
   if not config.tokenizer.path and config.tokenizer.vocab_size > real_vocab_size(config.model):
-    field = "real_vocab_size" if config.model.real_vocab_size is not None else "vocab_size"
+    field = token_rows_field(config.model)
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
           f"exceeds model.{field}={config.model[field]}")
   if config.data.source in ("files", "jsonl", "arrayrecord", "parquet") and not config.data.paths:

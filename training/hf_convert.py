@@ -123,7 +123,7 @@ def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
                     f"vocab_size={rows} rows")
   start = hf.get("decoder_start_token_id")
   if config.model.family == "encoder_decoder" and start is not None:
-    ours = getattr(tok, f"{config.model.decoder_start}_id")
+    ours = seq2seq.decoder_start_id(tok, config.model.decoder_start)
     if start != ours:
       raise UserError(f"Hugging Face config field decoder_start_token_id={start!r} is not the "
                       f"tokenizer's {config.model.decoder_start} id ({ours}), where our decoder "

@@ -342,6 +342,8 @@ def _llama_tensors(cfg) -> list[Tensor]:
 
 _BERT_ACT = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh",
              "relu": "relu"}
+# Our model.mlp -> the HF name an export writes (the first that maps to it).
+_BERT_ACT_NAMES = {ours: hf for hf, ours in reversed(_BERT_ACT.items())}
 
 
 def _bert_from_hf(hf: dict) -> dict:
@@ -367,7 +369,7 @@ def _bert_from_hf(hf: dict) -> dict:
 
 
 def _bert_to_hf(cfg, vocab_size: int) -> dict:
-  act = {v: k for k, v in reversed(_BERT_ACT.items())}.get(cfg.mlp, "gelu")
+  act = _BERT_ACT_NAMES.get(cfg.mlp, "gelu")
   return dict(architectures=["BertForMaskedLM"], model_type="bert", vocab_size=vocab_size,
               hidden_size=cfg.d_model, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, intermediate_size=cfg.d_ff, hidden_act=act,
@@ -607,7 +609,7 @@ def _bart_from_hf(hf: dict) -> dict:
 def _bart_to_hf(cfg, vocab_size: int) -> dict:
   """BART's config.json; the token ids are BART's own, which `to_hf`
   replaces by the tokenizer's."""
-  act = {v: k for k, v in reversed(_BERT_ACT.items())}.get(cfg.mlp, "gelu")
+  act = _BERT_ACT_NAMES.get(cfg.mlp, "gelu")
   return dict(architectures=["BartForConditionalGeneration"], model_type="bart",
               vocab_size=vocab_size, d_model=cfg.d_model, encoder_layers=cfg.num_layers,
               decoder_layers=cfg.num_decoder_layers, encoder_attention_heads=cfg.num_heads,

@@ -123,7 +123,7 @@ def setup_tokenizer(config: config_dict.ConfigDict, workdir: str, given: str | N
   _barrier("setup_tokenizer")
   tok = tokenizer_lib.load_tokenizer(run_dir)
   if tok.vocab_size > validation.real_vocab_size(config.model):
-    field = "real_vocab_size" if config.model.real_vocab_size is not None else "vocab_size"
+    field = validation.token_rows_field(config.model)
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.{field}="
                     f"{config.model[field]}; raise model.{field}")
   return tok
