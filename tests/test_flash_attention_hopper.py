@@ -19,7 +19,7 @@ import pytest
 
 from model.attention import attention
 from model.kernels import flash_attention_hopper as hopper
-from model.kernels.flash_attention import choose_lowering, flash_attention
+from model.kernels.router import choose_lowering, flash_attention
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 from tests.test_flash_attention import _inputs
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from training import sweeps as sweep_lib
-from training.evaluate import load_run
-from training.sweeps.state import last_step
+import sweeps as sweep_lib
+from training.workdir import load_run
+from sweeps.state import last_step
 from tests.test_sweep import ROOT, TINY, TWO_VARIANTS, small_flags, sweep_cli, write_sweep
 
 sys.path.insert(0, str(ROOT / "scripts"))
