@@ -16,7 +16,7 @@ def get_config():
                  num_labels=8, pooling="last")
   c.tokenizer.update(kind="bpe", vocab_size=1024)
   c.data.update(task="stdlib_package", val_percent=25)
-  c.train.update(objective="classify", num_steps=400, batch_size=32, seq_len=128,
-                 learning_rate=1e-3, warmup_steps=40, log_every=20, eval_every=200,
-                 eval_steps=100, checkpoint_every=200)
+  c.train.update(objective="classify", num_steps=300, batch_size=32, seq_len=64,
+                 learning_rate=1e-3, warmup_steps=40, log_every=20, eval_every=100,
+                 eval_steps=100, checkpoint_every=300)
   return c

@@ -6,7 +6,7 @@ from, split by module (25% of the modules held out, so every package has
 held-out functions). 2 layers, d=128, post-norm LayerNorm, learned
 positions, erf GELU, embedding LayerNorm, [BOS] pooled through BERT's pooler
 (dense + tanh); byte-level BPE of 1,024 ids trained on the train split; the
-first 128 tokens of each function. A few minutes on a CPU; eval.py reports
+first 64 tokens of each function. A few minutes on a CPU; eval.py reports
 accuracy, macro-F1 and the confusion matrix beside the majority baseline.
 """
 from configs import base
@@ -21,7 +21,7 @@ def get_config():
                  pooler=True)
   c.tokenizer.update(kind="bpe", vocab_size=1024)
   c.data.update(task="stdlib_package", val_percent=25)
-  c.train.update(objective="classify", num_steps=400, batch_size=32, seq_len=128,
-                 learning_rate=1e-3, warmup_steps=40, log_every=20, eval_every=200,
-                 eval_steps=100, checkpoint_every=200)
+  c.train.update(objective="classify", num_steps=300, batch_size=32, seq_len=64,
+                 learning_rate=1e-3, warmup_steps=40, log_every=20, eval_every=100,
+                 eval_steps=100, checkpoint_every=300)
   return c

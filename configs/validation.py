@@ -292,8 +292,9 @@ def _validate_tasks(config: config_dict.ConfigDict) -> None:
     if needs is None:
       _fail("data.task", d.task, f"is not a task of train.objective={objective}; use one of "
             f"{', '.join(wanted)}")
+    choice = f"={wanted[0]}" if len(wanted) == 1 else f" to one of {', '.join(wanted)}"
     _fail("data.task", d.task, f"needs train.objective={needs} (is {objective}); set "
-          f"data.task to one of {', '.join(wanted)} for {objective}")
+          f"data.task{choice} for {objective}")
   num_labels = config.model.num_labels
   if (objective == "classify") != (num_labels > 0):
     _fail("model.num_labels", num_labels, "must be the number of classes (> 0) for "
