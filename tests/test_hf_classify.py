@@ -88,6 +88,7 @@ def test_bert_for_sequence_classification_in_and_out(tok, tmp_path):
   assert (model["pooling"], model["pooler"], model["num_labels"]) == ("cls", True, 3)
 
 
+@pytest.mark.slow
 def test_qwen2_for_sequence_classification_in_and_out(tok, tmp_path):
   """The last real token (right padding, as transformers finds it from the
   pad id), `score` without a bias."""
