@@ -19,7 +19,6 @@ import safetensors.numpy
 import torch
 import transformers
 
-import convert
 from configs import base as base_config
 from configs import bert_base
 from configs import from_run
@@ -27,21 +26,17 @@ from configs.errors import UserError
 from model.config import ModelConfig
 from model.generate import generate
 from model.transformer import PADDED_LOGIT
-from tokenizer import bpe, export_hf
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, ROOT, run_command,
+                           run_convert, save_hf)
 
-TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
+pytestmark = pytest.mark.hf  # transformers and torch
+
 PROMPTS = ["def add(", "class "]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return bpe.train_bpe(TEXTS, 290)
 
 
 def _gpt2(**kw):
@@ -71,36 +66,8 @@ def _randomised(hf_model):
   return hf_model
 
 
-def _save(hf_model, tok, path, **kw):
-  hf_model.save_pretrained(path, **kw)
-  export_hf(tok, path)
-  return str(path)
-
-
-def run_command(*args) -> None:
-  """`python args...` in the repository root; its stderr's tail if it fails."""
-  result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                          check=False, cwd=ROOT)
-  assert result.returncode == 0, result.stderr[-2000:]
-
-
-def _run_convert(*args) -> int:
-  try:
-    convert.main([str(a) for a in args])
-  except SystemExit as e:
-    return e.code
-  return 0
-
-
 def _ids(tok):
   return np.asarray([tok.encode_with_specials(p + "x = 1") for p in PROMPTS[:1]] * 2)
-
-
-def _assert_close(ours, theirs):
-  ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
-  assert ours.shape == theirs.shape
-  scale = np.abs(theirs).max()
-  np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4 * scale)
 
 
 def _hf_logits(hf_model, ids):
@@ -113,12 +80,12 @@ def _check_import(hf_model, tok, tmp_path, generation=True, **save_kw):
   the run dir."""
   hf_model.eval()
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf", **save_kw),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf", **save_kw),
+                     "--workdir", workdir) == 0
   config, run_tok, model, step = load_run(str(workdir))
   assert step == 0 and run_tok.encode("def f") == tok.encode("def f")
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
   if not generation:
     return workdir
   prompts = [tok.encode_with_specials(p) for p in PROMPTS]
@@ -134,10 +101,10 @@ def _check_import(hf_model, tok, tmp_path, generation=True, **save_kw):
 def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCausalLM"):
   """to_hf, loaded by transformers: the same logits (on the tokenizer's ids) and ids."""
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = getattr(transformers, auto_class).from_pretrained(out).eval()
   ids = _ids(tok)
-  _assert_close(_hf_logits(exported, ids), reference[..., :exported.config.vocab_size])
+  assert_close(_hf_logits(exported, ids), reference[..., :exported.config.vocab_size])
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
 
@@ -163,14 +130,14 @@ def test_gpt2_padded_on_import(tok, tmp_path):
   hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
       vocab_size=290, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"), "--workdir",
-                      workdir, "--pad_vocab_to_multiple", 64) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"), "--workdir",
+                     workdir, "--pad_vocab_to_multiple", 64) == 0
   config, _, model, _ = load_run(str(workdir))
   assert (config.model.vocab_size, config.model.real_vocab_size) == (320, 290)
   assert model.decoder.embed.embedding.shape == (320, 32)
   ids = _ids(tok)
   ours, theirs = np.asarray(model(ids)), _hf_logits(hf_model, ids)
-  _assert_close(ours[..., :290], theirs)
+  assert_close(ours[..., :290], theirs)
   assert (ours[..., 290:] == PADDED_LOGIT).all()
   targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
   loss, _, _ = cross_entropy_sums(jnp.asarray(ours), targets, weights)
@@ -219,14 +186,14 @@ def test_import_onto_a_sharded_mesh(tok, tmp_path):
   hf_model = _llama().eval()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   result = subprocess.run(
-      [sys.executable, "convert.py", "from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
+      [sys.executable, "convert.py", "from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
        "--workdir", str(tmp_path / "run"), "--fsdp", "2", "--tensor", "2"],
       capture_output=True, text=True, check=False, cwd=ROOT, env=env)
   assert result.returncode == 0, result.stderr[-2000:]
   config, _, model, _ = load_run(str(tmp_path / "run"))
   assert (config.mesh.fsdp, config.mesh.tensor) == (2, 2)
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
 
 
 @pytest.mark.slow
@@ -234,8 +201,8 @@ def test_bfloat16(tok, tmp_path):
   """A bfloat16 checkpoint imports as bfloat16 parameters and exports as bfloat16."""
   hf_model = _llama().to(torch.bfloat16)
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
+                     "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   assert config.model.param_dtype == "bfloat16"
   ids = _ids(tok)
@@ -243,36 +210,28 @@ def test_bfloat16(tok, tmp_path):
   np.testing.assert_array_less(np.abs(np.asarray(model(ids)) - theirs).max(),
                                0.05 * np.abs(theirs).max())
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert exported.dtype == torch.bfloat16
   for name, param in hf_model.state_dict().items():  # vocabulary rows: the tokenizer's 290
     assert torch.equal(exported.state_dict()[name], param[:tok.vocab_size]), name
 
 
-def _error_line(capsys, *args) -> str:
-  capsys.readouterr()  # transformers' progress bars while saving
-  assert _run_convert(*args) == 2
-  err = capsys.readouterr().err
-  assert err.count("\n") == 1 and err.startswith("error: ")
-  return err
-
-
 @pytest.mark.parametrize("change, message", [
     (lambda d: os.remove(d / "model.safetensors"), "no model.safetensors"),
     (lambda d: (d / "model.safetensors").write_bytes(b"damaged"), "cannot read"),
-    (lambda d: _edit_config(d, model_type="mamba"), "model_type 'mamba' is not supported"),
-    (lambda d: _edit_config(d, activation_function="relu"), "activation_function='relu'"),
-    (lambda d: _edit_config(d, unknown_field=1), "unknown_field=1"),
-    (lambda d: _edit_config(d, n_embd=64), "has shape"),
+    (lambda d: edit_hf_config(d, model_type="mamba"), "model_type 'mamba' is not supported"),
+    (lambda d: edit_hf_config(d, activation_function="relu"), "activation_function='relu'"),
+    (lambda d: edit_hf_config(d, unknown_field=1), "unknown_field=1"),
+    (lambda d: edit_hf_config(d, n_embd=64), "has shape"),
     (lambda d: os.remove(d / "tokenizer.json"), "no tokenizer.json"),
 ])
 def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   hf_dir = tmp_path / "hf"
-  _save(_gpt2(), tok, hf_dir)
+  save_hf(_gpt2(), tok, hf_dir)
   change(hf_dir)
-  assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                tmp_path / "run")
+  assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                       tmp_path / "run")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
@@ -288,8 +247,8 @@ def test_a_run_refuses_a_tokenizer_past_the_real_vocabulary(tok, tmp_path):
 
 
 def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
-  assert "--pad_vocab_to_multiple 0: must be a positive integer" in _error_line(
-      capsys, "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"), "--workdir",
+  assert "--pad_vocab_to_multiple 0: must be a positive integer" in convert_error_line(
+      capsys, "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"), "--workdir",
       tmp_path / "run", "--pad_vocab_to_multiple", "0")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
@@ -306,15 +265,10 @@ def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
                        "rope_parameters.low_freq_factor is missing"),
                       (dict(attention_bias=True), "attention_bias=True")]:
     hf_dir = tmp_path / "hf"
-    _save(_llama(), tok, hf_dir)
-    _edit_config(hf_dir, **kw)
-    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                  tmp_path / "run")
-
-
-def _edit_config(hf_dir, **changes):
-  path = hf_dir / "config.json"
-  path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    save_hf(_llama(), tok, hf_dir)
+    edit_hf_config(hf_dir, **kw)
+    assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                         tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -324,7 +278,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
 
-  run_command("convert.py", "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"),
+  run_command("convert.py", "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
       "--prompt", "def ", "--max_new_tokens", "4")
@@ -340,7 +294,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2
   ids = _ids(tok)
-  _assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
+  assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
 
 
 def test_llama_config_fields_old_and_new_rope_forms():
@@ -549,7 +503,7 @@ def test_bert_hub_file_layout(tok, tmp_path):
   pooler and next-sentence head, and the tied decoder's own copies; read as
   transformers reads them."""
   hf_model = _randomised(_bert()).eval()
-  hf_dir = _save(hf_model, tok, tmp_path / "hf")
+  hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   path = tmp_path / "hf" / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)
   tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
@@ -563,10 +517,10 @@ def test_bert_hub_file_layout(tok, tmp_path):
                       tensors["bert.embeddings.word_embeddings.weight"],
                   "cls.predictions.decoder.bias": tensors["cls.predictions.bias"]})
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
   _, _, model, _ = load_run(str(tmp_path / "run"))
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
 
 
 def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
@@ -575,10 +529,10 @@ def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
                       (dict(hidden_act="silu"), "hidden_act='silu'"),
                       (dict(is_decoder=True), "is_decoder=True")]:
     hf_dir = tmp_path / "hf"
-    _save(_bert(num_hidden_layers=1), tok, hf_dir)
-    _edit_config(hf_dir, **kw)
-    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                  tmp_path / "run")
+    save_hf(_bert(num_hidden_layers=1), tok, hf_dir)
+    edit_hf_config(hf_dir, **kw)
+    assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                         tmp_path / "run")
 
 
 # The config.json fields of public checkpoints (as published; values only read).
