@@ -302,6 +302,27 @@ def assert_close(ours, theirs):
   np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4 * scale)
 
 
+def tiny_llama(cls=None, config=None, **kw):
+  """A tiny random `transformers` LLaMA-like model: `cls` (default
+  LlamaForCausalLM) built from `config` (default LlamaConfig) and `kw`."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  cls, config = cls or transformers.LlamaForCausalLM, config or transformers.LlamaConfig
+  args = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+  return cls(config(**{**args, **kw}))
+
+
+def randomised(hf_model):
+  """`hf_model` with its biases and LayerNorm parameters drawn at random
+  (initialised to zeros and ones, they would not show a misplaced tensor)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  with torch.no_grad():
+    for name, parameter in hf_model.named_parameters():
+      if name.endswith("bias") or "LayerNorm" in name:
+        torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
+  return hf_model
+
+
 def t5_like() -> tuple[Tokenizer, dict]:
   """A T5-style Unigram tokenizer trained on `TOKENIZER_CORPUS`, and its specials."""
   tok = Tokenizer(models.Unigram())

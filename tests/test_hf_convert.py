@@ -31,8 +31,8 @@ from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
-from tests.helpers import (assert_close, convert_error_line, edit_hf_config, ROOT, run_command,
-                           run_convert, save_hf)
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, randomised, ROOT,
+                           run_command, run_convert, save_hf, tiny_llama)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
@@ -44,26 +44,10 @@ def _gpt2(**kw):
       vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=4, **kw))
 
 
-def _llama(cls=transformers.LlamaForCausalLM, config=transformers.LlamaConfig, **kw):
-  args = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-  return cls(config(**{**args, **kw}))
-
-
 def _bert(**kw):
   return transformers.BertForMaskedLM(transformers.BertConfig(**{**dict(
       vocab_size=320, hidden_size=32, num_attention_heads=4, intermediate_size=48,
       num_hidden_layers=2, max_position_embeddings=64), **kw}))
-
-
-def _randomised(hf_model):
-  """`hf_model` with its biases and LayerNorm parameters drawn at random
-  (initialised to zeros and ones, they would not show a misplaced tensor)."""
-  with torch.no_grad():
-    for name, parameter in hf_model.named_parameters():
-      if name.endswith("bias") or "LayerNorm" in name:
-        torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
-  return hf_model
 
 
 def _ids(tok):
@@ -110,13 +94,13 @@ def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCau
 
 
 def test_gpt2_in_and_out(tok, tmp_path):
-  """Also our padded rows (320 here, 50,304 for GPT-2): dropped on export, the
-  tokenizer's 290 remain with their logits unchanged."""
+  """Every row comes back: the checkpoint's 320, past the tokenizer's 290 (as
+  T5's 32,128 for 32,100 ids), with their logits unchanged."""
   hf_model = _gpt2()
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert exported["vocab_size"] == tok.vocab_size == 290
+  assert (exported["vocab_size"], tok.vocab_size) == (320, 290)
   # The config to fine-tune it with: the run's own.
   assert (from_run.get_config(str(workdir)).model.to_dict()
           == workdir_lib.load_config(str(workdir)).model.to_dict())
@@ -153,7 +137,7 @@ def test_gpt2_padded_on_import(tok, tmp_path):
 @pytest.mark.slow
 def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
   """GQA (4 query heads, 2 KV heads) with head_dim 16 != d/h = 8, untied head."""
-  hf_model = _llama(head_dim=16)
+  hf_model = tiny_llama(head_dim=16)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
 
@@ -165,7 +149,7 @@ def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
     dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
 ])
 def test_llama_variants(tok, tmp_path, kw):
-  hf_model = _llama(**kw)
+  hf_model = tiny_llama(**kw)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
 
@@ -173,7 +157,7 @@ def test_llama_variants(tok, tmp_path, kw):
 @pytest.mark.slow
 def test_mistral_sharded(tok, tmp_path):
   """Mistral (no sliding window), saved in several safetensors shards with an index."""
-  hf_model = _llama(transformers.MistralForCausalLM, transformers.MistralConfig,
+  hf_model = tiny_llama(transformers.MistralForCausalLM, transformers.MistralConfig,
                     sliding_window=None)
   _check_import(hf_model, tok, tmp_path, max_shard_size="20KB")
   assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -183,7 +167,7 @@ def test_mistral_sharded(tok, tmp_path):
 def test_import_onto_a_sharded_mesh(tok, tmp_path):
   """convert.py on 4 (host) devices with mesh fsdp=2, tensor=2: the weights are
   placed in their shards as read; the run has the same logits."""
-  hf_model = _llama().eval()
+  hf_model = tiny_llama().eval()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   result = subprocess.run(
       [sys.executable, "convert.py", "from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
@@ -199,7 +183,7 @@ def test_import_onto_a_sharded_mesh(tok, tmp_path):
 @pytest.mark.slow
 def test_bfloat16(tok, tmp_path):
   """A bfloat16 checkpoint imports as bfloat16 parameters and exports as bfloat16."""
-  hf_model = _llama().to(torch.bfloat16)
+  hf_model = tiny_llama().to(torch.bfloat16)
   workdir = tmp_path / "run"
   assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
                      "--workdir", workdir) == 0
@@ -213,8 +197,8 @@ def test_bfloat16(tok, tmp_path):
   assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert exported.dtype == torch.bfloat16
-  for name, param in hf_model.state_dict().items():  # vocabulary rows: the tokenizer's 290
-    assert torch.equal(exported.state_dict()[name], param[:tok.vocab_size]), name
+  for name, param in hf_model.state_dict().items():  # every row, past the tokenizer's 290
+    assert torch.equal(exported.state_dict()[name], param), name
 
 
 @pytest.mark.parametrize("change, message", [
@@ -265,7 +249,7 @@ def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
                        "rope_parameters.low_freq_factor is missing"),
                       (dict(attention_bias=True), "attention_bias=True")]:
     hf_dir = tmp_path / "hf"
-    save_hf(_llama(), tok, hf_dir)
+    save_hf(tiny_llama(), tok, hf_dir)
     edit_hf_config(hf_dir, **kw)
     assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
                                          tmp_path / "run")
@@ -367,7 +351,7 @@ _OTHER_VALUES = dict(
     qkv_bias=True, out_bias=True, mlp_bias=True, scale_embeddings=True, attention_scale=1.0,
     tie_embeddings=False, scale_head_input=True, type_vocab_size=2, embedding_norm=True,
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
-    sliding_window_layers=(1,))
+    sliding_window_layers=(1,), num_labels=4)
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
@@ -403,7 +387,7 @@ def test_qwen2_in_and_out(tok, tmp_path):
   """q/k/v biases without an o bias; GQA, untied head; Qwen2's own window of
   3 keys (shorter than the prompts and the generated tokens) in layer 1 only
   (max_window_layers=1), full attention in layer 0."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+  hf_model = randomised(tiny_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
                                 use_sliding_window=True, sliding_window=3, max_window_layers=1))
   assert hf_model.config.layer_types == ["full_attention", "sliding_attention"]
   workdir = _check_import(hf_model, tok, tmp_path)
@@ -444,7 +428,7 @@ def test_qwen2_window_fields():
 @pytest.mark.slow
 def test_mistral_sliding_window_in_and_out(tok, tmp_path):
   """A window of 4 keys, shorter than the prompts plus the generated tokens."""
-  hf_model = _llama(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4)
+  hf_model = tiny_llama(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4)
   workdir = _check_import(hf_model, tok, tmp_path)
   assert workdir_lib.load_config(str(workdir)).model.sliding_window == 4
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
@@ -461,7 +445,7 @@ def test_mistral_sliding_window_in_and_out(tok, tmp_path):
          low_freq_factor=1.0, high_freq_factor=4.0),
 ])
 def test_llama_rope_scaling_in_and_out(tok, tmp_path, rope):
-  hf_model = _llama(head_dim=16, rope_parameters=rope)
+  hf_model = tiny_llama(head_dim=16, rope_parameters=rope)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
@@ -480,7 +464,7 @@ def test_llama_yarn_factor_from_the_context_lengths():
 def test_bert_masked_lm_in_and_out(tok, tmp_path):
   """Embedding LayerNorm, token types, post-norm, erf GELU, the MLM head
   transform and output bias, tied; imported with the mlm objective."""
-  hf_model = _randomised(_bert())
+  hf_model = randomised(_bert())
   workdir = _check_import(hf_model, tok, tmp_path, generation=False)
   config = workdir_lib.load_config(str(workdir))
   assert (config.model.family, config.train.objective) == ("encoder", "mlm")
@@ -491,7 +475,7 @@ def test_bert_masked_lm_in_and_out(tok, tmp_path):
 @pytest.mark.slow
 def test_bert_untied_tanh_gelu_in_and_out(tok, tmp_path):
   """Untied, the decoder's own bias is the output bias; gelu_new is tanh GELU."""
-  hf_model = _randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
+  hf_model = randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
   workdir = _check_import(hf_model, tok, tmp_path, generation=False)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
                 auto_class="AutoModelForMaskedLM")
@@ -502,7 +486,7 @@ def test_bert_hub_file_layout(tok, tmp_path):
   """As bert-base-uncased's model.safetensors: LayerNorm gamma/beta names, the
   pooler and next-sentence head, and the tied decoder's own copies; read as
   transformers reads them."""
-  hf_model = _randomised(_bert()).eval()
+  hf_model = randomised(_bert()).eval()
   hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   path = tmp_path / "hf" / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)
