@@ -21,6 +21,7 @@ from training import embed
 from training.workdir import load_run
 
 pytestmark = pytest.mark.hf  # transformers and torch
+
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 INPUTS = ["def add(a, b): return a", "class Foo"]
 
