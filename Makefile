@@ -28,15 +28,15 @@ test-slow: $(STAMP)
 SLURM_TEST_DIR := /tmp/tlab-slurm-test
 test-slurm: $(STAMP)
 	TLAB_SLURM_DIR=$(SLURM_TEST_DIR) $(BIN)/python -m pytest -q -m slow tests/test_slurm.py; \
-	status=$$?; $(BIN)/python scripts/local_slurm.py down --dir $(SLURM_TEST_DIR); exit $$status
+	status=$$?; $(BIN)/python -m scripts.local_slurm down --dir $(SLURM_TEST_DIR); exit $$status
 
 ## A local SLURM cluster to try sweeps on (then: export SLURM_CONF=$(SLURM_DIR)/slurm.conf).
 SLURM_DIR := /tmp/tlab-slurm
 slurm-up: $(STAMP)
-	$(BIN)/python scripts/local_slurm.py up --dir $(SLURM_DIR)
+	$(BIN)/python -m scripts.local_slurm up --dir $(SLURM_DIR)
 
 slurm-down:
-	$(BIN)/python scripts/local_slurm.py down --dir $(SLURM_DIR)
+	$(BIN)/python -m scripts.local_slurm down --dir $(SLURM_DIR)
 
 ## The 8-variant pos_norm sweep of configs/tiny.py (40 steps each) as a job array on the local cluster.
 sweep-slurm-demo: slurm-up

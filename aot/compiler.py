@@ -51,7 +51,6 @@ from training.sharding import (BATCH_AXES, batch_sharding, make_mesh, state_shar
                                train_state_shardings, with_shardings)
 from training.steps import abstract_state, jit_eval_step, jit_train_step, traced_on
 
-STEPS = ("train", "eval", "generate")
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}

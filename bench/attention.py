@@ -51,10 +51,10 @@ reports it, `peak_bytes_in_use` measured in a fresh process per competitor
 
 A competitor that fails shows "error: <message>" in its cell.
 
-  python bench/attention.py --out bench/attention.json          # GPU
-  python bench/attention.py --quick --out /tmp/attention.json   # CPU check
-  python bench/attention.py --out bench/attention-tpu.json      # TPU
-  python bench/attention.py --tune                               # our tiles
+  python -m bench.attention --out bench/attention.json          # GPU
+  python -m bench.attention --quick --out /tmp/attention.json   # CPU check
+  python -m bench.attention --out bench/attention-tpu.json      # TPU
+  python -m bench.attention --tune                               # our tiles
 
 `--tune` times our kernels over their tiles: block_q x block_k for Triton,
 block_k x stages x ping-pong x {dQ kernel (with key tiles of 64 too where
@@ -78,15 +78,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
+from bench.bench_utils import command_line, git_commit
+from model.attention import attention
+from model.kernels import flash_attention_hopper as hopper
+from model.kernels import hopper_pipeline
+from model.kernels.router import flash_attention
 
-from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
-from model.attention import attention  # pylint: disable=wrong-import-position
-from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
-from model.kernels import hopper_pipeline  # pylint: disable=wrong-import-position
-from model.kernels.router import flash_attention  # pylint: disable=wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COMPETITORS = ("ours_mosaic", "ours_triton", "xla", "cudnn", "jax_pallas",
                "jax_mosaic")
@@ -382,10 +380,10 @@ def peak_bytes(name: str, case: dict) -> dict:
   if jax.devices()[0].memory_stats() is None:
     return dict(error="n/a: device has no memory_stats")
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-  command = [sys.executable, __file__, "--peak-child",
+  command = [sys.executable, "-m", "bench.attention", "--peak_child",
              json.dumps(dict(name=name, case=case))]
   try:
-    done = subprocess.run(command, env=env, capture_output=True, text=True,
+    done = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT,
                           timeout=900, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
   except Exception as exc:  # pylint: disable=broad-except
@@ -454,14 +452,14 @@ def main():
   parser.add_argument("--repeats", type=int, default=None)
   parser.add_argument("--tune", action="store_true",
                       help="also time our kernel over block_q x block_k")
-  parser.add_argument("--no-memory", action="store_true",
+  parser.add_argument("--no_memory", action="store_true",
                       help="skip the S = 32k memory measurement")
   parser.add_argument("--rows", nargs="+", metavar="LABEL",
                       help="only these rows: D:S:causal (e.g. 128:16384:yes), "
                            "gqa, gpt2-small or gpt2-small-packed (packed with --quick)")
   parser.add_argument("--competitors", choices=("gpu", "tpu"),
                       help="which set to run (default: tpu on a TPU, else gpu)")
-  parser.add_argument("--peak-child", help=argparse.SUPPRESS)
+  parser.add_argument("--peak_child", help=argparse.SUPPRESS)
   args = parser.parse_args()
 
   if args.peak_child:
@@ -475,7 +473,7 @@ def main():
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               device=device.device_kind, backend=jax.default_backend(),
               jax=jax.__version__, commit=git_commit(),
-              command=" ".join([pathlib.Path(sys.executable).name] + sys.argv),
+              command=command_line(),
               warmup=warmup, repeats=repeats, dtype="bfloat16")
   print(f"# Attention benchmark: {meta['device']} ({meta['backend']}), "
         f"jax {meta['jax']}, commit {meta['commit']}, {meta['date']}")

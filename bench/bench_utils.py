@@ -1,6 +1,8 @@
-"""Shared by the bench scripts: which code a measurement was made with."""
+"""Shared by the bench scripts: which code and command a measurement was made with."""
 import pathlib
+import shlex
 import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -17,3 +19,12 @@ def git_commit() -> str:
     return commit.strip() + ("+dirty" if dirty.strip() else "")
   except (OSError, subprocess.CalledProcessError):
     return "unknown"
+
+
+def command_line() -> str:
+  """This run's command as the docs give it: `python -m bench.<script> <args>`."""
+  script = pathlib.Path(sys.argv[0]).resolve()
+  if script.is_relative_to(ROOT):
+    return shlex.join(["python", "-m", ".".join(script.relative_to(ROOT).with_suffix("").parts),
+                       *sys.argv[1:]])
+  return shlex.join(["python", *sys.argv])

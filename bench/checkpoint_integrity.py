@@ -13,35 +13,29 @@ Rows, each the median of `--repeats` runs into a fresh directory:
   compared).
 The share column is checksums / row. No data iterator is saved.
 
-  python bench/checkpoint_integrity.py --config configs/gpt2_small.py
+  python -m bench.checkpoint_integrity --config configs/gpt2_small.py
 """
 import datetime
 import json
 import pathlib
-import shlex
 import statistics
-import sys
 import tempfile
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
-
-# pylint: disable=wrong-import-position
-from bench.bench_utils import git_commit
 import jax
 from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from bench.bench_utils import command_line, git_commit
 from configs.cli import parse_flags
 from model import build_model
 from training.faults import integrity
 from training.checkpoint import Checkpointer
 from training.optim import make_optimizer
 from training.steps import init_state
-# pylint: enable=wrong-import-position
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                           lock_config=True)
@@ -107,7 +101,7 @@ def main(argv):
   for row in rows:
     print(f"{row['operation']:<20} {row['seconds']:>9.3f} {row['checksum_share']:>15.1%}")
   meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "command": shlex.join(["python"] + sys.argv), "commit": git_commit(),
+          "command": command_line(), "commit": git_commit(),
           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "jax": jax.__version__, "config": config_name, "state_bytes": num_bytes,
           "arrays": len(jax.tree.leaves(state)), "repeats": _REPEATS.value,

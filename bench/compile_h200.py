@@ -45,11 +45,10 @@ dK/dV loop holds a dQ product over 128 keys that each warpgroup runs every
 other step (at head_dim 128, 512 of its 1536 tensor cycles).
 
 Setup, once, in a venv of its own (the CUDA wheels take 4.4 GB; no driver
-or GPU is needed):
+or GPU is needed); the same venv runs the suite's `cuda` tests:
 
-  python3 -m venv /tmp/venvcuda
-  /tmp/venvcuda/bin/pip install "jax[cuda13]==$(.venv/bin/python -c 'import jax; print(jax.__version__)')" \
-      flax ml-collections nvidia-cuda-nvdisasm
+  python3 -m venv venv-cuda
+  venv-cuda/bin/pip install -r requirements-gpu.txt nvidia-cuda-nvdisasm
 
 (nvidia-cuda-nvdisasm only for the `per step` column.)
 
@@ -60,7 +59,7 @@ nvidia-cuda-nvdisasm).
 Run (about 6 minutes on 2 cores; 13 with --tune; --lowering and --variant
 select cases):
 
-  /tmp/venvcuda/bin/python bench/compile_h200.py --out bench/results/compile_h200.json
+  venv-cuda/bin/python -m bench.compile_h200 --out bench/results/compile_h200.json
 
 Exit status 1 if any case failed to compile.
 """
@@ -83,14 +82,12 @@ import time
 import jax
 import jax.numpy as jnp
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
+from bench import attention as bench_attention
+from bench.bench_utils import command_line, git_commit
+from model.kernels import flash_attention_hopper as hopper
+from model.kernels.router import flash_attention
 
-from bench import attention as bench_attention  # pylint: disable=wrong-import-position
-from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
-from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
-from model.kernels.router import flash_attention  # pylint: disable=wrong-import-position
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 TARGET = ROOT / "bench" / "h200_target.txtpb"
 VARIANTS = {  # name: (T, S, H, K, segment ids)
@@ -387,7 +384,7 @@ def main():
              "install JAX's CUDA plugin as this script's docstring says")
   meta = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
               target=device.device_kind, jax=jax.__version__, commit=git_commit(),
-              command=" ".join([pathlib.Path(sys.executable).name] + sys.argv))
+              command=command_line())
   print(f"# Deviceless compile for {meta['target']} (sm_90a), jax {meta['jax']}, "
         f"commit {meta['commit']}, {meta['date']}", flush=True)
   rows = []

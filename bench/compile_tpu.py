@@ -20,10 +20,10 @@ XLA's memory analysis.
 
 Run (about 14 minutes on 2 shared cores for the 36 default cases):
 
-  python bench/compile_tpu.py --out bench/results/compile_tpu-$(date +%F).json
+  python -m bench.compile_tpu --out bench/results/compile_tpu-$(date +%F).json
 
 `--topology` picks the slices (default v5e:2x2 and v5p:2x2x1; v4:2x2x1 and
-v6e:2x2 also work), `--head-dim` and `--variant` the cases. Exit status 1
+v6e:2x2 also work), `--head_dim` and `--variant` the cases. Exit status 1
 if any case failed to compile.
 """
 import argparse
@@ -38,15 +38,15 @@ import time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
 
-import jax  # pylint: disable=wrong-import-position
-import jax.numpy as jnp  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position
+import jax
+import jax.numpy as jnp
+
+from bench.bench_utils import command_line, git_commit
+from model.kernels import flash_attention_tpu as tpu
+# pylint: enable=wrong-import-position
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
-
-from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
-from model.kernels import flash_attention_tpu as tpu  # pylint: disable=wrong-import-position
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1")
 VARIANTS = {  # name: (T, S, H, K, segment ids)
@@ -126,11 +126,11 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", type=pathlib.Path, help="write JSON here")
   parser.add_argument("--topology", nargs="+", default=list(TOPOLOGIES))
-  parser.add_argument("--head-dim", type=int, nargs="+", default=[64, 128, 256])
+  parser.add_argument("--head_dim", type=int, nargs="+", default=[64, 128, 256])
   parser.add_argument("--variant", nargs="+", choices=tuple(VARIANTS), default=list(VARIANTS))
   args = parser.parse_args()
   meta = dict(date=datetime.date.today().isoformat(), commit=git_commit(),
-              jax=jax.__version__, command=" ".join(sys.argv))
+              jax=jax.__version__, command=command_line())
   rows = []
   for topology in args.topology:
     device = tpu_device(topology)

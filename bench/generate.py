@@ -1,12 +1,12 @@
 """Benchmark of seq2seq generation: new tokens per second of `model.generate`.
 
-  python bench/generate.py [--config configs/transformer_base.py] [--batch 8]
-                           [--src-len 128] [--new-tokens 32] [--beam 4] [--repeats 3]
+  python -m bench.generate [--config configs/transformer_base.py] [--batch 8]
+                           [--src_len 128] [--new_tokens 32] [--beam 4] [--repeats 3]
                            [--out bench/results/generate.json]
 
 An encoder-decoder of the config's shapes with random weights (the output
-does not matter, only the work) generates `--new-tokens` tokens for each of
-`--batch` sources of `--src-len` random tokens from a one-token prompt, with
+does not matter, only the work) generates `--new_tokens` tokens for each of
+`--batch` sources of `--src_len` random tokens from a one-token prompt, with
 no EOS so every row runs to the end: greedy sampling, then beam search with
 `--beam` beams. Each is compiled by a first call and then timed over
 `--repeats` calls; the table shows the median seconds per call and new
@@ -24,16 +24,15 @@ import statistics
 import sys
 import time
 
+import jax
+import numpy as np
+from flax import nnx
+
+from bench.bench_utils import git_commit
+from model import build_model
+from model.generate import beam_search, generate
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
-from flax import nnx  # pylint: disable=wrong-import-position
-
-from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
-from model import build_model  # pylint: disable=wrong-import-position
-from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 
 
 def load_config(path: pathlib.Path):
@@ -58,8 +57,8 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--config", type=pathlib.Path, default=ROOT / "configs" / "transformer_base.py")
   parser.add_argument("--batch", type=int, default=8)
-  parser.add_argument("--src-len", type=int, default=128)
-  parser.add_argument("--new-tokens", type=int, default=32)
+  parser.add_argument("--src_len", type=int, default=128)
+  parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--beam", type=int, default=4)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--out", type=pathlib.Path,

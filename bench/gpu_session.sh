@@ -52,19 +52,19 @@ if [ "$PART" = 1 ]; then
     tests/test_flash_attention.py
   # The acceptance rows, the GPT-2 small shape (also packed, with segment
   # ids, as training runs it), and GPT-2 small training throughput.
-  stage attention_key 120 python3 bench/attention.py --no-memory \
+  stage attention_key 120 python3 -m bench.attention --no_memory \
     --rows 128:16384:yes 64:4096:yes gpt2-small gpt2-small-packed \
     --out "$OUT/attention_key.json"
-  stage train_gpt2 120 python3 bench/train_throughput.py \
+  stage train_gpt2 120 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
     --out "$OUT/train_gpt2.json"
   LOGS="tests_hopper tests_triton attention_key train_gpt2"
 else
   # The tiles of our two kernels on the acceptance row (Mosaic GPU: 14
   # candidates incl. the fused dQ backward), then the whole grid.
-  stage attention_tune 250 python3 bench/attention.py --no-memory --tune \
+  stage attention_tune 250 python3 -m bench.attention --no_memory --tune \
     --rows 128:16384:yes --out "$OUT/attention_tune.json"
-  stage attention_grid 190 python3 bench/attention.py --no-memory \
+  stage attention_grid 190 python3 -m bench.attention --no_memory \
     --out "$OUT/attention_grid.json"
   LOGS="attention_tune attention_grid"
 fi

@@ -1,10 +1,10 @@
 """Benchmark of Step 1 (tokenization): our BPE vs SentencePiece BPE and Unigram.
 
-  python bench/tokenizer.py [--vocab-size 8192] [--corpus-mb 12.6]
+  python -m bench.tokenizer [--vocab_size 8192] [--corpus_mb 12.6]
                             [--out bench/results/tokenizer.json]
 
 All three train, in this one process, on the same text (the standard-library
-corpus as one document, cut to `--corpus-mb` megabytes if given) to the same
+corpus as one document, cut to `--corpus_mb` megabytes if given) to the same
 vocabulary size, with the settings `tokenizer.train_tokenizer` uses. Each
 then encodes that text once from a fresh start (our encoder's word cache
 empty). Printed: train seconds, the ratio to SentencePiece BPE's train time,
@@ -17,16 +17,14 @@ import json
 import os
 import pathlib
 import platform
-import sys
 import time
 
+import sentencepiece
+
+import tokenizer
+from data import corpora
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import sentencepiece  # pylint: disable=wrong-import-position
-
-import tokenizer  # pylint: disable=wrong-import-position
-from data import corpora  # pylint: disable=wrong-import-position
 
 REFERENCE_KIND = "spm_bpe"
 
@@ -76,8 +74,8 @@ def format_table(results: list[dict]) -> str:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--vocab-size", type=int, default=8192)
-  parser.add_argument("--corpus-mb", type=float, default=None,
+  parser.add_argument("--vocab_size", type=int, default=8192)
+  parser.add_argument("--corpus_mb", type=float, default=None,
                       help="cut the corpus to this many MB (default: all)")
   parser.add_argument("--out", type=pathlib.Path,
                       default=ROOT / "bench" / "results" / "tokenizer.json")

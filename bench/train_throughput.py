@@ -29,23 +29,16 @@ without the position table. MFU = tokens/s x FLOPs per token / peak, the
 peak from `training.loop.peak_flops` (the `training/hardware.py` table or
 train.peak_tflops), or `--peak_tflops`; none is known on a CPU ("n/a").
 
-  python bench/train_throughput.py --config configs/tiny.py
-  python bench/train_throughput.py --config configs/gpt2_small.py --steps 30
+  python -m bench.train_throughput --config configs/tiny.py
+  python -m bench.train_throughput --config configs/gpt2_small.py --steps 30
 """
 import datetime
 import json
 import pathlib
-import shlex
 import statistics
 import sys
 import time
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-  sys.path.insert(0, str(ROOT))
-
-# pylint: disable=wrong-import-position
-from bench.bench_utils import git_commit
 import flax
 import jax
 import numpy as np
@@ -54,6 +47,7 @@ from absl import app, flags, logging
 from flax import nnx
 from ml_collections import config_flags
 
+from bench.bench_utils import command_line, git_commit
 from configs.cli import parse_flags
 from configs.errors import UserError
 from configs.validation import head_dim, validate
@@ -63,7 +57,8 @@ from model.layers import DTYPES
 from training.loop import peak_flops
 from training.optim import learning_rate_schedule, make_optimizer
 from training.steps import init_state, jit_train_step
-# pylint: enable=wrong-import-position
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                           lock_config=True)
@@ -225,7 +220,7 @@ def main(argv):
   tokens_per_step = tc.batch_size * tc.seq_len
   meta = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
-      "command": shlex.join(["python"] + sys.argv), "commit": git_commit(),
+      "command": command_line(), "commit": git_commit(),
       "device": device.device_kind, "backend": jax.default_backend(),
       "device_count": jax.device_count(), "jax": jax.__version__,
       "jaxlib": _jaxlib_version(),

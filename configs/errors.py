@@ -8,3 +8,14 @@ traceback.
 
 class UserError(Exception):
   """Bad input from the user: a config value, a path, a file's contents."""
+
+
+def first_line(error: BaseException | str) -> str:
+  """The first line of an error's message (its type name when it has none); of
+  the inner exception when one wraps another (ml_collections wraps a
+  KeyError in an AttributeError)."""
+  while (isinstance(error, BaseException) and error.args
+         and isinstance(error.args[0], BaseException)):
+    error = error.args[0]
+  text = str(error).strip().strip("\"'")
+  return text.splitlines()[0] if text else type(error).__name__

@@ -1,7 +1,7 @@
 """Step 2 of the lesson: token embeddings and positional information.
 
 - `Embed`: E in R^{V x d}; `attend` gives float32 logits x E^T for a tied head.
-- `sinusoidal_table`: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...).
+- `sinusoidal`: PE(p, 2i) = sin(p / 10000^(2i/d)), PE(p, 2i+1) = cos(...).
 - `LearnedPositions`: a [max_len, d] table (cannot extrapolate past max_len).
 - `TokenTypes`: BERT's token-type (segment A/B) table, [type_vocab_size, d].
 - RoPE: `rope_frequencies` and `apply_rope` rotate pair i of q and k at
@@ -37,16 +37,6 @@ class Embed(nnx.Module):
     """Logits x E^T [B, T, V], computed in float32 whatever the model dtype."""
     return jnp.einsum("btm,vm->btv", x_BTM.astype(jnp.float32),
                       self.embedding[...].astype(jnp.float32))
-
-
-def sinusoidal_table(num_positions: int, d: int) -> np.ndarray:
-  """The original transformer's fixed encodings, [num_positions, d] float32."""
-  pos = np.arange(num_positions, dtype=np.float64)[:, None]
-  inv = 10000.0 ** (-np.arange(0, d, 2, dtype=np.float64) / d)
-  table = np.zeros((num_positions, d))
-  table[:, 0::2] = np.sin(pos * inv)
-  table[:, 1::2] = np.cos(pos * inv)
-  return table.astype(np.float32)
 
 
 def sinusoidal(positions_BT, d: int):

@@ -1,7 +1,7 @@
 """A real single-node SLURM cluster on this machine, for the tests and for trying sweeps.
 
-  python scripts/local_slurm.py up [--dir DIR]    # prints: export SLURM_CONF=DIR/slurm.conf
-  python scripts/local_slurm.py down [--dir DIR]  # stops its jobs and daemons
+  python -m scripts.local_slurm up [--dir DIR]    # prints: export SLURM_CONF=DIR/slurm.conf
+  python -m scripts.local_slurm down [--dir DIR]  # stops its jobs and daemons
 
 `up` installs what is missing (`apt-get install slurm-wlm munge`, as root),
 writes `slurm.conf`, a munge key and every state, spool and log file into DIR
@@ -250,7 +250,7 @@ def main() -> int:
         return 0
       conf = up(directory)
       print(f"SLURM is up (node idle). Use it with:\n  export SLURM_CONF={conf}\n"
-            f"Stop it with: python scripts/local_slurm.py down --dir {directory}")
+            f"Stop it with: python -m scripts.local_slurm down --dir {directory}")
     else:
       down(directory)
       print(f"SLURM in {directory} is down")

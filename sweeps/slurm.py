@@ -10,8 +10,8 @@ import sys
 import submitit
 from submitit.slurm import slurm as submitit_slurm
 
-from configs.errors import UserError
-from sweeps.common import REPO, first_line
+from configs.errors import UserError, first_line
+from sweeps.common import REPO
 from sweeps.jobs import VariantJob
 from sweeps.variants import Variant
 

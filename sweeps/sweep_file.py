@@ -6,8 +6,7 @@ import itertools
 import os
 import re
 
-from configs.errors import UserError
-from sweeps.common import first_line
+from configs.errors import UserError, first_line
 
 VALUE_TYPES = (str, int, float, bool)
 

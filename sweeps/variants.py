@@ -1,18 +1,16 @@
 """Variants: each sweep entry's config parsed and validated as train.py will do
 it, and the train.py and eval.py commands that run it."""
 import dataclasses
-import difflib
 import os
 import shlex
 import sys
 
-from absl import flags
-from ml_collections import config_dict, config_flags
 
+from configs.cli import check_field, config_fields, load_config
 from configs.errors import UserError
 from configs.validation import validate
 from model.config import ModelConfig
-from sweeps.common import REPO, first_line
+from sweeps.common import REPO
 from sweeps.sweep_file import Sweep, format_value, variant_name
 
 
@@ -27,51 +25,17 @@ class Variant:
   eval_command: list[str]
 
 
-def load_config(config_path: str, config_flags_: list[str]) -> config_dict.ConfigDict:
-  """The config train.py builds from `--config config_path *config_flags_` (the
-  same ml_collections parser, so what passes here passes there)."""
-  argv = ["train.py", "--config", config_path, *config_flags_]
-  values = flags.FlagValues()
-  holder = config_flags.DEFINE_config_file("config", None, flag_values=values,
-                                           lock_config=True, sys_argv=argv)
-  try:
-    values(argv)
-    return holder.value
-  except OSError as e:
-    raise UserError(f"--config {config_path}: cannot load it ({first_line(e)})")
-  except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    raise UserError(first_line(e))
-
-
-def _fields(config: config_dict.ConfigDict, prefix: str = "") -> list[str]:
-  """Every leaf field of a config, dotted."""
-  out = []
-  for key, value in config.items():
-    if isinstance(value, config_dict.ConfigDict):
-      out += _fields(value, f"{prefix}{key}.")
-    else:
-      out.append(prefix + key)
-  return out
-
-
-def _check_field(field: str, fields: list[str], where: str) -> None:
-  if field not in fields:
-    close = difflib.get_close_matches(field, fields, n=1, cutoff=0.8)
-    hint = f" (did you mean {close[0]}?)" if close else ""
-    raise UserError(f"{where}: {field}: no such config field{hint}")
-
-
 def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
                   root: str) -> list[Variant]:
   """Named, validated variants; `extra_flags` (`--config.a.b=v`) apply to all."""
-  fields = _fields(load_config(config_path, []))
+  fields = config_fields(load_config(config_path, []))
   extra_fields = [flag[len("--config."):].split("=", 1)[0] for flag in extra_flags]
   for field in extra_fields:
-    _check_field(field, fields, "command line")
+    check_field(field, fields, "command line")
   variants = []
   for overrides in sweep.overrides:
     for field in overrides:
-      _check_field(field, fields, f"sweep {sweep.path}")
+      check_field(field, fields, f"sweep {sweep.path}")
       if field in extra_fields:
         raise UserError(f"{field} is set both by sweep {sweep.path} and on the command line")
     name = variant_name(overrides)

@@ -1,9 +1,58 @@
-"""Shared test setup: the repository root on sys.path, CPU only."""
+"""Fixtures shared by several test modules (helpers: `helpers.py`); CPU only.
+
+The markers each test may carry (what it needs to run) are declared in
+pytest.ini and described in docs/testing.md.
+"""
+import importlib.util
 import os
-import pathlib
-import sys
+
+import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+
+from data import sources  # pylint: disable=wrong-import-position
+import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
+from tokenizer import bpe  # pylint: disable=wrong-import-position
+from tests.helpers import BPE_TEXTS, small_config  # pylint: disable=wrong-import-position
+
+
+def _installed(*modules: str) -> bool:
+  return all(importlib.util.find_spec(m) is not None for m in modules)
+
+
+# marker: (whether this machine has what the marked tests need, how to get it)
+NEEDS = {
+    "hf": (lambda: _installed("transformers", "torch"), "pip install -r requirements-test.txt"),
+    "tpu": (lambda: _installed("libtpu"), "pip install -r requirements-test.txt"),
+    "cuda": (lambda: _installed("jax_cuda13_plugin"),
+             "run from a venv with pip install -r requirements-gpu.txt"),
+    "slurm": (lambda: os.geteuid() == 0, "root, to start a local SLURM (make test-slurm)"),
+}
+
+
+def pytest_collection_modifyitems(config, items):  # pylint: disable=unused-argument
+  """A test marked with a need this machine lacks is skipped, saying how to get it."""
+  have = {}
+  for item in items:
+    for marker, (check, how) in NEEDS.items():
+      if marker in item.keywords:
+        if marker not in have:
+          have[marker] = check()
+        if not have[marker]:
+          item.add_marker(pytest.mark.skip(reason=f"needs {marker}: {how}"))
+
+
+@pytest.fixture(scope="module")
+def tok():
+  """A 290-id BPE tokenizer trained on `BPE_TEXTS` (the Hugging Face tests)."""
+  return bpe.train_bpe(BPE_TEXTS, 290)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+  """A small BPE tokenizer trained once on the pydoc train split, saved."""
+  c = small_config("")
+  texts = [t for _, t in sources.load_documents(c.data, "train")]
+  out = tmp_path_factory.mktemp("tok") / "bpe"
+  tokenizer_lib.train_tokenizer("bpe", 300, texts).save(out)
+  return str(out)

@@ -108,6 +108,7 @@ def test_unknown_implementation_is_an_error():
     attention(Q, K, V, implementation="flash")
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("window", [1, 3, 20])
 def test_sliding_window_mask_is_transformers(window):
   """causal & window equals transformers' causal mask with its sliding-window overlay."""

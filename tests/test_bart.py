@@ -23,12 +23,13 @@ from configs.errors import UserError
 from model import accounting
 from model.config import ModelConfig
 from model.generate import generate
-from tests.test_hf_convert import (_assert_close, _edit_config, _error_line,
-                                   _run_convert, _save, run_command)
-from tests.test_hf_convert import tok  # pylint: disable=unused-import (a fixture)
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training.workdir import load_run
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, run_command,
+                           run_convert, save_hf)
+
+pytestmark = pytest.mark.hf  # transformers and torch
 
 NEW_TOKENS = 8
 SOURCES = ["def add(a, b):\n    return a + b", "class Foo"]
@@ -87,14 +88,14 @@ def _hf_generate(hf_model, tok, **kw):
 def _import(hf_model, tok, tmp_path, hf_dir=None):
   """from_hf of `hf_model` saved with `tok` (or of `hf_dir`); the workdir."""
   workdir = tmp_path / "run"
-  hf_dir = hf_dir or _save(hf_model, tok, tmp_path / "hf")
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", workdir) == 0
+  hf_dir = hf_dir or save_hf(hf_model, tok, tmp_path / "hf")
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", workdir) == 0
   return workdir
 
 
 def _export(workdir, tmp_path):
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   return out, transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
 
 
@@ -110,13 +111,13 @@ def test_bart_in_and_out(tok, tmp_path):
   _, src, mask, tgt = _inputs(tok)
   assert not mask.all()  # a padded source
   reference = _hf_logits(hf_model, tok)
-  _assert_close(model(src, tgt, src_padding_mask=mask), reference)
+  assert_close(model(src, tgt, src_padding_mask=mask), reference)
 
   out, exported = _export(workdir, tmp_path)
   hf = json.loads((out / "config.json").read_text())
   assert (hf["model_type"], hf["decoder_start_token_id"], hf["vocab_size"]) == (
       "bart", tok.eos_id, 320)  # every row, also the 30 past the tokenizer's
-  _assert_close(_hf_logits(exported, tok), reference)
+  assert_close(_hf_logits(exported, tok), reference)
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
 
@@ -150,10 +151,10 @@ def test_bart_scaled_embeddings_tanh_gelu_in_and_out(tok, tmp_path):
   config, _, model, _ = load_run(str(workdir))
   assert (config.model.scale_embeddings, config.model.mlp) == (True, "gelu_tanh")
   _, src, mask, tgt = _inputs(tok)
-  _assert_close(model(src, tgt, src_padding_mask=mask), _hf_logits(hf_model, tok))
+  assert_close(model(src, tgt, src_padding_mask=mask), _hf_logits(hf_model, tok))
   _, exported = _export(workdir, tmp_path)
   assert exported.config.scale_embedding
-  _assert_close(_hf_logits(exported, tok), _hf_logits(hf_model, tok))
+  assert_close(_hf_logits(exported, tok), _hf_logits(hf_model, tok))
 
 
 @pytest.mark.slow
@@ -161,7 +162,7 @@ def test_bart_hub_file_layout(tok, tmp_path):
   """As facebook/bart-base's file (saved from `BartModel`): no "model."
   prefix, no final_logits_bias (zeros, as transformers reads it), no
   lm_head, the encoder's and decoder's own copies of `shared`."""
-  hf_dir = _save(_bart(tok), tok, tmp_path / "hf")
+  hf_dir = save_hf(_bart(tok), tok, tmp_path / "hf")
   path = tmp_path / "hf" / "model.safetensors"
   tensors = {k.removeprefix("model."): v for k, v in safetensors.numpy.load_file(path).items()
              if k != "final_logits_bias"}
@@ -173,13 +174,13 @@ def test_bart_hub_file_layout(tok, tmp_path):
   workdir = _import(None, tok, tmp_path, hf_dir=hf_dir)
   _, _, model, _ = load_run(str(workdir))
   _, src, mask, tgt = _inputs(tok)
-  _assert_close(model(src, tgt, src_padding_mask=mask), _hf_logits(reference, tok))
+  assert_close(model(src, tgt, src_padding_mask=mask), _hf_logits(reference, tok))
 
 
 def test_bart_refuses_what_it_cannot_express(tok, tmp_path, capsys):
   """Each is one line, exit status 2, and no workdir."""
   hf_dir = tmp_path / "hf"
-  _save(_bart(tok, encoder_layers=1, decoder_layers=1), tok, hf_dir)
+  save_hf(_bart(tok, encoder_layers=1, decoder_layers=1), tok, hf_dir)
   for kw, message in [(dict(decoder_ffn_dim=64), "decoder_ffn_dim=64"),
                       (dict(decoder_attention_heads=2), "decoder_attention_heads=2"),
                       (dict(activation_function="silu"), "activation_function='silu'"),
@@ -187,9 +188,9 @@ def test_bart_refuses_what_it_cannot_express(tok, tmp_path, capsys):
                       (dict(normalize_before=True), "normalize_before=True"),
                       (dict(decoder_start_token_id=7), "decoder_start_token_id=7")]:
     original = (hf_dir / "config.json").read_text()
-    _edit_config(hf_dir, **kw)
-    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                  tmp_path / "run")
+    edit_hf_config(hf_dir, **kw)
+    assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                         tmp_path / "run")
     assert sorted(os.listdir(tmp_path)) == ["hf"]
     (hf_dir / "config.json").write_text(original)
 
@@ -296,5 +297,5 @@ def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2
   _, src, mask, tgt = _inputs(tok)
-  _assert_close(_hf_logits(exported, tok),
-                np.asarray(model(src, tgt, src_padding_mask=mask))[..., :tok.vocab_size])
+  assert_close(_hf_logits(exported, tok),
+               np.asarray(model(src, tgt, src_padding_mask=mask))[..., :tok.vocab_size])

@@ -16,8 +16,7 @@ from configs.validation import validate
 from data import classify, corpora
 from model import build_model
 from model.classifier import pool
-from tests.test_data import ByteTokenizer
-from tests.test_train import ROOT
+from tests.helpers import ByteTokenizer, ROOT
 from training import evaluate, loop
 
 WORDS = {"fruit": "apple banana cherry plum pear", "number": "one two three four five",

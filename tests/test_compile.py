@@ -6,7 +6,6 @@ this file from a venv made with `pip install -r requirements-gpu.txt` to
 check it. The 70B preset's parameter count is checked against the published
 Llama-2-70b figure from shapes alone.
 """
-import importlib.util
 import json
 import os
 import subprocess
@@ -17,16 +16,11 @@ import pytest
 from configs import llama2_70b
 from configs.errors import UserError
 from model import accounting
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 from aot import compiler as aot
 from aot import targets as aot_targets
 
 LLAMA2_70B = 68_976_648_192  # parameters of Llama-2-70b as published
-needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                                  reason="needs libtpu: pip install -r requirements-test.txt")
-needs_cuda_plugin = pytest.mark.skipif(
-    importlib.util.find_spec("jax_cuda13_plugin") is None,
-    reason="needs JAX's CUDA plugin: run from a venv with pip install -r requirements-gpu.txt")
 
 
 def compile_cli(*args):
@@ -70,7 +64,7 @@ def test_collectives_read_from_hlo():
   assert found["reduce-scatter"] == {"count": 1, "bytes": 32, "traffic_bytes": 32}
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
   result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
                        "--config.mesh.fsdp=2", "--json")
@@ -90,7 +84,7 @@ def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
   assert 0 < report["mfu_bound"] <= 1
 
 
-@needs_libtpu
+@pytest.mark.tpu
 def test_mesh_that_does_not_divide_the_slice_is_one_line():
   result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
                        "--config.mesh.fsdp=3")
@@ -99,7 +93,7 @@ def test_mesh_that_does_not_divide_the_slice_is_one_line():
   assert "Traceback" not in result.stderr
 
 
-@needs_libtpu
+@pytest.mark.tpu
 @pytest.mark.slow
 def test_llama2_7b_fits_a_v5p_64_with_fsdp_and_remat():
   result = compile_cli("--config", "configs/llama2_7b.py", "--target", "tpu:v5p:4x4x4",
@@ -111,7 +105,7 @@ def test_llama2_7b_fits_a_v5p_64_with_fsdp_and_remat():
   assert exact <= report["memory_per_device"]["parameters"] <= exact * 1.01
 
 
-@needs_libtpu
+@pytest.mark.tpu
 @pytest.mark.slow
 def test_fsdp_gradients_are_freed_layer_by_layer():
   """8 layers of Llama-2-70B on v5p-256 with fsdp=256 and remat: the whole
@@ -123,7 +117,7 @@ def test_fsdp_gradients_are_freed_layer_by_layer():
   assert json.loads(result.stdout)["memory_per_device"]["peak"] < 13 * 2**30
 
 
-@needs_cuda_plugin
+@pytest.mark.cuda
 @pytest.mark.slow
 def test_tiny_compiles_for_an_h200():
   result = compile_cli("--config", "configs/tiny.py", "--target", "gpu:h200:1", "--json")
@@ -134,7 +128,7 @@ def test_tiny_compiles_for_an_h200():
   assert report["formula_flops_per_device"] > 0
 
 
-@needs_libtpu
+@pytest.mark.tpu
 @pytest.mark.slow
 @pytest.mark.parametrize("step", ["eval", "generate"])
 def test_eval_and_generation_steps_compile(step):
@@ -150,6 +144,7 @@ def test_eval_and_generation_steps_compile(step):
     assert report["memory_per_device"]["kv_cache"] == report["accounting_per_device"]["kv_cache"]
 
 
+@pytest.mark.tpu
 @pytest.mark.parametrize("chip,shape", [("v4", "2x2x1"), ("v5e", "2x2"), ("v5p", "2x2x1"),
                                         ("v6e", "2x2")])
 def test_each_tpu_chip_names_the_device_kind_its_peak_is_keyed_by(chip, shape):

@@ -16,46 +16,11 @@ from data import pipeline
 from data import sources
 from data import tokens
 from training import evaluate
+from tests.helpers import (BOS, EOS, PAD, assert_batches_equal, ByteTokenizer, make_config, take,
+                           write_files)
 
-PAD, BOS, EOS = 0, 1, 2
 FIELDS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
           "positions": np.int32, "loss_mask": np.float32}
-
-
-class ByteTokenizer:
-  """Stand-in for the tokenizer contract: UTF-8 bytes + 4; ids 0..3 special."""
-  vocab_size = 260
-  pad_id, bos_id, eos_id, mask_id = PAD, BOS, EOS, 3
-
-  def __init__(self, fingerprint: str = "bytes-v1"):
-    self.fingerprint = fingerprint
-    self.encode_calls = 0
-
-  def encode(self, text: str) -> list[int]:
-    return [b + 4 for b in text.encode("utf-8")]
-
-  def encode_batch(self, texts: list[str]) -> list[list[int]]:
-    self.encode_calls += 1
-    return [self.encode(t) for t in texts]
-
-  def decode(self, ids: list[int]) -> str:
-    return bytes(i - 4 for i in ids if i >= 4).decode("utf-8", errors="replace")
-
-
-def make_config(tmp_path, **data):
-  config = base.get_config()
-  config.data.cache_dir = str(tmp_path / "cache")
-  config.train.batch_size = 4
-  config.train.seq_len = 16
-  for key, value in data.items():
-    config.data[key] = value
-  return config
-
-
-def write_files(directory, texts: dict[str, str]) -> None:
-  for name, text in texts.items():
-    (directory / name).parent.mkdir(parents=True, exist_ok=True)
-    (directory / name).write_text(text, encoding="utf-8")
 
 
 def split_of(token_lists: list[list[int]]) -> tokens.TokenizedSplit:
@@ -68,14 +33,6 @@ def split_of(token_lists: list[list[int]]) -> tokens.TokenizedSplit:
 def packer_rows(split, seq_len, mode) -> list[dict[str, np.ndarray]]:
   packer = packing.RowPacker(split, seq_len, mode, bos_id=BOS, eos_id=EOS, pad_id=PAD)
   return [packer(r) for r in range(packer.num_rows)]
-
-
-def assert_batches_equal(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for key in x:
-      np.testing.assert_array_equal(x[key], y[key], err_msg=key)
 
 
 # Packing.
@@ -147,10 +104,6 @@ def test_rows_past_the_end_are_padding():
 
 
 # Training iterator.
-
-def take(iterator, n):
-  return [next(iterator) for _ in range(n)]
-
 
 def test_train_batches_format_and_exact_resume(tmp_path):
   config = make_config(tmp_path, source="pydoc")

@@ -22,8 +22,8 @@ from configs.errors import UserError
 from training import loop
 from training import workdir as workdir_lib
 from training.faults import integrity
-from tests.test_train import (ROOT, _assert_one_line_error, _run, assert_trees_equal,  # pylint: disable=unused-import
-                              final_params, small_config, snapshot, tok_dir, train_cmd)
+from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, ROOT,
+                           run_python, small_config, snapshot, train_cmd)
 
 
 def test_checksums_see_a_flipped_bit_or_two_swapped_words_anywhere():
@@ -171,10 +171,10 @@ def test_eval_skips_a_damaged_newest_checkpoint_and_refuses_a_damaged_step(
   assert err.startswith(f"eval of {run}: checkpoint step 6 is damaged (checksum mismatch")
   assert err.endswith("; using step 4") and "\n" not in err
   assert (run / "checkpoints" / "6").is_dir()  # eval only reads
-  result = _run(["eval.py", "--workdir", str(run), "--step", "6"])
+  result = run_python(["eval.py", "--workdir", str(run), "--step", "6"])
   assert result.returncode == 2
-  _assert_one_line_error(result, f"eval of {run}: checkpoint step 6 is damaged (checksum",
-                         "evaluate another step (available: 2, 4, 6)")
+  assert_one_line_error(result, f"eval of {run}: checkpoint step 6 is damaged (checksum",
+                        "evaluate another step (available: 2, 4, 6)")
 
 
 @pytest.fixture
@@ -240,11 +240,11 @@ def _second_run_is_refused(c, workdir, live) -> None:
     time.sleep(0.05)
   live.send_signal(signal.SIGSTOP)
   try:
-    second = _run(train_cmd(c, workdir)[1:])
+    second = run_python(train_cmd(c, workdir)[1:])
   finally:
     live.send_signal(signal.SIGCONT)
-  _assert_one_line_error(second, f"{workdir} is in use by another run", f"PID {live.pid},",
-                         "since")
+  assert_one_line_error(second, f"{workdir} is in use by another run", f"PID {live.pid},",
+                        "since")
 
 
 def _committed(checkpoints) -> list[int]:

@@ -26,56 +26,8 @@ from model.attention import attention
 from model.kernels.flash_attention_triton import BlockSizes, choose_block_sizes
 from model.kernels.router import flash_attention
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
-
-TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
-
-
-def _inputs(seed, B, T, S, H, K, D, dtype):
-  """Random q, k, v and an output cotangent, in `dtype`."""
-  keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  q = jax.random.normal(keys[0], (B, T, H, D), dtype)
-  k = jax.random.normal(keys[1], (B, S, K, D), dtype)
-  v = jax.random.normal(keys[2], (B, S, K, D), dtype)
-  do = jax.random.normal(keys[3], (B, T, H, D), dtype)
-  return q, k, v, do
-
-
-def _segments(rng, B, L, mode):
-  """Segment ids [B, L]: packed (ascending ids, trailing 0 padding) or random
-  ids in 0..2 (0 = padding, so some query rows see no key at all)."""
-  if mode == "packed":
-    ids = np.sort(rng.randint(1, 4, size=(B, L)), axis=1)
-    ids[:, L - rng.randint(0, L // 3 + 1):] = 0
-  else:
-    ids = rng.randint(0, 3, size=(B, L))
-  return jnp.asarray(ids, jnp.int32)
-
-
-def _kernel_and_oracle(q, k, v, do, *, causal, q_seg, kv_seg, **blocks):
-  """(out, dq, dk, dv) of the kernel, and of the reference in float32."""
-  def kernel(q, k, v):
-    return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg,
-                           kv_segment_ids=kv_seg, **blocks)
-
-  def oracle(q, k, v):
-    segment_ids = None if q_seg is None else (q_seg, kv_seg)
-    return attention(q, k, v, causal=causal, segment_ids=segment_ids,
-                     implementation="reference")
-
-  out, vjp = jax.vjp(kernel, q, k, v)
-  got = (out, *vjp(do))
-  f32 = [x.astype(jnp.float32) for x in (q, k, v, do)]
-  with jax.default_matmul_precision("highest"):  # no TF32 oracle on a GPU
-    ref_out, ref_vjp = jax.vjp(oracle, *f32[:3])
-    return got, (ref_out, *ref_vjp(f32[3]))
-
-
-def _assert_close(actual, expected, dtype, name):
-  actual = np.asarray(actual.astype(jnp.float32))
-  expected = np.asarray(expected)
-  assert np.isfinite(actual).all(), f"{name}: not finite"
-  err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1.0)
-  assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+from tests.helpers import (assert_kernel_close, kernel_and_oracle, kernel_inputs,
+                           random_segments)
 
 
 @settings(max_examples=12, deadline=None)
@@ -99,18 +51,18 @@ def test_matches_reference(seed, B, K, group, T, S, D, causal, segment_mode,
   lengths that are not a multiple of the tile; causal; packed and padded
   segments; float32 and bfloat16."""
   H = K * group
-  q, k, v, do = _inputs(seed, B, T, S, H, K, D, dtype)
+  q, k, v, do = kernel_inputs(seed, B, T, S, H, K, D, dtype)
   q_seg = kv_seg = None
   if segment_mode is not None:
     rng = np.random.RandomState(seed)
-    q_seg = _segments(rng, B, T, segment_mode)
-    kv_seg = _segments(rng, B, S, segment_mode)
-  got, want = _kernel_and_oracle(q, k, v, do, causal=causal, q_seg=q_seg,
-                                 kv_seg=kv_seg, block_q=block_q,
-                                 block_k=block_k)
+    q_seg = random_segments(rng, B, T, segment_mode)
+    kv_seg = random_segments(rng, B, S, segment_mode)
+  got, want = kernel_and_oracle(q, k, v, do, causal=causal, q_seg=q_seg,
+                                kv_seg=kv_seg, block_q=block_q,
+                                block_k=block_k)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
     assert a.dtype == dtype
-    _assert_close(a, b, dtype, name)
+    assert_kernel_close(a, b, dtype, name)
 
 
 @pytest.mark.parametrize("H,K,T,S,causal", [
@@ -118,20 +70,20 @@ def test_matches_reference(seed, B, K, group, T, S, D, causal, segment_mode,
     (4, 1, 50, 20, True), (4, 2, 20, 50, True)])
 def test_gqa_decoding_and_cross_attention(H, K, T, S, causal):
   """MHA/GQA/MQA with several tiles; decoding (T = 1); T > S and T < S."""
-  q, k, v, do = _inputs(0, 2, T, S, H, K, 16, jnp.float32)
-  got, want = _kernel_and_oracle(q, k, v, do, causal=causal, q_seg=None,
-                                 kv_seg=None, block_q=16, block_k=16)
+  q, k, v, do = kernel_inputs(0, 2, T, S, H, K, 16, jnp.float32)
+  got, want = kernel_and_oracle(q, k, v, do, causal=causal, q_seg=None,
+                                kv_seg=None, block_q=16, block_k=16)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-    _assert_close(a, b, jnp.float32, name)
+    assert_kernel_close(a, b, jnp.float32, name)
 
 
 def test_default_blocks_head_dim_128():
   """The default tile choice, with head_dim 128, bfloat16 and causal."""
-  q, k, v, do = _inputs(1, 1, 100, 100, 2, 1, 128, jnp.bfloat16)
-  got, want = _kernel_and_oracle(q, k, v, do, causal=True, q_seg=None,
-                                 kv_seg=None)
+  q, k, v, do = kernel_inputs(1, 1, 100, 100, 2, 1, 128, jnp.bfloat16)
+  got, want = kernel_and_oracle(q, k, v, do, causal=True, q_seg=None,
+                                kv_seg=None)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-    _assert_close(a, b, jnp.bfloat16, name)
+    assert_kernel_close(a, b, jnp.bfloat16, name)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -141,22 +93,22 @@ def test_block_sparse_plan_of_packed_documents(causal):
   documents are skipped, and a key tile of one document and padding is
   masked."""
   quarter = lambda spans: [(i, start // 4, end // 4) for i, start, end in spans]
-  q, k, v, do = _inputs(4, 1, 80, 80, 2, 1, 16, jnp.float32)
-  got, want = _kernel_and_oracle(
+  q, k, v, do = kernel_inputs(4, 1, 80, 80, 2, 1, 16, jnp.float32)
+  got, want = kernel_and_oracle(
       q, k, v, do, causal=causal, q_seg=documents(80, quarter(DOCUMENTS_Q)),
       kv_seg=documents(80, quarter(DOCUMENTS_KV)), block_q=16, block_k=16)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-    _assert_close(a, b, jnp.float32, name)
+    assert_kernel_close(a, b, jnp.float32, name)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fully_masked_rows_are_zero(dtype):
   """Queries with segment id 0, or whose id no key has, output exactly 0 and
   get exactly 0 gradient; keys nobody sees get 0 dk, dv; nothing is NaN."""
-  q, k, v, do = _inputs(2, 1, 24, 40, 2, 1, 16, dtype)
+  q, k, v, do = kernel_inputs(2, 1, 24, 40, 2, 1, 16, dtype)
   q_seg = jnp.asarray([[0] * 4 + [1] * 10 + [7] * 5 + [2] * 5], jnp.int32)
   kv_seg = jnp.asarray([[1] * 15 + [2] * 15 + [0] * 5 + [3] * 5], jnp.int32)
-  (out, dq, dk, dv), want = _kernel_and_oracle(
+  (out, dq, dk, dv), want = kernel_and_oracle(
       q, k, v, do, causal=False, q_seg=q_seg, kv_seg=kv_seg, block_q=16,
       block_k=16)
   masked_q = np.asarray((q_seg == 0) | (q_seg == 7))[0]
@@ -166,12 +118,12 @@ def test_fully_masked_rows_are_zero(dtype):
   assert (np.asarray(dk[0, unseen_k]) == 0).all()
   assert (np.asarray(dv[0, unseen_k]) == 0).all()
   for name, a, b in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), want):
-    _assert_close(a, b, dtype, name)
+    assert_kernel_close(a, b, dtype, name)
 
 
 def test_jit_and_grad_of_scalar_loss():
   """The kernel under jax.jit of jax.grad of a scalar loss, twice (cached)."""
-  q, k, v, _ = _inputs(3, 2, 48, 48, 4, 2, 16, jnp.float32)
+  q, k, v, _ = kernel_inputs(3, 2, 48, 48, 4, 2, 16, jnp.float32)
   seg = jnp.asarray([[1] * 30 + [2] * 18, [1] * 40 + [0] * 8], jnp.int32)
 
   def loss(fn, q, k, v):
@@ -194,14 +146,14 @@ def test_jit_and_grad_of_scalar_loss():
         lambda *a: loss(oracle, *a), argnums=(0, 1, 2))(q + 1.0, k, v)
   np.testing.assert_allclose(value, want_value, rtol=1e-5)
   for a, b in zip(grads, want_grads):
-    _assert_close(a, b, jnp.float32, "grad")
+    assert_kernel_close(a, b, jnp.float32, "grad")
 
 
 def test_bad_arguments_raise():
-  q, k, v, _ = _inputs(0, 1, 16, 16, 3, 2, 16, jnp.float32)
+  q, k, v, _ = kernel_inputs(0, 1, 16, 16, 3, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match="multiple"):
     flash_attention(q, k, v)
-  q, k, v, _ = _inputs(0, 1, 16, 16, 2, 2, 16, jnp.float32)
+  q, k, v, _ = kernel_inputs(0, 1, 16, 16, 2, 2, 16, jnp.float32)
   seg = jnp.ones((1, 16), jnp.int32)
   with pytest.raises(ValueError, match="both"):
     flash_attention(q, k, v, q_segment_ids=seg)

@@ -22,7 +22,7 @@ from model.kernels import flash_attention_hopper as hopper
 from model.kernels import hopper_pipeline
 from model.kernels.router import choose_lowering, flash_attention
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
-from tests.test_flash_attention import _inputs
+from tests.helpers import kernel_inputs
 
 TOLERANCE = {jnp.float16: 1e-2, jnp.bfloat16: 3e-2}
 
@@ -87,7 +87,7 @@ def test_block_sparse_plan_matches_reference(causal, blocks):
 
 
 def _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, scale):
-  q, k, v, do = _inputs(0, B, T, S, H, K, D, dtype)
+  q, k, v, do = kernel_inputs(0, B, T, S, H, K, D, dtype)
   if segments == "documents":
     q_seg, kv_seg = documents(T, DOCUMENTS_Q), documents(S, DOCUMENTS_KV)
   elif segments:

@@ -23,7 +23,8 @@ from bench import compile_tpu
 from model.attention import attention
 from model.kernels import flash_attention_tpu as tpu
 from model.kernels.router import choose_lowering, flash_attention
-from tests.test_flash_attention import _assert_close, _inputs, _kernel_and_oracle, _segments
+from tests.helpers import (assert_kernel_close, kernel_and_oracle, kernel_inputs,
+                           random_segments)
 
 # Several processes on one host may load libtpu for compiling only.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -31,17 +32,17 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 def _check(seed, B, T, S, H, K, D, *, causal, segment_mode, dtype, block_q=16,
            block_k=16):
-  q, k, v, do = _inputs(seed, B, T, S, H, K, D, dtype)
+  q, k, v, do = kernel_inputs(seed, B, T, S, H, K, D, dtype)
   q_seg = kv_seg = None
   if segment_mode is not None:
     rng = np.random.RandomState(seed)
-    q_seg = _segments(rng, B, T, segment_mode)
-    kv_seg = _segments(rng, B, S, segment_mode)
-  got, want = _kernel_and_oracle(q, k, v, do, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
-                                 lowering="mosaic_tpu", block_q=block_q, block_k=block_k)
+    q_seg = random_segments(rng, B, T, segment_mode)
+    kv_seg = random_segments(rng, B, S, segment_mode)
+  got, want = kernel_and_oracle(q, k, v, do, causal=causal, q_seg=q_seg, kv_seg=kv_seg,
+                                lowering="mosaic_tpu", block_q=block_q, block_k=block_k)
   for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
     assert a.dtype == dtype
-    _assert_close(a, b, dtype, name)
+    assert_kernel_close(a, b, dtype, name)
 
 
 def test_matches_reference_gqa_causal_packed():
@@ -79,7 +80,7 @@ def test_matches_reference_random(seed, B, K, group, T, S, D, causal, segment_mo
 def test_attention_dispatches_to_tpu_kernel():
   """implementation="pallas", pallas_lowering="mosaic_tpu" runs this kernel
   (interpreted on CPU), and a TPU chooses it by default."""
-  q, k, v, _ = _inputs(0, 1, 8, 8, 2, 1, 16, jnp.float32)
+  q, k, v, _ = kernel_inputs(0, 1, 8, 8, 2, 1, 16, jnp.float32)
   jaxpr = str(jax.make_jaxpr(functools.partial(
       attention, causal=True, implementation="pallas", pallas_lowering="mosaic_tpu"))(q, k, v))
   assert "flash_attention_tpu_forward" in jaxpr
@@ -108,7 +109,6 @@ def test_tiles_per_generation():
 
 @functools.lru_cache(maxsize=None)
 def _tpu_device(topology: str):
-  pytest.importorskip("libtpu", reason="libtpu is a test dependency: make install")
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   return topologies.get_topology_desc(platform="tpu", topology_name=topology).devices[0]
 
@@ -134,6 +134,7 @@ def compile_variant(device, *, D: int, causal: bool, segments: bool, group: int,
       spec((B, T, H, D), dtype), spec((B, T), jnp.int32), spec((B, T), jnp.int32)).compile()
 
 
+@pytest.mark.tpu
 def test_compiles_for_v5e():
   """One variant through Mosaic and XLA for a v5e: head_dim 128, causal,
   segment ids, GQA; the program holds our three kernels, each within the
@@ -147,6 +148,7 @@ def test_compiles_for_v5e():
 
 
 @pytest.mark.slow
+@pytest.mark.tpu
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

@@ -9,7 +9,7 @@ from configs.errors import UserError
 from model import build_model
 from model.generate import beam_search, generate, sample_logits
 from model.transformer import EncoderDecoder
-from tests.test_model import small_cfg
+from tests.helpers import small_cfg
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8], [9], [10, 11, 12]]
 

@@ -16,19 +16,14 @@ import torch
 import transformers
 
 from hf import convert as hf_convert
-from tests.test_hf_convert import _assert_close, _llama, _randomised, _run_convert, _save
-from tokenizer import bpe
+from tests.helpers import assert_close, randomised, run_convert, save_hf, tiny_llama
 from training import embed
 from training.workdir import load_run
 
-TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
+pytestmark = pytest.mark.hf  # transformers and torch
+
 LABELS = {0: "negative", 1: "neutral", 2: "positive"}
 INPUTS = ["def add(a, b): return a", "class Foo"]
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return bpe.train_bpe(TEXTS, 290)
 
 
 def _batch(tok):
@@ -54,17 +49,17 @@ def _check_classifier(hf_model, tok, tmp_path, with_types: bool):
   """Import: logits against `hf_model`, labels kept; export: the same
   tensors and labels, loaded by AutoModelForSequenceClassification."""
   hf_model.eval()
-  hf_dir = _save(hf_model, tok, tmp_path / "hf")
+  hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   assert (config.train.objective, config.data.task) == ("classify", "labelled")
   assert tuple(config.data.labels) == tuple(LABELS.values())
   ids, mask, types = _batch(tok)
   theirs = _hf_class_logits(hf_model, ids, mask, types if with_types else None)
-  _assert_close(model.classify(ids, mask > 0, types), theirs)
+  assert_close(model.classify(ids, mask > 0, types), theirs)
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   original = safetensors.numpy.load_file(f"{hf_dir}/model.safetensors")
   exported = safetensors.numpy.load_file(f"{out}/model.safetensors")
   assert set(exported) <= set(original)
@@ -80,7 +75,7 @@ def _check_classifier(hf_model, tok, tmp_path, with_types: bool):
 def test_bert_for_sequence_classification_in_and_out(tok, tmp_path):
   """[CLS] through the pooler (dense + tanh) and the classifier; token types;
   the padded row masked."""
-  hf_model = _randomised(transformers.BertForSequenceClassification(transformers.BertConfig(
+  hf_model = randomised(transformers.BertForSequenceClassification(transformers.BertConfig(
       vocab_size=320, hidden_size=32, num_attention_heads=4, intermediate_size=48,
       num_hidden_layers=2, max_position_embeddings=64, id2label=LABELS)))
   workdir = _check_classifier(hf_model, tok, tmp_path, with_types=True)
@@ -92,7 +87,7 @@ def test_bert_for_sequence_classification_in_and_out(tok, tmp_path):
 def test_qwen2_for_sequence_classification_in_and_out(tok, tmp_path):
   """The last real token (right padding, as transformers finds it from the
   pad id), `score` without a bias."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForSequenceClassification,
+  hf_model = randomised(tiny_llama(transformers.Qwen2ForSequenceClassification,
                                 transformers.Qwen2Config, id2label=LABELS,
                                 pad_token_id=tok.pad_id))
   workdir = _check_classifier(hf_model, tok, tmp_path, with_types=False)
@@ -104,11 +99,11 @@ def test_mean_pooled_embeddings_equal_bert_model(tok, tmp_path):
   """training.embed's mean-pooled, L2-normalised vectors of a BertForMaskedLM
   import against `BertModel`'s last hidden states of the same ids, averaged
   over the attention mask by hand."""
-  hf_model = _randomised(transformers.BertForMaskedLM(transformers.BertConfig(
+  hf_model = randomised(transformers.BertForMaskedLM(transformers.BertConfig(
       vocab_size=320, hidden_size=32, num_attention_heads=4, intermediate_size=48,
       num_hidden_layers=2, max_position_embeddings=64)))
-  hf_dir = _save(hf_model, tok, tmp_path / "hf")
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
   (tmp_path / "texts.txt").write_text("\n".join(INPUTS) + "\n")
   out = tmp_path / "vectors.npy"
   assert embed.embed_file(str(tmp_path / "run"), str(tmp_path / "texts.txt"), str(out),
@@ -127,11 +122,11 @@ def test_mean_pooled_embeddings_equal_bert_model(tok, tmp_path):
 def test_export_keeps_rows_past_the_tokenizer(tok, tmp_path):
   """A Qwen2 of 320 rows for the tokenizer's 290 ids (as Qwen2's 151,936 for
   151,646) comes back with its 320 rows, every tensor and logit unchanged."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
+  hf_model = randomised(tiny_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config))
   hf_model.eval()
-  hf_dir = _save(hf_model, tok, tmp_path / "hf")
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
-  assert _run_convert("to_hf", "--workdir", tmp_path / "run", "--out", tmp_path / "out") == 0
+  hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert run_convert("to_hf", "--workdir", tmp_path / "run", "--out", tmp_path / "out") == 0
   original = safetensors.numpy.load_file(f"{hf_dir}/model.safetensors")
   exported = safetensors.numpy.load_file(f"{tmp_path}/out/model.safetensors")
   assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in original.items()}

@@ -19,7 +19,6 @@ import safetensors.numpy
 import torch
 import transformers
 
-import convert
 from configs import base as base_config
 from configs import bert_base
 from configs import from_run
@@ -27,32 +26,22 @@ from configs.errors import UserError
 from model.config import ModelConfig
 from model.generate import generate
 from model.transformer import PADDED_LOGIT
-from tokenizer import bpe, export_hf
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, randomised, ROOT,
+                           run_command, run_convert, save_hf, tiny_llama)
 
-TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
+pytestmark = pytest.mark.hf  # transformers and torch
+
 PROMPTS = ["def add(", "class "]
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def tok():
-  return bpe.train_bpe(TEXTS, 290)
 
 
 def _gpt2(**kw):
   return transformers.GPT2LMHeadModel(transformers.GPT2Config(
       vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=4, **kw))
-
-
-def _llama(cls=transformers.LlamaForCausalLM, config=transformers.LlamaConfig, **kw):
-  args = dict(vocab_size=320, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-  return cls(config(**{**args, **kw}))
 
 
 def _bert(**kw):
@@ -61,46 +50,8 @@ def _bert(**kw):
       num_hidden_layers=2, max_position_embeddings=64), **kw}))
 
 
-def _randomised(hf_model):
-  """`hf_model` with its biases and LayerNorm parameters drawn at random
-  (initialised to zeros and ones, they would not show a misplaced tensor)."""
-  with torch.no_grad():
-    for name, parameter in hf_model.named_parameters():
-      if name.endswith("bias") or "LayerNorm" in name:
-        torch.nn.init.normal_(parameter, mean=float(name.endswith("weight")), std=0.5)
-  return hf_model
-
-
-def _save(hf_model, tok, path, **kw):
-  hf_model.save_pretrained(path, **kw)
-  export_hf(tok, path)
-  return str(path)
-
-
-def run_command(*args) -> None:
-  """`python args...` in the repository root; its stderr's tail if it fails."""
-  result = subprocess.run([sys.executable, *map(str, args)], capture_output=True, text=True,
-                          check=False, cwd=ROOT)
-  assert result.returncode == 0, result.stderr[-2000:]
-
-
-def _run_convert(*args) -> int:
-  try:
-    convert.main([str(a) for a in args])
-  except SystemExit as e:
-    return e.code
-  return 0
-
-
 def _ids(tok):
   return np.asarray([tok.encode_with_specials(p + "x = 1") for p in PROMPTS[:1]] * 2)
-
-
-def _assert_close(ours, theirs):
-  ours, theirs = np.asarray(ours, np.float32), np.asarray(theirs, np.float32)
-  assert ours.shape == theirs.shape
-  scale = np.abs(theirs).max()
-  np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4 * scale)
 
 
 def _hf_logits(hf_model, ids):
@@ -113,12 +64,12 @@ def _check_import(hf_model, tok, tmp_path, generation=True, **save_kw):
   the run dir."""
   hf_model.eval()
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf", **save_kw),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf", **save_kw),
+                     "--workdir", workdir) == 0
   config, run_tok, model, step = load_run(str(workdir))
   assert step == 0 and run_tok.encode("def f") == tok.encode("def f")
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
   if not generation:
     return workdir
   prompts = [tok.encode_with_specials(p) for p in PROMPTS]
@@ -134,10 +85,10 @@ def _check_import(hf_model, tok, tmp_path, generation=True, **save_kw):
 def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCausalLM"):
   """to_hf, loaded by transformers: the same logits (on the tokenizer's ids) and ids."""
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = getattr(transformers, auto_class).from_pretrained(out).eval()
   ids = _ids(tok)
-  _assert_close(_hf_logits(exported, ids), reference[..., :exported.config.vocab_size])
+  assert_close(_hf_logits(exported, ids), reference[..., :exported.config.vocab_size])
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
 
@@ -163,14 +114,14 @@ def test_gpt2_padded_on_import(tok, tmp_path):
   hf_model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
       vocab_size=290, n_positions=64, n_embd=32, n_layer=2, n_head=4)).eval()
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"), "--workdir",
-                      workdir, "--pad_vocab_to_multiple", 64) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"), "--workdir",
+                     workdir, "--pad_vocab_to_multiple", 64) == 0
   config, _, model, _ = load_run(str(workdir))
   assert (config.model.vocab_size, config.model.real_vocab_size) == (320, 290)
   assert model.decoder.embed.embedding.shape == (320, 32)
   ids = _ids(tok)
   ours, theirs = np.asarray(model(ids)), _hf_logits(hf_model, ids)
-  _assert_close(ours[..., :290], theirs)
+  assert_close(ours[..., :290], theirs)
   assert (ours[..., 290:] == PADDED_LOGIT).all()
   targets, weights = np.roll(ids, -1, axis=1), np.ones(ids.shape, np.float32)
   loss, _, _ = cross_entropy_sums(jnp.asarray(ours), targets, weights)
@@ -186,7 +137,7 @@ def test_gpt2_padded_on_import(tok, tmp_path):
 @pytest.mark.slow
 def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
   """GQA (4 query heads, 2 KV heads) with head_dim 16 != d/h = 8, untied head."""
-  hf_model = _llama(head_dim=16)
+  hf_model = tiny_llama(head_dim=16)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
 
@@ -198,7 +149,7 @@ def test_llama_gqa_head_dim_in_and_out(tok, tmp_path):
     dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
 ])
 def test_llama_variants(tok, tmp_path, kw):
-  hf_model = _llama(**kw)
+  hf_model = tiny_llama(**kw)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
 
@@ -206,7 +157,7 @@ def test_llama_variants(tok, tmp_path, kw):
 @pytest.mark.slow
 def test_mistral_sharded(tok, tmp_path):
   """Mistral (no sliding window), saved in several safetensors shards with an index."""
-  hf_model = _llama(transformers.MistralForCausalLM, transformers.MistralConfig,
+  hf_model = tiny_llama(transformers.MistralForCausalLM, transformers.MistralConfig,
                     sliding_window=None)
   _check_import(hf_model, tok, tmp_path, max_shard_size="20KB")
   assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
@@ -216,26 +167,26 @@ def test_mistral_sharded(tok, tmp_path):
 def test_import_onto_a_sharded_mesh(tok, tmp_path):
   """convert.py on 4 (host) devices with mesh fsdp=2, tensor=2: the weights are
   placed in their shards as read; the run has the same logits."""
-  hf_model = _llama().eval()
+  hf_model = tiny_llama().eval()
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   result = subprocess.run(
-      [sys.executable, "convert.py", "from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
+      [sys.executable, "convert.py", "from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
        "--workdir", str(tmp_path / "run"), "--fsdp", "2", "--tensor", "2"],
       capture_output=True, text=True, check=False, cwd=ROOT, env=env)
   assert result.returncode == 0, result.stderr[-2000:]
   config, _, model, _ = load_run(str(tmp_path / "run"))
   assert (config.mesh.fsdp, config.mesh.tensor) == (2, 2)
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
 
 
 @pytest.mark.slow
 def test_bfloat16(tok, tmp_path):
   """A bfloat16 checkpoint imports as bfloat16 parameters and exports as bfloat16."""
-  hf_model = _llama().to(torch.bfloat16)
+  hf_model = tiny_llama().to(torch.bfloat16)
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf_model, tok, tmp_path / "hf"),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
+                     "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   assert config.model.param_dtype == "bfloat16"
   ids = _ids(tok)
@@ -243,36 +194,28 @@ def test_bfloat16(tok, tmp_path):
   np.testing.assert_array_less(np.abs(np.asarray(model(ids)) - theirs).max(),
                                0.05 * np.abs(theirs).max())
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert exported.dtype == torch.bfloat16
   for name, param in hf_model.state_dict().items():  # every row, past the tokenizer's 290
     assert torch.equal(exported.state_dict()[name], param), name
 
 
-def _error_line(capsys, *args) -> str:
-  capsys.readouterr()  # transformers' progress bars while saving
-  assert _run_convert(*args) == 2
-  err = capsys.readouterr().err
-  assert err.count("\n") == 1 and err.startswith("error: ")
-  return err
-
-
 @pytest.mark.parametrize("change, message", [
     (lambda d: os.remove(d / "model.safetensors"), "no model.safetensors"),
     (lambda d: (d / "model.safetensors").write_bytes(b"damaged"), "cannot read"),
-    (lambda d: _edit_config(d, model_type="mamba"), "model_type 'mamba' is not supported"),
-    (lambda d: _edit_config(d, activation_function="relu"), "activation_function='relu'"),
-    (lambda d: _edit_config(d, unknown_field=1), "unknown_field=1"),
-    (lambda d: _edit_config(d, n_embd=64), "has shape"),
+    (lambda d: edit_hf_config(d, model_type="mamba"), "model_type 'mamba' is not supported"),
+    (lambda d: edit_hf_config(d, activation_function="relu"), "activation_function='relu'"),
+    (lambda d: edit_hf_config(d, unknown_field=1), "unknown_field=1"),
+    (lambda d: edit_hf_config(d, n_embd=64), "has shape"),
     (lambda d: os.remove(d / "tokenizer.json"), "no tokenizer.json"),
 ])
 def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   hf_dir = tmp_path / "hf"
-  _save(_gpt2(), tok, hf_dir)
+  save_hf(_gpt2(), tok, hf_dir)
   change(hf_dir)
-  assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                tmp_path / "run")
+  assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                       tmp_path / "run")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
@@ -288,8 +231,8 @@ def test_a_run_refuses_a_tokenizer_past_the_real_vocabulary(tok, tmp_path):
 
 
 def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
-  assert "--pad_vocab_to_multiple 0: must be a positive integer" in _error_line(
-      capsys, "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"), "--workdir",
+  assert "--pad_vocab_to_multiple 0: must be a positive integer" in convert_error_line(
+      capsys, "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"), "--workdir",
       tmp_path / "run", "--pad_vocab_to_multiple", "0")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
@@ -306,15 +249,10 @@ def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
                        "rope_parameters.low_freq_factor is missing"),
                       (dict(attention_bias=True), "attention_bias=True")]:
     hf_dir = tmp_path / "hf"
-    _save(_llama(), tok, hf_dir)
-    _edit_config(hf_dir, **kw)
-    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                  tmp_path / "run")
-
-
-def _edit_config(hf_dir, **changes):
-  path = hf_dir / "config.json"
-  path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+    save_hf(tiny_llama(), tok, hf_dir)
+    edit_hf_config(hf_dir, **kw)
+    assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                         tmp_path / "run")
 
 
 @pytest.mark.slow
@@ -324,7 +262,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
 
-  run_command("convert.py", "from_hf", "--hf_dir", _save(_gpt2(), tok, tmp_path / "hf"),
+  run_command("convert.py", "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
       "--prompt", "def ", "--max_new_tokens", "4")
@@ -340,7 +278,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2
   ids = _ids(tok)
-  _assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
+  assert_close(_hf_logits(exported, ids), np.asarray(model(ids))[..., :tok.vocab_size])
 
 
 def test_llama_config_fields_old_and_new_rope_forms():
@@ -449,7 +387,7 @@ def test_qwen2_in_and_out(tok, tmp_path):
   """q/k/v biases without an o bias; GQA, untied head; Qwen2's own window of
   3 keys (shorter than the prompts and the generated tokens) in layer 1 only
   (max_window_layers=1), full attention in layer 0."""
-  hf_model = _randomised(_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
+  hf_model = randomised(tiny_llama(transformers.Qwen2ForCausalLM, transformers.Qwen2Config,
                                 use_sliding_window=True, sliding_window=3, max_window_layers=1))
   assert hf_model.config.layer_types == ["full_attention", "sliding_attention"]
   workdir = _check_import(hf_model, tok, tmp_path)
@@ -490,7 +428,7 @@ def test_qwen2_window_fields():
 @pytest.mark.slow
 def test_mistral_sliding_window_in_and_out(tok, tmp_path):
   """A window of 4 keys, shorter than the prompts plus the generated tokens."""
-  hf_model = _llama(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4)
+  hf_model = tiny_llama(transformers.MistralForCausalLM, transformers.MistralConfig, sliding_window=4)
   workdir = _check_import(hf_model, tok, tmp_path)
   assert workdir_lib.load_config(str(workdir)).model.sliding_window == 4
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
@@ -507,7 +445,7 @@ def test_mistral_sliding_window_in_and_out(tok, tmp_path):
          low_freq_factor=1.0, high_freq_factor=4.0),
 ])
 def test_llama_rope_scaling_in_and_out(tok, tmp_path, rope):
-  hf_model = _llama(head_dim=16, rope_parameters=rope)
+  hf_model = tiny_llama(head_dim=16, rope_parameters=rope)
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
@@ -526,7 +464,7 @@ def test_llama_yarn_factor_from_the_context_lengths():
 def test_bert_masked_lm_in_and_out(tok, tmp_path):
   """Embedding LayerNorm, token types, post-norm, erf GELU, the MLM head
   transform and output bias, tied; imported with the mlm objective."""
-  hf_model = _randomised(_bert())
+  hf_model = randomised(_bert())
   workdir = _check_import(hf_model, tok, tmp_path, generation=False)
   config = workdir_lib.load_config(str(workdir))
   assert (config.model.family, config.train.objective) == ("encoder", "mlm")
@@ -537,7 +475,7 @@ def test_bert_masked_lm_in_and_out(tok, tmp_path):
 @pytest.mark.slow
 def test_bert_untied_tanh_gelu_in_and_out(tok, tmp_path):
   """Untied, the decoder's own bias is the output bias; gelu_new is tanh GELU."""
-  hf_model = _randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
+  hf_model = randomised(_bert(tie_word_embeddings=False, hidden_act="gelu_new"))
   workdir = _check_import(hf_model, tok, tmp_path, generation=False)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)),
                 auto_class="AutoModelForMaskedLM")
@@ -548,8 +486,8 @@ def test_bert_hub_file_layout(tok, tmp_path):
   """As bert-base-uncased's model.safetensors: LayerNorm gamma/beta names, the
   pooler and next-sentence head, and the tied decoder's own copies; read as
   transformers reads them."""
-  hf_model = _randomised(_bert()).eval()
-  hf_dir = _save(hf_model, tok, tmp_path / "hf")
+  hf_model = randomised(_bert()).eval()
+  hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   path = tmp_path / "hf" / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)
   tensors = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias",
@@ -563,10 +501,10 @@ def test_bert_hub_file_layout(tok, tmp_path):
                       tensors["bert.embeddings.word_embeddings.weight"],
                   "cls.predictions.decoder.bias": tensors["cls.predictions.bias"]})
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
   _, _, model, _ = load_run(str(tmp_path / "run"))
   ids = _ids(tok)
-  _assert_close(model(ids), _hf_logits(hf_model, ids))
+  assert_close(model(ids), _hf_logits(hf_model, ids))
 
 
 def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
@@ -575,10 +513,10 @@ def test_bert_refuses_unsupported_fields(tok, tmp_path, capsys):
                       (dict(hidden_act="silu"), "hidden_act='silu'"),
                       (dict(is_decoder=True), "is_decoder=True")]:
     hf_dir = tmp_path / "hf"
-    _save(_bert(num_hidden_layers=1), tok, hf_dir)
-    _edit_config(hf_dir, **kw)
-    assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                  tmp_path / "run")
+    save_hf(_bert(num_hidden_layers=1), tok, hf_dir)
+    edit_hf_config(hf_dir, **kw)
+    assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                         tmp_path / "run")
 
 
 # The config.json fields of public checkpoints (as published; values only read).

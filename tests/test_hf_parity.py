@@ -19,6 +19,8 @@ from model import accounting, build_model
 from model.config import ModelConfig
 from hf import mappings as hf_mappings
 
+pytestmark = pytest.mark.hf  # transformers and torch
+
 SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=48, num_hidden_layers=2, rms_norm_eps=1e-6,
               max_position_embeddings=64, tie_word_embeddings=False)

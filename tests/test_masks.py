@@ -3,14 +3,15 @@
 A `data.packing=concat` row is one causal stream: the pipeline gives it no
 segment ids, so the compiled step has no [B, T, S] segment mask. The fast
 test reads the compiled CPU HLO of the `xla` path. The cuDNN path only
-compiles for a GPU: the slow test builds it for a compile-only H200 with an
-interpreter that has JAX's CUDA plugin (`H200_PYTHON`, set up as in
-bench/compile_h200.py), and is skipped without one.
+compiles for a GPU: the slow test builds it for a compile-only H200 and
+needs JAX's CUDA plugin (marked `cuda`: run it from a venv made with
+`pip install -r requirements-gpu.txt`).
 """
 import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -20,8 +21,8 @@ from flax import nnx
 from configs import base
 from data import pipeline
 from model import build_model
-from tests.test_data import ByteTokenizer, make_config, write_files
 from training.objectives import next_token_loss
+from tests.helpers import ByteTokenizer, make_config, write_files
 
 B, T = 4, 16
 
@@ -79,8 +80,7 @@ def test_concat_rows_attend_with_causal_alone_and_masks_stay_boolean(tmp_path):
 
 
 _CUDNN_STEP = """
-import re, sys
-sys.path.insert(0, ".")
+import re
 import jax, jax.numpy as jnp
 from bench.compile_h200 import h200_device
 from model.attention import attention
@@ -102,15 +102,14 @@ with jax.default_device(h200_device()):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("H200_PYTHON"),
-                    reason="needs H200_PYTHON: a Python with JAX's CUDA plugin")
+@pytest.mark.cuda
 def test_cudnn_concat_step_has_no_bias_on_a_compile_only_h200():
   """Concat rows (no segment ids) compile to cuDNN's unmasked causal kernels
   with no bias and no [B, 1, T, S] bias gradient; packed rows still get both
   (JAX's cuDNN attention turns any mask into a bias and returns its
   gradient)."""
   root = pathlib.Path(__file__).resolve().parents[1]
-  result = subprocess.run([os.environ["H200_PYTHON"], "-c", _CUDNN_STEP], cwd=root,
+  result = subprocess.run([sys.executable, "-c", _CUDNN_STEP], cwd=root,
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "JAX_SKIP_CUDA_CONSTRAINTS_CHECK": "1"})
   assert result.returncode == 0, result.stderr[-2000:]

@@ -8,8 +8,8 @@ import pytest
 from configs import base
 from data import masking
 from data import pipeline
-from tests.test_data import ByteTokenizer, assert_batches_equal, make_config, take
 from training import evaluate
+from tests.helpers import assert_batches_equal, ByteTokenizer, make_config, take
 
 PAD, BOS, EOS, MASK = 0, 1, 2, 3
 

@@ -12,6 +12,8 @@ from configs import base
 from model.config import ModelConfig
 from model.mlp import MLP
 
+pytestmark = pytest.mark.hf  # transformers and torch
+
 # model.mlp -> transformers' hidden_act of the same function.
 HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swiglu": "silu",
           "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}

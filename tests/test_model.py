@@ -9,17 +9,9 @@ import pytest
 from flax import nnx
 from hypothesis import given, settings, strategies as st
 
-from configs import base
 from model import build_model
-from model.embeddings import apply_rope, rope_frequencies, sinusoidal, sinusoidal_table
-
-
-def small_cfg(**overrides):
-  c = base.get_config().model
-  c.update(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64, max_len=32,
-           attention_impl="reference")
-  c.update(**overrides)
-  return c
+from model.embeddings import apply_rope, rope_frequencies, sinusoidal
+from tests.helpers import small_cfg
 
 
 def test_rope_lesson_mini_check():
@@ -61,8 +53,18 @@ def test_rope_scaling_slows_the_lowest_frequency(scaling):
     assert scale == pytest.approx(0.1 * math.log(4) + 1)
 
 
+def _sinusoidal_table(num_positions: int, d: int) -> np.ndarray:
+  """The original transformer's fixed encodings, [num_positions, d], in float64."""
+  pos = np.arange(num_positions, dtype=np.float64)[:, None]
+  inv = 10000.0 ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+  table = np.zeros((num_positions, d))
+  table[:, 0::2] = np.sin(pos * inv)
+  table[:, 1::2] = np.cos(pos * inv)
+  return table
+
+
 def test_sinusoidal_matches_formula():
-  table = sinusoidal_table(50, 16)
+  table = _sinusoidal_table(50, 16)
   p, i = 7, 3
   assert table[p, 2 * i] == pytest.approx(math.sin(p / 10000 ** (2 * i / 16)), abs=1e-6)
   assert table[p, 2 * i + 1] == pytest.approx(math.cos(p / 10000 ** (2 * i / 16)), abs=1e-6)

@@ -10,8 +10,8 @@ import time
 
 import numpy as np
 import pytest
+from tests.helpers import ROOT, small_config, train_cmd
 
-from tests.test_train import ROOT, small_config, tok_dir, train_cmd  # pylint: disable=unused-import
 
 
 def _free_port() -> int:

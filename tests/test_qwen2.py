@@ -15,9 +15,11 @@ import transformers
 from configs import base, qwen2_0_5b
 from model import accounting
 from model.config import ModelConfig
-from tests.test_hf_convert import ROOT
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.hf  # transformers and torch
 
 
 def _hf_qwen2_0_5b():

@@ -8,6 +8,8 @@ from configs import base
 from model.config import ModelConfig
 from model.embeddings import rope_from_config, rope_frequencies
 
+pytestmark = pytest.mark.hf  # transformers and torch
+
 # (rope_type, head_dim, rope_theta, transformers' rope_parameters beyond those)
 CASES = [
     ("yarn", 128, 10000.0, dict(factor=4.0, original_max_position_embeddings=4096)),

@@ -20,10 +20,9 @@ from data import seq2seq
 from data import tasks
 from model import build_model
 from model.generate import beam_search, generate
-from tests.test_data import ByteTokenizer, assert_batches_equal, take
-from tests.test_model import small_cfg
 from training import evaluate
 from training.objectives import batch_loss
+from tests.helpers import assert_batches_equal, ByteTokenizer, small_cfg, t5_like, take
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8], [9], [10, 11, 12]]
 PAD, BOS, EOS = 0, 1, 2
@@ -395,6 +394,7 @@ def _bart_like_tokenizer(directory):
                           eos_token="</s>", unk_token="<unk>").save_pretrained(directory)
 
 
+@pytest.mark.hf
 @pytest.mark.parametrize("kind, decoder_start", [("t5", "pad"), ("bart", "eos")])
 def test_pair_specials_frame_pairs_as_transformers(kind, decoder_start, tmp_path):
   """data.pair_specials (set by T5 and BART imports): the source is what
@@ -403,7 +403,6 @@ def test_pair_specials_frame_pairs_as_transformers(kind, decoder_start, tmp_path
   transformers' `shift_tokens_right` makes the decoder inputs."""
   import torch  # pylint: disable=import-outside-toplevel
   import transformers  # pylint: disable=import-outside-toplevel
-  from tests.test_tokenizer_hf import t5_like  # pylint: disable=import-outside-toplevel
   import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   if kind == "t5":
     tok, special = t5_like()

@@ -12,7 +12,6 @@ import pathlib
 import subprocess
 import sys
 
-from tests.test_train import tok_dir  # pylint: disable=unused-import  (a fixture)
 from training.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -25,7 +24,7 @@ import sys
 
 import jax
 
-from tests.test_train import small_config
+from tests.helpers import small_config
 from training import loop
 
 args = json.loads(sys.argv[1])

@@ -151,9 +151,17 @@ tx = optax.adamw(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim >= 2, p))
 out = {}
 
 
+def sharded_params(mesh):
+  # Each parameter created directly in its shards: jit with their shardings as
+  # out_shardings, as training/loop.py creates its train state.
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0))))
+  params = jax.jit(lambda: nnx.state(build_model(cfg, nnx.Rngs(0))),
+                   out_shardings=sharding.state_shardings(abstract, mesh, RULES))()
+  return graphdef, params
+
+
 def train_losses(name, mesh):
-  model = sharding.create_sharded_model(cfg, mesh, RULES, seed=0)
-  graphdef, params = nnx.split(model)
+  graphdef, params = sharded_params(mesh)
   param_sh = sharding.state_shardings(params, mesh, RULES)
   opt_sh = sharding.opt_state_shardings(jax.eval_shape(tx.init, params), params, mesh, RULES)
   batch_sh = sharding.batch_sharding(mesh)

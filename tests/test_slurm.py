@@ -8,7 +8,6 @@ import csv
 import json
 import os
 import subprocess
-import sys
 import time
 
 import jax
@@ -19,12 +18,10 @@ from flax import nnx
 import sweeps as sweep_lib
 from training.workdir import load_run
 from sweeps.state import last_step
-from tests.test_sweep import ROOT, TINY, TWO_VARIANTS, small_flags, sweep_cli, write_sweep
+from scripts import local_slurm
+from tests.helpers import small_flags, sweep_cli, TINY, TWO_VARIANTS, write_sweep
 
-sys.path.insert(0, str(ROOT / "scripts"))
-import local_slurm  # pylint: disable=wrong-import-position
-
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 FITS = ["--launcher", "slurm", "--gpus_per_node", "0", "--cpus_per_task", "1"]
 BAD = {"train.restore_from": "/nonexistent/run"}  # valid config, fails in train.py
 

@@ -6,7 +6,6 @@ import os
 import pathlib
 import pickle
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -16,40 +15,9 @@ import submitit
 
 from configs.errors import UserError
 import sweeps as sweep_lib
+from tests.helpers import ROOT, small_flags, sweep_cli, TINY, TWO_VARIANTS, write_sweep
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-TINY = str(ROOT / "configs" / "tiny.py")
 POS_NORM = str(ROOT / "configs" / "sweeps" / "pos_norm.py")
-TWO_VARIANTS = """
-def get_sweep():
-  return [{"model.pos_emb": "rope", "model.norm_position": "pre"},
-          {"model.pos_emb": "none", "model.norm_position": "post"}]
-"""
-
-
-def small_flags(cache_dir) -> list[str]:
-  """A model and run small enough that train.py and eval.py take seconds."""
-  return ["--config.model.d_model=32", "--config.model.num_layers=1",
-          "--config.model.num_heads=2", "--config.model.d_ff=64",
-          "--config.train.num_steps=6", "--config.train.batch_size=4",
-          "--config.train.seq_len=32", "--config.train.log_every=2",
-          "--config.train.eval_every=3", "--config.train.checkpoint_every=3",
-          "--config.train.eval_steps=1", "--config.data.source=pydoc",
-          "--config.tokenizer.vocab_size=300", "--config.model.vocab_size=320",
-          f"--config.data.cache_dir={cache_dir}"]
-
-
-def write_sweep(tmp_path, text: str, name: str = "s.py") -> str:
-  path = tmp_path / name
-  path.write_text(text)
-  return str(path)
-
-
-def sweep_cli(*args) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, check=False)
-
-
 def test_grid_expands_in_order_with_deterministic_names(tmp_path):
   sweep = sweep_lib.load_sweep(POS_NORM)
   assert (sweep.name, sweep.config) == ("pos_norm", "configs/tiny.py")

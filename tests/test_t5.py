@@ -21,12 +21,14 @@ from model.attention import attention
 from model.config import ModelConfig
 from model.generate import generate
 from model.relative_bias import relative_bucket
-from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
-    _assert_close, _edit_config, _error_line, _run_convert, _save, run_command, tok)
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, run_command,
+                           run_convert, save_hf)
+
+pytestmark = pytest.mark.hf  # transformers and torch
 
 M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
 
@@ -271,8 +273,8 @@ def test_t5_in_and_out(tok, tmp_path, version, layers):
   decoder's."""
   hf = _t5(version, num_layers=layers[0], num_decoder_layers=layers[1])
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf, tok, tmp_path / "hf"),
+                     "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   m = config.model
   assert (m.family, m.mlp, m.num_decoder_layers, m.tie_embeddings, config.train.objective,
@@ -282,7 +284,7 @@ def test_t5_in_and_out(tok, tmp_path, version, layers):
   src, tgt, mask = _pairs(tok.vocab_size)
   want = _hf_seq2seq_logits(hf, src, tgt, mask)
   forward = nnx.jit(lambda model, s, t, k: model(s, t, src_padding_mask=k))
-  _assert_close(forward(model, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+  assert_close(forward(model, jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
 
   sources = [row[:n].tolist() for row, n in zip(src, mask.sum(1))]
   ours = generate(model, m, [[tok.pad_id]] * 2, sources=sources, max_new_tokens=8,
@@ -294,9 +296,9 @@ def test_t5_in_and_out(tok, tmp_path, version, layers):
   assert ours == theirs[:, 1:].tolist()
 
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
-  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want)
+  assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want)
   assert exported.config.decoder_start_token_id == tok.pad_id
   hf_tok = transformers.AutoTokenizer.from_pretrained(out)
   assert hf_tok("def add(a, b)")["input_ids"] == tok.encode_with_specials("def add(a, b)")
@@ -307,13 +309,13 @@ def test_t5_hub_file_layout_imports_tied(tok, tmp_path):
   copies of `shared`; read past, the import is tied (the v1.1 case of
   test_t5_in_and_out: a head that differs is untied)."""
   hf_dir = tmp_path / "hf"
-  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  save_hf(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
   path = hf_dir / "model.safetensors"
   tensors = safetensors.numpy.load_file(path)
   for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
     tensors[name] = tensors["shared.weight"]
   safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
-  assert _run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
   assert workdir_lib.load_config(str(tmp_path / "run")).model.tie_embeddings
 
 
@@ -325,10 +327,10 @@ def test_t5_hub_file_layout_imports_tied(tok, tmp_path):
 ])
 def test_t5_refuses_unsupported_fields(tok, tmp_path, capsys, fields, message):
   hf_dir = tmp_path / "hf"
-  _save(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
-  _edit_config(hf_dir, **fields)
-  assert message in _error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
-                                tmp_path / "run")
+  save_hf(_t5("v1.0", num_layers=1, num_decoder_layers=1), tok, hf_dir)
+  edit_hf_config(hf_dir, **fields)
+  assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
+                                       tmp_path / "run")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
 
@@ -361,7 +363,7 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
 
   run_command("convert.py", "from_hf", "--hf_dir",
-      _save(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
+      save_hf(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", pairs, "--max_examples", "4",
       "--beam_size", "2", "--max_new_tokens", "4")
@@ -379,7 +381,7 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   assert (step, config.train.objective) == (2, "seq2seq")
   src, tgt, mask = _pairs(tok.vocab_size)
   ours = model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0)
-  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), np.asarray(ours))
+  assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), np.asarray(ours))
 
 
 # config.json of public checkpoints (as published, task_specific_params left
@@ -433,16 +435,16 @@ def test_mt5_imports_with_an_unscaled_head_and_exports_as_t5(tok, tmp_path):
   with torch.no_grad():
     hf.lm_head.weight = torch.nn.Parameter(torch.randn(CONVERT_V, M))
   workdir = tmp_path / "run"
-  assert _run_convert("from_hf", "--hf_dir", _save(hf, tok, tmp_path / "hf"),
-                      "--workdir", workdir) == 0
+  assert run_convert("from_hf", "--hf_dir", save_hf(hf, tok, tmp_path / "hf"),
+                     "--workdir", workdir) == 0
   config, _, model, _ = load_run(str(workdir))
   m = config.model
   assert (m.mlp, m.tie_embeddings, m.scale_head_input) == ("geglu_tanh", False, False)
   src, tgt, mask = _pairs(tok.vocab_size)
   want = _hf_seq2seq_logits(hf, src, tgt, mask)
-  _assert_close(model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
+  assert_close(model(jnp.asarray(src), jnp.asarray(tgt), jnp.asarray(mask) > 0), want)
   out = tmp_path / "exported"
-  assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
+  assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   assert json.loads((out / "config.json").read_text())["model_type"] == "t5"
   exported = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
-  _assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want)
+  assert_close(_hf_seq2seq_logits(exported, src, tgt, mask), want)

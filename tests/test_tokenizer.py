@@ -362,8 +362,7 @@ def test_train_cli_bad_input_exits_2(kind, problem, tmp_path, capsys):
            "tiny_vocab": [str(text_file)]}[problem]
   vocab = "100" if problem == "tiny_vocab" else "300"
   out_dir = tmp_path / "out"
-  argv = ["--kind", kind, "--vocab-size", vocab, "--input", *files,
-          "--out", str(out_dir)]
+  argv = ["--kind", kind, "--vocab_size", vocab, "--input", *files, "--out", str(out_dir)]
   code, _, err = run_cli(train_cli.main, argv, capsys)
   assert code == 2
   assert err.startswith("error: ") and err.count("\n") == 1
@@ -372,11 +371,24 @@ def test_train_cli_bad_input_exits_2(kind, problem, tmp_path, capsys):
                                                          "text.txt"]
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--kind", "bpe", "--vocab-size", "300", "--out", "x"],
+     "error: --vocab-size: flags are snake_case: --vocab_size"),
+    (["--kind", "bpe", "--vocab_size", "300", "a.txt", "--out", "x"],
+     "error: unexpected argument 'a.txt'; text files come after --input"),
+])
+def test_train_cli_spelling_mistakes_say_the_fix(argv, message, tmp_path, capsys, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  code, _, err = run_cli(train_cli.main, argv, capsys)
+  assert (code, err.strip()) == (2, message)
+  assert not (tmp_path / "x").exists()
+
+
 def test_train_cli_and_report(tmp_path, capsys):
   text_file = tmp_path / "text.txt"
   text_file.write_text("\n".join(small_corpus()[:10]), encoding="utf-8")
   out_dir = tmp_path / "tok"
-  train_cli.main(["--kind", "bpe", "--vocab-size", "300", "--input",
+  train_cli.main(["--kind", "bpe", "--vocab_size", "300", "--input",
                   str(text_file), "--out", str(out_dir)])
   assert "trained bpe with 300 ids" in capsys.readouterr().out
   assert tokenizer.load_tokenizer(out_dir).vocab_size == 300
@@ -384,7 +396,7 @@ def test_train_cli_and_report(tmp_path, capsys):
   out = capsys.readouterr().out
   for name in ("English prose", "Python code", "German", "Russian", "Chinese"):
     assert f"| {name}" in out
-  argv = ["--kind", "bpe", "--vocab-size", "300", "--input", str(text_file),
+  argv = ["--kind", "bpe", "--vocab_size", "300", "--input", str(text_file),
           "--out", str(out_dir)]
   code, _, err = run_cli(train_cli.main, argv, capsys)
   assert code == 2 and "already exists" in err

@@ -25,15 +25,10 @@ from configs.errors import UserError
 from data import corpora
 from tokenizer import bpe, export, hf
 from training import workdir
+from tests.helpers import t5_like, TOKENIZER_CORPUS
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "def f(x):\n    return x * 2  # doubled\n",
-    "Naïve café owners in Zürich don't serve crème brûlée.",
-    "東京は日本の首都です。 Ελληνικά και русский язык.",
-    "Numbers: 3.14159, 2024, 1e-5 and 42!",
-    "emoji 😀👍🏽 family 👨‍👩‍👧 done",
-] * 3
+pytestmark = pytest.mark.hf  # transformers and torch
+
 LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 fast = settings(deadline=None, max_examples=100)
@@ -44,7 +39,7 @@ def gpt2_like() -> tuple[Tokenizer, dict]:
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tok.decoder = decoders.ByteLevel()
   tok.post_processor = processors.ByteLevel(trim_offsets=False)
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+  tok.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
       vocab_size=400, special_tokens=["<|endoftext|>"],
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
   eot = "<|endoftext|>"
@@ -57,7 +52,7 @@ def llama3_like() -> tuple[Tokenizer, dict]:
       pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated"),
       pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
   tok.decoder = decoders.ByteLevel()
-  tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+  tok.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
       vocab_size=400, special_tokens=["<|begin_of_text|>", "<|end_of_text|>"],
       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
   tok.post_processor = processors.TemplateProcessing(
@@ -82,7 +77,7 @@ def llama2_like() -> tuple[Tokenizer, dict]:
   trainer_tok = Tokenizer(models.BPE())
   trainer_tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
                                                  normalizers.Replace(" ", "▁")])
-  trainer_tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+  trainer_tok.train_from_iterator(TOKENIZER_CORPUS, trainers.BpeTrainer(
       vocab_size=200, special_tokens=specials, show_progress=False))
   learned = json.loads(trainer_tok.to_str())["model"]
   vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
@@ -105,30 +100,13 @@ def bert_like() -> tuple[Tokenizer, dict]:
   tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
   tok.decoder = decoders.WordPiece()
   specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-  tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(
+  tok.train_from_iterator(TOKENIZER_CORPUS, trainers.WordPieceTrainer(
       vocab_size=300, special_tokens=specials, show_progress=False))
   tok.post_processor = processors.TemplateProcessing(
       single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
       special_tokens=[(t, tok.token_to_id(t)) for t in ("[CLS]", "[SEP]")])
   return tok, {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]",
                "sep_token": "[SEP]", "mask_token": "[MASK]"}
-
-
-def t5_like() -> tuple[Tokenizer, dict]:
-  tok = Tokenizer(models.Unigram())
-  tok.normalizer = normalizers.Sequence([normalizers.Nmt(), normalizers.NFKC(),
-                                         normalizers.Replace(Regex(" {2,}"), " ")])
-  tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
-  tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
-  tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(
-      vocab_size=150, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
-      show_progress=False))
-  tok.post_processor = processors.TemplateProcessing(
-      single="$A </s>", pair="$A </s> $B:1 </s>:1",
-      special_tokens=[("</s>", tok.token_to_id("</s>"))])
-  extras = [f"<extra_id_{i}>" for i in range(3)]
-  return tok, {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>",
-               "extra_special_tokens": extras}
 
 
 BUILDERS = {"gpt2": gpt2_like, "llama3": llama3_like, "qwen2": qwen2_like, "llama2": llama2_like,
@@ -170,11 +148,11 @@ def test_loaded_tokenizer_gives_transformers_ids(pairs, name):
     assert ours.encode_with_specials(text) == reference(text)["input_ids"]
 
   check()
-  for text in CORPUS[:6]:
+  for text in TOKENIZER_CORPUS[:6]:
     assert ours.encode_with_specials(text) == reference(text)["input_ids"]
     assert ours.decode(ours.encode(text)) == reference.decode(
         reference(text)["input_ids"], skip_special_tokens=True)
-  assert ours.encode_batch(CORPUS[:6]) == [ours.encode(t) for t in CORPUS[:6]]
+  assert ours.encode_batch(TOKENIZER_CORPUS[:6]) == [ours.encode(t) for t in TOKENIZER_CORPUS[:6]]
 
 
 @pytest.mark.parametrize("name,first,last", [
@@ -212,7 +190,7 @@ def test_add_bos_eos_flags_are_ignored_as_transformers_does(hf_dirs, tmp_path, a
   (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(config))
   (tmp_path / hf.FILENAME).write_text((hf_dirs["llama2"] / hf.FILENAME).read_text())
   reference, ours = AutoTokenizer.from_pretrained(tmp_path), tokenizer.load_tokenizer(tmp_path)
-  for text in CORPUS[:6]:
+  for text in TOKENIZER_CORPUS[:6]:
     assert ours.encode_with_specials(text) == reference(text)["input_ids"]
   assert ours.encode_with_specials("hi") == [ours.bos_id] + ours.encode("hi")
 
@@ -245,7 +223,7 @@ def test_saved_hf_tokenizer_round_trip(pairs, name, tmp_path):
   assert json.loads((saved / tokenizer.MANIFEST).read_text())["kind"] == "hf"
   loaded = tokenizer.load_tokenizer(saved)
   assert loaded.fingerprint == ours.fingerprint
-  assert loaded.encode_with_specials(CORPUS[2]) == ours.encode_with_specials(CORPUS[2])
+  assert loaded.encode_with_specials(TOKENIZER_CORPUS[2]) == ours.encode_with_specials(TOKENIZER_CORPUS[2])
   # The saved copy is itself a Hugging Face tokenizer directory.
   assert tokenizer.load_tokenizer(saved / hf.SUBDIR).fingerprint == ours.fingerprint
   path = saved / hf.SUBDIR / hf.FILENAME
@@ -346,7 +324,7 @@ def test_export_loads_back_as_hf_kind(exported, kind, tmp_path):
 def test_export_of_an_hf_tokenizer_writes_its_files(pairs, name, tmp_path):
   reference, ours = pairs[name]
   again = AutoTokenizer.from_pretrained(tokenizer.export_hf(ours, tmp_path))
-  for text in CORPUS[:6]:
+  for text in TOKENIZER_CORPUS[:6]:
     assert again(text)["input_ids"] == reference(text)["input_ids"]
   assert tokenizer.load_tokenizer(tmp_path).fingerprint == ours.fingerprint
 
@@ -363,7 +341,7 @@ def test_run_copies_an_hf_tokenizer_into_its_workdir(hf_dirs, pairs, tmp_path):
 def test_export_refuses_a_foreign_sentencepiece_model(tmp_path):
   """SentencePiece's defaults (NFKC, dummy prefix) are not what export_hf writes."""
   corpus = tmp_path / "corpus.txt"
-  corpus.write_text("\n".join(CORPUS), encoding="utf-8")
+  corpus.write_text("\n".join(TOKENIZER_CORPUS), encoding="utf-8")
   sentencepiece.SentencePieceTrainer.train(
       input=str(corpus), model_prefix=str(tmp_path / "foreign"), vocab_size=100,
       model_type="unigram", minloglevel=2)
@@ -391,7 +369,7 @@ def test_export_command(exported, tmp_path, capsys):
   export.main([str(tmp_path / "tok"), "--out", str(tmp_path / "hf")])
   assert "as a Hugging Face tokenizer" in capsys.readouterr().out
   reference = AutoTokenizer.from_pretrained(tmp_path / "hf")
-  assert reference(CORPUS[1])["input_ids"] == ours.encode_with_specials(CORPUS[1])
+  assert reference(TOKENIZER_CORPUS[1])["input_ids"] == ours.encode_with_specials(TOKENIZER_CORPUS[1])
   for argv in ([str(tmp_path / "tok"), "--out", str(tmp_path / "hf")],
                [str(tmp_path / "absent"), "--out", str(tmp_path / "hf2")]):
     with pytest.raises(SystemExit) as exit_info:

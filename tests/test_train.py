@@ -1,6 +1,5 @@
 """End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM, NaN,
 leftover temporary checkpoints, train.restore_from, and one-line errors for bad input."""
-import pathlib
 import signal
 import subprocess
 import sys
@@ -10,62 +9,14 @@ import jax
 import numpy as np
 import pytest
 
-from configs import base
 from configs.errors import UserError
 import tokenizer as tokenizer_lib
 from data import sources
 from training import loop
 from training.checkpoint import Checkpointer
 from training.workdir import default_workdir
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory):
-  """A small BPE tokenizer trained once on the pydoc train split."""
-  c = small_config("")
-  texts = [t for _, t in sources.load_documents(c.data, "train")]
-  out = tmp_path_factory.mktemp("tok") / "bpe"
-  tokenizer_lib.train_tokenizer("bpe", 300, texts).save(out)
-  return str(out)
-
-
-def small_config(tok_path: str, cache_dir: str = "/tmp/transformer_lab_test_cache"):
-  c = base.get_config()
-  c.model.update(vocab_size=320, d_model=32, num_layers=1, num_heads=2, d_ff=64, max_len=64,
-                 attention_impl="xla")
-  c.tokenizer.update(vocab_size=300, path=tok_path)
-  c.data.update(source="pydoc", cache_dir=cache_dir)
-  c.train.update(num_steps=30, batch_size=4, seq_len=32, learning_rate=3e-3, warmup_steps=5,
-                 log_every=5, eval_every=15, eval_steps=2, checkpoint_every=5)
-  return c
-
-
-def overrides(c) -> list[str]:
-  """The command-line flags that turn configs/base.py into `c`."""
-  flat = []
-  for section in ("model", "tokenizer", "data", "train"):
-    for key, value in c[section].items():
-      if value != base.get_config()[section][key]:
-        flat.append(f"--config.{section}.{key}={value}")
-  return flat
-
-
-def train_cmd(c, workdir) -> list[str]:
-  return [sys.executable, "train.py", "--config", "configs/base.py", "--workdir", str(workdir),
-          *overrides(c)]
-
-
-def final_params(workdir):
-  ck = Checkpointer(str(workdir), asynchronous=False)
-  step = ck.latest_step()
-  path = pathlib.Path(ck.directory) / str(step) / "state"
-  ck.close()
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  restored = ocp.StandardCheckpointer().restore(path)
-  return step, restored["params"]
-
+from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, ROOT,
+                           run_python, small_config, snapshot, train_cmd)
 
 def test_loss_falls_on_the_embedded_corpus(tok_dir, tmp_path):
   c = small_config(tok_dir)
@@ -156,18 +107,6 @@ def test_leftover_temporary_checkpoint_is_ignored(tok_dir, tmp_path):
   assert Checkpointer(str(workdir), asynchronous=False).all_steps()[-1] == 12
 
 
-def _run(args):
-  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
-                        timeout=300)
-
-
-def _assert_one_line_error(result, *fragments):
-  assert result.returncode != 0
-  assert "Traceback" not in result.stderr
-  lines = [l for l in result.stderr.strip().splitlines() if l.strip()]
-  assert any(all(f in l for f in fragments) for l in lines), result.stderr
-
-
 @pytest.mark.parametrize("flags,fragments", [
     (["--config.model.colour=red"], ["colour"]),
     (["--config.model.pos_emb=alibi"], ["model.pos_emb='alibi'", "must be one of"]),
@@ -178,8 +117,8 @@ def _assert_one_line_error(result, *fragments):
 ])
 def test_bad_training_input_is_one_line(tok_dir, tmp_path, flags, fragments):
   c = small_config(tok_dir)
-  result = _run(train_cmd(c, tmp_path / "run")[1:] + flags)
-  _assert_one_line_error(result, *fragments)
+  result = run_python(train_cmd(c, tmp_path / "run")[1:] + flags)
+  assert_one_line_error(result, *fragments)
 
 
 def test_workdir_defaults_to_runs_and_the_config_file_stem(tmp_path):
@@ -206,15 +145,15 @@ def test_default_workdir(config_path, workdir):
 def test_empty_data_is_one_line(tok_dir, tmp_path):
   (tmp_path / "empty.txt").write_text("   \n")
   c = small_config(tok_dir)
-  result = _run(train_cmd(c, tmp_path / "run")[1:] + [
+  result = run_python(train_cmd(c, tmp_path / "run")[1:] + [
       "--config.data.source=files", f"--config.data.paths={tmp_path}/empty.txt"])
-  _assert_one_line_error(result, "no non-empty documents")
+  assert_one_line_error(result, "no non-empty documents")
 
 
 def test_eval_on_empty_workdir_is_one_line(tmp_path):
   (tmp_path / "run").mkdir()
-  result = _run(["eval.py", "--workdir", str(tmp_path / "run")])
-  _assert_one_line_error(result, "not a run directory")
+  result = run_python(["eval.py", "--workdir", str(tmp_path / "run")])
+  assert_one_line_error(result, "not a run directory")
 
 
 def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
@@ -222,7 +161,7 @@ def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
   c.train.num_steps = 10
   workdir = tmp_path / "run"
   loop.train(c, str(workdir))
-  result = _run(["eval.py", "--workdir", str(workdir), "--max_new_tokens", "5"])
+  result = run_python(["eval.py", "--workdir", str(workdir), "--max_new_tokens", "5"])
   assert result.returncode == 0, result.stderr
   import json  # pylint: disable=import-outside-toplevel
   report = json.loads((workdir / "eval_report.json").read_text())
@@ -234,8 +173,8 @@ def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
   other = tmp_path / "other_tok"
   texts = [t for _, t in sources.load_documents(c.data, "train")][:50]
   tokenizer_lib.train_tokenizer("bpe", 290, texts).save(other)
-  result = _run(["eval.py", "--workdir", str(workdir), "--tokenizer", str(other)])
-  _assert_one_line_error(result, "trained with tokenizer")
+  result = run_python(["eval.py", "--workdir", str(workdir), "--tokenizer", str(other)])
+  assert_one_line_error(result, "trained with tokenizer")
 
 
 def test_resuming_with_other_shapes_is_refused(tok_dir, tmp_path):
@@ -278,18 +217,6 @@ def record_steps(monkeypatch) -> list:
 
   monkeypatch.setattr(loop, "jit_train_step", recording)
   return calls
-
-
-def snapshot(directory) -> dict:
-  """Path -> (size, mtime) of everything under `directory`."""
-  return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-          for p in pathlib.Path(directory).rglob("*")}
-
-
-def assert_trees_equal(a, b):
-  assert jax.tree.structure(a) == jax.tree.structure(b)
-  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def test_restore_from_starts_from_the_source_parameters_with_a_fresh_optimizer(

@@ -1,7 +1,7 @@
 """Trains a Step 1 tokenizer and saves it: `python -m tokenizer.train`.
 
-  python -m tokenizer.train --kind bpe --vocab-size 8192 --out runs/tok
-  python -m tokenizer.train --kind spm_unigram --vocab-size 4096 \
+  python -m tokenizer.train --kind bpe --vocab_size 8192 --out runs/tok
+  python -m tokenizer.train --kind spm_unigram --vocab_size 4096 \
       --input a.txt b.txt --out runs/tok_unigram
 
 Without `--input`, learns from the train split of the embedded `stdlib` and
@@ -9,50 +9,55 @@ Without `--input`, learns from the train split of the embedded `stdlib` and
 one line and the exit status is 2; `--out` is written only when training
 succeeded, all at once.
 """
-import argparse
 import pathlib
 import sys
 import time
 from collections.abc import Sequence
 
+from absl import flags
+
 import tokenizer
+from configs.cli import parse_flags
 from configs.errors import UserError
 from tokenizer import inputs
 
-
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      prog="python -m tokenizer.train",
-      description="Train a tokenizer (Step 1 of the lesson) and save it.")
-  parser.add_argument("--kind", required=True, choices=tokenizer.KINDS)
-  parser.add_argument("--vocab-size", required=True, type=int,
-                      help="number of ids, special tokens included")
-  parser.add_argument("--input", nargs="+", metavar="FILE",
-                      help="UTF-8 text files (default: the embedded corpora's "
-                      "train split)")
-  parser.add_argument("--out", required=True, type=pathlib.Path,
-                      help="directory to create with the saved tokenizer")
-  return parser.parse_args(argv)
+# Its own flags, not absl's global ones: main() runs inside other programs' processes (tests).
+FLAGS = flags.FlagValues()
+flags.DEFINE_enum("kind", None, list(tokenizer.KINDS), "The tokenizer kind.", flag_values=FLAGS)
+flags.DEFINE_integer("vocab_size", None, "Number of ids, special tokens included.",
+                     flag_values=FLAGS)
+flags.DEFINE_multi_string("input", [], "UTF-8 text files: this one and the file arguments "
+                          "after it (default: the embedded corpora's train split).",
+                          flag_values=FLAGS)
+flags.DEFINE_string("out", None, "Directory to create with the saved tokenizer.",
+                    flag_values=FLAGS)
+flags.mark_flags_as_required(["kind", "vocab_size", "out"], flag_values=FLAGS)
 
 
-def run(args: argparse.Namespace) -> tokenizer.Tokenizer:
+def run(kind: str, vocab_size: int, input_paths: list[str], out: pathlib.Path
+        ) -> tokenizer.Tokenizer:
   """Checks the arguments, trains, saves; returns the trained tokenizer."""
-  if args.out.exists():
-    raise UserError(f"--out {args.out} already exists; choose a new directory")
-  texts = (inputs.read_text_files(args.input) if args.input
+  if out.exists():
+    raise UserError(f"--out {out} already exists; choose a new directory")
+  texts = (inputs.read_text_files(input_paths) if input_paths
            else inputs.embedded_texts("train"))
   start = time.perf_counter()
-  tok = tokenizer.train_tokenizer(args.kind, args.vocab_size, texts)
+  tok = tokenizer.train_tokenizer(kind, vocab_size, texts)
   seconds = time.perf_counter() - start
-  tok.save(args.out)
+  tok.save(out)
   print(f"trained {tok.kind} with {tok.vocab_size} ids in {seconds:.1f} s; "
-        f"fingerprint {tok.fingerprint[:12]}; saved to {args.out}")
+        f"fingerprint {tok.fingerprint[:12]}; saved to {out}")
   return tok
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+  """`argv`: the arguments after the program name (default: the command line's)."""
+  FLAGS.unparse_flags()
+  rest = parse_flags(["tokenizer.train", *(sys.argv[1:] if argv is None else argv)], FLAGS)
   try:
-    run(parse_args(argv))
+    if rest[1:] and not FLAGS.input:
+      raise UserError(f"unexpected argument {rest[1]!r}; text files come after --input")
+    run(FLAGS.kind, FLAGS.vocab_size, FLAGS.input + rest[1:], pathlib.Path(FLAGS.out))
   except UserError as e:
     print(f"error: {e}".replace("\n", " "), file=sys.stderr)
     sys.exit(2)

@@ -1,3 +1,3 @@
 """Training library: the loop, train state and steps, objectives, optimizer,
-checkpoints, sharding, metrics, evaluation, run directories and fault
-handling (`faults/`)."""
+checkpoints, sharding, metrics and plots, evaluation, run directories, the
+accelerators' peak FLOP/s (`hardware.py`) and fault handling (`faults/`)."""

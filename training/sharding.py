@@ -19,7 +19,6 @@ device is the trivial 1x1x1 mesh, on which every spec is a no-op.
 The training loop creates its whole train state (parameters and optimizer
 moments) under `jax.jit` with these shardings as `out_shardings`
 (`training/loop.py`), so the full state never sits on one device.
-`create_sharded_model` does the same for a bare model (used by tests).
 """
 import jax
 import numpy as np
@@ -27,7 +26,6 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from configs.errors import UserError
-from model import build_model
 
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -126,25 +124,6 @@ def state_shardings(abstract_state, mesh: Mesh, rules):
   """NamedShardings for an nnx State, usable as jit in/out_shardings."""
   return jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                       param_partition_specs(abstract_state, mesh, rules))
-
-
-def create_sharded_model(model_cfg, mesh: Mesh, rules, seed: int, *,
-                         remat: bool = False) -> nnx.Module:
-  """Builds the model with every parameter created directly in its shards.
-
-  The initialiser is traced abstractly first to read the parameter shapes and
-  logical axes, then run under `jax.jit` with their shardings as
-  `out_shardings`, so XLA computes each shard on its own device. The values
-  equal those of `build_model(model_cfg, nnx.Rngs(seed))` on one device.
-  """
-
-  def build():
-    return build_model(model_cfg, nnx.Rngs(seed), remat=remat)
-
-  graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
-  state = jax.jit(lambda: nnx.state(build()),
-                  out_shardings=state_shardings(abstract_state, mesh, rules))()
-  return nnx.merge(graphdef, state)
 
 
 def _path_names(path) -> tuple[str, ...]:

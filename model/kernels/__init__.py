@@ -1,4 +1,8 @@
-"""Pallas kernels: one file per kernel.
+"""Pallas FlashAttention kernels: `router.py` (which kernel runs; the one
+entry point), one file per kernel (`flash_attention_triton.py`,
+`flash_attention_hopper.py` over its pipeline machinery `hopper_pipeline.py`,
+`flash_attention_tpu.py`), and what they share (`common.py`, the block-sparse
+plans of `block_sparse.py`).
 
 What each kernel takes, declared here so that the attention dispatcher
 (`model/attention.py`) can check a config without importing the kernels.
