@@ -5,7 +5,9 @@
       --input a.txt b.txt --out runs/tok_unigram
 
 Without `--input`, learns from the train split of the embedded `stdlib` and
-`pydoc` corpora (5% of the documents held out). A user mistake is printed as
+`pydoc` corpora (5% of the documents held out). Input files larger than
+`--max-bytes` together are sampled: each gives its first bytes up to its
+share, and the output says how many bytes were read. A user mistake is printed as
 one line and the exit status is 2; `--out` is written only when training
 succeeded, all at once.
 """
@@ -30,6 +32,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
   parser.add_argument("--input", nargs="+", metavar="FILE",
                       help="UTF-8 text files (default: the embedded corpora's "
                       "train split)")
+  parser.add_argument("--max-bytes", type=int, default=inputs.DEFAULT_MAX_BYTES,
+                      help="read at most about this many bytes of the input files")
   parser.add_argument("--out", required=True, type=pathlib.Path,
                       help="directory to create with the saved tokenizer")
   return parser.parse_args(argv)
@@ -39,13 +43,14 @@ def run(args: argparse.Namespace) -> tokenizer.Tokenizer:
   """Checks the arguments, trains, saves; returns the trained tokenizer."""
   if args.out.exists():
     raise UserError(f"--out {args.out} already exists; choose a new directory")
-  texts = (inputs.read_text_files(args.input) if args.input
-           else inputs.embedded_texts("train"))
+  sample = inputs.TextFileSample(args.input, args.max_bytes) if args.input else None
+  texts = sample if sample is not None else inputs.embedded_texts("train")
   start = time.perf_counter()
   tok = tokenizer.train_tokenizer(args.kind, args.vocab_size, texts)
   seconds = time.perf_counter() - start
   tok.save(args.out)
-  print(f"trained {tok.kind} with {tok.vocab_size} ids in {seconds:.1f} s; "
+  read = f"read {sample.bytes_read} of {sample.total_bytes} bytes; " if sample else ""
+  print(f"trained {tok.kind} with {tok.vocab_size} ids in {seconds:.1f} s; {read}"
         f"fingerprint {tok.fingerprint[:12]}; saved to {args.out}")
   return tok
 
