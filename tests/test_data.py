@@ -4,6 +4,8 @@ import json
 import os
 import pathlib
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -20,6 +22,8 @@ from data import sources
 from data import tokens
 from training import evaluate
 from tests.byte_tokenizer import BOS, EOS, PAD, ByteTokenizer
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 FIELDS = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
           "positions": np.int32, "loss_mask": np.float32}
@@ -631,3 +635,61 @@ def test_empty_paths(tmp_path):
   data_config = make_config(tmp_path, source="jsonl", paths=" ").data
   with pytest.raises(UserError, match="data.paths is empty: data.source=jsonl needs"):
     list(sources.iter_documents(data_config))
+
+
+def _corrupt_middle(path) -> None:
+  data = bytearray(path.read_bytes())
+  data[len(data) // 3:len(data) // 3 + 200] = b"\xff" * 200
+  path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("source,damage,message", [
+    ("parquet", "truncate", r"b.parquet: not a Parquet file .*; re-download it"),
+    ("parquet", "empty", r"b.parquet: not a Parquet file .*; re-download it"),
+    ("parquet", "corrupt", r"b.parquet: row group 0 cannot be read .*damaged or truncated"),
+    ("arrayrecord", "truncate", r"b.arrayrecord: (not an ArrayRecord file|ArrayRecord records)"),
+    ("arrayrecord", "empty", r"b.arrayrecord: not an ArrayRecord file"),
+])
+def test_a_damaged_shard_is_one_line_and_leaves_the_rest_intact(tmp_path, source, damage,
+                                                                message):
+  texts = [f"document {i} " * 50 for i in range(40)]
+  for name in ("a", "b"):
+    path = tmp_path / f"{name}.{source}"
+    if source == "parquet":
+      write_parquet(path, {"text": texts}, row_group_size=40)
+    else:
+      writer = array_record_module.ArrayRecordWriter(str(path), "group_size:1")
+      for text in texts:
+        writer.write(text.encode())
+      writer.close()
+  config = make_config(tmp_path, source=source, paths=str(tmp_path / f"a.{source}"))
+  (kept,) = tokens.load_corpus(config.data, ByteTokenizer())
+  bad = tmp_path / f"b.{source}"
+  {"truncate": lambda: bad.write_bytes(bad.read_bytes()[:len(bad.read_bytes()) // 2]),
+   "empty": lambda: bad.write_bytes(b""), "corrupt": lambda: _corrupt_middle(bad)}[damage]()
+  config.data.paths = str(tmp_path / f"*.{source}")
+  with pytest.raises(UserError, match=message):
+    tokens.load_corpus(config.data, ByteTokenizer())
+  assert cache_entries(tmp_path) == [kept.key] and not leftovers(tmp_path)
+
+
+def test_prepare_fills_the_cache_and_bad_input_exits_2(tmp_path):
+  write_files(tmp_path, {"corpus/a.txt": "alpha beta " * 40, "corpus/b.txt": "gamma " * 40})
+  tok = tmp_path / "tok"
+  from tokenizer import train_tokenizer  # pylint: disable=import-outside-toplevel
+  train_tokenizer("bpe", 270, ["alpha beta gamma delta"] * 5).save(tok)
+  base_cmd = [sys.executable, "-m", "data.prepare", "--config", "configs/tiny.py",
+              "--config.data.source=files", f"--config.data.cache_dir={tmp_path / 'cache'}",
+              f"--config.tokenizer.path={tok}", "--config.data.val_percent=50", "--workers", "2"]
+  good = subprocess.run(base_cmd + [f"--config.data.paths={tmp_path}/corpus/*.txt"],
+                        cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert good.returncode == 0, good.stderr
+  assert "data: 2 shards: tokenised 2 with 2 workers" in good.stderr
+  assert "data: train: " in good.stdout and "data: validation: " in good.stdout
+  (tmp_path / "corpus" / "c.txt").write_bytes(b"caf\xe9")
+  bad = subprocess.run(base_cmd + [f"--config.data.paths={tmp_path}/corpus/*.txt"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2
+  assert bad.stderr.strip().splitlines()[-1].startswith(
+      f"error: {tmp_path}/corpus/c.txt: not UTF-8 text (bad byte at offset 3)")
+  assert "Traceback" not in bad.stderr and len(cache_entries(tmp_path)) == 2
