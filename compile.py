@@ -5,7 +5,7 @@
 
 Prints per device the memory (compiler beside model.accounting), whether it
 fits the chip's HBM, FLOPs per step, the collectives and a roofline bound on
-step time and MFU (`training/aot.py`). --step=eval or --step=generate
+step time and MFU (`aot/compiler.py`). --step=eval or --step=generate
 compiles the eval step or one KV-cache decoding step instead. TPU targets
 need `pip install -r requirements-tpu.txt`, GPU targets
 `pip install -r requirements-gpu.txt`; no accelerator is needed.
@@ -37,7 +37,8 @@ def main(argv):
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver needed
-  from training import aot, aot_targets  # pylint: disable=import-outside-toplevel
+  from aot import compiler as aot  # pylint: disable=import-outside-toplevel
+  from aot import targets as aot_targets  # pylint: disable=import-outside-toplevel
   try:
     report = aot.compile_report(_CONFIG.value, aot_targets.parse_target(_TARGET.value),
                                 step=_STEP.value)

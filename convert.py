@@ -8,7 +8,7 @@
 --workdir W2` fine-tunes; `to_hf` writes a directory that
 `transformers.AutoModelForCausalLM` (BERT: `AutoModelForMaskedLM`, T5 and BART:
 `AutoModelForSeq2SeqLM`) and `AutoTokenizer` load. See
-training/hf_convert.py and, for the architectures, training/hf_mappings.py.
+hf/convert.py and, for the architectures, hf/mappings.py.
 """
 import argparse
 import sys
@@ -32,7 +32,7 @@ def main(argv=None) -> None:
   push.add_argument("--out", required=True, help="the new Hugging Face model directory")
   push.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
   args = parser.parse_args(argv)
-  from training import hf_convert  # pylint: disable=import-outside-toplevel
+  from hf import convert as hf_convert  # pylint: disable=import-outside-toplevel
   try:
     if args.command == "from_hf":
       count = hf_convert.from_hf(args.hf_dir, args.workdir, fsdp=args.fsdp, tensor=args.tensor,

@@ -7,7 +7,7 @@
   python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
 
 Running `run` again resumes the unfinished variants and skips the done ones.
-The library is training/sweeps/; SLURM details in docs/slurm.md.
+The library is sweeps/; SLURM details in docs/slurm.md.
 """
 import os
 import sys
@@ -17,7 +17,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
-from training import sweeps as sweep_lib
+import sweeps as sweep_lib
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "

@@ -1,6 +1,6 @@
 """What the checkpoint checksums cost: save and restore of a config's train
 state (parameters, AdamW moments, step, RNG) with training/checkpoint.py,
-beside the checksum computation alone (training/integrity.py).
+beside the checksum computation alone (training/faults/integrity.py).
 
 Rows, each the median of `--repeats` runs into a fresh directory:
 - `checksums`: `integrity.fingerprints(state)`, what a save adds to the
@@ -37,7 +37,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from model import build_model
-from training import integrity
+from training.faults import integrity
 from training.checkpoint import Checkpointer
 from training.optim import make_optimizer
 from training.steps import init_state

@@ -90,7 +90,7 @@ if str(ROOT) not in sys.path:
 from bench import attention as bench_attention  # pylint: disable=wrong-import-position
 from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
 from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
-from model.kernels.flash_attention import flash_attention  # pylint: disable=wrong-import-position
+from model.kernels.router import flash_attention  # pylint: disable=wrong-import-position
 
 TARGET = ROOT / "bench" / "h200_target.txtpb"
 VARIANTS = {  # name: (T, S, H, K, segment ids)

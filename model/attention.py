@@ -137,7 +137,7 @@ def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scal
   if mask is not None or window is not None:
     raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
                      "not a dense mask or a window; use 'xla' or 'auto' for those")
-  from model.kernels.flash_attention import flash_attention  # pylint: disable=import-outside-toplevel
+  from model.kernels.router import flash_attention  # pylint: disable=import-outside-toplevel
   q_seg, kv_seg = _split_segment_ids(segment_ids)
   return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=q_seg,
                          kv_segment_ids=kv_seg, scale=scale,

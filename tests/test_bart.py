@@ -26,8 +26,9 @@ from model.generate import generate
 from tests.test_hf_convert import (_assert_close, _edit_config, _error_line,
                                    _run_convert, _save, run_command)
 from tests.test_hf_convert import tok  # pylint: disable=unused-import (a fixture)
-from training import hf_convert, hf_mappings
-from training.evaluate import load_run
+from hf import convert as hf_convert
+from hf import mappings as hf_mappings
+from training.workdir import load_run
 
 NEW_TOKENS = 8
 SOURCES = ["def add(a, b):\n    return a + b", "class Foo"]

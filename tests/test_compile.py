@@ -18,7 +18,8 @@ from configs import llama2_70b
 from configs.errors import UserError
 from model import accounting
 from tests.conftest import ROOT
-from training import aot, aot_targets
+from aot import compiler as aot
+from aot import targets as aot_targets
 
 LLAMA2_70B = 68_976_648_192  # parameters of Llama-2-70b as published
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,

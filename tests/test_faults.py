@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 
 from configs.errors import UserError
-from training import evaluate, integrity, loop
+from training import loop
+from training import workdir as workdir_lib
+from training.faults import integrity
 from tests.test_train import (ROOT, _assert_one_line_error, _run, assert_trees_equal,  # pylint: disable=unused-import
                               final_params, small_config, snapshot, tok_dir, train_cmd)
 
@@ -163,7 +165,7 @@ def test_eval_skips_a_damaged_newest_checkpoint_and_refuses_a_damaged_step(
   run = copy_run(reference, tmp_path)
   swap_state(run / "checkpoints" / "6", run / "checkpoints" / "4")
   capsys.readouterr()
-  step = evaluate.load_run(str(run))[3]
+  step = workdir_lib.load_run(str(run))[3]
   assert step == 4
   err = capsys.readouterr().err.strip()
   assert err.startswith(f"eval of {run}: checkpoint step 6 is damaged (checksum mismatch")

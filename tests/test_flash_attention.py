@@ -23,8 +23,8 @@ from hypothesis import given, settings, strategies as st
 from jax import export
 
 from model.attention import attention
-from model.kernels.flash_attention import (BlockSizes, choose_block_sizes,
-                                           flash_attention)
+from model.kernels.flash_attention_triton import BlockSizes, choose_block_sizes
+from model.kernels.router import flash_attention
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}

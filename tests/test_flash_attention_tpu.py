@@ -22,7 +22,7 @@ from hypothesis import given, settings, strategies as st
 from bench import compile_tpu
 from model.attention import attention
 from model.kernels import flash_attention_tpu as tpu
-from model.kernels.flash_attention import choose_lowering, flash_attention
+from model.kernels.router import choose_lowering, flash_attention
 from tests.test_flash_attention import _assert_close, _inputs, _kernel_and_oracle, _segments
 
 # Several processes on one host may load libtpu for compiling only.

@@ -2,7 +2,7 @@
 
 Each case builds a tiny random-initialised `transformers` model (nothing is
 downloaded), saves it with a tokenizer, imports it with `convert.py from_hf`,
-loads the run with `training.evaluate.load_run` and compares float32 logits
+loads the run with `training.workdir.load_run` and compares float32 logits
 (within 1e-4 of the largest logit) and greedy KV-cache generation token for
 token; then exports it with `convert.py to_hf` and loads that with
 `transformers` to the same logits and tokenizer ids.
@@ -28,9 +28,10 @@ from model.config import ModelConfig
 from model.generate import generate
 from model.transformer import PADDED_LOGIT
 from tokenizer import bpe, export_hf
-from training import hf_convert, hf_mappings
+from hf import convert as hf_convert
+from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
-from training.evaluate import load_run
+from training.workdir import load_run
 from training.objectives import cross_entropy_sums
 
 TEXTS = ["def add(a, b):\n    return a + b\n" * 3, "class Foo: pass\n", "hello world"] * 5
@@ -318,7 +319,7 @@ def _edit_config(hf_dir, **changes):
 
 @pytest.mark.slow
 def test_commands_import_evaluate_finetune_export(tok, tmp_path):
-  """The README's worked example with the real commands: convert.py from_hf,
+  """docs/huggingface.md's worked example with the real commands: convert.py from_hf,
   eval.py, train.py from the imported run, convert.py to_hf of the fine-tune."""
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")

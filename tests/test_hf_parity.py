@@ -1,5 +1,5 @@
 """Logits parity with tiny random `transformers` models, weights copied in memory
-with convert.py's mappings (`training/hf_mappings.py`).
+with convert.py's mappings (`hf/mappings.py`).
 
 Covers the model options that these architectures need: Mistral's sliding
 window and Qwen2's in some layers only (with KV-cache decoding), Qwen2's
@@ -17,7 +17,7 @@ from flax import nnx
 from configs import base, bert_base
 from model import accounting, build_model
 from model.config import ModelConfig
-from training import hf_mappings
+from hf import mappings as hf_mappings
 
 SHAPES = dict(vocab_size=64, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
               head_dim=8, intermediate_size=48, num_hidden_layers=2, rms_norm_eps=1e-6,
@@ -62,7 +62,7 @@ def _ours(**overrides):
 
 def _copy_weights(hf, ours, model_config):
   """transformers' weights into our model, through convert.py's mapping
-  (`training/hf_mappings.py`) for the HF model's type."""
+  (`hf/mappings.py`) for the HF model's type."""
   arch = hf_mappings.ARCHITECTURES[hf.config.model_type]
   weights = {name.removeprefix(arch.prefix): tensor.detach().numpy()
              for name, tensor in hf.state_dict().items()}

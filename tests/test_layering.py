@@ -1,4 +1,5 @@
-"""The dependency arrows run one way: configs/ at the bottom, model/ above it.
+"""The dependency arrows run one way: configs/ at the bottom, then data/, model/ and
+tokenizer/, then training/, then hf/, aot/ and sweeps/ side by side.
 
 Each check runs in a fresh interpreter, so what a module pulls in is what
 `sys.modules` shows, and an import cycle shows as an ImportError for the
@@ -7,6 +8,8 @@ module imported first.
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -50,4 +53,32 @@ for name in {_modules("model")!r}:
   for loaded in [m for m in sys.modules if m.split(".")[0] in ("model", "configs")]:
     del sys.modules[loaded]
   importlib.import_module(name)
+""")
+
+
+# Which top-level packages each package may import: a floor imports only the
+# floors below it. configs/ is the bottom; hf/, aot/ and sweeps/ sit side by
+# side above training/, and only the entry points import them.
+_ALLOWED = {
+    "configs": set(),
+    "data": {"configs"},
+    "model": {"configs"},
+    "tokenizer": {"configs", "data"},
+    "training": {"configs", "data", "model", "tokenizer"},
+    "hf": {"configs", "data", "model", "tokenizer", "training"},
+    "aot": {"configs", "data", "model", "tokenizer", "training"},
+    "sweeps": {"configs", "data", "model", "tokenizer", "training"},
+}
+
+
+@pytest.mark.parametrize("package", sorted(_ALLOWED))
+def test_no_import_runs_up_a_floor(package):
+  """Importing every module of `package` loads no project package above it."""
+  forbidden = sorted(set(_ALLOWED) - _ALLOWED[package] - {package})
+  _run(f"""
+import importlib, sys
+for name in {_modules(package)!r}:
+  importlib.import_module(name)
+pulled = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
+assert not pulled, f"{package} pulled in {{pulled}}"
 """)

@@ -16,7 +16,8 @@ from configs import base, qwen2_0_5b
 from model import accounting
 from model.config import ModelConfig
 from tests.test_hf_convert import ROOT
-from training import hf_convert, hf_mappings
+from hf import convert as hf_convert
+from hf import mappings as hf_mappings
 
 
 def _hf_qwen2_0_5b():

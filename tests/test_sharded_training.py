@@ -48,6 +48,7 @@ from flax import nnx
 from model import build_model
 from training.checkpoint import Checkpointer
 from training.optim import make_optimizer
+from training import sharding
 from training.sharding import make_mesh
 from training.steps import init_state
 
@@ -59,9 +60,9 @@ for name, mesh_shape in args["meshes"].items():
   tx = make_optimizer(c.train)
   abstract = jax.eval_shape(
       lambda: init_state(nnx.state(build_model(c.model, nnx.Rngs(0))), tx, 0))
-  shardings = loop.train_state_shardings(abstract, make_mesh(c.mesh), c.mesh.rules)
+  shardings = sharding.train_state_shardings(abstract, make_mesh(c.mesh), c.mesh.rules)
   checkpointer = Checkpointer(workdir, asynchronous=False)
-  state, _ = checkpointer.restore(args["steps"], loop.with_shardings(abstract, shardings))
+  state, _ = checkpointer.restore(args["steps"], sharding.with_shardings(abstract, shardings))
   checkpointer.close()
   leaves = {jax.tree_util.keystr(path, simple=True, separator="/"): x
             for path, x in jax.tree_util.tree_flatten_with_path(state)[0]}

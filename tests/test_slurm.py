@@ -18,10 +18,10 @@ import pytest
 from flax import nnx
 
 from data import corpora
+import sweeps as sweep_lib
 from tokenizer import train_tokenizer
-from training import sweeps as sweep_lib
-from training.evaluate import load_run
-from training.sweeps.state import last_step
+from training.workdir import load_run
+from sweeps.state import last_step
 from tests.test_sweep import ROOT, TINY, TWO_VARIANTS, small_flags, sweep_cli, write_sweep
 
 sys.path.insert(0, str(ROOT / "scripts"))

@@ -15,7 +15,7 @@ import pytest
 import submitit
 
 from configs.errors import UserError
-from training import sweeps as sweep_lib
+import sweeps as sweep_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
@@ -205,7 +205,7 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
 
 
 def test_a_variant_runs_to_completion_as_a_submitit_job(tmp_path, monkeypatch):
-  monkeypatch.chdir(ROOT)  # the job imports training.sweeps from its working directory
+  monkeypatch.chdir(ROOT)  # the job imports sweeps from its working directory
   path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'learned'}]\n")
   variants = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY,
                                      small_flags(tmp_path / "cache"), str(tmp_path / "root"))

@@ -23,9 +23,10 @@ from model.generate import generate
 from model.relative_bias import relative_bucket
 from tests.test_hf_convert import (  # pylint: disable=unused-import  (tok: a fixture)
     _assert_close, _edit_config, _error_line, _run_convert, _save, run_command, tok)
-from training import hf_convert, hf_mappings
+from hf import convert as hf_convert
+from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
-from training.evaluate import load_run
+from training.workdir import load_run
 
 M, H, D, F, V, BUCKETS, MAX_DISTANCE = 32, 4, 8, 48, 64, 8, 16
 

@@ -1,1 +1,3 @@
-"""Training library: state, steps, checkpoints, sharding, metrics, evaluation."""
+"""Training library: the loop, train state and steps, objectives, optimizer,
+checkpoints, sharding, metrics, evaluation, run directories and fault
+handling (`faults/`)."""

@@ -7,7 +7,7 @@ leftover temporary directories are ignored and cleaned up. Each checkpoint
 holds `state` (step, parameters, optimizer state, RNG), `data` (the Grain
 iterator position, one file per process) and `meta` (the resolved config, the
 tokenizer fingerprint and a checksum of every array of `state`, see
-training/integrity.py).
+training/faults/integrity.py).
 
 Damage is detected, never loaded: a checkpoint restores whole (every file
 read, every checksum equal) or raises `DamagedCheckpoint`.
@@ -29,7 +29,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from configs.errors import UserError
-from training import integrity
+from training.faults import integrity
 
 DAMAGED_SUFFIX = ".damaged"
 
@@ -212,7 +212,7 @@ class Checkpointer:
     if damaged:
       causes = "; ".join(str(e) for e in damaged)
       raise UserError(f"{where}: no checkpoint in {self.directory} restores whole: {causes}; "
-                      "nothing was moved or deleted (see README, Damaged checkpoints)")
+                      "nothing was moved or deleted (see docs/training.md, Faults)")
     return None
 
   def move_aside(self, step: int) -> str:

@@ -38,7 +38,6 @@ from data import pipeline, seq2seq, tasks  # pylint: disable=wrong-import-positi
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
-from training.checkpoint import Checkpointer, DamagedCheckpoint, resolve_step  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
 from training.steps import abstract_state, jit_eval_step  # pylint: disable=wrong-import-position
@@ -77,44 +76,6 @@ def apply_data_flag(config, data: str) -> None:
     config.data.source = "files"
   config.data.paths = data
   config.data.val_percent = 100  # every document is held out
-
-
-def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None = None):
-  """(config, tokenizer, model, step) of a checkpoint of `workdir`.
-
-  The state is restored onto this process's first device, whatever mesh it
-  was saved from (for example a run trained on 8 devices). The checkpoints are
-  only read: the run may still be training, its save in progress is left alone.
-  """
-  config = workdir_lib.load_config(workdir)
-  where = f"eval of {workdir}"
-  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
-  try:
-    tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
-    graphdef, abstract = abstract_state(config)
-    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    abstract = jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
-    step, state, meta = _restore_intact(checkpointer, step, abstract, where)
-  finally:
-    checkpointer.close()
-  tokenizer_lib.check_fingerprint(meta["tokenizer_fingerprint"], tok)
-  return config, tok, nnx.merge(graphdef, state["params"]), step
-
-
-def _restore_intact(checkpointer, step: int | None, abstract, where: str):
-  """(step, state, meta): checkpoint `step`, or without one the newest intact
-  checkpoint (saying which damaged ones it skipped); a damaged `step` is a
-  UserError. Nothing is moved: the run may still be training."""
-  if step is not None:
-    step = resolve_step(checkpointer, step, where)
-    try:
-      return (step, *checkpointer.restore(step, abstract))
-    except DamagedCheckpoint as e:
-      raise UserError(f"{where}: {e}; evaluate another step (available: "
-                      f"{', '.join(map(str, checkpointer.all_steps()))})") from None
-  resolve_step(checkpointer, None, where)  # a UserError when there is none
-  return checkpointer.restore_newest_intact(abstract, move_aside=False, where=where)
 
 
 def _token_counts(config, tok, split: str) -> np.ndarray:
@@ -186,7 +147,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
   seq2seq runs.
   """
-  config, tok, model, step = load_run(workdir, step, tokenizer_path)
+  config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
   if data:
     apply_data_flag(config, data)
   graphdef, params = nnx.split(model)

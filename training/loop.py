@@ -35,11 +35,12 @@ import tokenizer as tokenizer_lib
 from training import hardware
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, all_true
-from training.lock import WorkdirLock
+from training.faults.lock import WorkdirLock
+from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, evaluate
 from training.optim import learning_rate_schedule, make_optimizer
-from training.peers import PeerWatchdog
-from training.sharding import batch_sharding, make_mesh, opt_state_shardings, shard_batch
+from training.sharding import (batch_sharding, make_mesh, shard_batch,
+                               train_state_shardings, with_shardings)
 from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
 
 
@@ -123,25 +124,6 @@ def _print(message: str) -> None:
     print(message, flush=True)
 
 
-def train_state_shardings(abstract, mesh, rules):
-  """NamedShardings of a train state, usable as jit in/out_shardings.
-
-  Parameters and their optimizer moments are split by `mesh.rules`;
-  everything else (step, counts, RNG) is replicated.
-  """
-  return opt_state_shardings(abstract, abstract["params"], mesh, rules)
-
-
-def with_shardings(abstract, shardings):
-  """The abstract state with each leaf carrying its target sharding.
-
-  Given to Orbax as the restore target, it puts every array directly into its
-  shards on the current mesh, whatever mesh the checkpoint was saved from.
-  """
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      abstract, shardings)
-
-
 def _check_finite(state) -> None:
   bad = int(jax.device_get(state["bad_step"]))
   if bad >= 0:
@@ -157,7 +139,7 @@ def _meta(config, tokenizer) -> dict:
 def train(config, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming it); returns the last metrics.
 
-  The run holds the workdir's lock (training/lock.py) from before it writes
+  The run holds the workdir's lock (training/faults/lock.py) from before it writes
   anything there until it returns: a second run on the same workdir is refused.
   """
   lock = WorkdirLock(workdir)

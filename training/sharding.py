@@ -206,3 +206,22 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
     return jax.device_put(batch, sharding)
   return {name: jax.make_array_from_process_local_data(sharding, x)
           for name, x in batch.items()}
+
+
+def train_state_shardings(abstract, mesh, rules):
+  """NamedShardings of a train state, usable as jit in/out_shardings.
+
+  Parameters and their optimizer moments are split by `mesh.rules`;
+  everything else (step, counts, RNG) is replicated.
+  """
+  return opt_state_shardings(abstract, abstract["params"], mesh, rules)
+
+
+def with_shardings(abstract, shardings):
+  """The abstract state with each leaf carrying its target sharding.
+
+  Given to Orbax as the restore target, it puts every array directly into its
+  shards on the current mesh, whatever mesh the checkpoint was saved from.
+  """
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      abstract, shardings)

@@ -9,6 +9,7 @@ import json
 import os
 
 import jax
+from flax import nnx
 from jax.experimental import multihost_utils
 from ml_collections import config_dict
 
@@ -17,6 +18,8 @@ from configs.errors import UserError
 from data import pipeline
 from model import accounting
 import tokenizer as tokenizer_lib
+from training.checkpoint import Checkpointer, DamagedCheckpoint, resolve_step
+from training.steps import abstract_state
 
 CONFIG_FILE = "config.json"
 TOKENIZER_DIR = "tokenizer"
@@ -128,3 +131,41 @@ def setup_tokenizer(config: config_dict.ConfigDict, workdir: str, given: str | N
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but model.{field}="
                     f"{config.model[field]}; raise model.{field}")
   return tok
+
+
+def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None = None):
+  """(config, tokenizer, model, step) of a checkpoint of `workdir`.
+
+  The state is restored onto this process's first device, whatever mesh it
+  was saved from (for example a run trained on 8 devices). The checkpoints are
+  only read: the run may still be training, its save in progress is left alone.
+  """
+  config = load_config(workdir)
+  where = f"eval of {workdir}"
+  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
+  try:
+    tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
+    graphdef, abstract = abstract_state(config)
+    one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_device), abstract)
+    step, state, meta = _restore_intact(checkpointer, step, abstract, where)
+  finally:
+    checkpointer.close()
+  tokenizer_lib.check_fingerprint(meta["tokenizer_fingerprint"], tok)
+  return config, tok, nnx.merge(graphdef, state["params"]), step
+
+
+def _restore_intact(checkpointer, step: int | None, abstract, where: str):
+  """(step, state, meta): checkpoint `step`, or without one the newest intact
+  checkpoint (saying which damaged ones it skipped); a damaged `step` is a
+  UserError. Nothing is moved: the run may still be training."""
+  if step is not None:
+    step = resolve_step(checkpointer, step, where)
+    try:
+      return (step, *checkpointer.restore(step, abstract))
+    except DamagedCheckpoint as e:
+      raise UserError(f"{where}: {e}; evaluate another step (available: "
+                      f"{', '.join(map(str, checkpointer.all_steps()))})") from None
+  resolve_step(checkpointer, None, where)  # a UserError when there is none
+  return checkpointer.restore_newest_intact(abstract, move_aside=False, where=where)

@@ -5,8 +5,8 @@ import os
 
 from training.metrics import read_metrics
 from training.plots import plot_curves, split_curve
-from training.sweeps.common import REPO
-from training.sweeps.state import read_manifest, variant_state
+from sweeps.common import REPO
+from sweeps.state import read_manifest, variant_state
 
 # eval_report.json keys, their column titles in report.md and their formats.
 REPORT_COLUMNS = (("loss", "val loss", ".4f"), ("perplexity", "perplexity", ".2f"),

@@ -6,7 +6,7 @@ and the tokenizer files) and writes a run directory at step 0: config.json,
 tokenizer/ and an Orbax checkpoint, as train.py writes them, so eval.py
 evaluates it and train.py fine-tunes it (`train.restore_from`). Everything is
 checked before any weight is read: the architecture, every config field
-(`training/hf_mappings.py`), the tensor names and shapes. Tensors are read one
+(`hf/mappings.py`), the tensor names and shapes. Tensors are read one
 at a time (`safe_open`), converted on the host and placed on the run's mesh
 with its sharding rules, so the host holds about one tensor, not the model.
 The run is written into a temporary directory next to the workdir and renamed
@@ -42,10 +42,10 @@ from configs.errors import UserError
 from data import seq2seq
 from model.config import ModelConfig
 import tokenizer as tokenizer_lib
-from training import hf_mappings
+from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
-from training.evaluate import load_run
+from training.workdir import load_run
 from training.optim import make_optimizer
 from training.sharding import make_mesh, opt_state_shardings, state_shardings
 from training.steps import abstract_state, init_state

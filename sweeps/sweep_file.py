@@ -7,7 +7,7 @@ import os
 import re
 
 from configs.errors import UserError
-from training.sweeps.common import first_line
+from sweeps.common import first_line
 
 VALUE_TYPES = (str, int, float, bool)
 

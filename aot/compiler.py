@@ -3,7 +3,7 @@
 `compile_report(config, target)` builds the train step exactly as
 `training/loop.py` does (the model with `train.remat`, AdamW, the mesh of
 `config.mesh` and the sharding rules of `mesh.rules`) over the abstract
-devices of the target (`training/aot_targets.py`), compiles it with the
+devices of the target (`aot/targets.py`), compiles it with the
 target's real compiler and reads back, per device:
 
 - memory: parameters and optimizer state (their shards, from the
@@ -45,10 +45,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from configs.errors import UserError
 from configs.validation import validate
 from model import accounting
-from training.aot_targets import Target, target_devices
-from training.loop import train_state_shardings, with_shardings
+from aot.targets import Target, target_devices
 from training.optim import learning_rate_schedule, make_optimizer
-from training.sharding import BATCH_AXES, batch_sharding, make_mesh, state_shardings
+from training.sharding import (BATCH_AXES, batch_sharding, make_mesh, state_shardings,
+                               train_state_shardings, with_shardings)
 from training.steps import abstract_state, jit_eval_step, jit_train_step, traced_on
 
 STEPS = ("train", "eval", "generate")

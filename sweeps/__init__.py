@@ -27,11 +27,11 @@ One module per job:
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv and the validation-curve plots
 """
-from training.sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
-from training.sweeps.report import write_report
-from training.sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
-from training.sweeps.state import (State, read_manifest, status_lines, unfinished,
+from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
+from sweeps.report import write_report
+from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
+from sweeps.state import (State, read_manifest, status_lines, unfinished,
                                    variant_state, write_manifest)
-from training.sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
+from sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
                                         with_default_config)
-from training.sweeps.variants import Variant, describe, load_config, make_variants
+from sweeps.variants import Variant, describe, load_config, make_variants

@@ -12,8 +12,8 @@ from ml_collections import config_dict, config_flags
 from configs.errors import UserError
 from configs.validation import validate
 from model.config import ModelConfig
-from training.sweeps.common import REPO, first_line
-from training.sweeps.sweep_file import Sweep, format_value, variant_name
+from sweeps.common import REPO, first_line
+from sweeps.sweep_file import Sweep, format_value, variant_name
 
 
 @dataclasses.dataclass

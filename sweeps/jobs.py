@@ -10,9 +10,9 @@ import time
 
 import submitit
 
-from training.sweeps.common import REPO
-from training.sweeps.state import ERROR, LOG, REPORT, last_step, read_json, write_json
-from training.sweeps.variants import Variant
+from sweeps.common import REPO
+from sweeps.state import ERROR, LOG, REPORT, last_step, read_json, write_json
+from sweeps.variants import Variant
 
 STOP_TIMEOUT_S = 60  # how long checkpoint() waits for train.py to save and exit
 

@@ -1,7 +1,7 @@
 """What every sweep module shares: the repository root and the first line of an error."""
 import os
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def first_line(error: BaseException) -> str:

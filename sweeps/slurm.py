@@ -11,9 +11,9 @@ import submitit
 from submitit.slurm import slurm as submitit_slurm
 
 from configs.errors import UserError
-from training.sweeps.common import REPO, first_line
-from training.sweeps.jobs import VariantJob
-from training.sweeps.variants import Variant
+from sweeps.common import REPO, first_line
+from sweeps.jobs import VariantJob
+from sweeps.variants import Variant
 
 
 def slurm_parameters(name: str, *, nodes: int, tasks_per_node: int, gpus_per_node: int,
@@ -25,7 +25,7 @@ def slurm_parameters(name: str, *, nodes: int, tasks_per_node: int, gpus_per_nod
   memory line when `mem_gb` is 0: the cluster's default applies)."""
   params = {"name": name, "nodes": nodes, "tasks_per_node": tasks_per_node,
             "cpus_per_task": cpus_per_task, "timeout_min": timeout_min,
-            # the job unpickles VariantJob, so it imports training.sweeps from here
+            # the job unpickles VariantJob, so it imports sweeps from here
             "slurm_setup": [f"cd {shlex.quote(REPO)}", *setup],
             # requeue-able even where the cluster's default is not (JobRequeue=0)
             "slurm_additional_parameters": {"requeue": True}}

@@ -5,8 +5,8 @@ import os
 
 from configs.errors import UserError
 from training.metrics import read_metrics
-from training.sweeps.sweep_file import Sweep
-from training.sweeps.variants import Variant
+from sweeps.sweep_file import Sweep
+from sweeps.variants import Variant
 
 MANIFEST = "sweep.json"
 LOG = "sweep.log"

@@ -1,0 +1,196 @@
+"""LLaMA, Mistral and Qwen2: one tensor table, three config mappings (rope
+scaling types, Mistral's window, Qwen2's per-layer window). Both RoPE
+layouts rotate pairs (x[i], x[i + D/2]), so no permutation is needed."""
+from configs.errors import UserError
+from hf.tables import (Architecture, ROTARY, Tensor, bias_in, check_fields, linear_in, linear_out,
+                       same, transposed)
+
+
+# rope_type -> {HF rope_parameters key: (our model field, default)}; a None
+# default is required, except yarn's attention_factor (None: from the factor).
+_ROPE_PARAMS = {
+    "default": {},
+    "linear": {"factor": ("rope_scaling_factor", 1.0)},
+    "yarn": {"factor": ("rope_scaling_factor", None),
+             "original_max_position_embeddings": ("rope_original_max_len", None),
+             "beta_fast": ("rope_beta_fast", 32.0), "beta_slow": ("rope_beta_slow", 1.0),
+             "attention_factor": ("rope_attention_factor", None),
+             "truncate": ("rope_truncate", True)},
+    "llama3": {"factor": ("rope_scaling_factor", None),
+               "original_max_position_embeddings": ("rope_original_max_len", None),
+               "low_freq_factor": ("rope_low_freq_factor", None),
+               "high_freq_factor": ("rope_high_freq_factor", None)},
+}
+
+
+def _rope(hf: dict) -> dict:
+  """RoPE base and scaling from `rope_parameters` (transformers 5) or
+  `rope_theta`/`rope_scaling` (earlier files): rope_type default, linear,
+  yarn or llama3, each parameter as transformers defines it (yarn's factor
+  defaults to max_position_embeddings / original_max_position_embeddings)."""
+  params = {k: v for k, v in dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+                                  ).items() if v is not None}
+  theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+  kind = params.pop("rope_type", params.pop("type", "default"))
+  if kind not in _ROPE_PARAMS:
+    raise UserError(f"Hugging Face config field rope_type={kind!r} is not supported by the "
+                    f"import ({', '.join(_ROPE_PARAMS)} are)")
+  out = dict(rope_theta=theta, rope_scaling="none" if kind == "default" else kind)
+  for key, (field, default) in _ROPE_PARAMS[kind].items():
+    out[field] = params.pop(key, default)
+  if params:
+    key = next(iter(params))
+    raise UserError(f"Hugging Face config field rope_parameters.{key}={params[key]!r} is not "
+                    f"supported by the import with rope_type={kind!r}")
+  if kind == "yarn":
+    max_len = hf.get("max_position_embeddings", 2048)
+    if out["rope_original_max_len"] is None:
+      out["rope_original_max_len"] = max_len
+    if out["rope_scaling_factor"] is None:
+      out["rope_scaling_factor"] = max_len / out["rope_original_max_len"]
+  for key, (field, _) in _ROPE_PARAMS[kind].items():
+    if out[field] is None and field != "rope_attention_factor":
+      raise UserError(f"Hugging Face config field rope_parameters.{key} is missing "
+                      f"(rope_type={kind!r} needs it)")
+  return out
+
+
+def _rope_to_hf(cfg) -> dict:
+  """Our RoPE fields -> HF `rope_parameters` (inverse of `_rope`); a scaling
+  HF does not define (ntk) is written as none, so the round trip names it."""
+  kind = cfg.rope_scaling if cfg.rope_scaling in _ROPE_PARAMS else "default"
+  out = {"rope_type": kind, "rope_theta": cfg.rope_theta}
+  for key, (field, _) in _ROPE_PARAMS[kind].items():
+    if getattr(cfg, field) is not None:
+      out[key] = getattr(cfg, field)
+  return out
+
+
+_LLAMA_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim",
+                 "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "rope_theta",
+                 "rope_scaling", "rope_parameters"}
+
+
+def _llama_body(hf: dict) -> dict:
+  """Our fields for the LLaMA body that Mistral and Qwen2 share."""
+  d, h = hf.get("hidden_size", 4096), hf.get("num_attention_heads", 32)
+  return dict(vocab_size=hf.get("vocab_size", 32000), d_model=d,
+              num_layers=hf.get("num_hidden_layers", 32), num_heads=h,
+              num_kv_heads=hf.get("num_key_value_heads") or h,
+              head_dim=hf.get("head_dim") or d // h, d_ff=hf.get("intermediate_size", 11008),
+              max_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
+              norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu",
+              use_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False), **_rope(hf))
+
+
+def _llama_from_hf(hf: dict) -> dict:
+  check_fields(hf, _LLAMA_FIELDS, {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                                    "pretraining_tp": 1}, "llama")
+  return _llama_body(hf)
+
+
+def _mistral_from_hf(hf: dict) -> dict:
+  check_fields(hf, _LLAMA_FIELDS | {"sliding_window"}, {"hidden_act": "silu"}, "mistral")
+  return dict(_llama_body(hf), sliding_window=hf.get("sliding_window"))
+
+
+def _qwen2_window(hf: dict) -> dict:
+  """Qwen2's own window as transformers 5 applies it: layer i attends to the
+  last `sliding_window` keys (itself included) when `use_sliding_window` and
+  `layer_types[i]` is "sliding_attention"; without `layer_types`, the layers
+  i >= `max_window_layers`. -> our `sliding_window` and
+  `sliding_window_layers` (None: every layer)."""
+  num_layers = hf.get("num_hidden_layers", 32)
+  window = hf.get("sliding_window", 4096) if hf.get("use_sliding_window") else None
+  first = hf.get("max_window_layers", 28)
+  layer_types = hf.get("layer_types") or [
+      "sliding_attention" if window is not None and i >= first else "full_attention"
+      for i in range(num_layers)]
+  if (len(layer_types) != num_layers
+      or not set(layer_types) <= {"full_attention", "sliding_attention"}):
+    raise UserError(f"Hugging Face config field layer_types={layer_types!r} is not supported "
+                    f"by the qwen2 import (needs {num_layers} of full_attention, "
+                    "sliding_attention)")
+  layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+  if layers and window is None:
+    raise UserError("Hugging Face config field layer_types has sliding_attention layers but "
+                    f"use_sliding_window={hf.get('use_sliding_window')!r}, sliding_window="
+                    f"{hf.get('sliding_window')!r}: no window for them (transformers refuses "
+                    "it too)")
+  if not layers:
+    return dict(sliding_window=None, sliding_window_layers=None)
+  return dict(sliding_window=window,
+              sliding_window_layers=None if len(layers) == num_layers else layers)
+
+
+def _qwen2_from_hf(hf: dict) -> dict:
+  """Qwen2: LLaMA with q/k/v biases and its per-layer window (`_qwen2_window`)."""
+  check_fields(hf, _LLAMA_FIELDS | {"use_sliding_window", "sliding_window", "max_window_layers",
+                                     "layer_types"}, {"hidden_act": "silu"}, "qwen2")
+  return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False, **_qwen2_window(hf))
+
+
+def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+              num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+              num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
+              tie_word_embeddings=cfg.tie_embeddings, rope_parameters=_rope_to_hf(cfg))
+
+
+def _llama_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["LlamaForCausalLM"], model_type="llama",
+              **_llama_body_to_hf(cfg, vocab_size), attention_bias=False, mlp_bias=False)
+
+
+def _mistral_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["MistralForCausalLM"], model_type="mistral",
+              **_llama_body_to_hf(cfg, vocab_size), sliding_window=cfg.sliding_window)
+
+
+def _qwen2_to_hf(cfg, vocab_size: int) -> dict:
+  """LLaMA's fields and the window: `layer_types` says which layers have it
+  (`max_window_layers`, which transformers reads only without `layer_types`,
+  is the first of them)."""
+  layers = cfg.sliding_window_layers
+  return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+              **_llama_body_to_hf(cfg, vocab_size), use_sliding_window=bool(layers),
+              sliding_window=cfg.sliding_window,
+              max_window_layers=layers[0] if layers else cfg.num_layers,
+              layer_types=["sliding_attention" if i in layers else "full_attention"
+                           for i in range(cfg.num_layers)])
+
+
+def _llama_tensors(cfg) -> list[Tensor]:
+  """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias)."""
+  m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+  out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
+         same("norm.weight", "decoder/final_norm/scale")]
+  for i in range(cfg.num_layers):
+    hf, ours = f"layers.{i}.", f"decoder/layers/{i}/"
+    out += [
+        same(hf + "input_layernorm.weight", ours + "norm_attn/scale"),
+        same(hf + "post_attention_layernorm.weight", ours + "norm_mlp/scale"),
+        linear_in(hf + "self_attn.q_proj.weight", ours + "attn/q_proj/kernel", m, h, d),
+        linear_in(hf + "self_attn.k_proj.weight", ours + "attn/k_proj/kernel", m, k, d),
+        linear_in(hf + "self_attn.v_proj.weight", ours + "attn/v_proj/kernel", m, k, d),
+        linear_out(hf + "self_attn.o_proj.weight", ours + "attn/o_proj/kernel", h, d, m),
+        transposed(hf + "mlp.gate_proj.weight", ours + "mlp/gate/kernel"),
+        transposed(hf + "mlp.up_proj.weight", ours + "mlp/up/kernel"),
+        transposed(hf + "mlp.down_proj.weight", ours + "mlp/down/kernel"),
+    ]
+    if cfg.qkv_bias:
+      out += [bias_in(hf + f"self_attn.{p}_proj.bias", ours + f"attn/{p}_proj/bias", heads, d)
+              for p, heads in (("q", h), ("k", k), ("v", k))]
+  if not cfg.tie_embeddings:
+    out.append(transposed("lm_head.weight", "head/kernel", 1))
+  return out
+
+
+LLAMA = Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _llama_to_hf,
+                     _llama_tensors, skipped=ROTARY)
+MISTRAL = Architecture("mistral", "MistralForCausalLM", "model.", _mistral_from_hf,
+                       _mistral_to_hf, _llama_tensors, skipped=ROTARY)
+QWEN2 = Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_to_hf,
+                     _llama_tensors, skipped=ROTARY)

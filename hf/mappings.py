@@ -1,0 +1,37 @@
+"""Per-architecture mappings between Hugging Face checkpoints and our models.
+
+An `Architecture` says, for one Hugging Face `model_type`:
+- `config_from_hf(hf)`: the HF config.json -> our `model` fields; every HF
+  field is either honoured, known to leave the forward pass unchanged
+  (`tables.INERT`: dropouts, token ids, bookkeeping), or refused by name;
+- `config_to_hf(cfg, vocab_size)`: our config -> the HF config.json fields.
+  It never raises: a value the architecture cannot express is written as the
+  nearest one it can, so that the export check (`convert.export_architecture`,
+  the round trip through `config_from_hf`) names our field that does not come
+  back;
+- `tensors(cfg)`: each HF tensor name with our parameter paths it fills
+  (`Tensor`, with the transposes/reshapes both ways).
+
+One module per family (`gpt2.py`, `llama.py`, `bert.py`, `t5.py`, `bart.py`)
+over the shared machinery of `tables.py`; a new architecture is one more
+module and one more entry in `ARCHITECTURES`.
+"""
+from configs.errors import UserError
+from hf import bart, bert, gpt2, llama, t5
+from hf.tables import Architecture
+
+ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2,
+                                           bert.BERT, t5.T5, t5.MT5, bart.BART)}
+
+# What a model of ours exports as, first match (LLaMA before Mistral: a model
+# without a window is LLaMA; an mT5 import exports as T5 v1.1).
+EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "bart")
+
+
+def architecture_of(hf: dict) -> Architecture:
+  """The mapping for an HF config.json, or a UserError naming its model_type."""
+  kind = hf.get("model_type")
+  if kind in ARCHITECTURES:
+    return ARCHITECTURES[kind]
+  raise UserError(f"Hugging Face model_type {kind!r} is not supported; supported: "
+                  f"{', '.join(ARCHITECTURES)}")

@@ -1,0 +1,129 @@
+"""Which FlashAttention kernel runs, and its one entry point.
+
+`flash_attention` checks the inputs, picks the lowering for the device
+(`choose_lowering`: Mosaic TPU on a TPU, Mosaic GPU on Hopper for what it
+takes, the portable Triton kernels otherwise and in the interpreter) and the
+kernel's tiles, and calls it. The three kernels compute the same function
+with the same masks (`common.py`).
+"""
+import dataclasses
+import functools
+
+import jax
+
+from model.kernels import flash_attention_hopper as hopper
+from model.kernels import flash_attention_tpu as tpu
+from model.kernels import flash_attention_triton as triton
+
+
+LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
+
+
+def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
+  """Which kernel runs: "mosaic_tpu" (`flash_attention_tpu.py`) on a TPU;
+  "mosaic_gpu" (`flash_attention_hopper.py`: wgmma, TMA, warp
+  specialisation) on a Hopper GPU for the inputs it takes; else "triton"
+  (`flash_attention_triton.py`: every GPU, every mask; the one the interpreter
+  runs on CPU)."""
+  if backend == "tpu":
+    return "mosaic_tpu"
+  if backend == "gpu" and triton.is_hopper(device_kind) and hopper.supports(
+      q_BTHD, k_BSKD) is None:
+    return "mosaic_gpu"
+  return "triton"
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "causal", "scale", "block_q", "block_k", "interpret", "lowering", "device"))
+def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
+                    q_segment_ids=None, kv_segment_ids=None,
+                    scale: float | None = None, block_q: int | None = None,
+                    block_k: int | None = None, interpret: bool | None = None,
+                    lowering: str | None = None, device=None):
+  """Exact attention by tiles with the online softmax (FlashAttention).
+
+  Args:
+    q_BTHD: queries [B, T, H, D].
+    k_BSKD, v_BSKD: keys and values [B, S, K, D], H % K == 0.
+    causal: query i sees key j only if j <= i (top-left aligned when T != S).
+    q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither;
+      query i sees key j only if the ids are equal and the key's is not 0.
+    scale: score multiplier, default 1 / sqrt(D).
+    block_q, block_k: query and key tile (powers of two >= 16) of every
+      kernel, forward and backward; default `choose_block_sizes`.
+    interpret: run the Pallas interpreter; default: when `device` is not the
+      lowering's platform (a GPU; a TPU for "mosaic_tpu", whose interpreter
+      is Pallas's TPU interpret mode).
+    lowering: "triton" (the portable kernels of `flash_attention_triton.py`), "mosaic_gpu"
+      (the Hopper kernels: 16-bit, head_dim 64 or 128; only
+      block_k applies, query tiles are 64 rows per warpgroup) or
+      "mosaic_tpu" (the TPU kernels; block_q a multiple of 16 and block_k
+      of 128 when compiled); default `choose_lowering`.
+    device: the device tiles and lowering are chosen for; default
+      `jax.devices()[0]`. A compile-only device (`jax.experimental.topologies`)
+      compiles ahead of time for a GPU this host lacks (`bench/compile_h200.py`).
+
+  Returns:
+    [B, T, H, D] in q's dtype; rows with no visible key are zeros.
+  """
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  if k_BSKD.shape != (B, S, K, D) or v_BSKD.shape != k_BSKD.shape:
+    raise ValueError(f"flash_attention: q {q_BTHD.shape}, k {k_BSKD.shape}, "
+                     f"v {v_BSKD.shape}: want q [B, T, H, D] and k, v "
+                     "[B, S, K, D] with the same B and D")
+  if H % K:
+    raise ValueError(f"flash_attention: {H} query heads is not a multiple of "
+                     f"{K} KV heads")
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("flash_attention: give both q_segment_ids and "
+                     "kv_segment_ids, or neither")
+  for name, block in (("block_q", block_q), ("block_k", block_k)):
+    if block is not None and (block < triton.MIN_BLOCK or block & (block - 1)):
+      raise ValueError(f"flash_attention: {name}={block} must be a power of "
+                       f"two >= {triton.MIN_BLOCK}")
+  device = device or jax.devices()[0]
+  scale = D ** -0.5 if scale is None else float(scale)
+  if lowering is None:
+    lowering = choose_lowering(q_BTHD, k_BSKD, backend=device.platform,
+                               device_kind=device.device_kind)
+  if interpret is None:
+    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  if lowering == "mosaic_tpu":
+    if not interpret and block_k is not None and block_k % tpu.LANES:
+      raise ValueError(f"flash_attention: lowering='mosaic_tpu' on a TPU takes block_k "
+                       f"a multiple of {tpu.LANES} (the lane width), not {block_k}")
+    blocks = tpu.choose_tpu_blocks(T, S, D, q_BTHD.dtype.itemsize,
+                                   device_kind=device.device_kind)
+    blocks = dataclasses.replace(
+        blocks, **({} if block_q is None else dict(block_q=block_q, block_q_dkv=block_q)),
+        **({} if block_k is None else dict(block_k=block_k, block_k_dkv=block_k)))
+    return tpu.tpu_flash_attention(
+        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        blocks=blocks, interpret=interpret)
+  if lowering == "mosaic_gpu":
+    reason = hopper.supports(q_BTHD, k_BSKD)
+    if reason is not None:
+      raise ValueError(f"flash_attention: lowering='mosaic_gpu' does not take "
+                       f"{reason}; use lowering='triton'")
+    if block_q is not None:
+      raise ValueError("flash_attention: lowering='mosaic_gpu' has query tiles "
+                       f"of {hopper.ROWS} rows per warpgroup; drop block_q={block_q}")
+    if block_k is not None and block_k not in (64, 128, 256):
+      raise ValueError(f"flash_attention: lowering='mosaic_gpu' takes block_k "
+                       f"64, 128 or 256, not {block_k}")
+    blocks = hopper.choose_hopper_blocks(D, S, interpret=interpret)
+    if block_k is not None:
+      blocks = dataclasses.replace(blocks, block_k=block_k)
+    return hopper.hopper_flash_attention(
+        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+        blocks=blocks, interpret=interpret)
+  if lowering != "triton":
+    raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
+                     f"{LOWERINGS}")
+  return triton.triton_flash_attention(
+      q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
+      kv_segment_ids=kv_segment_ids, block_q=block_q, block_k=block_k,
+      interpret=interpret, device=device)
