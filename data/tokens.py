@@ -63,6 +63,7 @@ _ENCODE_CHUNK_BYTES = 4 << 20  # or fewer, when the documents are large
 _ARRAY_FILES = ("tokens.npy", "offsets.npy", "buckets.npy")
 _HEADER_BYTES = 128  # the .npy header of tokens.npy, written before its length is known
 _POLL_S = 0.5
+_CLOCK_SKEW_S = 60.0  # a failure note older than the wait by more than this is stale
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +161,8 @@ def load_corpus(data_config: config_dict.ConfigDict, tokenizer, share: Share = S
   for i, (shard, stem) in enumerate(zip(shards, stems)):
     if owner[i] != share.index:
       continue
+    if os.path.exists(stem + ".failed"):  # an earlier run's: this one tries again
+      os.remove(stem + ".failed")
     entry, problem = read_entry(stem) if os.path.isdir(stem) else (None, "")
     if problem:
       print(f"note: token cache entry {stem} is damaged ({problem}); rebuilding it",
@@ -437,17 +440,18 @@ def _wait_for_others(shards, stems, owner: list[int], entries: list[Entry | None
   missing = [i for i, entry in enumerate(entries) if entry is None]
   waited = len(missing)
   deadline = time.time() + wait_s
+  started = time.time()
   while True:
     for i in list(missing):
-      if os.path.exists(stems[i] + ".failed"):
-        with open(stems[i] + ".failed", encoding="utf-8") as f:
-          reason = f.read().strip()
-        raise UserError(f"process {owner[i]} could not tokenise {shards[i].name}: {reason}")
       if os.path.isdir(stems[i]):
         entry, _ = read_entry(stems[i])
         if entry is not None:
           entries[i] = entry
           missing.remove(i)
+          continue
+      reason = _failure_since(stems[i] + ".failed", started - _CLOCK_SKEW_S)
+      if reason:
+        raise UserError(f"process {owner[i]} could not tokenise {shards[i].name}: {reason}")
     if not missing:
       return waited
     if time.time() > deadline:
@@ -456,6 +460,18 @@ def _wait_for_others(shards, stems, owner: list[int], entries: list[Entry | None
                       f"after {wait_s:g} s; process {owner[i]} owed it (see its log), or "
                       "raise data.tokenize_wait_s")
     time.sleep(_POLL_S)
+
+
+def _failure_since(path: str, since: float) -> str:
+  """The error recorded at `path` if it was written after `since` (not a stale note
+  of an earlier run), else ""."""
+  try:
+    if os.path.getmtime(path) < since:
+      return ""
+    with open(path, encoding="utf-8") as f:
+      return f.read().strip()
+  except OSError:
+    return ""
 
 
 def file_crc32(path: str) -> int:

@@ -25,7 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def tok_dir(tmp_path_factory):
   """A small BPE tokenizer trained once on the pydoc train split."""
   c = small_config("")
-  texts = [t for _, t in sources.load_documents(c.data, "train")]
+  texts = [t for _, t in sources.iter_documents(c.data, "train")]
   out = tmp_path_factory.mktemp("tok") / "bpe"
   tokenizer_lib.train_tokenizer("bpe", 300, texts).save(out)
   return str(out)
@@ -232,7 +232,7 @@ def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
   assert (workdir / "loss_curves.png").stat().st_size > 0
   assert (workdir / "attention_maps.png").stat().st_size > 0
   other = tmp_path / "other_tok"
-  texts = [t for _, t in sources.load_documents(c.data, "train")][:50]
+  texts = [t for _, t in sources.iter_documents(c.data, "train")][:50]
   tokenizer_lib.train_tokenizer("bpe", 290, texts).save(other)
   result = _run(["eval.py", "--workdir", str(workdir), "--tokenizer", str(other)])
   _assert_one_line_error(result, "trained with tokenizer")
@@ -371,7 +371,7 @@ def test_restore_from_without_tokenizer_path_uses_the_source_tokenizer(source_ru
 ])
 def test_restore_from_with_another_tokenizer_is_one_line_and_writes_nothing(
     tok_dir, source_run, tmp_path, case, message):
-  texts = [t for _, t in sources.load_documents(small_config("").data, "train")][:5]
+  texts = [t for _, t in sources.iter_documents(small_config("").data, "train")][:5]
   other = tokenizer_lib.train_tokenizer("bpe", 270, texts)
   c = small_config(tok_dir)
   if case == "tokenizer_path":
