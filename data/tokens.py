@@ -140,7 +140,7 @@ def load_corpus(data_config: config_dict.ConfigDict, tokenizer, share: Share = S
     share: this process's part of the job; it tokenises the shards it owns.
     wait: wait for the shards other processes own (False: return what is
       cached, for a data.prepare task that fills only its part).
-    quiet: no summary line unless something was tokenised or waited for.
+    quiet: no summary line unless something was tokenised here.
 
   Returns:
     The cache entries, in document order.
@@ -185,7 +185,7 @@ def load_corpus(data_config: config_dict.ConfigDict, tokenizer, share: Share = S
     waited = _wait_for_others(shards, stems, owner, entries, data_config.tokenize_wait_s)
   seconds = time.perf_counter() - start
   cached = sum(1 for i in range(len(shards)) if owner[i] == share.index) - len(todo)
-  if not quiet or tokenised or waited:
+  if not quiet or tokenised:
     _summary(share, len(shards), tokenised, cached, waited, workers, seconds)
   if wait and not any(entry.num_documents for entry in entries):
     raise sources.no_documents(data_config)
