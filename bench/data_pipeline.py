@@ -221,6 +221,8 @@ def bench_size(size_gb: float, scratch: pathlib.Path, tok_dir: str, one_worker: 
     if run == "cold":
       result["tokenise_2_workers_mb_s"], result["cold_data_s"] = summary_rate(r["output"])
       result["cold_cpu_s"] = cpu
+      print(f"[{size_gb:g} GB] 2 workers: {result['tokenise_2_workers_mb_s']:.2f} MB/s, "
+            f"{result['cold_data_s']:.0f} s of data work", flush=True)
     print(f"[{size_gb:g} GB] {run}: first step {r['first']:.1f} s, peak RSS "
           f"{r['peak_rss_gib']:.2f} GiB (workers {r['worker_peak_rss_gib']:.2f})", flush=True)
   prep = subprocess.run([sys.executable, "-c", PREP_TIMER, paths, str(cache), tok_dir], cwd=ROOT,
