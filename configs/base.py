@@ -86,6 +86,7 @@ def get_config() -> config_dict.ConfigDict:
   t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)
   t.vocab_size = 1024  # vocabulary including the special tokens
   t.path = ""  # a saved tokenizer (dir or .model) or a Hugging Face tokenizer dir; "" trains one
+  t.train_bytes = 100_000_000  # at most about this much train text is sampled to train one
 
   d = c.data = config_dict.ConfigDict()
   d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord | parquet
@@ -96,6 +97,9 @@ def get_config() -> config_dict.ConfigDict:
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
   d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
   d.num_workers = 0  # Grain worker processes (0: in the main process)
+  d.tokenize_workers = 0  # tokenisation processes per process; 0: host's cores / its processes
+  d.tokenize_wait_s = 3600.0  # longest wait for a shard another process tokenises
+  d.verify_cache = False  # re-read every shard and compare with its cache entry (see docs/data.md)
   d.task = "none"  # seq2seq task: none | reverse | sort | addition | code_summary | pairs;
   #   classify task: stdlib_package (built in) | labelled (your .tsv/.jsonl in data.paths)
   d.task_size = 20000  # reverse | sort | addition: training examples drawn

@@ -245,9 +245,10 @@ def validate(config: config_dict.ConfigDict) -> None:
                 "train.grad_accum_steps", "train.log_every", "train.eval_every",
                 "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
                 "tokenizer.vocab_size", "data.task_size", "data.task_test_size",
-                "data.task_min_len", "data.task_max_len"):
+                "data.task_min_len", "data.task_max_len", "tokenizer.train_bytes"):
     _check_positive(config, field)
-  for field in ("train.warmup_steps", "train.tgt_seq_len", "data.task_test_min_len"):
+  for field in ("train.warmup_steps", "train.tgt_seq_len", "data.task_test_min_len",
+                "data.tokenize_workers"):
     _check_positive(config, field, allow_zero=True)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
@@ -272,6 +273,8 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:
     _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")
+  if not config.data.tokenize_wait_s > 0:
+    _fail("data.tokenize_wait_s", config.data.tokenize_wait_s, "must be positive")
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "tensor"):

@@ -18,16 +18,23 @@ def stdlib_root() -> pathlib.Path:
   return pathlib.Path(sysconfig.get_paths()["stdlib"])
 
 
+def stdlib_files() -> list[str]:
+  """The relative path of every standard-library .py file, sorted."""
+  root = stdlib_root()
+  rels = (path.relative_to(root) for path in sorted(root.rglob("*.py")))
+  return [rel.as_posix() for rel in rels if not _EXCLUDED_DIRS.intersection(rel.parts)]
+
+
 def stdlib_documents() -> list[tuple[str, str]]:
   """(relative path, source) for every standard-library .py file, sorted."""
+  return list(stdlib_texts(stdlib_files()))
+
+
+def stdlib_texts(rels):
+  """(relative path, source) of the given standard-library files, one at a time."""
   root = stdlib_root()
-  docs = []
-  for path in sorted(root.rglob("*.py")):
-    rel = path.relative_to(root)
-    if _EXCLUDED_DIRS.intersection(rel.parts):
-      continue
-    docs.append((rel.as_posix(), path.read_text(encoding="utf-8", errors="replace")))
-  return docs
+  for rel in rels:
+    yield rel, (root / rel).read_text(encoding="utf-8", errors="replace")
 
 
 def pydoc_documents() -> list[tuple[str, str]]:
@@ -36,10 +43,15 @@ def pydoc_documents() -> list[tuple[str, str]]:
   return sorted(topics.topics.items())
 
 
-def is_validation(name: str, val_percent: int) -> bool:
-  """Deterministic split by document name: md5(name) mod 100 < val_percent."""
+def bucket(name: str) -> int:
+  """The document's split bucket in [0, 100): md5(name) mod 100."""
   digest = hashlib.md5(name.encode("utf-8")).digest()
-  return int.from_bytes(digest[:4], "little") % 100 < val_percent
+  return int.from_bytes(digest[:4], "little") % 100
+
+
+def is_validation(name: str, val_percent: int) -> bool:
+  """Deterministic split by document name: bucket(name) < val_percent."""
+  return bucket(name) < val_percent
 
 
 def split(docs: list[tuple[str, str]], split_name: str,
@@ -58,3 +70,4 @@ def embedded_documents(source: str) -> list[tuple[str, str]]:
   if source == "embedded":
     return stdlib_documents() + pydoc_documents()
   raise ValueError(f"not an embedded corpus: {source!r}")
+

@@ -33,6 +33,7 @@ The iterator is Grain's, so `get_state()` / `set_state()` resume exactly.
 """
 import dataclasses
 import functools
+import sys
 
 from absl import flags
 import grain
@@ -41,6 +42,7 @@ import numpy as np
 
 from configs.errors import UserError
 from data import classify
+from data import corpora
 from data import masking
 from data import packing
 from data import seq2seq
@@ -50,7 +52,7 @@ from data import tokens
 
 Batch = dict[str, np.ndarray]
 
-# Rows are cut from arrays in memory: one thread keeps the next batches ready
+# Rows are cut from memory-mapped arrays: one thread keeps the next batches ready
 # while the accelerator runs; data.num_workers adds worker processes.
 _READ_OPTIONS = grain.ReadOptions(num_threads=1, prefetch_buffer_size=4)
 
@@ -71,33 +73,66 @@ class SplitStats:
   num_rows: int  # packed rows of seq_len + 1 tokens
 
 
-def make_packer(config: config_dict.ConfigDict, tokenizer,
-                split_tokens: tokens.TokenizedSplit) -> packing.RowPacker:
-  """The rows of a tokenised split, per data.packing and train.seq_len."""
-  return packing.RowPacker(split_tokens, config.train.seq_len, config.data.packing,
-                           bos_id=tokenizer.bos_id, eos_id=tokenizer.eos_id,
-                           pad_id=tokenizer.pad_id)
+def split_index(config: config_dict.ConfigDict, tokenizer, split: str,
+                share: tokens.Share = tokens.Share(), *, quiet: bool = False
+                ) -> packing.PackingIndex:
+  """The packing index of `split`: the corpus tokenised (or from the cache), then laid out."""
+  entries = tokens.load_corpus(config.data, tokenizer, share, quiet=quiet)
+  return packing.load_index(entries, split, config.data.val_percent, config.data.packing,
+                            tokens.cache_root(config.data))
+
+
+def make_packer(tokenizer, index: packing.PackingIndex, seq_len: int) -> packing.RowPacker:
+  """The rows of a split's index, per train.seq_len."""
+  return packing.RowPacker(index, seq_len, bos_id=tokenizer.bos_id,
+                           eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
 
 def split_stats(config: config_dict.ConfigDict, tokenizer, split: str) -> SplitStats:
   """Documents, bytes, tokens, targets and rows of `split`."""
-  split_tokens = tokens.load_split(config.data, tokenizer, split)
-  packer = make_packer(config, tokenizer, split_tokens)
-  return SplitStats(num_documents=split_tokens.num_documents,
-                    num_bytes=split_tokens.num_bytes, num_tokens=split_tokens.num_tokens,
-                    num_targets=packer.num_targets, num_rows=packer.num_rows)
+  index = split_index(config, tokenizer, split, quiet=True)
+  packer = make_packer(tokenizer, index, config.train.seq_len)
+  return SplitStats(num_documents=index.num_documents, num_bytes=index.num_bytes,
+                    num_tokens=index.num_tokens, num_targets=packer.num_targets,
+                    num_rows=packer.num_rows)
 
 
-def tokenizer_texts(data_config: config_dict.ConfigDict):
-  """The texts a run's tokenizer trains on: the task's train pairs, or the train documents."""
+def tokenizer_texts(data_config: config_dict.ConfigDict, max_bytes: int):
+  """The texts a run's tokenizer trains on: the task's train pairs, or a
+  sample of at most about `max_bytes` of the train documents (`sample_texts`)."""
   if data_config.task in classify.TASKS:
     return classify.tokenizer_texts(data_config)
   if data_config.task != "none":
     return tasks.tokenizer_texts(data_config)
-  return (text for _, text in sources.load_documents(data_config, "train"))
+  return sample_texts(data_config, max_bytes)
 
 
-def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str):
+def sample_texts(data_config: config_dict.ConfigDict, max_bytes: int):
+  """The train documents' texts, streamed: all of them when the source's files
+  hold at most `max_bytes`, else from each shard its first documents up to its
+  share of `max_bytes` (in proportion to its size), so that the sample spans
+  the corpus and never holds more than one document at a time. Prints how
+  many bytes of text it gave."""
+  shards = sources.plan_shards(data_config)
+  total = sum(shard.size for shard in shards)
+  given = 0
+  for shard in shards:
+    quota = float("inf") if total <= max_bytes else max_bytes * shard.size / total
+    taken = 0
+    for name, text in sources.shard_documents(shard):
+      if taken >= quota:
+        break
+      if not corpora.is_validation(name, data_config.val_percent):
+        size = len(text.encode("utf-8"))
+        taken += size
+        yield text
+    given += taken
+  print(f"tokenizer: learning from {given / 1e6:.1f} MB of train text (of {total / 1e6:.1f} MB "
+        f"of input files; tokenizer.train_bytes={max_bytes})", file=sys.stderr, flush=True)
+
+
+def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
+                  share: tokens.Share = tokens.Share(), *, quiet: bool = False):
   """(number of rows, row index -> row) of `split` for the objective and data.task."""
   if config.train.objective == "seq2seq":
     rows = seq2seq.load_rows(config, tokenizer, split)
@@ -105,10 +140,11 @@ def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str):
   if config.train.objective == "classify":
     rows = classify.load_rows(config, tokenizer, split)
     return rows.num_examples, rows
-  packer = make_packer(config, tokenizer, tokens.load_split(config.data, tokenizer, split))
-  if split == "train" and len(packer.stream) < config.train.seq_len + 1:
+  index = split_index(config, tokenizer, split, share, quiet=quiet)
+  packer = make_packer(tokenizer, index, config.train.seq_len)
+  if split == "train" and packer.stream_length < config.train.seq_len + 1:
     raise UserError(
-        f"the train split of data.source={config.data.source} has {len(packer.stream)} "
+        f"the train split of data.source={config.data.source} has {packer.stream_length} "
         f"tokens (with BOS/EOS), fewer than one row of train.seq_len + 1 = "
         f"{config.train.seq_len + 1}; add documents or lower train.seq_len")
   if split == "validation" and packer.num_targets == 0:
@@ -140,7 +176,8 @@ def _masked(config: config_dict.ConfigDict, tokenizer, ds: grain.MapDataset) -> 
 
 
 def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_index: int = 0,
-                        process_count: int = 1) -> grain.DatasetIterator:
+                        process_count: int = 1, local_process_count: int = 1
+                        ) -> grain.DatasetIterator:
   """An endless, checkpointable iterator of this process's training batches.
 
   Args:
@@ -149,6 +186,8 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
       `fingerprint`).
     process_index: this process, in [0, process_count).
     process_count: processes sharing each global batch of train.batch_size rows.
+    local_process_count: those of them on this host (they share its cores
+      for tokenisation).
 
   Returns:
     A Grain iterator of batches of train.batch_size // process_count rows.
@@ -158,7 +197,8 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
       shorter than one row.
   """
   local_batch_size = _local_batch_size(config, process_index, process_count)
-  num_rows, row_fn = rows_of_split(config, tokenizer, "train")
+  share = tokens.Share(process_index, process_count, local_process_count)
+  num_rows, row_fn = rows_of_split(config, tokenizer, "train", share)
   ds = (grain.MapDataset.range(num_rows)
         .shuffle(seed=config.train.seed)
         .repeat()
@@ -177,7 +217,8 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
 
 
 def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: int | None = None,
-                      *, process_index: int = 0, process_count: int = 1) -> list[Batch]:
+                      *, process_index: int = 0, process_count: int = 1,
+                      local_process_count: int = 1) -> list[Batch]:
   """The first validation batches in order; the same list on every call.
 
   Args:
@@ -186,6 +227,7 @@ def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: in
     num_batches: at most this many global batches; None: the whole split.
     process_index: this process, in [0, process_count).
     process_count: processes sharing each global batch, as in training.
+    local_process_count: those of them on this host.
 
   Returns:
     min(num_batches, ceil(rows / train.batch_size)) batches of this process's
@@ -195,7 +237,8 @@ def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: in
     UserError: the validation split has no documents.
   """
   local_batch_size = _local_batch_size(config, process_index, process_count)
-  num_rows, row_fn = rows_of_split(config, tokenizer, "validation")
+  share = tokens.Share(process_index, process_count, local_process_count)
+  num_rows, row_fn = rows_of_split(config, tokenizer, "validation", share, quiet=True)
   batch_size = config.train.batch_size
   available = -(-num_rows // batch_size)
   count = available if num_batches is None else min(num_batches, available)

@@ -52,7 +52,7 @@ def tok():
 def tok_dir(tmp_path_factory):
   """A small BPE tokenizer trained once on the pydoc train split, saved."""
   c = small_config("")
-  texts = [t for _, t in sources.load_documents(c.data, "train")]
+  texts = [t for _, t in sources.iter_documents(c.data, "train")]
   out = tmp_path_factory.mktemp("tok") / "bpe"
   tokenizer_lib.train_tokenizer("bpe", 300, texts).save(out)
   return str(out)

@@ -77,6 +77,7 @@ def make_config(tmp_path, **data):
   """configs/base.py with small batches, a cache under `tmp_path`, `data` overrides."""
   config = base.get_config()
   config.data.cache_dir = str(tmp_path / "cache")
+  config.data.tokenize_workers = 1  # in this process: tests count its encode calls
   config.train.batch_size = 4
   config.train.seq_len = 16
   for key, value in data.items():

@@ -3,6 +3,7 @@ and resume together, with the losses of a single-process run; when one is
 killed, the other exits in bounded time, naming it in one line."""
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -12,6 +13,8 @@ import numpy as np
 import pytest
 from tests.helpers import ROOT, small_config, train_cmd
 
+
+from data import corpora
 
 
 def _free_port() -> int:
@@ -40,18 +43,43 @@ def _two_processes(cmd):
   return outs
 
 
+def _corpus_of_files(directory, val_percent: int) -> int:
+  """pydoc's topics as text files, at least one of them held out; how many."""
+  topics = [text for _, text in corpora.pydoc_documents()]
+  count = 8
+  while not any(corpora.is_validation(str(directory / f"t{i}.txt"), val_percent)
+                for i in range(count)):
+    count += 1
+  directory.mkdir()
+  for i in range(count):
+    (directory / f"t{i}.txt").write_text("\n".join(topics[i::count]), encoding="utf-8")
+  return count
+
+
+def _tokenised(out: str) -> int:
+  """Shards this process tokenised, from its summary line."""
+  (line,) = [line for line in out.splitlines() if line.startswith("data: process ")]
+  return int(re.search(r"shards: tokenised (\d+)", line).group(1))
+
+
 def test_two_processes_train_checkpoint_and_resume(tok_dir, tmp_path):
-  c = small_config(tok_dir)
+  c = small_config(tok_dir, cache_dir=str(tmp_path / "cache"))
+  num_shards = _corpus_of_files(tmp_path / "corpus", 20)
+  c.data.update(source="files", paths=str(tmp_path / "corpus" / "*.txt"), val_percent=20)
   c.train.update(num_steps=6, log_every=1, checkpoint_every=3, eval_every=6)
   single, multi = tmp_path / "single", tmp_path / "multi"
   subprocess.run(train_cmd(c, single), cwd=ROOT, check=True, capture_output=True,
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
   c.train.num_steps = 4
+  c.data.cache_dir = str(tmp_path / "cache-two")
   outs = _two_processes(train_cmd(c, multi))
   assert "step 4:" in outs[0] and "step 4:" not in outs[1]  # only process 0 prints
+  counts = [_tokenised(out) for out in outs]
+  assert sum(counts) == num_shards and min(counts) > 0  # each shard once, both took part
   c.train.num_steps = 6
   outs = _two_processes(train_cmd(c, multi))
   assert f"Resuming {multi} from step 4." in outs[0]
+  assert [_tokenised(out) for out in outs] == [0, 0]
   want, got = _train_losses(single), _train_losses(multi)
   assert sorted(got) == [1, 2, 3, 4, 5, 6]
   np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)],

@@ -340,7 +340,7 @@ def test_task_batches_resume_exactly(tmp_path, family, keys):
   assert_batches_equal(take(restored, 3), expected)
   (batch,) = pipeline.make_eval_batches(c, tok, 1)
   assert batch["loss_mask"].sum() > 0
-  assert pipeline.tokenizer_texts(c.data)[:2] == list(tasks.load_pairs(c.data, "train")[0])
+  assert pipeline.tokenizer_texts(c.data, c.tokenizer.train_bytes)[:2] == list(tasks.load_pairs(c.data, "train")[0])
 
 
 @pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])

@@ -2,11 +2,12 @@
 array that trains and evaluates, a bad variant that fails alone, a rerun that
 skips what is done, a variant requeued by `scontrol requeue` and by its time
 limit that ends with the parameters of an uninterrupted run, a 2-task job with
-jax.distributed from SLURM's environment, and the check of a request against
-sinfo. Run by `make test-slurm` (all `slow`: about 6.5 minutes on 2 cores)."""
+jax.distributed from SLURM's environment, the check of a request against
+sinfo, and `data.prepare` as a job array. Run by `make test-slurm` (all `slow`: about 6.5 minutes on 2 cores)."""
 import csv
 import json
 import os
+import re
 import subprocess
 import time
 
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from data import corpora
 import sweeps as sweep_lib
+from tokenizer import train_tokenizer
 from training.workdir import load_run
 from sweeps.state import last_step
 from scripts import local_slurm
@@ -242,3 +245,30 @@ def test_a_two_task_job_trains_with_jax_distributed_and_the_one_process_losses(
   rank0 = (tmp_path / "r" / name / "sweep.log").read_text()
   rank1 = (tmp_path / "r" / name / "sweep.rank1.log").read_text()
   assert "step 6:" in rank0 and "train.py" in rank1 and "step 6:" not in rank1
+
+
+def test_data_prepare_as_a_job_array_tokenises_each_shard_once(slurm, tmp_path):
+  """`python -m data.prepare --launcher slurm`: two array tasks share the shards
+  out, each tokenises its own, and the command's final check finds all cached."""
+  corpus = tmp_path / "corpus"
+  corpus.mkdir()
+  topics = [text for _, text in corpora.pydoc_documents()]
+  for i in range(5):
+    (corpus / f"t{i}.txt").write_text("\n".join(topics[i::5]), encoding="utf-8")
+  tok = tmp_path / "tok"
+  train_tokenizer("bpe", 300, topics[:50]).save(tok)
+  folder = tmp_path / "jobs"
+  result = subprocess.run(
+      [sys.executable, "-m", "data.prepare", "--config", TINY, "--config.data.source=files",
+       f"--config.data.paths={corpus}/*.txt", f"--config.data.cache_dir={tmp_path / 'cache'}",
+       "--config.data.val_percent=20", f"--config.tokenizer.path={tok}", "--launcher", "slurm",
+       "--tasks", "2", "--cpus_per_task", "1", "--timeout_min", "10", "--folder", str(folder)],
+      cwd=ROOT, capture_output=True, text=True, timeout=400)
+  assert result.returncode == 0, result.stdout + result.stderr
+  assert "submitted " in result.stdout and ": 2 tasks; logs in " in result.stdout
+  counts = []
+  for log in sorted(folder.glob("*_log.err")):
+    (line,) = [l for l in log.read_text().splitlines() if l.startswith("data: process ")]
+    counts.append(int(re.search(r"of 2: 5 shards: tokenised (\d+)", line).group(1)))
+  assert len(counts) == 2 and sum(counts) == 5 and min(counts) > 0
+  assert "data: 5 shards: tokenised 0, 5 from the cache" in result.stderr

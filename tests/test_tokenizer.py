@@ -330,16 +330,25 @@ def test_unknown_kind():
     tokenizer.train_tokenizer("wordpiece", 1000, ["text"])
 
 
-def test_read_text_files(tmp_path):
+def test_text_file_sample(tmp_path):
   good = tmp_path / "good.txt"
   good.write_text("grüße\n", encoding="utf-8")
   bad = tmp_path / "bad.txt"
   bad.write_bytes(b"caf\xe9\n")
-  assert inputs.read_text_files([good]) == ["grüße\n"]
+  assert list(inputs.TextFileSample([good])) == ["grüße\n"]
   with pytest.raises(UserError, match=f"input file {bad} is not UTF-8"):
-    inputs.read_text_files([good, bad])
+    list(inputs.TextFileSample([good, bad]))
   with pytest.raises(UserError, match="input file not found"):
-    inputs.read_text_files([tmp_path / "absent.txt"])
+    inputs.TextFileSample([tmp_path / "absent.txt"])
+
+
+def test_text_file_sample_reads_each_files_share_of_max_bytes(tmp_path):
+  (tmp_path / "a.txt").write_text("ü" * 3000, encoding="utf-8")  # 6,000 bytes
+  (tmp_path / "b.txt").write_text("b" * 2000, encoding="utf-8")
+  sample = inputs.TextFileSample([tmp_path / "a.txt", tmp_path / "b.txt"], max_bytes=802)
+  a, b = list(sample)
+  assert a == "ü" * 300 and b == "b" * 200  # a: 601 bytes, cut inside the 301st character
+  assert (sample.bytes_read, sample.total_bytes) == (801, 8000)
 
 
 # Command lines.

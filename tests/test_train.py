@@ -171,7 +171,7 @@ def test_eval_report_and_wrong_tokenizer(tok_dir, tmp_path):
   assert (workdir / "loss_curves.png").stat().st_size > 0
   assert (workdir / "attention_maps.png").stat().st_size > 0
   other = tmp_path / "other_tok"
-  texts = [t for _, t in sources.load_documents(c.data, "train")][:50]
+  texts = [t for _, t in sources.iter_documents(c.data, "train")][:50]
   tokenizer_lib.train_tokenizer("bpe", 290, texts).save(other)
   result = run_python(["eval.py", "--workdir", str(workdir), "--tokenizer", str(other)])
   assert_one_line_error(result, "trained with tokenizer")
@@ -298,7 +298,7 @@ def test_restore_from_without_tokenizer_path_uses_the_source_tokenizer(source_ru
 ])
 def test_restore_from_with_another_tokenizer_is_one_line_and_writes_nothing(
     tok_dir, source_run, tmp_path, case, message):
-  texts = [t for _, t in sources.load_documents(small_config("").data, "train")][:5]
+  texts = [t for _, t in sources.iter_documents(small_config("").data, "train")][:5]
   other = tokenizer_lib.train_tokenizer("bpe", 270, texts)
   c = small_config(tok_dir)
   if case == "tokenizer_path":

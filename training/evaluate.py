@@ -38,7 +38,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 from configs.errors import UserError  # pylint: disable=wrong-import-position
-from data import classify, pipeline, seq2seq, tasks, tokens  # pylint: disable=wrong-import-position
+from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import classify_report  # pylint: disable=wrong-import-position
@@ -88,17 +88,27 @@ def apply_data_flag(config, data: str) -> None:
   config.data.val_percent = 100  # every document is held out
 
 
+def _token_counts(config, tok, split: str) -> np.ndarray:
+  """[V] how often each token occurs in the documents of `split`, read one at a time."""
+  index = pipeline.split_index(config, tok, split, quiet=True)
+  counts = np.zeros([tok.vocab_size], np.int64)
+  for d in range(index.num_documents):
+    counts += np.bincount(index.document(d), minlength=tok.vocab_size)
+  return counts
+
+
 def unigram_log_probs(config, tok) -> np.ndarray:
   """Log-probabilities [V] of the add-one-smoothed train split's token frequencies."""
-  train = tokens.load_split(config.data, tok, "train").tokens
-  counts = np.bincount(train, minlength=tok.vocab_size).astype(np.float64) + 1.0
+  counts = _token_counts(config, tok, "train").astype(np.float64) + 1.0
   return np.log(counts / counts.sum())
 
 
 def unigram_loss(config, tok) -> float:
   """Cross-entropy (nats) of add-one-smoothed train token frequencies on validation."""
-  val = tokens.load_split(config.data, tok, "validation").tokens
-  return float(-unigram_log_probs(config, tok)[val].mean()) if len(val) else float("nan")
+  val_counts = _token_counts(config, tok, "validation")
+  if not val_counts.sum():
+    return float("nan")
+  return float(-(unigram_log_probs(config, tok) * val_counts).sum() / val_counts.sum())
 
 
 def plot_loss_curves(workdir: str, path: str) -> bool:

@@ -16,8 +16,10 @@ mesh. On one device the mesh is 1x1x1 and nothing is split.
 import math
 import os
 import signal
+import socket
 import sys
 import time
+import zlib
 
 import jax
 from jax.experimental import multihost_utils
@@ -147,6 +149,16 @@ def train(config, workdir: str) -> dict:
     lock.release()
 
 
+def local_process_count() -> int:
+  """The processes of the job on this host (hostnames compared across processes): they
+  share its cores for tokenisation."""
+  if jax.process_count() == 1:
+    return 1
+  mine = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+  hosts = multihost_utils.process_allgather(np.int32(mine))
+  return int((np.asarray(hosts) == mine).sum())
+
+
 def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
   """Process 0 takes the lock; every process stops if it could not."""
   refusal = None
@@ -186,7 +198,8 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   _lock_workdir(lock, workdir)
   workdir_lib.prepare(config, workdir)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
-  process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
+  process = {"process_index": jax.process_index(), "process_count": jax.process_count(),
+             "local_process_count": local_process_count()}
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
   eval_batches = [shard_batch(batch, mesh) for batch in
                   pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]

@@ -125,7 +125,8 @@ def setup_tokenizer(config: config_dict.ConfigDict, workdir: str, given: str | N
       tok = tokenizer_lib.load_tokenizer(given)
     else:
       tok = tokenizer_lib.train_tokenizer(config.tokenizer.kind, config.tokenizer.vocab_size,
-                                          pipeline.tokenizer_texts(config.data))
+                                          pipeline.tokenizer_texts(config.data,
+                                                                   config.tokenizer.train_bytes))
     tok.save(run_dir)
   _barrier("setup_tokenizer")
   tok = tokenizer_lib.load_tokenizer(run_dir)
