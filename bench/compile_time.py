@@ -1,6 +1,7 @@
 """Compile time against depth, scanned and looped layers (`model.scan_layers`).
 
   python -m bench.compile_time --out bench/results/compile_time.json
+  python -m bench.compile_time --no-cpu --steps 0   # the TPU compiles alone
 
 For 2, 8, 32 and 80 layers of configs/tiny.py's width, the seconds to lower
 and compile the train step (as training/loop.py builds it: AdamW, the
@@ -87,28 +88,33 @@ def step_seconds(steps: int) -> dict:
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="", help="write the JSON here too")
+  parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=True,
+                      help="compile on this host's CPU (--no-cpu skips it)")
   parser.add_argument("--tpu", default="tpu:v5p:2x2x1", help='TPU target ("" skips it)')
   parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
-  parser.add_argument("--steps", type=int, default=30, help="timed train steps of each layout")
+  parser.add_argument("--steps", type=int, default=30,
+                      help="timed train steps of each layout (0 skips the step timing)")
   args = parser.parse_args()
-  depths = [int(d) for d in args.depths.split(",")]
+  depths = [int(d) for d in args.depths.split(",") if d] if args.cpu or args.tpu else []
   rows = []
   for layers in depths:
     row = {"layers": layers}
     for scan in (True, False):
       name = "scanned" if scan else "looped"
-      row[f"cpu_{name}_s"] = round(cpu_compile_seconds(config(layers, scan)), 2)
+      if args.cpu:
+        row[f"cpu_{name}_s"] = round(cpu_compile_seconds(config(layers, scan)), 2)
       if args.tpu:
         row[f"tpu_{name}_s"] = round(tpu_compile_seconds(config(layers, scan), args.tpu), 2)
     rows.append(row)
     print(json.dumps(row), flush=True)
-  steps = step_seconds(args.steps)
   result = {
       "date": datetime.date.today().isoformat(), "commit": git_commit(),
       "jax": jax.__version__, "cpu_devices": len(jax.devices()), "tpu_target": args.tpu,
-      "model": "configs/tiny.py (d=128) at each depth", "compile": rows,
-      "train_step_s": {k: round(v, 5) for k, v in steps.items()},
-      "train_step_ratio_scanned_over_looped": round(steps["scanned"] / steps["looped"], 4)}
+      "model": "configs/tiny.py (d=128) at each depth", "compile": rows}
+  if args.steps:
+    steps = step_seconds(args.steps)
+    result.update(train_step_s={k: round(v, 5) for k, v in steps.items()},
+                  train_step_ratio_scanned_over_looped=round(steps["scanned"] / steps["looped"], 4))
   text = json.dumps(result, indent=2)
   print(text)
   if args.out:

@@ -11,7 +11,8 @@
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
 Embedding (tokens, positions, optional token types, optional norm) -> L
-blocks (with `pos_emb=relative`, T5's relative position bias, computed once
+blocks (a loop over L blocks, or with `model.scan_layers` one block scanned
+over parameters stacked on a leading `layers` axis; with `pos_emb=relative`, T5's relative position bias, computed once
 per stack and added to every block's self-attention scores) -> final norm
 (pre-norm only; a post-norm block already ends in a norm) -> head: an
 optional transform (BERT's masked-LM head: dense, activation, norm), the
@@ -27,6 +28,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import spmd
 from jax.sharding import PartitionSpec as P
 
 from model.blocks import Block
@@ -137,8 +139,7 @@ class _Stack(nnx.Module):
 
     x_BTM = _batch_split(x_BTM)
     if self.scan:
-      x_BTM = _scan(lambda h, layer: block(layer, h), in_axes=(nnx.Carry, 0),
-                    out_axes=nnx.Carry)(x_BTM, self.layers)
+      x_BTM, _ = _scan_layers(lambda layer, h, _: (block(layer, h), None), self.layers, x_BTM)
     else:
       for layer in self.layers:
         x_BTM = block(layer, x_BTM)
@@ -157,7 +158,7 @@ class _Stack(nnx.Module):
     """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder output
     (scanned: one pair stacked [layers, B, S, K, D])."""
     if self.scan:
-      return _vmap(lambda layer: layer.cross_kv(context_BSM))(self.layers)
+      return _map_layers(lambda layer: layer.cross_kv(context_BSM), self.layers)
     return [layer.cross_kv(context_BSM) for layer in self.layers]
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None):
@@ -172,9 +173,8 @@ class _Stack(nnx.Module):
                           context_kv=context_kv, cross_segment_ids=cross_segment_ids, bias=bias)
 
     if self.scan:
-      x_BTM, new_cache = _scan(lambda h, layer, c, kv: block(layer, h, c, kv),
-                               in_axes=(nnx.Carry, 0, 0, 0), out_axes=(nnx.Carry, 0))(
-                                   x_BTM, self.layers, cache, cross_kv)
+      x_BTM, new_cache = _scan_layers(lambda layer, h, xs: block(layer, h, *xs), self.layers,
+                                      x_BTM, (cache, cross_kv))
     else:
       new_cache = []
       for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -191,7 +191,7 @@ class _Stack(nnx.Module):
     if not self.scan:
       return self.layers[i]
     graphdef, state = nnx.split(self.layers)
-    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+    return _one_layer(graphdef, jax.tree.map(lambda x: x[i], state))
 
   def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
@@ -215,16 +215,28 @@ def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> Block:
   return make(rngs)
 
 
-def _scan(fn, *, in_axes, out_axes):
-  """`nnx.scan` of `fn` over the stacked blocks (and any other scanned
-  inputs), the `layers` axis taken off the parameters' metadata inside."""
-  return nnx.scan(fn, in_axes=in_axes, out_axes=out_axes,
-                  transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+_LAYERS_METADATA = {nnx.PARTITION_NAME: LAYERS_AXIS}
 
 
-def _vmap(fn):
-  """`nnx.vmap` of `fn(block)` over the stacked blocks' `layers` axis."""
-  return nnx.vmap(fn, in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS})
+def _one_layer(graphdef, layer_state) -> Block:
+  """The Block of one layer's slice of the stacked state (its metadata
+  without the `layers` axis)."""
+  return nnx.merge(graphdef, spmd.remove_axis(layer_state, 0, _LAYERS_METADATA))
+
+
+def _scan_layers(fn, layers: Block, carry, xs=None):
+  """`fn(block, carry, x) -> (carry, y)` over the layers of the stacked
+  `layers` (and over the leading axis of `xs`): a `jax.lax.scan` over their
+  split state, so that it also runs inside other JAX loops (generation)."""
+  graphdef, state = nnx.split(layers)
+  return jax.lax.scan(lambda c, scanned: fn(_one_layer(graphdef, scanned[0]), c, scanned[1]),
+                      carry, (state, xs))
+
+
+def _map_layers(fn, layers: Block):
+  """`fn(block)` of every layer of the stacked `layers`, stacked."""
+  graphdef, state = nnx.split(layers)
+  return jax.vmap(lambda layer_state: fn(_one_layer(graphdef, layer_state)))(state)
 
 
 def _default_positions(tokens_BT, positions_BT):
