@@ -27,6 +27,7 @@ checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
 `model.real_vocab_size` the checkpoint's, so that the padded rows' logits
 are masked and the outputs do not change.
 """
+import functools
 import json
 import os
 import pathlib
@@ -225,11 +226,14 @@ def _set_layer(stacked, layer: int, piece, abstract, sharding):
   if stacked is None:
     stacked = jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),
                       out_shardings=sharding)()
-  return _SET_LAYER(stacked, layer, jax.device_put(piece))
+  return _layer_setter(sharding)(stacked, layer, piece)
 
 
-_SET_LAYER = jax.jit(lambda stacked, layer, piece: stacked.at[layer].set(piece),
-                     donate_argnums=0)
+@functools.lru_cache(maxsize=None)
+def _layer_setter(sharding):
+  """`stacked.at[layer].set(piece)`, the stacked array donated and kept in `sharding`."""
+  return jax.jit(lambda stacked, layer, piece: stacked.at[layer].set(piece),
+                 donate_argnums=0, out_shardings=sharding)
 
 
 def _own_head(arch, files: dict) -> bool:
