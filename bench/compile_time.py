@@ -85,6 +85,13 @@ def step_seconds(steps: int) -> dict:
   return {name: statistics.median(run[3]) for name, run in runs.items()}
 
 
+def write(result: dict, path: str) -> None:
+  """The result so far, as JSON, to `path` ("" writes nothing)."""
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(json.dumps(result, indent=2) + "\n")
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default="", help="write the JSON here too")
@@ -96,30 +103,26 @@ def main():
                       help="timed train steps of each layout (0 skips the step timing)")
   args = parser.parse_args()
   depths = [int(d) for d in args.depths.split(",") if d] if args.cpu or args.tpu else []
-  rows = []
-  for layers in depths:
-    row = {"layers": layers}
-    for scan in (True, False):
-      name = "scanned" if scan else "looped"
-      if args.cpu:
-        row[f"cpu_{name}_s"] = round(cpu_compile_seconds(config(layers, scan)), 2)
-      if args.tpu:
-        row[f"tpu_{name}_s"] = round(tpu_compile_seconds(config(layers, scan), args.tpu), 2)
-    rows.append(row)
-    print(json.dumps(row), flush=True)
   result = {
       "date": datetime.date.today().isoformat(), "commit": git_commit(),
       "jax": jax.__version__, "cpu_devices": len(jax.devices()), "tpu_target": args.tpu,
-      "model": "configs/tiny.py (d=128) at each depth", "compile": rows}
+      "model": "configs/tiny.py (d=128) at each depth",
+      "compile": [{"layers": layers} for layers in depths]}
+  for scan in (True, False):  # every scanned depth first: the looped deep ones take longest
+    name = "scanned" if scan else "looped"
+    for row in result["compile"]:
+      if args.cpu:
+        row[f"cpu_{name}_s"] = round(cpu_compile_seconds(config(row["layers"], scan)), 2)
+      if args.tpu:
+        row[f"tpu_{name}_s"] = round(tpu_compile_seconds(config(row["layers"], scan), args.tpu), 2)
+      print(json.dumps(row), flush=True)
+      write(result, args.out)
   if args.steps:
     steps = step_seconds(args.steps)
     result.update(train_step_s={k: round(v, 5) for k, v in steps.items()},
                   train_step_ratio_scanned_over_looped=round(steps["scanned"] / steps["looped"], 4))
-  text = json.dumps(result, indent=2)
-  print(text)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
+  print(json.dumps(result, indent=2))
+  write(result, args.out)
 
 
 if __name__ == "__main__":
