@@ -7,13 +7,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs import base, from_run
 from configs.errors import UserError
 from model import accounting, build_model
 from model.config import ModelConfig
 from model.generate import beam_search, generate
-from training import compile_cache, loop, workdir as workdir_lib
+from training import compile_cache, loop, sharding, workdir as workdir_lib
 
 FAMILIES = {
     "decoder": dict(family="decoder"),
@@ -108,10 +109,15 @@ def test_attention_maps_and_accounting_read_either_layout():
 
 
 def test_stacked_parameters_carry_the_layers_axis():
+  """[layers, ...] parameters whose `layers` axis no mesh axis splits."""
   state = nnx.state(nnx.eval_shape(lambda: build_model(model_cfg(True), nnx.Rngs(0))))
-  spec = nnx.get_partition_spec(state)["decoder"]["layers"]["attn"]["q_proj"]["kernel"]
-  assert spec.value == ("layers", "embed", "heads", "head_dim")
-  assert state["decoder"]["layers"]["attn"]["q_proj"]["kernel"].shape == (3, 32, 4, 8)
+  kernel = state["decoder"]["layers"]["attn"]["q_proj"]["kernel"]
+  assert kernel.shape == (3, 32, 4, 8)
+  assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+  mesh = sharding.make_mesh(base.get_config().mesh)
+  spec = sharding.param_partition_specs(state, mesh, base.get_config().mesh.rules)
+  assert spec["decoder"]["layers"]["attn"]["q_proj"]["kernel"].value == P(
+      None, "fsdp", "tensor", None)
 
 
 def test_scan_layers_default_and_a_window_on_some_layers():
@@ -141,11 +147,13 @@ def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):
 def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
   """A 2-step run started again with the same config (a requeued job) reads
   every compiled program from the persistent cache: hits, no miss, no new entry."""
-  (tmp_path / "text.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 200)
+  for i in range(16):  # split by name hash: half of them held out
+    (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
+                                          f"the lazy dog {i} times.\n" * 40)
   c = base.get_config()
   c.model.update(vocab_size=288, d_model=16, num_layers=2, num_heads=2, d_ff=32, max_len=16)
   c.tokenizer.update(vocab_size=260)
-  c.data.update(source="files", paths=str(tmp_path / "text.txt"), cache_dir=str(tmp_path / "d"),
+  c.data.update(source="files", paths=str(tmp_path / "doc*.txt"), cache_dir=str(tmp_path / "d"),
                 val_percent=50)
   c.train.update(num_steps=2, batch_size=2, seq_len=16, eval_steps=1, log_every=1,
                  compilation_cache_dir=str(tmp_path / "jax"))
