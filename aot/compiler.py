@@ -116,9 +116,10 @@ def _lower_generate(config, mesh):
   graphdef, params = _abstract_params(config, mesh)
   B, L = config.train.batch_size, config.train.seq_len
 
-  def cache_sharding(x):  # k, v [B, L, K, D]: rows over data x fsdp, KV heads over tensor
-    heads = "tensor" if x.shape[2] % mesh.shape["tensor"] == 0 else None
-    return NamedSharding(mesh, P(BATCH_AXES, None, heads, None))
+  def cache_sharding(x):  # k, v [(layers,) B, L, K, D]: rows over data x fsdp, KV heads
+    layers = (None,) * (x.ndim - 4)  # over tensor; a scanned stack's layers axis whole
+    heads = "tensor" if x.shape[-2] % mesh.shape["tensor"] == 0 else None
+    return NamedSharding(mesh, P(*layers, BATCH_AXES, None, heads, None))
 
   def make_cache():
     model = nnx.merge(graphdef, params)
@@ -247,6 +248,12 @@ def out_of_memory_bytes(message: str) -> int | None:
   return int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
 
 
+def lower_step(config, mesh, step: str = "train"):
+  """(the lowered `step`, bytes each device holds of its inputs) on `mesh`."""
+  lower = {"train": _lower_train, "eval": _lower_eval, "generate": _lower_generate}[step]
+  return lower(config, mesh)
+
+
 def compile_report(config, target: Target, *, step: str = "train") -> dict:
   """Compiles `step` of the run `config` for `target`; the report as a JSON-able dict.
 
@@ -257,9 +264,8 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
   validate(config)
   devices = target_devices(target)
   mesh = make_mesh(config.mesh, devices)
-  lower = {"train": _lower_train, "eval": _lower_eval, "generate": _lower_generate}[step]
   start = time.perf_counter()
-  lowered, held = lower(config, mesh)
+  lowered, held = lower_step(config, mesh, step)
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:

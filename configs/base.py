@@ -74,6 +74,10 @@ def get_config() -> config_dict.ConfigDict:
   #   many keys, itself included (Mistral's sliding_window); None: all
   m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
   #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
+  m.scan_layers = config_dict.placeholder(bool)  # True: each stack runs one block under
+  #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth);
+  #   False: a Python loop over per-layer blocks; None: scan unless the layers differ (a window
+  #   on some layers only), and a run resumed or restored from keeps its saved layout
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |
@@ -136,6 +140,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.b2 = 0.95  # Adam beta2
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
+  tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
+  #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE or
+  #   ~/.cache/transformer_lab/jax; "none": compile at every start
   tr.seed = 0  # parameter init, data order, MLM masking
   tr.log_every = 10  # steps between metric lines
   tr.eval_every = 200  # steps between validation passes
@@ -153,5 +160,11 @@ def get_config() -> config_dict.ConfigDict:
   me.fsdp = 1  # parameter/optimizer-state sharding axis
   me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
   me.rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
-              ("mlp", "tensor"), ("head_dim", None), ("norm", None))  # logical -> mesh axis or None
+              ("mlp", "tensor"), ("head_dim", None), ("norm", None),
+              ("layers", None))  # logical -> mesh axis or None
   return c
+
+
+# The value a field added after a run was saved has for that run, where it is
+# not the field's default: runs saved before `model.scan_layers` looped.
+BEFORE_FIELD = {"model": {"scan_layers": False}}

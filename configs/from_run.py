@@ -25,6 +25,7 @@ def get_config(workdir: str | None = None):
   c = base.get_config()
   if workdir is None:
     return c
+  _update(c, base.BEFORE_FIELD)  # a field the saved config predates: as that run ran
   with open(os.path.join(workdir, "config.json"), encoding="utf-8") as f:
     _update(c, json.load(f))
   return c

@@ -119,6 +119,21 @@ def sliding_window_layers(m) -> tuple[int, ...]:
   return tuple(sorted(m.sliding_window_layers))
 
 
+def scan_layers(m) -> bool:
+  """Whether each stack runs its blocks under one scan: `model.scan_layers`,
+  None meaning yes unless some layers only have the sliding window (a scan
+  runs the same block, with the same static window, at every layer)."""
+  uniform = len(sliding_window_layers(m)) in (0, m.num_layers)
+  if m.scan_layers is None:
+    return uniform
+  if m.scan_layers and not uniform:
+    _fail("model.scan_layers", m.scan_layers,
+          f"runs one block at every layer, but model.sliding_window_layers="
+          f"{m.sliding_window_layers} gives only some layers the window; set "
+          "model.scan_layers=False (or None: scan where the layers allow)")
+  return bool(m.scan_layers)
+
+
 def scale_embeddings(m) -> bool:
   """Whether token embeddings are multiplied by sqrt(d_model) (None means only
   for pos_emb=sinusoidal, as the original transformer)."""
@@ -180,6 +195,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.sliding_window", m.sliding_window,
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   _validate_window_layers(m)
+  scan_layers(m)
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")

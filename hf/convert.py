@@ -6,7 +6,10 @@ and the tokenizer files) and writes a run directory at step 0: config.json,
 tokenizer/ and an Orbax checkpoint, as train.py writes them, so eval.py
 evaluates it and train.py fine-tunes it (`train.restore_from`). Everything is
 checked before any weight is read: the architecture, every config field
-(`hf/mappings.py`), the tensor names and shapes. Tensors are read one
+(`hf/mappings.py`), the tensor names and shapes. The tensor tables name
+one layer's parameter ("decoder/layers/3/attn/q_proj/kernel"); in a
+scanned stack (`model.scan_layers`) that is slice 3 of the stacked
+parameter (`_locate`), both ways. Tensors are read one
 at a time (`safe_open`), converted on the host and placed on the run's mesh
 with its sharding rules, so the host holds about one tensor, not the model.
 The run is written into a temporary directory next to the workdir and renamed
@@ -28,9 +31,11 @@ checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
 `model.real_vocab_size` the checkpoint's, so that the padded rows' logits
 are masked and the outputs do not change.
 """
+import functools
 import json
 import os
 import pathlib
+import re
 import shutil
 
 import jax
@@ -148,6 +153,26 @@ def _flat(tree) -> dict:
   return out
 
 
+_LAYER_PATH = re.compile(r"^(.*/layers)/(\d+)/(.*)$")
+
+
+def _locate(path: str, flat: dict) -> tuple[str, int | None]:
+  """(our parameter path, layer or None) of a tensor-table path: a scanned
+  stack holds "decoder/layers/{i}/attn/q_proj/kernel" as slice i of its
+  stacked "decoder/layers/attn/q_proj/kernel"."""
+  match = _LAYER_PATH.match(path)
+  if path in flat or match is None:
+    return path, None
+  return f"{match[1]}/{match[3]}", int(match[2])
+
+
+def _shape(path: str, flat: dict) -> tuple:
+  """The shape of the parameter a tensor-table path names (one layer's)."""
+  stacked, layer = _locate(path, flat)
+  shape = tuple(flat[stacked].shape)
+  return shape if layer is None else shape[1:]
+
+
 def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
   """[(Tensor, full HF name)], every name and shape checked before reading;
   the name is None for a missing `Tensor.zeros_if_missing` (read as zeros)."""
@@ -186,7 +211,7 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
 def _hf_shape(tensor, abstract_params: dict, vocab: int) -> tuple:
   """The HF shape our parameters imply (to_hf of zeros of their shapes), with
   `vocab` rows on the vocabulary axis (the checkpoint's, before padding)."""
-  shapes = [list(abstract_params[p].shape) for p in tensor.paths]
+  shapes = [list(_shape(p, abstract_params)) for p in tensor.paths]
   if tensor.vocab_axis is not None:
     shapes[0][tensor.vocab_axis] = vocab
   return tuple(tensor.to_hf(*[np.zeros(s, np.float32) for s in shapes]).shape)
@@ -200,6 +225,23 @@ def _padded(piece, tensor, shape: tuple):
   widths = [(0, 0)] * piece.ndim
   widths[tensor.vocab_axis] = (0, shape[tensor.vocab_axis] - piece.shape[tensor.vocab_axis])
   return np.pad(piece, widths)
+
+
+def _set_layer(stacked, layer: int, piece, abstract, sharding):
+  """`stacked` (zeros of `abstract` in `sharding` when None) with slice
+  `layer` set to `piece`, in place on the devices: the host holds one
+  layer's tensor at a time."""
+  if stacked is None:
+    stacked = jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),
+                      out_shardings=sharding)()
+  return _layer_setter(sharding)(stacked, layer, piece)
+
+
+@functools.lru_cache(maxsize=None)
+def _layer_setter(sharding):
+  """`stacked.at[layer].set(piece)`, the stacked array donated and kept in `sharding`."""
+  return jax.jit(lambda stacked, layer, piece: stacked.at[layer].set(piece),
+                 donate_argnums=0, out_shardings=sharding)
 
 
 def _own_head(arch, files: dict) -> bool:
@@ -261,10 +303,15 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
       with _open(files[full]) as f:
         pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
-      dtype = abstract_params[path].dtype
+      stacked, layer = _locate(path, abstract_params)
+      dtype = abstract_params[stacked].dtype
       piece = _padded(np.asarray(piece).astype(dtype, copy=False), tensor,
-                      abstract_params[path].shape)
-      params[path] = jax.device_put(piece, shardings[path])
+                      _shape(path, abstract_params))
+      if layer is None:
+        params[path] = jax.device_put(piece, shardings[path])
+      else:
+        params[stacked] = _set_layer(params.get(stacked), layer, piece,
+                                     abstract_params[stacked], shardings[stacked])
     del pieces
   leaves = [params[path] for path in _flat(abstract["params"])]
   params_tree = jax.tree.unflatten(jax.tree.structure(abstract["params"]), leaves)
@@ -294,6 +341,13 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   return sum(int(np.prod(x.shape)) for x in abstract_params.values())
+
+
+def _array(params: dict, path: str) -> np.ndarray:
+  """The host array of a tensor-table path (a layer's slice of a stacked one)."""
+  stacked, layer = _locate(path, params)
+  array = params[stacked] if layer is None else params[stacked][layer]
+  return np.asarray(jax.device_get(array))
 
 
 def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
@@ -350,7 +404,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
   tensors = {}
   for tensor in arch.tensors(cfg):
-    arrays = [np.asarray(jax.device_get(params[p])) for p in tensor.paths]
+    arrays = [_array(params, p) for p in tensor.paths]
     if tensor.vocab_axis is not None:
       arrays = [np.take(arrays[0], np.arange(vocab), axis=tensor.vocab_axis)]
     name = (tensor.hf_name if tensor.hf_name.startswith(arch.unprefixed)

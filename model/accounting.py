@@ -75,7 +75,9 @@ def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
 
 
 def parameter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
-  """Path ("decoder/layers/0/attn/q_proj/kernel") -> shape of every parameter.
+  """Path ("decoder/layers/0/attn/q_proj/kernel"; scanned,
+  "decoder/layers/attn/q_proj/kernel" of shape [layers, ...]) -> shape of
+  every parameter.
 
   Built under `jax.eval_shape`, so no parameter is allocated.
   """
@@ -87,8 +89,9 @@ def parameter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
 def measured_params(model_cfg) -> dict:
   """Parameter counts read off the real module's tree (see module docstring).
 
-  The per-layer breakdown is layer 0's; `params_total` sums every leaf, so a
-  layer that differed from layer 0 would show up as a total off the formula.
+  The per-layer breakdown is layer 0's (scanned: a stacked leaf over its
+  layers); `params_total` sums every leaf, so a layer that differed from
+  layer 0 would show up as a total off the formula.
   """
   model_cfg = ModelConfig.resolve(model_cfg)
   counts = dict(params_total=0, params_embedding=0, params_position_table=0,
@@ -99,10 +102,11 @@ def measured_params(model_cfg) -> dict:
     parts = path.split("/")
     counts["params_total"] += size
     if len(parts) > 2 and parts[1] == "layers":
-      if parts[2] == "0":
+      stacked = not parts[2].isdigit()  # a scanned stack: [layers, ...] under layers/<component>
+      if stacked or parts[2] == "0":
         layer = per_layer[parts[0]]
-        component = _COMPONENTS[parts[3]]
-        layer[component] = layer.get(component, 0) + size
+        component = _COMPONENTS[parts[2] if stacked else parts[3]]
+        layer[component] = layer.get(component, 0) + (size // shape[0] if stacked else size)
     elif len(parts) > 1 and parts[1] == "final_norm":
       counts["params_final_norms"] += size
     else:  # embed/embedding, positions/table, relative_bias/table, token_types/table,

@@ -3,7 +3,8 @@
 `ModelConfig.resolve(config.model)` validates the section (the rules of
 `configs/validation.py`), computes the derived values (`head_dim`,
 `num_kv_heads`, `num_decoder_layers`, `real_vocab_size`, the
-per-projection and classifier biases, the layers with the sliding window,
+per-projection and classifier biases, the layers with the sliding window, the
+layout of the layers (`scan_layers`),
 `scale_embeddings`, `attention_scale`), resolves the dtypes to jnp dtypes and
 checks that the chosen attention kernel takes them (`model.attention`).
 Every module, the accounting and the attention dispatcher read this frozen
@@ -18,7 +19,8 @@ from model.layers import DTYPES
 
 
 # Fields that say how the model is computed or initialised, not what it computes.
-_HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias")
+_HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias",
+        "scan_layers")
 # RoPE scaling parameters, and those each `rope_scaling` type reads.
 _ROPE_FIELDS = ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
                 "rope_beta_slow", "rope_attention_factor", "rope_truncate",
@@ -38,7 +40,8 @@ class ModelConfig:
   optional ones filled in and `dtype`/`param_dtype` as jnp dtypes.
   `real_vocab_size` is vocab_size when the section leaves it None;
   `sliding_window_layers` is always the sorted tuple of the windowed layers
-  (every layer when the section leaves it None; none without a window)."""
+  (every layer when the section leaves it None; none without a window);
+  `scan_layers` is resolved to a bool (`configs.validation.scan_layers`)."""
   family: str
   vocab_size: int
   real_vocab_size: int
@@ -86,6 +89,7 @@ class ModelConfig:
   classifier_bias: bool
   sliding_window: int | None
   sliding_window_layers: tuple[int, ...]
+  scan_layers: bool
   attention_impl: str
   pallas_lowering: str
   dtype: Any
@@ -96,7 +100,7 @@ class ModelConfig:
     """The fields that decide the function the model computes, each once.
 
     Left out: how it is computed (`attention_impl`, `pallas_lowering`,
-    `dtype`, `param_dtype`), how it is initialised (`init_std`), `use_bias`
+    `dtype`, `param_dtype`, `scan_layers`), how it is initialised (`init_std`), `use_bias`
     (the three per-projection biases resolve it), and the fields the others
     leave unused: RoPE's without `pos_emb=rope` (and the scaling parameters
     the scaling type does not read), the relative bias's without
@@ -133,6 +137,7 @@ class ModelConfig:
                   num_decoder_layers=validation.num_decoder_layers(section),
                   real_vocab_size=validation.real_vocab_size(section),
                   sliding_window_layers=validation.sliding_window_layers(section),
+                  scan_layers=validation.scan_layers(section),
                   qkv_bias=validation.projection_bias(section, "qkv_bias"),
                   out_bias=validation.projection_bias(section, "out_bias"),
                   mlp_bias=validation.projection_bias(section, "mlp_bias"),

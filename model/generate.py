@@ -77,6 +77,13 @@ def _check_length(model_cfg, total: int) -> None:
                     f"table (model.max_len={model_cfg.max_len}); generate fewer tokens")
 
 
+def _cache_rows(fn, cache):
+  """`fn(array, axis)` on the batch axis of every cache array: k and v are
+  [..., B, L, g, d_k] and cross-attention k and v [..., B, S, g, d_k], with a
+  leading layers axis in a scanned stack's cache."""
+  return jax.tree.map(lambda c: fn(c, c.ndim - 4), cache)
+
+
 def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_tokens: int,
              copies: int):
   """Reads the prompts (and encodes the sources) into a fresh KV cache.
@@ -89,8 +96,8 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   B, P = tokens_BP.shape
   step = model.decode_step
 
-  def repeat(x):
-    return jnp.repeat(x, copies, axis=0)
+  def repeat(x, axis=0):
+    return jnp.repeat(x, copies, axis=axis)
 
   if src_BS is not None:
     src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
@@ -102,9 +109,9 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   if copies == 1:
     return step, first_BV, cache
   if src_BS is not None:
-    step = functools.partial(model.decode_step, cross_kv=jax.tree.map(repeat, cross_kv),
+    step = functools.partial(model.decode_step, cross_kv=_cache_rows(repeat, cross_kv),
                              src_padding_mask=repeat(src_mask_BS))
-  return step, repeat(first_BV), jax.tree.map(repeat, cache)
+  return step, repeat(first_BV), _cache_rows(repeat, cache)
 
 
 def _decode_loop(step, first_logits_BV, lengths_B, cache, rng, *, max_new_tokens: int,
@@ -174,7 +181,7 @@ def _beam_loop(step, first_logits_RV, lengths_B, cache, *, beam_size: int,
     logits_RV, cache, beams = carry
     parent_BN, token_BN, beams = choose(t, logits_RV, beams)
     rows_R = (jnp.arange(B)[:, None] * N + parent_BN).reshape(R)
-    cache = jax.tree.map(lambda c: c[rows_R], cache)
+    cache = _cache_rows(lambda c, axis: jnp.take(c, rows_R, axis=axis), cache)
     logits_R1V, cache = step(token_BN.reshape(R, 1), (lengths_R + t)[:, None], cache)
     return logits_R1V[:, 0], cache, beams
 

@@ -1,14 +1,18 @@
 """Parameter helpers shared by every module: dtypes and annotated weights.
 
 Each weight carries logical axis names (`vocab`, `embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `norm`); `training/sharding.py` maps them onto
-a device mesh by the rules in the config.
+`kv_heads`, `head_dim`, `mlp`, `norm`, and `layers`, the leading axis of a
+scanned stack's parameters: `model/transformer.py`); `training/sharding.py`
+maps them onto a device mesh by the rules in the config.
 """
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 # Config dtype names -> jnp dtypes (`model.config.ModelConfig` resolves them).
+# The logical axis of the layers of a scanned stack (its parameters' leading axis).
+LAYERS_AXIS = "layers"
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 

@@ -11,7 +11,8 @@
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
 Embedding (tokens, positions, optional token types, optional norm) -> L
-blocks (with `pos_emb=relative`, T5's relative position bias, computed once
+blocks (a loop over L blocks, or with `model.scan_layers` one block scanned
+over parameters stacked on a leading `layers` axis; with `pos_emb=relative`, T5's relative position bias, computed once
 per stack and added to every block's self-attention scores) -> final norm
 (pre-norm only; a post-norm block already ends in a norm) -> head: an
 optional transform (BERT's masked-LM head: dense, activation, norm), the
@@ -30,12 +31,13 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.nnx import spmd
 from jax.sharding import PartitionSpec as P
 
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
-from model.layers import Dense, param
+from model.layers import LAYERS_AXIS, Dense, param
 from model.mlp import KINDS
 from model.norms import make_norm
 from model.relative_bias import RelativeBias, positions_row
@@ -87,8 +89,15 @@ class _Stack(nnx.Module):
     rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
     self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
                           if cfg.pos_emb == "relative" else None)
-    self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
-                                  rngs=rngs) for i in range(num_layers)])
+    self.scan = cfg.scan_layers
+    if self.scan:
+      self.layers = _stacked_blocks(
+          lambda r: Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(0), rngs=r),
+          num_layers, rngs)
+    else:
+      self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
+                                    rngs=rngs) for i in range(num_layers)])
+    self.num_layers = num_layers
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
     self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
@@ -123,39 +132,69 @@ class _Stack(nnx.Module):
     """The blocks and the final norm; `bias_positions_BT` ([B or 1, T]) are
     the positions the relative bias is computed at, once for all blocks."""
     kwargs["bias"] = self.self_bias(bias_positions_BT, bias_positions_BT)
-    x_BTM = _batch_split(x_BTM)
-    for layer in self.layers:
+
+    def block(layer, h_BTM):
       if self.remat:
-        x_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, x_BTM)
+        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, h_BTM)
       else:
-        x_BTM = layer(x_BTM, **kwargs)
-      x_BTM = _batch_split(x_BTM)
+        h_BTM = layer(h_BTM, **kwargs)
+      return _batch_split(h_BTM)
+
+    x_BTM = _batch_split(x_BTM)
+    if self.scan:
+      x_BTM, _ = _scan_layers(lambda layer, h, _: (block(layer, h), None), self.layers, x_BTM)
+    else:
+      for layer in self.layers:
+        x_BTM = block(layer, x_BTM)
     return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-    """Zeros for every layer: k, v [batch, length, g, d_k]."""
+    """Zeros for every layer: k, v [batch, length, g, d_k]; scanned, one
+    dict of them stacked [layers, batch, length, g, d_k]."""
     shape = (batch, length, *self.kv_shape)
+    if self.scan:
+      shape = (self.num_layers, *shape)
+      return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
     return [dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in self.layers]
 
   def cross_kv(self, context_BSM):
-    """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder output."""
+    """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder output
+    (scanned: one pair stacked [layers, B, S, K, D])."""
+    if self.scan:
+      return _map_layers(lambda layer: layer.cross_kv(context_BSM), self.layers)
     return [layer.cross_kv(context_BSM) for layer in self.layers]
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
     with cross-attention, each layer's `cross_kv`); new cache."""
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
-    bias = self.self_bias(positions_BT, positions_row(cache[0]["k"].shape[1]))
-    new_cache = []
-    for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-      x_BTM, layer_cache = layer.decode(
-          x_BTM, positions_BT=positions_BT, cache=layer_cache,
-          context_kv=None if cross_kv is None else cross_kv[i],
-          cross_segment_ids=cross_segment_ids, bias=bias)
-      new_cache.append(layer_cache)
+    length = (cache if self.scan else cache[0])["k"].shape[-3]
+    bias = self.self_bias(positions_BT, positions_row(length))
+
+    def block(layer, h_BTM, layer_cache, context_kv):
+      return layer.decode(h_BTM, positions_BT=positions_BT, cache=layer_cache,
+                          context_kv=context_kv, cross_segment_ids=cross_segment_ids, bias=bias)
+
+    if self.scan:
+      x_BTM, new_cache = _scan_layers(lambda layer, h, xs: block(layer, h, *xs), self.layers,
+                                      x_BTM, (cache, cross_kv))
+    else:
+      new_cache = []
+      for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
+        x_BTM, layer_cache = block(layer, x_BTM, layer_cache,
+                                   None if cross_kv is None else cross_kv[i])
+        new_cache.append(layer_cache)
     if self.final_norm is not None:
       x_BTM = self.final_norm(x_BTM)
     return x_BTM, new_cache
+
+  def block(self, i: int) -> Block:
+    """Block `i` of the stack, in either layout (scanned: a slice of the
+    stacked parameters)."""
+    if not self.scan:
+      return self.layers[i]
+    graphdef, state = nnx.split(self.layers)
+    return _one_layer(graphdef, jax.tree.map(lambda x: x[i], state))
 
   def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
@@ -163,10 +202,44 @@ class _Stack(nnx.Module):
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     row = positions_row(tokens_BT.shape[1])
     bias = self.self_bias(row, row)
-    for block in list(self.layers)[:layer]:
-      x_BTM = block(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
-    return self.layers[layer].attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
-                                                bias=bias)
+    for i in range(layer):
+      x_BTM = self.block(i)(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
+    return self.block(layer).attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
+                                               bias=bias)
+
+
+def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> Block:
+  """One Block whose every parameter has a leading [num_layers] axis, named
+  `layers` in its sharding metadata; each layer is initialised from its own
+  split of `rngs`, as the loop's blocks are from successive draws."""
+  make = nnx.split_rngs(splits=num_layers)(
+      nnx.vmap(make_block, in_axes=0, out_axes=0,
+               transform_metadata={nnx.PARTITION_NAME: LAYERS_AXIS}))
+  return make(rngs)
+
+
+_LAYERS_METADATA = {nnx.PARTITION_NAME: LAYERS_AXIS}
+
+
+def _one_layer(graphdef, layer_state) -> Block:
+  """The Block of one layer's slice of the stacked state (its metadata
+  without the `layers` axis)."""
+  return nnx.merge(graphdef, spmd.remove_axis(layer_state, 0, _LAYERS_METADATA))
+
+
+def _scan_layers(fn, layers: Block, carry, xs=None):
+  """`fn(block, carry, x) -> (carry, y)` over the layers of the stacked
+  `layers` (and over the leading axis of `xs`): a `jax.lax.scan` over their
+  split state, so that it also runs inside other JAX loops (generation)."""
+  graphdef, state = nnx.split(layers)
+  return jax.lax.scan(lambda c, scanned: fn(_one_layer(graphdef, scanned[0]), c, scanned[1]),
+                      carry, (state, xs))
+
+
+def _map_layers(fn, layers: Block):
+  """`fn(block)` of every layer of the stacked `layers`, stacked."""
+  graphdef, state = nnx.split(layers)
+  return jax.vmap(lambda layer_state: fn(_one_layer(graphdef, layer_state)))(state)
 
 
 def _default_positions(tokens_BT, positions_BT):

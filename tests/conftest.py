@@ -5,10 +5,15 @@ pytest.ini and described in docs/testing.md.
 """
 import importlib.util
 import os
+import tempfile
 
 import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The persistent compilation cache (training/compile_cache.py) of every run a
+# test starts goes to a temporary directory, never the user's cache.
+os.environ.setdefault("TRANSFORMER_LAB_COMPILATION_CACHE",
+                      tempfile.mkdtemp(prefix="transformer_lab_jax_cache_"))
 
 from data import sources  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position

@@ -70,11 +70,20 @@ def _copy_weights(hf, ours, model_config):
              for name, tensor in hf.state_dict().items()}
   for tensor in arch.tensors(ModelConfig.resolve(model_config)):
     for path, value in zip(tensor.paths, tensor.to_ours(weights[tensor.hf_name])):
-      node = ours
+      node, layer = ours, None
       for part in path.split("/"):
-        node = node[int(part)] if part.isdigit() else getattr(node, part)
-      assert node.shape == value.shape, path
-      node[...] = jnp.asarray(value)
+        if part.isdigit() and isinstance(node, nnx.List):
+          node = node[int(part)]
+        elif part.isdigit():  # a scanned stack: slice `layer` of its stacked parameters
+          layer = int(part)
+        else:
+          node = getattr(node, part)
+      if layer is None:
+        assert node.shape == value.shape, path
+        node[...] = jnp.asarray(value)
+      else:
+        assert node.shape[1:] == value.shape, path
+        node[...] = node[...].at[layer].set(jnp.asarray(value))
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c

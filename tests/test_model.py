@@ -203,7 +203,7 @@ def test_attention_scale_multiplies_the_scores():
   maps = {}
   for scale in (None, 1.0):
     model = build_model(small_cfg(attention_scale=scale, num_layers=1), nnx.Rngs(0))
-    maps[scale] = model.decoder.layers[0].attn.weights(x, positions_BT=positions, causal=True)
+    maps[scale] = model.decoder.block(0).attn.weights(x, positions_BT=positions, causal=True)
   d_k = 8
   default_logits = np.log(np.asarray(maps[None])[0, 0, 5])
   unscaled_logits = np.log(np.asarray(maps[1.0])[0, 0, 5])

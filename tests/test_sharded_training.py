@@ -16,7 +16,7 @@ from training.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
-UP = "decoder/layers/0/mlp/up/kernel/value"
+UP = "decoder/layers/mlp/up/kernel/value"  # scanned: [layers=1, embed, mlp]
 
 PRELUDE = """
 import json
@@ -119,12 +119,12 @@ def test_sharded_training_matches_one_device_and_evaluates_on_one(tok_dir, tmp_p
     for loss, ref in zip(losses, reference):
       assert abs(loss - ref) <= 1e-4 * abs(ref), (name, losses, reference)
 
-  # MLP up kernel [embed=32, mlp=64]: embed over fsdp, mlp over tensor; Adam's
-  # first moment follows its parameter.
-  assert sharded["222"] == {"spec": ["fsdp", "tensor"], "shard": [16, 32],
-                            "mu_spec": ["fsdp", "tensor"]}
-  assert sharded["181"]["shard"] == [4, 64]
-  assert sharded["181"]["spec"][0] == "fsdp" == sharded["181"]["mu_spec"][0]
+  # MLP up kernel [layers=1, embed=32, mlp=64]: layers whole, embed over fsdp,
+  # mlp over tensor; Adam's first moment follows its parameter.
+  assert sharded["222"] == {"spec": [None, "fsdp", "tensor"], "shard": [1, 16, 32],
+                            "mu_spec": [None, "fsdp", "tensor"]}
+  assert sharded["181"]["shard"] == [1, 4, 64]
+  assert sharded["181"]["spec"][1] == "fsdp" == sharded["181"]["mu_spec"][1]
 
   # The 8-device checkpoint restores and evaluates on one device.
   assert single["222"]["step"] == single["one"]["step"] == STEPS

@@ -79,7 +79,7 @@ out["bad_rest"] = error(lambda: sharding.make_mesh(mesh_cfg(3, -1, 1)))
 out["two_rest"] = error(lambda: sharding.make_mesh(mesh_cfg(-1, -1, 1)))
 
 abstract = nnx.state(nnx.eval_shape(lambda: build_model(small_model(), nnx.Rngs(0))))
-layer = "decoder/layers/0/"
+layer = "decoder/layers/"  # scanned (the default): every layer stacked, [layers, ...]
 
 
 def specs(shape, rules=RULES):
@@ -120,19 +120,19 @@ def test_meshes_rules_and_batches():
 
   s = out["specs_222"]
   assert s["decoder/embed/embedding"] == ["tensor", "fsdp"]
-  assert s["decoder/layers/0/mlp/up/kernel"] == ["fsdp", "tensor"]
-  assert s["decoder/layers/0/mlp/down/kernel"] == ["tensor", "fsdp"]
-  assert s["decoder/layers/0/attn/q_proj/kernel"] == ["fsdp", "tensor", None]
-  assert s["decoder/layers/0/attn/k_proj/kernel"] == ["fsdp", "tensor", None]
-  assert s["decoder/layers/0/attn/o_proj/kernel"] == ["tensor", None, "fsdp"]
-  assert s["decoder/layers/0/norm_mlp/scale"] == [None]
+  assert s["decoder/layers/mlp/up/kernel"] == [None, "fsdp", "tensor"]
+  assert s["decoder/layers/mlp/down/kernel"] == [None, "tensor", "fsdp"]
+  assert s["decoder/layers/attn/q_proj/kernel"] == [None, "fsdp", "tensor", None]
+  assert s["decoder/layers/attn/k_proj/kernel"] == [None, "fsdp", "tensor", None]
+  assert s["decoder/layers/attn/o_proj/kernel"] == [None, "tensor", None, "fsdp"]
+  assert s["decoder/layers/norm_mlp/scale"] == [None, None]
   # 2 KV heads do not split 8 ways: replicated; 4 query heads neither; d_ff=128 does.
   s = out["specs_118"]
-  assert s["decoder/layers/0/attn/k_proj/kernel"] == ["fsdp", None, None]
-  assert s["decoder/layers/0/attn/q_proj/kernel"] == ["fsdp", None, None]
-  assert s["decoder/layers/0/mlp/up/kernel"] == ["fsdp", "tensor"]
+  assert s["decoder/layers/attn/k_proj/kernel"] == [None, "fsdp", None, None]
+  assert s["decoder/layers/attn/q_proj/kernel"] == [None, "fsdp", None, None]
+  assert s["decoder/layers/mlp/up/kernel"] == [None, "fsdp", "tensor"]
   # A mesh axis shards at most one dimension of a parameter.
-  assert out["specs_same_axis_twice"]["decoder/layers/0/mlp/up/kernel"] == ["tensor", None]
+  assert out["specs_same_axis_twice"]["decoder/layers/mlp/up/kernel"] == [None, "tensor", None]
   assert "mesh.rules" in out["bad_logical"] and "'embd'" in out["bad_logical"]
   assert "mesh.rules" in out["bad_axis"] and "'model'" in out["bad_axis"]
   assert "twice" in out["twice"]
@@ -171,10 +171,10 @@ def train_losses(name, mesh):
       "placed": all(flat_params[k].sharding.is_equivalent_to(flat_sh[k], flat_params[k].ndim)
                     for k in flat_params),
       "specs": {k: list(flat_params[k].sharding.spec) for k in (
-          "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value")},
+          "decoder/embed/embedding/value", "decoder/layers/mlp/up/kernel/value")},
       "shards": {k: [list(flat_params[k].shape),
                      list(flat_params[k].addressable_shards[0].data.shape)] for k in (
-          "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value")},
+          "decoder/embed/embedding/value", "decoder/layers/mlp/up/kernel/value")},
   }
   logits = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, batch["inputs"])
   out[name]["logits_diff"] = float(np.abs(np.asarray(logits) - reference_logits).max())
@@ -192,7 +192,7 @@ def train_losses(name, mesh):
   opt_state = jax.jit(tx.init, out_shardings=opt_sh)(params)
   flat_opt = flat(opt_state)
   out[name]["opt"] = {k: list(v.sharding.spec) for k, v in flat_opt.items()
-                      if k.endswith("mu/decoder/layers/0/mlp/up/kernel/value")
+                      if k.endswith("mu/decoder/layers/mlp/up/kernel/value")
                       or k.endswith("count")}
   losses = []
   for _ in range(3):
@@ -210,13 +210,15 @@ print(json.dumps(out))
 
 def test_sharded_model_matches_one_device():
   out = run_on_8_devices(MODEL_CHECKS)
-  embedding, up = "decoder/embed/embedding/value", "decoder/layers/0/mlp/up/kernel/value"
+  embedding, up = "decoder/embed/embedding/value", "decoder/layers/mlp/up/kernel/value"
   for name in ("one", "222", "181"):
     assert out[name]["placed"], name
     assert out[name]["logits_diff"] < 1e-5, (name, out[name]["logits_diff"])
-  assert out["222"]["specs"] == {embedding: ["tensor", "fsdp"], up: ["fsdp", "tensor"]}
-  assert out["222"]["shards"] == {embedding: [[256, 64], [128, 32]], up: [[64, 128], [32, 64]]}
-  assert out["181"]["shards"] == {embedding: [[256, 64], [256, 8]], up: [[64, 128], [8, 128]]}
+  assert out["222"]["specs"] == {embedding: ["tensor", "fsdp"], up: [None, "fsdp", "tensor"]}
+  assert out["222"]["shards"] == {embedding: [[256, 64], [128, 32]],
+                                  up: [[2, 64, 128], [2, 32, 64]]}
+  assert out["181"]["shards"] == {embedding: [[256, 64], [256, 8]],
+                                  up: [[2, 64, 128], [2, 8, 128]]}
   for name in ("222", "181"):
     opt = out[name]["opt"]
     assert [spec for k, spec in opt.items() if k.endswith("kernel/value")] == [

@@ -71,7 +71,8 @@ def _copy_mlp(ours, hf):
 
 
 def _copy_weights(hf, ours):
-  """T5ForConditionalGeneration's weights into our EncoderDecoder."""
+  """T5ForConditionalGeneration's weights into our EncoderDecoder (its layers
+  looped, `model.scan_layers=False`: one block object per layer)."""
   _set(ours.encoder.embed.embedding, hf.shared.weight, (V, M))
   if ours.head is not None:
     _set(ours.head.kernel, hf.lm_head.weight.T, (M, V))
@@ -102,7 +103,7 @@ def test_logits_match_transformers(version):
       relative_attention_max_distance=MAX_DISTANCE, layer_norm_epsilon=1e-6, dropout_rate=0.0,
       **hf_fields)
   hf = transformers.T5ForConditionalGeneration(config).eval()
-  ours = build_model(_ours_config(**our_fields), nnx.Rngs(0))
+  ours = build_model(_ours_config(scan_layers=False, **our_fields), nnx.Rngs(0))
   _copy_weights(hf, ours)
   rng = np.random.default_rng(0)
   # Lengths past max_distance, so the logarithmic and the last buckets are used.

@@ -41,7 +41,7 @@ from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
-from training import classify_report  # pylint: disable=wrong-import-position
+from training import classify_report, compile_cache  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
@@ -157,6 +157,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
   seq2seq runs.
   """
+  compile_cache.enable(workdir_lib.load_config(workdir).train.compilation_cache_dir)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
   if data:
     apply_data_flag(config, data)

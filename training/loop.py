@@ -32,7 +32,7 @@ from configs.validation import validate
 from data import classify, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
-from training import hardware
+from training import compile_cache, hardware
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, all_true
 from training.faults.lock import WorkdirLock
@@ -173,10 +173,12 @@ def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
 
 def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
+  config = workdir_lib.keep_layout(config, workdir)
   validate(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
   tc = config.train
+  compile_cache.enable(tc.compilation_cache_dir)
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
 
   def make_model():

@@ -30,7 +30,7 @@ from configs.errors import UserError
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # The logical names that parameters carry (model/layers.py).
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:

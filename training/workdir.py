@@ -39,15 +39,18 @@ def config_to_dict(config: config_dict.ConfigDict) -> dict:
   return json.loads(config.to_json())
 
 
-def _with_new_defaults(saved: dict, defaults: config_dict.ConfigDict) -> dict:
+def _with_new_defaults(saved: dict, defaults: config_dict.ConfigDict, before: dict) -> dict:
   """`saved`, plus every field configs/base.py gained since it was saved, at
-  its default (a new field's default keeps the behaviour runs had before)."""
+  its value in `before` (`base.BEFORE_FIELD`) or else its default: either
+  keeps the behaviour runs had before the field."""
   out = dict(saved)
   for key, value in defaults.items():
-    if key not in out:
+    if key not in out and key in before and not isinstance(before[key], dict):
+      out[key] = before[key]
+    elif key not in out:
       out[key] = value.to_dict() if isinstance(value, config_dict.ConfigDict) else value
     elif isinstance(value, config_dict.ConfigDict) and isinstance(out[key], dict):
-      out[key] = _with_new_defaults(out[key], value)
+      out[key] = _with_new_defaults(out[key], value, before.get(key, {}))
   return out
 
 
@@ -61,7 +64,23 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
     raise UserError(f"{workdir} is not a run directory (no {CONFIG_FILE}); "
                     "train into it first with python train.py --workdir ...")
   with open(path, encoding="utf-8") as f:
-    return config_dict.ConfigDict(_with_new_defaults(json.load(f), base.get_config()))
+    return config_dict.ConfigDict(_with_new_defaults(json.load(f), base.get_config(),
+                                                     base.BEFORE_FIELD))
+
+
+def keep_layout(config: config_dict.ConfigDict, workdir: str) -> config_dict.ConfigDict:
+  """`config` with `model.scan_layers` None (not asked for) set to the layout
+  of the run it resumes (`workdir`) or starts from (`train.restore_from`),
+  so that its checkpoints restore; an explicit value is left to be checked
+  against that run's shapes."""
+  if config.model.scan_layers is not None:
+    return config
+  for source in (workdir, config.train.restore_from):
+    if source and os.path.exists(os.path.join(source, CONFIG_FILE)):
+      config = config.copy_and_resolve_references()
+      config.model.scan_layers = validation.scan_layers(load_config(source).model)
+      return config
+  return config
 
 
 def _write_json_atomic(path: str, obj) -> None:

@@ -1,0 +1,174 @@
+"""Scanned layers (`model.scan_layers`) against the loop, and the compilation cache."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from configs import base, from_run
+from configs.errors import UserError
+from model import accounting, build_model
+from model.config import ModelConfig
+from model.generate import beam_search, generate
+from training import compile_cache, loop, sharding, workdir as workdir_lib
+
+FAMILIES = {
+    "decoder": dict(family="decoder"),
+    "encoder": dict(family="encoder", pos_emb="learned", norm="layernorm", norm_position="post",
+                    mlp="gelu", type_vocab_size=2, embedding_norm=True, head_transform=True,
+                    output_bias=True, use_bias=True),
+    "encoder_decoder": dict(family="encoder_decoder", pos_emb="relative", num_decoder_layers=2,
+                            relative_buckets=8, relative_max_distance=16, attention_scale=1.0),
+}
+
+
+def model_cfg(scan, **overrides):
+  c = base.get_config().model
+  c.update(vocab_size=64, d_model=32, num_layers=3, num_heads=4, num_kv_heads=2, d_ff=64,
+           max_len=32, attention_impl="xla", scan_layers=scan)
+  c.update(**overrides)
+  return c
+
+
+def loop_and_scanned(remat=False, **overrides):
+  """The same weights in both layouts: the loop's layers stacked into the scanned model."""
+  looped = build_model(model_cfg(False, **overrides), nnx.Rngs(0))
+  scanned = build_model(model_cfg(True, **overrides), nnx.Rngs(1), remat=remat)
+  loop_params = dict(nnx.to_flat_state(nnx.state(looped, nnx.Param)))
+  graphdef, state = nnx.split(scanned)
+  flat = []
+  for path, variable in nnx.to_flat_state(state):
+    if "layers" in path:
+      at = path.index("layers") + 1
+      layers = [loop_params[path[:at] + (i,) + path[at:]][...] for i in range(variable.shape[0])]
+      variable = variable.replace(jnp.stack(layers))
+    else:
+      variable = variable.replace(loop_params[path][...])
+    flat.append((path, variable))
+  return looped, nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def forward(model, family, tokens):
+  if family == "encoder_decoder":
+    return model(tokens, tokens[:, ::-1])
+  return model(tokens)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_scanned_layers_give_the_loops_logits_and_gradients(family):
+  """Same weights: same logits and same gradients (stacked), with remat inside the scan."""
+  looped, scanned = loop_and_scanned(remat=True, **FAMILIES[family])
+  tokens = jax.random.randint(jax.random.key(0), (2, 10), 1, 64)
+
+  def loss_and_grads(model):
+    loss = lambda m: jnp.mean(jax.nn.log_softmax(forward(m, family, tokens))[..., 3])
+    return nnx.jit(nnx.value_and_grad(loss))(model)
+
+  (loss_l, grads_l), (loss_s, grads_s) = loss_and_grads(looped), loss_and_grads(scanned)
+  np.testing.assert_allclose(loss_s, loss_l, rtol=1e-5)
+  got = dict(nnx.to_flat_state(grads_s))
+  for path, grad in nnx.to_flat_state(grads_l):
+    if "layers" in path:
+      at = path.index("layers") + 1
+      stacked = got[path[:at] + path[at + 1:]][...][path[at]]
+    else:
+      stacked = got[path][...]
+    np.testing.assert_allclose(stacked, grad[...], atol=1e-6, err_msg=str(path))
+  np.testing.assert_allclose(forward(scanned, family, tokens), forward(looped, family, tokens),
+                             atol=1e-5)
+
+
+def test_scanned_generation_and_beam_search_match_the_loop():
+  """KV-cache sampling of a decoder and beam search of an encoder-decoder (T5's
+  relative bias over the cache, cross-attention keys per layer) in both layouts."""
+  looped, scanned = loop_and_scanned()
+  prompts = [[1, 5, 9], [2, 7]]
+  outs = [generate(m, model_cfg(scan), prompts, max_new_tokens=5, temperature=0.8, seed=3)
+          for m, scan in ((looped, False), (scanned, True))]
+  assert outs[0] == outs[1]
+  looped, scanned = loop_and_scanned(**FAMILIES["encoder_decoder"])
+  sources = [[3, 4, 5, 6], [7, 8]]
+  outs = [beam_search(m, model_cfg(scan, **FAMILIES["encoder_decoder"]), [[1], [1]],
+                      beam_size=3, max_new_tokens=4, sources=sources)
+          for m, scan in ((looped, False), (scanned, True))]
+  assert outs[0] == outs[1]
+
+
+def test_attention_maps_and_accounting_read_either_layout():
+  looped, scanned = loop_and_scanned()
+  tokens = jnp.arange(1, 9)[None]
+  np.testing.assert_allclose(scanned.decoder.attention_maps(tokens, 2, causal=True),
+                             looped.decoder.attention_maps(tokens, 2, causal=True), atol=1e-6)
+  assert (accounting.measured_params(model_cfg(True))
+          == accounting.measured_params(model_cfg(False))
+          == accounting.formula_params(model_cfg(True)))
+
+
+def test_stacked_parameters_carry_the_layers_axis():
+  """[layers, ...] parameters whose `layers` axis no mesh axis splits."""
+  state = nnx.state(nnx.eval_shape(lambda: build_model(model_cfg(True), nnx.Rngs(0))))
+  kernel = state["decoder"]["layers"]["attn"]["q_proj"]["kernel"]
+  assert kernel.shape == (3, 32, 4, 8)
+  assert kernel.get_metadata()["out_sharding"] == ("layers", "embed", "heads", "head_dim")
+  mesh = sharding.make_mesh(base.get_config().mesh)
+  spec = sharding.param_partition_specs(state, mesh, base.get_config().mesh.rules)
+  assert spec["decoder"]["layers"]["attn"]["q_proj"]["kernel"].value == P(
+      None, "fsdp", "tensor", None)
+
+
+def test_scan_layers_default_and_a_window_on_some_layers():
+  """None scans unless only some layers have the window; True refuses those."""
+  assert ModelConfig.resolve(model_cfg(None)).scan_layers
+  some = dict(sliding_window=4, sliding_window_layers=(1, 2))
+  assert not ModelConfig.resolve(model_cfg(None, **some)).scan_layers
+  assert ModelConfig.resolve(model_cfg(None, sliding_window=4)).scan_layers
+  with pytest.raises(UserError, match=r"model.scan_layers=True: .*only some layers"):
+    ModelConfig.resolve(model_cfg(True, **some))
+
+
+def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):
+  """config.json without model.scan_layers loads (and resumes) as the loop it trained."""
+  saved = json.loads(base.get_config().to_json())
+  del saved["model"]["scan_layers"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  assert workdir_lib.load_config(str(tmp_path)).model.scan_layers is False
+  assert from_run.get_config(str(tmp_path)).model.scan_layers is False
+  resumed = workdir_lib.keep_layout(base.get_config(), str(tmp_path))
+  assert resumed.model.scan_layers is False
+  asked = base.get_config()
+  asked.model.scan_layers = True
+  assert workdir_lib.keep_layout(asked, str(tmp_path)).model.scan_layers is True
+
+
+def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
+  """A 2-step run started again with the same config (a requeued job) reads
+  every compiled program from the persistent cache: hits, no miss, no new entry."""
+  for i in range(16):  # split by name hash: half of them held out
+    (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
+                                          f"the lazy dog {i} times.\n" * 40)
+  c = base.get_config()
+  c.model.update(vocab_size=288, d_model=16, num_layers=2, num_heads=2, d_ff=32, max_len=16)
+  c.tokenizer.update(vocab_size=260)
+  c.data.update(source="files", paths=str(tmp_path / "doc*.txt"), cache_dir=str(tmp_path / "d"),
+                val_percent=50)
+  c.train.update(num_steps=2, batch_size=2, seq_len=16, eval_steps=1, log_every=1,
+                 compilation_cache_dir=str(tmp_path / "jax"))
+  events = []
+  listener = lambda event, **kwargs: events.append(event)
+  jax.monitoring.register_event_listener(listener)
+  try:
+    loop.train(c, str(tmp_path / "first"))
+    entries = sorted(os.listdir(tmp_path / "jax"))
+    jax.clear_caches()  # what a new process starts without
+    events.clear()
+    loop.train(c, str(tmp_path / "second"))
+  finally:
+    jax.monitoring.unregister_event_listener(listener)
+    compile_cache.enable(compile_cache.OFF)
+  assert entries and sorted(os.listdir(tmp_path / "jax")) == entries
+  assert events.count("/jax/compilation_cache/cache_hits") > 0
+  assert "/jax/compilation_cache/cache_misses" not in events
