@@ -182,13 +182,13 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   tc = config.train
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
   latest = _latest_step(workdir)
+  changes = workdir_lib.check_resume(config, workdir) if latest is not None else []
   if latest is not None and latest >= tc.num_steps:
     _print(f"{workdir} is complete: trained {latest}/{tc.num_steps} steps; nothing to do "
            f"(evaluate it: python eval.py --workdir {workdir}; train longer: "
            "--config.train.num_steps=<more>)")
     return {}
   memory = startup.check_memory(config, mesh)
-  changes = workdir_lib.check_resume(config, workdir) if latest is not None else []
   created = not os.path.exists(workdir)
 
   def on_startup_signal(signum):
@@ -241,11 +241,12 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
   abstract = jax.eval_shape(make_state)
   state_sharding = train_state_shardings(abstract, mesh, rules)
   source = None
-  if tc.restore_from and not _has_checkpoint(workdir):
+  resuming = _latest_step(workdir) is not None
+  if tc.restore_from and not resuming:
     # Before anything is written to the workdir: a bad source leaves it untouched.
     source = restore_source(config, workdir, abstract["params"], mesh, rules)
   _lock_workdir(lock, workdir)
-  workdir_lib.prepare(config, workdir)
+  workdir_lib.prepare(config, workdir, resuming)
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source and source[1])
   process = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
@@ -260,7 +261,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
-    what = f"step {start} of this workdir (resuming {start}/{tc.num_steps})"
+    what = f"step {start} of {workdir}, resuming to {tc.num_steps}"
     if changes:
       what += f"; config changes: {workdir_lib.describe_changes(changes)}"
   else:
@@ -372,14 +373,6 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
   if peak is not None:
     out["mfu"] = tokens_per_second * flops_per_token / peak
   return out
-
-
-def _has_checkpoint(workdir: str) -> bool:
-  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
-  try:
-    return checkpointer.latest_step() is not None
-  finally:
-    checkpointer.close()
 
 
 def restore_source(config, workdir: str, abstract_params, mesh, rules):

@@ -178,18 +178,17 @@ def check_resume(config: config_dict.ConfigDict, workdir: str) -> list:
   return changes
 
 
-def prepare(config: config_dict.ConfigDict, workdir: str) -> None:
-  """Creates the workdir; a new one gets its config.json now.
+def prepare(config: config_dict.ConfigDict, workdir: str, resuming: bool) -> None:
+  """Creates the workdir; one without a checkpoint gets its config.json now.
 
   Process 0 writes; every process of a multi-host run checks (the workdir is
   on a file system they share). A resumed workdir's config is recorded by
   `record_config` once training has resumed.
   """
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, CONFIG_FILE)
   _barrier("prepare_workdir")
-  if jax.process_index() == 0 and not os.path.exists(path):
-    _write_json_atomic(path, config_to_dict(config))
+  if jax.process_index() == 0 and not resuming:
+    _write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
 
 
 def record_config(config: config_dict.ConfigDict, workdir: str, step: int,
@@ -251,6 +250,7 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
   where = f"eval of {workdir}"
   checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
   try:
+    resolve_step(checkpointer, step, where)  # no checkpoint: say so before the tokenizer
     tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
     graphdef, abstract = abstract_state(config)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
