@@ -11,7 +11,9 @@ and is two commands run in `<root>/<name>`: `train.py` (which resumes from the
 workdir) and, once training has reached `train.num_steps`, `eval.py`. Every
 variant's config is resolved and validated exactly as train.py will do it
 before anything starts. Running a sweep again skips the finished variants and
-resumes the others.
+resumes the others; a variant whose workdir was trained with another config
+than the sweep now asks for is `changed` (never `done`), and `run` refuses
+the sweep unless told to retrain such variants in place (see sweep.py).
 
 `<root>/sweep.json`               the variants and their commands (written by run)
 `<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py

@@ -21,9 +21,10 @@ from training.workdir import default_workdir
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory):
-  """A small BPE tokenizer trained once on the pydoc train split."""
+  """A small BPE tokenizer trained once on the pydoc train split (shared by the
+  modules that import this fixture)."""
   c = small_config("")
   texts = [t for _, t in sources.load_documents(c.data, "train")]
   out = tmp_path_factory.mktemp("tok") / "bpe"

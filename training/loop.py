@@ -65,7 +65,7 @@ class StopRequest:
   Until `started()` (the first step has run: start-up and compilation) a
   signal calls `on_startup_signal(signum)` instead, which exits at once: a
   run that has not trained leaves nothing behind. Python runs the handler
-  during XLA's compilation too (JAX compiles with the GIL released).
+  while XLA compiles too (tests/test_run_record.py sends SIGINT then).
 
   With several processes the decision must be collective (every process
   saves the same step): `should_stop(step)` then agrees on it with an
@@ -204,7 +204,8 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   stop = StopRequest(tc.log_every, on_startup_signal)
   try:
     with stop:
-      return _run(config, workdir, lock, mesh, rules, stop, memory, changes)
+      return _run(config, workdir, lock, mesh, rules, stop, memory, changes,
+                  resuming=latest is not None)
   except BaseException as e:
     if created and stop.starting:  # a start that failed leaves no workdir behind
       lock.release()
@@ -225,7 +226,7 @@ def _latest_step(workdir: str) -> int | None:
     checkpointer.close()
 
 
-def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
+def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming: bool) -> dict:
   """The run after the checks of `_train`: sets up the workdir, restores, trains."""
   tc = config.train
 
@@ -241,7 +242,6 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
   abstract = jax.eval_shape(make_state)
   state_sharding = train_state_shardings(abstract, mesh, rules)
   source = None
-  resuming = _latest_step(workdir) is not None
   if tc.restore_from and not resuming:
     # Before anything is written to the workdir: a bad source leaves it untouched.
     source = restore_source(config, workdir, abstract["params"], mesh, rules)
@@ -282,7 +282,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh)
-  writer = MetricsWriter(workdir)
+  writer = None  # opened after the first step: an interrupted start writes nothing
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
@@ -300,6 +300,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
         if step == start + 1:
           stop.started()
           workdir_lib.record_config(config, workdir, start, changes)
+          writer = MetricsWriter(workdir)
         if watchdog:
           watchdog.progress(step)
         window_steps += 1
@@ -342,7 +343,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes) -> dict:
       watchdog.stop()
     checkpointer.wait()
     checkpointer.close()
-    writer.close()
+    if writer:
+      writer.close()
   return last
 
 
