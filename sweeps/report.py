@@ -39,9 +39,9 @@ def write_report(root: str) -> list[str]:
       curves[variant.name] = (steps, losses, tokens_per_step, {"marker": "."})
       os.makedirs(os.path.join(root, "curves"), exist_ok=True)
       path = os.path.join(root, "curves", f"{variant.name}.png")
-      batches = next((r["batches"] for r in records if "batches" in r), None)
+      batches = next((int(r["batches"]) for r in records if "batches" in r), "?")
       plot_curves(path, f"{manifest['name']}: {variant.name}",
-                  {f"validation, {batches or '?'} batches (in training)":
+                  {f"validation, {batches} batches (in training)":
                    (steps, losses, {"marker": "."}),
                    "train": (*split_curve(records, "train"), {"alpha": 0.5})})
       files.append(path)

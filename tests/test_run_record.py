@@ -96,7 +96,8 @@ def test_cli_summary_progress_and_no_libtpu_noise(tok_dir, tmp_path):
     assert "tpu" not in stderr.lower() and "E0000" not in stderr, stderr
   for head in ("devices ", "parameters ", "step        4 x 32 = 128 tokens", "memory      about ",
                "data        train ", f"workdir     {workdir}",
-               "restored    nothing (new run from step 0)"):
+               "restored    nothing (new run from step 0)",
+               "schedule    learning rate peaks at 0.003 at step 2/2\n"):
     assert head in run.stdout, run.stdout
   assert "step 1/2: loss=" in run.stdout and ", eta=" in run.stdout
   assert "step 2/2: val1_loss=" in run.stdout
@@ -141,6 +142,14 @@ def test_two_evals_of_two_steps_leave_two_reports(tok_dir, tmp_path):
   assert json.loads((out / "eval_report.json").read_text())["step"] == 2
   records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert {r["batches"] for r in records if r["split"] == "validation"} == {1}
+
+
+def test_a_warmup_longer_than_the_run_is_said(tok_dir):
+  c = _config(tok_dir, num_steps=40, warmup_steps=100)
+  line = loop.startup.schedule_line(c, loop.learning_rate_schedule(c.train))
+  assert line == ("schedule    learning rate peaks at 0.00117 at step 40/40; warning: below "
+                  "train.learning_rate=0.003, since train.warmup_steps=100 >= num_steps: lower "
+                  "train.warmup_steps")
 
 
 def test_eval_every_gives_ten_points_unless_set(tok_dir):

@@ -156,7 +156,7 @@ def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
   weights = [np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
              for layer in range(layers)]
   heads = weights[0].shape[0]
-  labels = [repr(tok.decode([i]))[1:-1][:8] for i in ids]
+  labels = ["<bos>" if i == tok.bos_id else repr(tok.decode([i]))[1:-1][:8] for i in ids]
   side = max(3.0, 0.11 * len(ids))
   fig, axes = plt.subplots(layers, heads, figsize=(side * heads + 1.2, side * layers + 0.8),
                            squeeze=False, constrained_layout=True)
@@ -166,12 +166,13 @@ def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
       ax = axes[layer, h]
       image = ax.imshow(weights[layer][h], cmap="viridis", vmin=0.0, vmax=1.0)
       ax.set_title(f"layer {layer}, head {h}", fontsize=9)
-      ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=5)
-      ax.set_yticks(range(len(ids)), labels, fontsize=5)
+      ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=6)
+      ax.set_yticks(range(len(ids)), labels, fontsize=6)
       if h:
         ax.set_yticklabels([])
-      ax.set_xlabel("key", fontsize=7)
-    axes[layer, 0].set_ylabel("query", fontsize=7)
+    axes[layer, 0].set_ylabel("query token", fontsize=8)
+  for h in range(heads):
+    axes[-1, h].set_xlabel("key token", fontsize=8)
   fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
   fig.suptitle(f"attention of every layer and head on {len(ids)} validation tokens")
   fig.savefig(path, dpi=110)

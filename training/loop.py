@@ -276,7 +276,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   for line in startup.summary_lines(
       config, mesh, workdir=workdir, restored=what, memory=memory,
       train_rows=pipeline.rows_of_split(config, tokenizer, "train")[0],
-      val_rows=pipeline.rows_of_split(config, tokenizer, "validation")[0]):
+      val_rows=pipeline.rows_of_split(config, tokenizer, "validation")[0], schedule=schedule):
     _print(line)
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,

@@ -1,6 +1,7 @@
 """Loss-curve plots (matplotlib's object API, no global figure state): the
 helpers behind eval.py's loss_curves.png and a sweep's validation curves."""
 from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
 
 
 def split_curve(records: list[dict], split: str) -> tuple[list, list]:
@@ -50,6 +51,7 @@ def plot_against_steps_and_tokens(path: str, title: str, curves: dict) -> None:
     by_tokens.plot([s * tokens_per_step for s in steps], losses, label=label, **style)
   by_step.set_xlabel("step")
   by_tokens.set_xlabel("tokens seen")
+  by_tokens.xaxis.set_major_formatter(EngFormatter())
   by_step.set_ylabel("loss (nats per token)")
   for ax in (by_step, by_tokens):
     ax.grid(alpha=0.3)

@@ -8,14 +8,16 @@ in one line before anything is compiled or written;
 `train.skip_memory_check=True` runs it anyway.
 
 `summary_lines`: the block train.py prints at start: devices and mesh,
-parameters, tokens and FLOPs per step, memory, data and epochs, the workdir
-and what was restored.
+parameters, tokens and FLOPs per step, memory, data and epochs, the peak of
+the learning rate (a warning when the warm-up is longer than the run), the
+workdir and what was restored.
 
 `out_of_memory`: the one-line error for an allocation that still fails at run time.
 """
 import os
 
 import jax
+import numpy as np
 
 from configs.errors import UserError
 from model import accounting
@@ -90,8 +92,21 @@ def out_of_memory(config, estimate: int) -> UserError:
                    f"not fit; shrink it with {SHRINK_FLAGS}")
 
 
+def schedule_line(config, schedule) -> str:
+  """The learning rate's peak over the run, and a warning when the warm-up
+  keeps it below train.learning_rate."""
+  t = config.train
+  rates = np.asarray(schedule(np.arange(t.num_steps)))
+  peak, at = float(rates.max()), int(rates.argmax()) + 1
+  line = f"schedule    learning rate peaks at {peak:.3g} at step {at}/{t.num_steps}"
+  if peak < 0.999 * t.learning_rate:
+    line += (f"; warning: below train.learning_rate={t.learning_rate:g}, since "
+             f"train.warmup_steps={t.warmup_steps} >= num_steps: lower train.warmup_steps")
+  return line
+
+
 def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
-                  train_rows: int, val_rows: int) -> list[str]:
+                  train_rows: int, val_rows: int, schedule) -> list[str]:
   """The start-up block (see the module docstring)."""
   t = config.train
   params = accounting.formula_params(config.model)
@@ -114,6 +129,7 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
       f"data        train {train_rows:,} rows = {_count(train_rows * t.seq_len)} tokens, "
       f"validation {val_rows:,} rows = {_count(val_rows * t.seq_len)} tokens; "
       f"{t.num_steps} steps cover {epochs:.3g} epochs",
+      schedule_line(config, schedule),
       f"workdir     {os.path.abspath(workdir)}",
       f"restored    {restored}",
   ]
