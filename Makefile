@@ -3,14 +3,18 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LIBTPU := $(VENV)/libtpu
 
 .PHONY: install test test-slow test-slurm slurm-up slurm-down sweep-slurm-demo train clean
 
-$(STAMP): requirements.txt requirements-test.txt
+# libtpu goes to $(LIBTPU), outside site-packages (see requirements-libtpu.txt).
+$(STAMP): requirements.txt requirements-test.txt requirements-libtpu.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -r requirements.txt
 	$(BIN)/pip install -q -r requirements-test.txt
+	$(BIN)/pip uninstall -q -y libtpu 2>/dev/null || true
+	$(BIN)/pip install -q --no-deps --upgrade --target $(LIBTPU) -r requirements-libtpu.txt
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -46,7 +50,7 @@ sweep-slurm-demo: slurm-up
 	    --config.train.num_steps=40
 	@echo "follow with: SLURM_CONF=$(SLURM_DIR)/slurm.conf squeue; $(BIN)/python sweep.py status --root runs/sweeps/slurm_demo"
 
-## Train configs/tiny.py on the embedded corpus, evaluate it, plot it.
+## Train configs/tiny.py on the stdlib corpus, evaluate it, plot it.
 train: $(STAMP)
 	$(BIN)/python train.py --config configs/tiny.py --workdir runs/tiny
 	$(BIN)/python eval.py --workdir runs/tiny --prompt "def " --max_new_tokens 120

@@ -2,7 +2,9 @@
 [--prompt TEXT --max_new_tokens N] [--beam_size K --length_penalty A --max_examples N]
 
 Restores the checkpoint with its own config and tokenizer, writes
-eval_report.json, loss_curves.png and attention_maps.png into the workdir.
+eval_report.json, loss_curves.png and attention_maps.png into
+<workdir>/eval/step_<N>/ (or --out DIR); <workdir>/eval_report.json is a copy
+of the newest step's whole-split report.
 Seq2seq runs are scored by generation (greedy and beam search), masked-LM
 runs by masked-token accuracy, classify runs by accuracy, macro-F1 and a
 confusion matrix (confusion_matrix.png, predictions.jsonl; --data classifies
@@ -33,6 +35,8 @@ _ALPHA = flags.DEFINE_float("length_penalty", 0.6, "seq2seq: beam scores are log
                             "((5 + length) / 6)^alpha; 0: none.")
 _MAX_EXAMPLES = flags.DEFINE_integer("max_examples", 0, "seq2seq: held-out pairs to "
                                      "generate for (0: all).")
+_OUT = flags.DEFINE_string("out", None, "Directory for the report and plots (default: "
+                           "<workdir>/eval/step_<N>).")
 flags.mark_flag_as_required("workdir")
 
 
@@ -46,12 +50,14 @@ def main(argv):
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value, top_p=_TOP_P.value, beam_size=_BEAM_SIZE.value,
-        alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value)
+        alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value, out=_OUT.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   files = report.pop("files")
   print(json.dumps(report, indent=2))
+  for line in report.get("config_history", []):
+    print(f"config history: {line}")
   print("wrote " + ", ".join(files))
 
 

@@ -7,6 +7,10 @@
   python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
 
 Running `run` again resumes the unfinished variants and skips the done ones.
+A variant whose workdir was trained with another config than the sweep now
+asks for (another global flag, say) is `changed`: `run` refuses such a sweep;
+use a new --root, or --rerun_changed to retrain those variants in place
+(their old workdirs are kept as <name>.replaced<N>).
 The library is sweeps/; SLURM details in docs/slurm.md.
 """
 import os
@@ -18,6 +22,7 @@ from ml_collections import config_flags
 from configs.cli import parse_flags
 from configs.errors import UserError
 import sweeps as sweep_lib
+from training.workdir import describe_changes
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "
@@ -28,6 +33,8 @@ _PARALLEL = flags.DEFINE_integer("parallel", None, "Variants at once: local proc
                                  "(default 1) or the SLURM array's %N.", lower_bound=1)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands (and the submitit "
                              "parameters and sbatch script); run nothing.")
+_RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
+                                   "with another config in place (old workdirs set aside).")
 _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
 _TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
@@ -62,6 +69,21 @@ def run(overrides: list[str]) -> int:
   config = config_flags.get_config_filename(flags.FLAGS["config"])
   root = _ROOT.value or os.path.join("runs", "sweeps", sweep.name)
   variants = sweep_lib.make_variants(sweep, config, overrides, root)
+  for line in sweep_lib.few_points(variants):
+    print(line, file=sys.stderr)
+  changed = [(v, sweep_lib.changed_fields(v)) for v in variants]
+  changed = [(v, c) for v, c in changed if c]
+  if changed and not _DRY_RUN.value:
+    if not _RERUN_CHANGED.value:
+      sweep_lib.write_manifest(root, sweep, config, overrides, variants)
+      first, fields = changed[0]
+      raise UserError(
+          f"{len(changed)} variant(s) in {root} were trained with another config than this "
+          f"sweep asks for ({first.name}: {describe_changes(fields)}); use a new "
+          "--root, or --rerun_changed to retrain them in place (old workdirs kept as "
+          "<name>.replaced<N>)")
+    for variant, _ in changed:
+      print(f"rerun {variant.name}: its old workdir moved to {sweep_lib.set_aside(variant)}")
   todo = sweep_lib.unfinished(variants)
   folder, params = os.path.join(root, "slurm"), sweep_lib.slurm_parameters(
       sweep.name, nodes=_NODES.value, tasks_per_node=_TASKS.value, gpus_per_node=_GPUS.value,

@@ -1,7 +1,7 @@
 """Compile our Mosaic TPU attention kernels for TPUs without one attached.
 
 Deviceless ahead-of-time compilation, as `bench/compile_h200.py` does for
-the H200: with libtpu installed (`requirements-test.txt`),
+the H200: with libtpu installed (`requirements-libtpu.txt`),
 `jax.experimental.topologies.get_topology_desc(platform="tpu", ...)` gives
 abstract TPU devices of a slice, and XLA and Mosaic compile for them
 exactly as on the chip. Nothing runs: this says whether each kernel

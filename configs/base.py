@@ -145,8 +145,9 @@ def get_config() -> config_dict.ConfigDict:
   #   ~/.cache/transformer_lab/jax; "none": compile at every start
   tr.seed = 0  # parameter init, data order, MLM masking
   tr.log_every = 10  # steps between metric lines
-  tr.eval_every = 200  # steps between validation passes
-  tr.eval_steps = 10  # validation batches per pass
+  tr.eval_every = config_dict.placeholder(int)  # steps between validation passes (of
+  #   eval_steps batches, logged as val<eval_steps>_loss); None: num_steps // 10, so 10 points
+  tr.eval_steps = 10  # validation batches per pass (eval.py scores the whole split)
   tr.checkpoint_every = 200  # steps between checkpoints
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to
@@ -154,6 +155,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
   tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
   tr.peer_timeout_s = 600.0  # multi-process: exit (status 1) after this long without a step
+  tr.allow_config_changes = False  # resume a workdir with fields outside
+  #   training/workdir.py's RESUME_SAFE_FIELDS changed (recorded in config_history.jsonl)
+  tr.skip_memory_check = False  # start even when the memory estimate exceeds the device's
 
   me = c.mesh = config_dict.ConfigDict()
   me.data = -1  # data-parallel axis; -1: the devices left over

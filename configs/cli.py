@@ -16,6 +16,7 @@ Each is checked against the defined flags and the loaded config itself,
 never by reading a library's error message.
 """
 import difflib
+import os
 import sys
 
 from absl import flags
@@ -25,6 +26,15 @@ from configs.errors import UserError, first_line
 
 OVERRIDE = "--config."  # the prefix of a config override
 _SPECIAL = ("flagfile", "undefok")  # absl's own flags, in no FlagValues
+
+CONFIGS_DIR = os.path.dirname(os.path.abspath(__file__))
+_NOT_PRESETS = ("__init__", "base", "cli", "errors", "from_run", "validation")
+
+
+def presets() -> list[str]:
+  """The config files of configs/ (`configs/tiny.py`, ...)."""
+  names = sorted(f[:-3] for f in os.listdir(CONFIGS_DIR) if f.endswith(".py"))
+  return [f"configs/{n}.py" for n in names if n not in _NOT_PRESETS]
 
 
 def config_fields(config: config_dict.ConfigDict, prefix: str = "") -> list[str]:
@@ -84,7 +94,7 @@ def load_config(config_path: str, overrides: list[str] = ()) -> config_dict.Conf
     return config
   except OSError as e:
     raise UserError(f"--config {config_path}: cannot load it (no such file, or it "
-                    "fails to import)") from e
+                    f"fails to import); the presets: {', '.join(presets())}") from e
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UserError(first_line(e)) from e
 

@@ -145,6 +145,17 @@ def attention_scale(m) -> float:
   return head_dim(m) ** -0.5 if m.attention_scale is None else m.attention_scale
 
 
+def eval_every(t) -> int:
+  """Steps between in-training validation passes (None means num_steps // 10,
+  at least 1: ten points on the curve whatever the run's length)."""
+  return max(1, t.num_steps // 10) if t.eval_every is None else t.eval_every
+
+
+def eval_points(t) -> int:
+  """Validation passes of a run: every eval_every steps and at the last step."""
+  return -(-t.num_steps // eval_every(t))
+
+
 def validate_model(m: config_dict.ConfigDict) -> None:
   """Checks the `model` section; every rule has a test of its message."""
   p = "model."
@@ -258,14 +269,14 @@ def validate(config: config_dict.ConfigDict) -> None:
                 "data.task_addition_format", "train.objective"):
     _check_choice(config, field)
   for field in ("train.num_steps", "train.batch_size", "train.seq_len",
-                "train.grad_accum_steps", "train.log_every", "train.eval_every",
-                "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
+                "train.grad_accum_steps", "train.log_every", "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
                 "tokenizer.vocab_size", "data.task_size", "data.task_test_size",
                 "data.task_min_len", "data.task_max_len", "tokenizer.train_bytes"):
     _check_positive(config, field)
   for field in ("train.warmup_steps", "train.tgt_seq_len", "data.task_test_min_len",
                 "data.tokenize_workers"):
     _check_positive(config, field, allow_zero=True)
+  _check_positive(config, "train.eval_every", allow_none=True)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
     _fail("train.objective", objective,

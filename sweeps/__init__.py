@@ -11,7 +11,9 @@ and is two commands run in `<root>/<name>`: `train.py` (which resumes from the
 workdir) and, once training has reached `train.num_steps`, `eval.py`. Every
 variant's config is resolved and validated exactly as train.py will do it
 before anything starts. Running a sweep again skips the finished variants and
-resumes the others.
+resumes the others; a variant whose workdir was trained with another config
+than the sweep now asks for is `changed` (never `done`), and `run` refuses
+the sweep unless told to retrain such variants in place (see sweep.py).
 
 `<root>/sweep.json`               the variants and their commands (written by run)
 `<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py
@@ -30,8 +32,8 @@ One module per job:
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
 from sweeps.report import write_report
 from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
-from sweeps.state import (State, read_manifest, status_lines, unfinished,
-                                   variant_state, write_manifest)
+from sweeps.state import (State, changed_fields, read_manifest, set_aside, status_lines,
+                          unfinished, variant_state, write_manifest)
 from sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
                                         with_default_config)
-from sweeps.variants import Variant, describe, load_config, make_variants
+from sweeps.variants import Variant, describe, few_points, load_config, make_variants

@@ -1,10 +1,12 @@
-"""A sweep's report: report.md and report.csv (one row per variant) and the
-validation-curve plots."""
+"""A sweep's report: report.md and report.csv (one row per variant), the
+validation-curve plots (against steps and against tokens) and each variant's
+config history."""
 import csv
 import os
 
+from training import workdir as workdir_lib
 from training.metrics import read_metrics
-from training.plots import plot_curves, split_curve
+from training.plots import plot_against_steps_and_tokens, plot_curves, split_curve
 from sweeps.common import REPO
 from sweeps.state import read_manifest, variant_state
 
@@ -19,8 +21,11 @@ def write_report(root: str) -> list[str]:
   manifest, variants = read_manifest(root)
   fields = list(dict.fromkeys(f for v in variants for f in v.overrides))
   header = ["variant", *fields, "state", "step", *(key for key, _, _ in REPORT_COLUMNS)]
-  rows, curves, files = [], {}, []
+  rows, curves, files, histories = [], {}, [], {}
   for variant in variants:
+    history = workdir_lib.read_history(variant.workdir)
+    if history:
+      histories[variant.name] = workdir_lib.history_lines(history)
     s = variant_state(variant)
     report = s.report or {}
     rows.append([variant.name, *(variant.overrides.get(f, "") for f in fields), s.state,
@@ -29,22 +34,28 @@ def write_report(root: str) -> list[str]:
     records = read_metrics(variant.workdir)
     steps, losses = split_curve(records, "validation")
     if steps:
-      curves[variant.name] = (steps, losses, {"marker": "o"})
+      train = variant.config.get("train", {})
+      tokens_per_step = train.get("batch_size", 0) * train.get("seq_len", 0)
+      curves[variant.name] = (steps, losses, tokens_per_step, {"marker": "."})
       os.makedirs(os.path.join(root, "curves"), exist_ok=True)
       path = os.path.join(root, "curves", f"{variant.name}.png")
+      batches = next((int(r["batches"]) for r in records if "batches" in r), "?")
       plot_curves(path, f"{manifest['name']}: {variant.name}",
-                  {"validation": (steps, losses, {"marker": "o"}),
+                  {f"validation, {batches} batches (in training)":
+                   (steps, losses, {"marker": "."}),
                    "train": (*split_curve(records, "train"), {"alpha": 0.5})})
       files.append(path)
   if curves:
     files.insert(0, os.path.join(root, "validation_curves.png"))
-    plot_curves(files[0], f"{manifest['name']}: validation loss", curves)
+    plot_against_steps_and_tokens(
+        files[0], f"{manifest['name']}: validation loss in training (train.eval_steps "
+        "batches; the table's val loss is the whole split)", curves)
   csv_path = os.path.join(root, "report.csv")
   with open(csv_path, "w", encoding="utf-8", newline="") as f:
     csv.writer(f).writerows([header, *rows])
   md_path = os.path.join(root, "report.md")
   with open(md_path, "w", encoding="utf-8") as f:
-    f.write(_markdown(manifest, fields, rows, files, root))
+    f.write(_markdown(manifest, fields, rows, files, root, histories))
   return [md_path, csv_path, *files]
 
 
@@ -55,7 +66,7 @@ def _display(path: str) -> str:
 
 
 def _markdown(manifest: dict, fields: list[str], rows: list[list], plots: list[str],
-              root: str) -> str:
+              root: str, histories: dict) -> str:
   titles = ["variant", *fields, "state", "step", *(title for _, title, _ in REPORT_COLUMNS)]
   lines = [f"# Sweep {manifest['name']}", "",
            f"Config `{_display(manifest['config'])}`, sweep `{_display(manifest['sweep'])}`, "
@@ -67,5 +78,8 @@ def _markdown(manifest: dict, fields: list[str], rows: list[list], plots: list[s
     metrics = [value if value == "" else format(value, spec)
                for value, (_, _, spec) in zip(row[len(fields) + 3:], REPORT_COLUMNS)]
     lines.append("| " + " | ".join(map(str, [*row[:len(fields) + 3], *metrics])) + " |")
+  if histories:
+    lines += ["", "Config changes on resume (config_history.jsonl):", ""]
+    lines += [f"- {name}, {line}" for name, entries in histories.items() for line in entries]
   lines += [""] + [f"![{os.path.basename(p)}]({os.path.relpath(p, root)})" for p in plots]
   return "\n".join(lines) + "\n"

@@ -4,6 +4,7 @@ import json
 import os
 
 from configs.errors import UserError
+from training import workdir as workdir_lib
 from training.metrics import read_metrics
 from sweeps.sweep_file import Sweep
 from sweeps.variants import Variant
@@ -16,7 +17,8 @@ REPORT = "eval_report.json"
 
 @dataclasses.dataclass
 class State:
-  """Where a variant stands: `not started`, `running/partial`, `done` or `failed`."""
+  """Where a variant stands: `not started`, `running/partial`, `done`, `failed`
+  or `changed` (its workdir was trained with another config than the sweep's)."""
   state: str
   step: int | None  # the last step in metrics.jsonl, or the evaluated step when done
   detail: str
@@ -65,9 +67,33 @@ def read_manifest(root: str) -> tuple[dict, list[Variant]]:
   return manifest, variants
 
 
+def changed_fields(variant: Variant) -> list:
+  """(field, trained, asked) of each field outside the resume-safe ones in which
+  the variant's workdir was trained otherwise than the sweep now asks; []
+  for a variant not started."""
+  if not variant.config or not os.path.exists(os.path.join(variant.workdir,
+                                                           workdir_lib.CONFIG_FILE)):
+    return []
+  saved = workdir_lib.load_config(variant.workdir).to_dict()
+  return workdir_lib.unsafe_changes(workdir_lib.config_changes(saved, variant.config))
+
+
+def set_aside(variant: Variant) -> str:
+  """Moves a changed variant's workdir to `<workdir>.replaced<N>`; returns where."""
+  n = 1
+  while os.path.exists(f"{variant.workdir}.replaced{n}"):
+    n += 1
+  os.rename(variant.workdir, f"{variant.workdir}.replaced{n}")
+  return f"{variant.workdir}.replaced{n}"
+
+
 def variant_state(variant: Variant) -> State:
   error = read_json(os.path.join(variant.workdir, ERROR))
   step = last_step(variant.workdir)
+  changes = changed_fields(variant)
+  if changes:
+    return State("changed", step, f"trained with {workdir_lib.describe_changes(changes)} "
+                 "(old -> asked)", None)
   if error is not None:
     return State("failed", step, f"{error['error']} ({error['command']} {error['how']}; "
                  f"log {error['log']})", None)

@@ -1,6 +1,7 @@
 """Variants: each sweep entry's config parsed and validated as train.py will do
 it, and the train.py and eval.py commands that run it."""
 import dataclasses
+import json
 import os
 import shlex
 import sys
@@ -8,7 +9,7 @@ import sys
 
 from configs.cli import check_field, config_fields, load_config
 from configs.errors import UserError
-from configs.validation import validate
+from configs.validation import eval_points, validate
 from model.config import ModelConfig
 from sweeps.common import REPO
 from sweeps.sweep_file import Sweep, format_value, variant_name
@@ -23,6 +24,7 @@ class Variant:
   num_steps: int
   train_command: list[str]
   eval_command: list[str]
+  config: dict = dataclasses.field(default_factory=dict)  # the resolved config it trains
 
 
 def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
@@ -52,13 +54,29 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
         name, overrides, workdir, config.train.num_steps,
         train_command=[sys.executable, os.path.join(REPO, "train.py"), "--config",
                        os.path.abspath(config_path), "--workdir", workdir, *config_flags_],
-        eval_command=[sys.executable, os.path.join(REPO, "eval.py"), "--workdir", workdir]))
+        eval_command=[sys.executable, os.path.join(REPO, "eval.py"), "--workdir", workdir],
+        config=json.loads(config.to_json())))
   names = [v.name for v in variants]
   for name in names:
     if names.count(name) > 1:
       raise UserError(f"sweep {sweep.path}: {names.count(name)} variants are named {name} "
                       "(the same overrides?)")
   return variants
+
+
+def few_points(variants: list[Variant], minimum: int = 5) -> list[str]:
+  """A warning per variant whose in-training validation curve would have
+  fewer than `minimum` points."""
+  out = []
+  for variant in variants:
+    train = config_dict.ConfigDict(variant.config).train
+    points = eval_points(train)
+    if points < minimum:
+      out.append(f"warning: {variant.name} validates {points} time(s) in training "
+                 f"(train.eval_every={train.eval_every} of num_steps={train.num_steps}): its "
+                 "curve has too few points; lower --config.train.eval_every or leave it unset "
+                 "(num_steps // 10)")
+  return out
 
 
 def describe(variants: list[Variant]) -> list[str]:

@@ -1,10 +1,13 @@
 """Fixtures shared by several test modules (helpers: `helpers.py`); CPU only.
 
 The markers each test may carry (what it needs to run) are declared in
-pytest.ini and described in docs/testing.md.
+pytest.ini and described in docs/testing.md. libtpu lives in .venv/libtpu,
+outside site-packages (see requirements-libtpu.txt), and is put on the path
+here for the TPU compile tests.
 """
 import importlib.util
 import os
+import sys
 import tempfile
 
 import pytest
@@ -18,7 +21,10 @@ os.environ.setdefault("TRANSFORMER_LAB_COMPILATION_CACHE",
 from data import sources  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from tokenizer import bpe  # pylint: disable=wrong-import-position
-from tests.helpers import BPE_TEXTS, small_config  # pylint: disable=wrong-import-position
+from tests.helpers import BPE_TEXTS, LIBTPU_DIR, small_config  # pylint: disable=wrong-import-position
+
+if LIBTPU_DIR.is_dir() and str(LIBTPU_DIR) not in sys.path:
+  sys.path.append(str(LIBTPU_DIR))
 
 
 def _installed(*modules: str) -> bool:

@@ -4,6 +4,7 @@ Test modules import from here, never from each other. Nothing here imports
 torch or transformers, so every module may import it whatever it needs.
 """
 import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -23,6 +24,13 @@ from training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
+LIBTPU_DIR = ROOT / ".venv" / "libtpu"  # make install keeps libtpu here, off the default path
+
+
+def with_libtpu(env: dict) -> dict:
+  """`env` for a subprocess that compiles for TPU: .venv/libtpu on its PYTHONPATH."""
+  paths = [p for p in (env.get("PYTHONPATH"), str(LIBTPU_DIR)) if p]
+  return dict(env, PYTHONPATH=os.pathsep.join(paths))
 
 
 # Commands run as a user runs them.

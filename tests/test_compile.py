@@ -1,6 +1,6 @@
 """compile.py: ahead-of-time compilation for TPU slices and GPU nodes.
 
-TPU targets compile here through libtpu (requirements-test.txt); the GPU
+TPU targets compile here through libtpu (requirements-libtpu.txt); the GPU
 target needs JAX's CUDA plugin, which the suite's venv does not have: run
 this file from a venv made with `pip install -r requirements-gpu.txt` to
 check it. The 70B preset's parameter count is checked against the published
@@ -16,7 +16,7 @@ import pytest
 from configs import llama2_70b
 from configs.errors import UserError
 from model import accounting
-from tests.helpers import ROOT
+from tests.helpers import ROOT, with_libtpu
 from aot import compiler as aot
 from aot import targets as aot_targets
 
@@ -24,7 +24,7 @@ LLAMA2_70B = 68_976_648_192  # parameters of Llama-2-70b as published
 
 
 def compile_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env = with_libtpu(dict(os.environ, JAX_PLATFORMS="cpu"))
   return subprocess.run([sys.executable, "compile.py", *args], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=600)
 

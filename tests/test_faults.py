@@ -264,7 +264,7 @@ def _kill_inside_save(proc, checkpoints, step: int) -> None:
 def _kill_after_step(proc, step: int, delay: float) -> None:
   """SIGKILLs `proc` `delay` seconds after it logged `step` (log_every=1)."""
   for line in proc.stdout:
-    if line.startswith(f"step {step}:"):
+    if line.startswith(f"step {step}/"):
       break
   time.sleep(delay)
   proc.send_signal(signal.SIGKILL)

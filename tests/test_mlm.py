@@ -133,7 +133,7 @@ def test_mlm_train_and_eval_report(tmp_path):
   for key in ("masked_token_accuracy", "masked_tokens", "unigram_accuracy", "unigram_loss"):
     assert key in report
   assert 0 < report["unigram_accuracy"] < 0.5 and report["masked_tokens"] > 0
-  assert (workdir / "attention_maps.png").exists()
+  assert (workdir / "eval" / "step_2" / "attention_maps.png").exists()
 
 
 @pytest.mark.parametrize("probability", [0.0, 1.0])

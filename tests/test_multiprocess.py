@@ -73,12 +73,12 @@ def test_two_processes_train_checkpoint_and_resume(tok_dir, tmp_path):
   c.train.num_steps = 4
   c.data.cache_dir = str(tmp_path / "cache-two")
   outs = _two_processes(train_cmd(c, multi))
-  assert "step 4:" in outs[0] and "step 4:" not in outs[1]  # only process 0 prints
+  assert "step 4/4:" in outs[0] and "step 4/4:" not in outs[1]  # only process 0 prints
   counts = [_tokenised(out) for out in outs]
   assert sum(counts) == num_shards and min(counts) > 0  # each shard once, both took part
   c.train.num_steps = 6
   outs = _two_processes(train_cmd(c, multi))
-  assert f"Resuming {multi} from step 4." in outs[0]
+  assert f"restored    step 4 of {multi}, resuming to 6" in outs[0]
   assert [_tokenised(out) for out in outs] == [0, 0]
   want, got = _train_losses(single), _train_losses(multi)
   assert sorted(got) == [1, 2, 3, 4, 5, 6]
@@ -99,7 +99,7 @@ def test_a_killed_process_makes_the_other_exit_in_one_line(tok_dir, tmp_path):
     procs.append(subprocess.Popen(train_cmd(c, tmp_path / "run"), cwd=ROOT, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
   for line in procs[0].stdout:  # process 0 prints the steps
-    if line.startswith("step 3:"):
+    if line.startswith("step 3/"):
       break
   procs[1].send_signal(signal.SIGKILL)
   killed_at = time.time()

@@ -355,7 +355,8 @@ def test_train_and_eval_report(tmp_path, family):
   for search in ("greedy", "beam"):
     assert {"exact_match", "bleu", "chrf"} <= set(saved[search])
   assert saved["samples"][0]["reference"] == "".join(reversed(saved["samples"][0]["source"]))
-  assert (tmp_path / "run" / "attention_maps.png").exists() == (family == "decoder")
+  plot = tmp_path / "run" / "eval" / f"step_{saved['step']}" / "attention_maps.png"
+  assert plot.exists() == (family == "decoder")
   assert report["files"]
 
 

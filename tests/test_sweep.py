@@ -272,7 +272,7 @@ def test_preempted_submitit_job_saves_requeues_and_resumes(tmp_path, monkeypatch
   result = job.result()
   assert result["state"] == "done" and result["step"] == 600, job.stderr()
   log = (workdir / "sweep.log").read_text()
-  assert "SIGTERM received: saved step" in log and "Resuming" in log
+  assert "SIGTERM received: saved step" in log and ", resuming to 600" in log
   assert "preempted" in job.stderr()
 
 

@@ -1,13 +1,19 @@
 """Evaluation of a saved run, behind eval.py.
 
 Restores a checkpoint with the run's own config and tokenizer (a different
-tokenizer is refused), and writes `<workdir>/eval_report.json` with the
-step, loss, perplexity, token accuracy and bits per byte over the whole
-validation split, the unigram baseline (cross-entropy of the train split's
-token frequencies on the same targets: a model must beat it to have learned
-anything beyond counts), and samples; and two plots: `loss_curves.png` from
-metrics.jsonl and `attention_maps.png` (every head of one layer on a short
-input).
+tokenizer is refused), and writes into `<workdir>/eval/step_<N>/` (or the
+`out` directory given) `eval_report.json` with the step, loss, perplexity,
+token accuracy and bits per byte over the whole validation split, the
+unigram baseline (cross-entropy of the train split's token frequencies on the
+same targets: a model must beat it to have learned anything beyond counts),
+the run's config history when it has one, and samples; and two plots:
+`loss_curves.png` (the training loss, the in-training validation estimate of
+train.eval_steps batches, every whole-split evaluation so far, the unigram
+baseline and the learning rate) and `attention_maps.png` (every head of every
+layer on the start of the validation split). Evaluating one step never
+replaces another's report; `<workdir>/eval_report.json` is a copy of the
+newest step's whole-split report, for tools that read one file (a sweep's
+"done" test).
 
 Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
 does not depend on the tokenizer, so runs with different vocabularies compare.
@@ -111,48 +117,120 @@ def unigram_loss(config, tok) -> float:
   return float(-(unigram_log_probs(config, tok) * val_counts).sum() / val_counts.sum())
 
 
-def plot_loss_curves(workdir: str, path: str) -> bool:
+REPORT_FILE = "eval_report.json"
+EVAL_DIR = "eval"
+ATTENTION_TOKENS = 40  # tokens of the attention-map input (at least 32)
+
+
+def full_split_points(workdir: str, extra: dict | None = None) -> tuple[list, list]:
+  """(steps, losses) of every whole-split evaluation in `<workdir>/eval/`, with `extra`."""
+  points = {}
+  root = os.path.join(workdir, EVAL_DIR)
+  for name in os.listdir(root) if os.path.isdir(root) else []:
+    path = os.path.join(root, name, REPORT_FILE)
+    if name.startswith("step_") and os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        report = json.load(f)
+      if report.get("data_override") is None:
+        points[report["step"]] = report["loss"]
+  if extra is not None:
+    points[extra["step"]] = extra["loss"]
+  steps = sorted(points)
+  return steps, [points[s] for s in steps]
+
+
+def plot_loss_curves(workdir: str, path: str, report: dict, eval_steps: int) -> bool:
+  """loss_curves.png: train loss, both validation numbers, the unigram baseline and
+  the learning rate (second axis); False when the run logged nothing."""
   records = read_metrics(workdir)
   if not records:
     return False
-  curves = {}
-  for split, style in (("train", {}), ("validation", {"marker": "o"})):
-    steps, losses = split_curve(records, split)
-    if steps:
-      curves[split] = (steps, losses, style)
-  plot_curves(path, os.path.basename(os.path.abspath(workdir)), curves)
+  curves = {"train loss": (*split_curve(records, "train"), {"alpha": 0.8})}
+  steps, losses = split_curve(records, "validation")
+  if steps:
+    curves[f"validation, {eval_steps} batches (in training)"] = (steps, losses, {"marker": "."})
+  full = full_split_points(workdir, None if report.get("data_override") else report)
+  if full[0]:
+    curves["validation, whole split (eval.py)"] = (*full, {"marker": "D", "linestyle": "--"})
+  train = [r for r in records if r["split"] == "train" and "learning_rate" in r]
+  plot_curves(path, f"{os.path.basename(os.path.abspath(workdir))}: loss", curves,
+              baseline=report.get("unigram_loss"),
+              learning_rate=([r["step"] for r in train], [r["learning_rate"] for r in train]))
   return True
 
 
-def plot_attention(model, config, tok, text: str, path: str, layer: int = 0) -> None:
-  ids = tok.encode(text)[:32]
+def attention_ids(config, tok, prompt_ids: list[int] | None = None) -> list[int]:
+  """The attention-map input: `prompt_ids` (a seq2seq row's prompt), else the
+  first ATTENTION_TOKENS tokens of the validation split."""
+  if prompt_ids is not None:
+    return list(prompt_ids)[:config.train.seq_len]
+  val = tokens.load_split(config.data, tok, "validation").tokens
+  return [tok.bos_id] + [int(i) for i in val[:ATTENTION_TOKENS - 1]]
+
+
+def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
+  """A grid of every layer (rows) and head (columns), tokens on the axes, one colour bar."""
   stack = model.encoder if config.model.family != "decoder" else model.decoder
   causal = config.model.family == "decoder"
-  weights = np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
-  labels = [tok.decode([i]) for i in ids]
-  heads = weights.shape[0]
-  cols = min(heads, 4)
-  rows = -(-heads // cols)
-  fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 3.2 * rows), squeeze=False)
-  for h, ax in enumerate(axes.flat):
-    if h >= heads:
-      ax.axis("off")
-      continue
-    ax.imshow(weights[h], cmap="viridis", vmin=0.0)
-    ax.set_title(f"layer {layer} head {h}", fontsize=9)
-    ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=6)
-    ax.set_yticks(range(len(ids)), labels, fontsize=6)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  layers = len(stack.layers)
+  weights = [np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
+             for layer in range(layers)]
+  heads = weights[0].shape[0]
+  labels = ["<bos>" if i == tok.bos_id else repr(tok.decode([i]))[1:-1][:8] for i in ids]
+  side = max(3.0, 0.11 * len(ids))
+  fig, axes = plt.subplots(layers, heads, figsize=(side * heads + 1.2, side * layers + 0.8),
+                           squeeze=False, constrained_layout=True)
+  image = None
+  for layer in range(layers):
+    for h in range(heads):
+      ax = axes[layer, h]
+      image = ax.imshow(weights[layer][h], cmap="viridis", vmin=0.0, vmax=1.0)
+      ax.set_title(f"layer {layer}, head {h}", fontsize=9)
+      ax.set_xticks(range(len(ids)), labels, rotation=90, fontsize=6)
+      ax.set_yticks(range(len(ids)), labels, fontsize=6)
+      if h:
+        ax.set_yticklabels([])
+    axes[layer, 0].set_ylabel("query token", fontsize=8)
+  for h in range(heads):
+    axes[-1, h].set_xlabel("key token", fontsize=8)
+  fig.colorbar(image, ax=axes, shrink=0.6, label="attention weight")
+  fig.suptitle(f"attention of every layer and head on {len(ids)} validation tokens")
+  fig.savefig(path, dpi=110)
   plt.close(fig)
+
+
+def _write_report(report: dict, workdir: str, out: str) -> list[str]:
+  """Writes the report into `out`; the workdir's top-level copy when it is the
+  newest whole-split evaluation. Returns the paths written."""
+  os.makedirs(out, exist_ok=True)
+  paths = [os.path.join(out, REPORT_FILE)]
+  _write_json(paths[0], report)
+  top = os.path.join(workdir, REPORT_FILE)
+  if report.get("data_override") is None:
+    try:
+      with open(top, encoding="utf-8") as f:
+        newest = json.load(f).get("step", -1)
+    except (FileNotFoundError, json.JSONDecodeError):
+      newest = -1
+    if report["step"] >= newest:
+      _write_json(top, report)
+      paths.append(top)
+  return paths
+
+
+def _write_json(path: str, obj) -> None:
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump(obj, f, indent=2)
+  os.replace(path + ".tmp", path)
 
 
 def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              tokenizer_path: str | None = None, prompts: list[str] | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, beam_size: int = 4, alpha: float = 0.6,
-             max_examples: int = 0) -> dict:
-  """Evaluates a checkpoint; writes the report and plots into the workdir.
+             max_examples: int = 0, out: str | None = None) -> dict:
+  """Evaluates a checkpoint; writes the report and plots into `out` (default
+  `<workdir>/eval/step_<N>/`), see the module docstring.
 
   `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
   seq2seq runs.
@@ -166,10 +244,14 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   graphdef, params = nnx.split(model)
   batches = pipeline.make_eval_batches(config, tok, None)
   metrics = evaluate(jit_eval_step(graphdef, config.train.objective), params, batches)
-  report = {"step": step, "data": config.data.source, "loss": metrics["loss"],
+  report = {"step": step, "data": config.data.source, "data_override": data,
+            "split": "validation, whole split", "loss": metrics["loss"],
             "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
             "targets": int(metrics["targets"])}
-  attention_text = (prompts or ["def add(a, b):\n    return a + b"])[0] + "(x)"
+  history = workdir_lib.read_history(workdir)
+  if history:
+    report["config_history"] = workdir_lib.history_lines(history)
+  attention_prompt = None
   if config.train.objective == "next_token":
     stats = pipeline.split_stats(config, tok, "validation")
     report.update(
@@ -188,18 +270,17 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report["data"] = f"task={config.data.task}"
     report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
                                  max_examples=max_examples))
-    attention_text = rows.src_texts[0]
-  report_path = os.path.join(workdir, "eval_report.json")
-  with open(report_path, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  report["files"] = [report_path]
-  loss_png = os.path.join(workdir, "loss_curves.png")
-  if plot_loss_curves(workdir, loss_png):
-    report["files"].append(loss_png)
-  attn_png = os.path.join(workdir, "attention_maps.png")
+    attention_prompt = rows.prompt(0)
+  out = out or os.path.join(workdir, EVAL_DIR, f"step_{step}")
+  files = _write_report(report, workdir, out)
+  loss_png = os.path.join(out, "loss_curves.png")
+  if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
+    files.append(loss_png)
+  attn_png = os.path.join(out, "attention_maps.png")
   if config.model.family != "encoder_decoder":
-    plot_attention(model, config, tok, attention_text, attn_png)
-    report["files"].append(attn_png)
+    plot_attention(model, config, tok, attention_ids(config, tok, attention_prompt), attn_png)
+    files.append(attn_png)
+  report["files"] = files
   return report
 
 

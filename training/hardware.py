@@ -13,7 +13,10 @@ NVIDIA's product datasheets (A100, H100, H200, HGX B200, L4, L40S, A10) and
 Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e). The A10G
 exists only in AWS G5 instances and has no NVIDIA datasheet; its figure is
 the one commonly quoted for it (about half the A10's tensor throughput).
+
+Also how much memory a device can hold, for train.py's pre-flight check.
 """
+import os
 
 PEAK_BF16_TFLOPS: dict[str, float] = {
     # NVIDIA Ampere
@@ -45,3 +48,26 @@ PEAK_BF16_TFLOPS: dict[str, float] = {
 def peak_tflops(device_kind: str) -> float | None:
   """Dense bf16 peak TFLOP/s of one device of `device_kind`, None when unknown."""
   return PEAK_BF16_TFLOPS.get(device_kind)
+
+
+def host_memory_available() -> int:
+  """Bytes of host RAM available to a new allocation: MemAvailable of
+  /proc/meminfo, else the physical memory (os.sysconf)."""
+  try:
+    with open("/proc/meminfo", encoding="ascii") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def device_memory_limit(device) -> tuple[int | None, str]:
+  """(bytes one device can hold, what that is): the allocator's bytes_limit of
+  a GPU or TPU, host RAM available for a CPU device; None when unknown."""
+  if device.platform == "cpu":
+    return host_memory_available(), "host RAM available"
+  stats = device.memory_stats() or {}
+  limit = stats.get("bytes_limit")
+  return (int(limit), f"{device.device_kind} memory") if limit else (None, "")

@@ -15,6 +15,8 @@ mesh. On one device the mesh is 1x1x1 and nothing is split.
 """
 import math
 import os
+import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -28,11 +30,11 @@ from flax import nnx
 from tqdm import tqdm
 
 from configs.errors import UserError
-from configs.validation import validate
+from configs.validation import eval_every as eval_every_of, validate
 from data import classify, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
-from training import compile_cache, hardware
+from training import compile_cache, hardware, startup
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, all_true
 from training.faults.lock import WorkdirLock
@@ -62,16 +64,29 @@ def peak_flops(config) -> float | None:
 class StopRequest:
   """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
 
+  Until `started()` (the first step has run: start-up and compilation) a
+  signal calls `on_startup_signal(signum)` instead, which exits at once: a
+  run that has not trained leaves nothing behind. Python runs the handler
+  while XLA compiles too (tests/test_run_record.py sends SIGINT then).
+
   With several processes the decision must be collective (every process
   saves the same step): `should_stop(step)` then agrees on it with an
   all-gather every `every` steps only, so that steps between stay
   asynchronous; SLURM's `--signal=TERM@<seconds>` leaves time for that.
   """
 
-  def __init__(self, every: int):
+  def __init__(self, every: int, on_startup_signal):
     self.signal_name = None
     self._every = every
     self._previous = {}
+    self._on_startup_signal = on_startup_signal
+
+  def started(self) -> None:
+    self._on_startup_signal = None
+
+  @property
+  def starting(self) -> bool:
+    return self._on_startup_signal is not None
 
   def should_stop(self, step: int) -> bool:
     if jax.process_count() == 1:
@@ -89,6 +104,8 @@ class StopRequest:
     return self
 
   def _handle(self, signum, _frame):
+    if self._on_startup_signal is not None:
+      self._on_startup_signal(signum)
     self.signal_name = signal.Signals(signum).name
 
   def __exit__(self, *exc):
@@ -180,6 +197,54 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   tc = config.train
   compile_cache.enable(tc.compilation_cache_dir)
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
+  latest = _latest_step(workdir)
+  changes = workdir_lib.check_resume(config, workdir) if latest is not None else []
+  if latest is not None and latest >= tc.num_steps:
+    _print(f"{workdir} is complete: trained {latest}/{tc.num_steps} steps; nothing to do "
+           f"(evaluate it: python eval.py --workdir {workdir}; train longer: "
+           "--config.train.num_steps=<more>)")
+    return {}
+  memory = startup.check_memory(config, mesh)
+  created = not os.path.exists(workdir)
+
+  def on_startup_signal(signum):
+    lock.release()
+    if created:
+      shutil.rmtree(workdir, ignore_errors=True)
+    name = signal.Signals(signum).name
+    print(f"{name} during start-up: stopped before training"
+          + (f", {workdir} removed" if created else f", {workdir} unchanged"),
+          file=sys.stderr, flush=True)
+    os._exit(128 + signum)
+
+  stop = StopRequest(tc.log_every, on_startup_signal)
+  try:
+    with stop:
+      return _run(config, workdir, lock, mesh, rules, stop, memory, changes,
+                  resuming=latest is not None)
+  except BaseException as e:
+    if created and stop.starting:  # a start that failed leaves no workdir behind
+      lock.release()
+      shutil.rmtree(workdir, ignore_errors=True)
+    if startup.is_out_of_memory(e):
+      raise startup.out_of_memory(config, memory[0]) from None
+    raise
+
+
+def _latest_step(workdir: str) -> int | None:
+  """The newest checkpoint's step, None without a workdir or checkpoint."""
+  if not os.path.isdir(workdir):
+    return None
+  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
+  try:
+    return checkpointer.latest_step()
+  finally:
+    checkpointer.close()
+
+
+def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming: bool) -> dict:
+  """The run after the checks of `_train`: sets up the workdir, restores, trains."""
+  tc = config.train
 
   def make_model():
     return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
@@ -192,14 +257,13 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
 
   abstract = jax.eval_shape(make_state)
   state_sharding = train_state_shardings(abstract, mesh, rules)
-  source_params = source_tokenizer = None
-  if tc.restore_from and not _has_checkpoint(workdir):
+  source = None
+  if tc.restore_from and not resuming:
     # Before anything is written to the workdir: a bad source leaves it untouched.
-    source_params, source_tokenizer = restore_source(config, workdir, abstract["params"],
-                                                     mesh, rules)
+    source = restore_source(config, workdir, abstract["params"], mesh, rules)
   _lock_workdir(lock, workdir)
-  workdir_lib.prepare(config, workdir)
-  tokenizer = workdir_lib.setup_tokenizer(config, workdir, source_tokenizer)
+  workdir_lib.prepare(config, workdir, resuming)
+  tokenizer = workdir_lib.setup_tokenizer(config, workdir, source and source[1])
   process = {"process_index": jax.process_index(), "process_count": jax.process_count(),
              "local_process_count": local_process_count()}
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
@@ -214,31 +278,46 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
-    _print(f"Resuming {workdir} from step {start}.")
+    what = f"step {start} of {workdir}, resuming to {tc.num_steps}"
+    if changes:
+      what += f"; config changes: {workdir_lib.describe_changes(changes)}"
   else:
     # Created under jit in its shards: the full state never sits on one device.
     state = jax.jit(make_state, out_shardings=state_sharding)()
-    if source_params is not None:  # fresh optimizer state and step 0
-      state["params"] = _with_source(state["params"], source_params)
     start = 0
+    what = "nothing (new run from step 0)"
+    if source is not None:  # fresh optimizer state and step 0
+      state["params"] = _with_source(state["params"], source[0])
+      what = (f"parameters of step {source[2]} of train.restore_from={tc.restore_from} "
+              "(new optimizer, step 0)")
+  for line in startup.summary_lines(
+      config, mesh, workdir=workdir, restored=what, memory=memory,
+      train_rows=pipeline.rows_of_split(config, tokenizer, "train")[0],
+      val_rows=pipeline.rows_of_split(config, tokenizer, "validation")[0], schedule=schedule):
+    _print(line)
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh)
-  writer = MetricsWriter(workdir)
+  writer = None  # opened after the first step: an interrupted start writes nothing
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
+  eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
   last = {}
   step = start
   watchdog = PeerWatchdog(tc.peer_timeout_s).start() if jax.process_count() > 1 else None
   hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
-    with StopRequest(tc.log_every) as stop, tqdm(total=tc.num_steps, initial=start, desc="train",
-                                      unit="step", disable=hide_bar, file=sys.stderr) as bar:
+    with tqdm(total=tc.num_steps, initial=start, desc="train", unit="step", disable=hide_bar,
+              file=sys.stderr) as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
         state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
+        if step == start + 1:
+          stop.started()
+          workdir_lib.record_config(config, workdir, start, changes)
+          writer = MetricsWriter(workdir)
         if watchdog:
           watchdog.progress(step)
         window_steps += 1
@@ -246,18 +325,23 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
         bar.update(1)
         if step % tc.log_every == 0 or step == tc.num_steps:
           _check_finite(state)
-          last = _train_scalars(jax.device_get(window_metrics), window_steps,
-                                time.perf_counter() - window_start, tc, flops_per_token, peak)
+          seconds = time.perf_counter() - window_start
+          last = _train_scalars(jax.device_get(window_metrics), window_steps, seconds, tc,
+                                flops_per_token, peak)
           writer.write(step, "train", last)
           bar.set_postfix(loss=f"{last['loss']:.3f}")
-          _print(f"step {step}: " + ", ".join(f"{k}={v:.4g}" for k, v in last.items()))
+          eta = (tc.num_steps - step) * seconds / window_steps
+          _print(f"step {step}/{tc.num_steps}: "
+                 + ", ".join(f"{k}={v:.4g}" for k, v in last.items())
+                 + f", eta={_duration(eta)}")
           window_start, window_steps, window_metrics = time.perf_counter(), 0, []
-        if step % tc.eval_every == 0 or step == tc.num_steps:
+        if step % eval_every == 0 or step == tc.num_steps:
           val = evaluate(eval_fn, state["params"], eval_batches)
-          writer.write(step, "validation", val)
-          _print(f"step {step}: validation loss={val['loss']:.4f} "
-                 f"perplexity={val['perplexity']:.2f}")
-          last.update({f"val_{k}": v for k, v in val.items()})
+          writer.write(step, "validation", {**val, "batches": tc.eval_steps})
+          _print(f"step {step}/{tc.num_steps}: {val_name}_loss={val['loss']:.4f} "
+                 f"{val_name}_perplexity={val['perplexity']:.2f} (validation, "
+                 f"{tc.eval_steps} batches; eval.py scores the whole split)")
+          last.update({f"{val_name}_{k}": v for k, v in val.items()})
         stopping = stop.should_stop(step)
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
           _check_finite(state)
@@ -265,7 +349,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
         if stopping:
           checkpointer.wait()
           _print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
-                 f"command: python train.py --config ... --workdir {workdir}")
+                 f"command: {resume_command(workdir)}")
           break
   except Exception as e:
     if watchdog and not isinstance(e, UserError):
@@ -276,8 +360,25 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
       watchdog.stop()
     checkpointer.wait()
     checkpointer.close()
-    writer.close()
+    if writer:
+      writer.close()
   return last
+
+
+def resume_command(workdir: str) -> str:
+  """This process's own command line, with --workdir when it was not given."""
+  argv = ["python", *sys.argv]
+  if not any(a == "--workdir" or a.startswith("--workdir=") for a in argv):
+    argv += ["--workdir", workdir]
+  return shlex.join(argv)
+
+
+def _duration(seconds: float) -> str:
+  """75 -> '1m15s'."""
+  seconds = int(round(seconds))
+  if seconds >= 3600:
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+  return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
@@ -293,16 +394,9 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
   return out
 
 
-def _has_checkpoint(workdir: str) -> bool:
-  checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
-  try:
-    return checkpointer.latest_step() is not None
-  finally:
-    checkpointer.close()
-
-
 def restore_source(config, workdir: str, abstract_params, mesh, rules):
-  """(parameters, tokenizer path) to start from: train.restore_from, another run's workdir.
+  """(parameters, tokenizer path, step) to start from: train.restore_from, another run's
+  workdir.
 
   The parameters of its newest intact checkpoint (a damaged newer one is
   skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
@@ -326,13 +420,13 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
     checkpointer.close()
   if restored is None:
     raise UserError(f"{where}: it has no checkpoint")
-  _, state, meta = restored
+  step, state, meta = restored
   tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
   # Restored in the source's dtypes (so that its checksums are checked), then cast.
   dtypes = {path: a.dtype for path, a in _by_path(abstract_params).items()}
   params = {path: x.astype(dtypes[path]) for path, x in _by_path(state["params"]).items()
             if path in dtypes}
-  return params, tokenizer_path
+  return params, tokenizer_path, step
 
 
 def _path_name(path) -> str:

@@ -1,6 +1,7 @@
-"""Loss-curve plots (matplotlib's object API, no global figure state): the one
-helper behind eval.py's loss_curves.png and a sweep's validation curves."""
+"""Loss-curve plots (matplotlib's object API, no global figure state): the
+helpers behind eval.py's loss_curves.png and a sweep's validation curves."""
 from matplotlib.figure import Figure
+from matplotlib.ticker import EngFormatter
 
 
 def split_curve(records: list[dict], split: str) -> tuple[list, list]:
@@ -9,16 +10,52 @@ def split_curve(records: list[dict], split: str) -> tuple[list, list]:
   return [r["step"] for r in rows], [r["loss"] for r in rows]
 
 
-def plot_curves(path: str, title: str, curves: dict) -> None:
-  """A PNG with one line per label -> (steps, losses, matplotlib style keywords)."""
-  fig = Figure(figsize=(7, 4))
+def plot_curves(path: str, title: str, curves: dict, *, baseline: float | None = None,
+                learning_rate: tuple[list, list] | None = None) -> None:
+  """A PNG with one line per label -> (steps, losses, matplotlib style keywords).
+
+  `baseline`: the unigram loss, a horizontal line; `learning_rate`: (steps,
+  rates) on a second y axis.
+  """
+  fig = Figure(figsize=(8, 4.5))
   ax = fig.subplots()
   for label, (steps, losses, style) in curves.items():
     ax.plot(steps, losses, label=label, **style)
+  if baseline is not None:
+    ax.axhline(baseline, color="grey", linestyle=":", label=f"unigram baseline {baseline:.3f}")
+  handles, labels = ax.get_legend_handles_labels()
+  if learning_rate is not None and learning_rate[0]:
+    lr_ax = ax.twinx()
+    lr_ax.plot(*learning_rate, color="tab:red", alpha=0.4, linewidth=1, label="learning rate")
+    lr_ax.set_ylabel("learning rate", color="tab:red")
+    lr_ax.tick_params(axis="y", colors="tab:red")
+    lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-2, 2))
+    more = lr_ax.get_legend_handles_labels()
+    handles, labels = handles + more[0], labels + more[1]
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats per token)")
   ax.set_title(title)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+  ax.legend(handles, labels, fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def plot_against_steps_and_tokens(path: str, title: str, curves: dict) -> None:
+  """Two panels, the same curves against steps and against tokens seen:
+  label -> (steps, losses, tokens per step, matplotlib style keywords)."""
+  fig = Figure(figsize=(12, 4.5))
+  by_step, by_tokens = fig.subplots(1, 2, sharey=True)
+  for label, (steps, losses, tokens_per_step, style) in curves.items():
+    by_step.plot(steps, losses, label=label, **style)
+    by_tokens.plot([s * tokens_per_step for s in steps], losses, label=label, **style)
+  by_step.set_xlabel("step")
+  by_tokens.set_xlabel("tokens seen")
+  by_tokens.xaxis.set_major_formatter(EngFormatter())
+  by_step.set_ylabel("loss (nats per token)")
+  for ax in (by_step, by_tokens):
+    ax.grid(alpha=0.3)
+  by_tokens.legend(fontsize=7)
+  fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

@@ -1,9 +1,15 @@
 """A run is a directory: the resolved config, the tokenizer, checkpoints,
 metrics and reports. This module sets one up and reads one back.
 
-`<workdir>/config.json`   the resolved config of the first run in it
-`<workdir>/tokenizer/`    the tokenizer every checkpoint was trained with
-`<workdir>/checkpoints/`  Orbax checkpoints (see training/checkpoint.py)
+`<workdir>/config.json`           the resolved config that trained it (the newest one)
+`<workdir>/config_history.jsonl`  every change of the config on a resume, with its step
+`<workdir>/tokenizer/`            the tokenizer every checkpoint was trained with
+`<workdir>/checkpoints/`          Orbax checkpoints (see training/checkpoint.py)
+
+A resume may change the fields of `RESUME_SAFE_FIELDS` (they do not change
+what is trained); any other change is refused unless
+`train.allow_config_changes` is set. Either way the change is appended to the
+history, so that config.json and the history together say what trained the run.
 """
 import json
 import os
@@ -22,7 +28,18 @@ from training.checkpoint import Checkpointer, DamagedCheckpoint, resolve_step
 from training.steps import abstract_state
 
 CONFIG_FILE = "config.json"
+HISTORY_FILE = "config_history.jsonl"
 TOKENIZER_DIR = "tokenizer"
+
+# Fields a resume may change without changing what is trained: how long, how
+# often it logs, evaluates and checkpoints, how it is watched, the one-run
+# switches. Add a new field here when changing it mid-run is harmless.
+RESUME_SAFE_FIELDS = (
+    "train.num_steps", "train.log_every", "train.eval_every", "train.eval_steps",
+    "train.checkpoint_every", "train.keep_checkpoints", "train.peer_timeout_s",
+    "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
+    "train.restore_from", "data.num_workers", "data.cache_dir",
+)
 
 
 def default_workdir(config_path: str) -> str:
@@ -63,9 +80,13 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
   if not os.path.exists(path):
     raise UserError(f"{workdir} is not a run directory (no {CONFIG_FILE}); "
                     "train into it first with python train.py --workdir ...")
-  with open(path, encoding="utf-8") as f:
-    return config_dict.ConfigDict(_with_new_defaults(json.load(f), base.get_config(),
-                                                     base.BEFORE_FIELD))
+  try:
+    with open(path, encoding="utf-8") as f:
+      saved = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is damaged (not valid JSON: {e.msg}, line {e.lineno}); restore it "
+                    "or use a new workdir") from None
+  return config_dict.ConfigDict(_with_new_defaults(saved, base.get_config(), base.BEFORE_FIELD))
 
 
 def keep_layout(config: config_dict.ConfigDict, workdir: str) -> config_dict.ConfigDict:
@@ -81,6 +102,59 @@ def keep_layout(config: config_dict.ConfigDict, workdir: str) -> config_dict.Con
       config.model.scan_layers = validation.scan_layers(load_config(source).model)
       return config
   return config
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+  """{"train.num_steps": 600, ...}: every leaf of a config dict, dotted."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      out[prefix + key] = value
+  return out
+
+
+def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
+  """(field, old, new) of every field that differs, in field order.
+
+  Tuples and lists compare as equal sequences (JSON has only lists).
+  """
+  before, after = _flatten(saved), _flatten(config)
+  out = []
+  for field in sorted(set(before) | set(after)):
+    old, new = before.get(field), after.get(field)
+    if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
+      old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    if old != new:
+      out.append((field, before.get(field), after.get(field)))
+  return out
+
+
+def unsafe_changes(changes: list[tuple[str, object, object]]) -> list[tuple[str, object, object]]:
+  """The changes that are not in RESUME_SAFE_FIELDS: they change what is trained."""
+  return [c for c in changes if c[0] not in RESUME_SAFE_FIELDS]
+
+
+def describe_changes(changes: list[tuple[str, object, object]]) -> str:
+  """`train.learning_rate 0.003 -> 0.0001, ...`."""
+  return ", ".join(f"{field} {old!r} -> {new!r}" for field, old, new in changes)
+
+
+def read_history(workdir: str) -> list[dict]:
+  """The config history: one {"step", "changes": [[field, old, new]...], "forced"}
+  per resume that changed the config; [] when there is none."""
+  path = os.path.join(workdir, HISTORY_FILE)
+  if not os.path.exists(path):
+    return []
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def history_lines(history: list[dict]) -> list[str]:
+  """One line per history entry, for reports: `step 600: train.num_steps 600 -> 1200`."""
+  return [f"step {h['step']}: {describe_changes(h['changes'])}"
+          + (" (allow_config_changes)" if h["forced"] else "") for h in history]
 
 
 def _write_json_atomic(path: str, obj) -> None:
@@ -101,23 +175,51 @@ def check_same_shapes(saved: config_dict.ConfigDict, config: config_dict.ConfigD
                   "use a new --workdir, or start from it with --config.train.restore_from")
 
 
-def prepare(config: config_dict.ConfigDict, workdir: str) -> None:
-  """Creates the workdir, or checks that resuming it is compatible.
+def check_resume(config: config_dict.ConfigDict, workdir: str) -> list:
+  """The changes of `config` against the workdir's config.json ([] for a new
+  workdir); reads only.
+
+  A change outside RESUME_SAFE_FIELDS is refused, naming each (old -> new)
+  and the two ways on, unless train.allow_config_changes is set; shapes
+  never change (`check_same_shapes`).
+  """
+  if not os.path.exists(os.path.join(workdir, CONFIG_FILE)):
+    return []
+  saved = load_config(workdir)
+  check_same_shapes(saved, config, workdir)
+  changes = config_changes(saved.to_dict(), config_to_dict(config))
+  unsafe = unsafe_changes(changes)
+  if unsafe and not config.train.allow_config_changes:
+    raise UserError(f"{workdir} was trained with another config: {describe_changes(unsafe)}; "
+                    "use a new --workdir, or resume with these changes recorded in its "
+                    f"{HISTORY_FILE}: --config.train.allow_config_changes=True")
+  return changes
+
+
+def prepare(config: config_dict.ConfigDict, workdir: str, resuming: bool) -> None:
+  """Creates the workdir; one without a checkpoint gets its config.json now.
 
   Process 0 writes; every process of a multi-host run checks (the workdir is
-  on a file system they share).
+  on a file system they share). A resumed workdir's config is recorded by
+  `record_config` once training has resumed.
   """
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, CONFIG_FILE)
-  if os.path.exists(path):
-    saved = load_config(workdir)
-    check_same_shapes(saved, config, workdir)
-    if tuple(saved.data.labels) != tuple(config.data.labels):
-      raise UserError(f"workdir {workdir} was trained on the labels {tuple(saved.data.labels)}, "
-                      f"this run has {tuple(config.data.labels)}; use a new --workdir")
   _barrier("prepare_workdir")
-  if jax.process_index() == 0:
-    _write_json_atomic(path, config_to_dict(config))
+  if jax.process_index() == 0 and not resuming:
+    _write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
+
+
+def record_config(config: config_dict.ConfigDict, workdir: str, step: int,
+                  changes: list) -> None:
+  """Writes config.json and appends `changes` (from `check_resume`) at `step`
+  to the history; nothing when nothing changed. Process 0 only."""
+  if not changes or jax.process_index() != 0:
+    return
+  entry = {"step": step, "changes": [list(c) for c in changes],
+           "forced": bool(unsafe_changes(changes))}
+  with open(os.path.join(workdir, HISTORY_FILE), "a", encoding="utf-8") as f:
+    f.write(json.dumps(entry) + "\n")
+  _write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
 
 
 def _barrier(name: str) -> None:
@@ -167,6 +269,7 @@ def load_run(workdir: str, step: int | None = None, tokenizer_path: str | None =
   where = f"eval of {workdir}"
   checkpointer = Checkpointer(workdir, asynchronous=False, read_only=True)
   try:
+    resolve_step(checkpointer, step, where)  # no checkpoint: say so before the tokenizer
     tok = tokenizer_lib.load_tokenizer(tokenizer_path or os.path.join(workdir, "tokenizer"))
     graphdef, abstract = abstract_state(config)
     one_device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
