@@ -25,8 +25,8 @@ target's real compiler and reads back, per device:
 - the Pallas kernels the compiled program calls (`kernels`), read from its
   custom calls (`tpu_custom_call` for Mosaic TPU, `mosaic_gpu_v2` for Mosaic
   GPU, `__gpu$xla.gpu.triton` for Triton), each by the name its `pallas_call`
-  gave it, with its count and per-device result shapes: which attention the
-  numbers describe, from the program rather than the config;
+  gave it, with its count and per-device operand and result shapes: which
+  attention the numbers describe, from the program rather than the config;
 - a roofline bound: the step takes at least the longest of compute (FLOPs /
   peak), HBM traffic (`bytes accessed` / HBM bandwidth) and collective
   traffic / interconnect bandwidth, so MFU (PaLM FLOPs over that time at
@@ -171,11 +171,20 @@ def collectives(hlo_text: str) -> dict[str, dict]:
   return out
 
 
-def kernels(hlo_text: str) -> dict[str, dict]:
-  """Per Pallas kernel of a compiled program: its lowering, count and result shapes.
+def _unique_shapes(text: str) -> list[str]:
+  """The array shapes named in `text` ("f32[4,2,128,64]"), each once, in order."""
+  return list(dict.fromkeys(f"{dtype}[{dims}]" for dtype, dims in _ARRAY_RE.findall(text)))
 
-  A kernel is named by its `pallas_call`'s name (the op name's last part
-  before `/pallas_call`, else the instruction's name); shapes are per device.
+
+def kernels(hlo_text: str) -> dict[str, dict]:
+  """Per Pallas kernel of a compiled program: its lowering, count, operand and
+  result shapes (per device).
+
+  A kernel is named by its `pallas_call`'s name: the op name's part before
+  the primitive's (`.../flash_attention_tpu_dq/pallas_call`,
+  `.../flash_attention_hopper_forward/mpmd_map`), else the instruction's
+  name. Operand shapes are those the compiler's layout constraints list
+  (empty where it lists none).
   """
   out = {}
   for line in hlo_text.splitlines():
@@ -183,13 +192,14 @@ def kernels(hlo_text: str) -> dict[str, dict]:
     if not match:
       continue
     instruction, shape, target = match.groups()
-    op_name = re.search(r'op_name="(?:[^"]*/)?([^"/]+)/pallas_call"', line)
+    op_name = re.search(r'op_name="(?:[^"]*/)?([^"/]+)/[^"/]+"', line)
     name = op_name.group(1) if op_name else re.sub(r"\.\d+$", "", instruction)
-    entry = out.setdefault(name, {"lowering": KERNEL_CALLS[target], "count": 0, "shapes": []})
+    operands = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+    entry = out.setdefault(name, {"lowering": KERNEL_CALLS[target], "count": 0,
+                                  "operands": [], "results": []})
     entry["count"] += 1
-    for dtype, dims in _ARRAY_RE.findall(shape):
-      if f"{dtype}[{dims}]" not in entry["shapes"]:
-        entry["shapes"].append(f"{dtype}[{dims}]")
+    for key, text in (("operands", operands.group(1) if operands else ""), ("results", shape)):
+      entry[key] += [s for s in _unique_shapes(text) if s not in entry[key]]
   return out
 
 
@@ -400,13 +410,15 @@ def format_report(report: dict) -> str:
   for kind, c in report["collectives"].items():
     lines.append(f"  {kind:<20} {c['count']:5d} x, {_size(c['bytes'])} results, "
                  f"{_size(c['traffic_bytes'])} through the links")
-  lines.append("Pallas kernels in the compiled program (per-device result shapes):")
+  lines.append("Pallas kernels in the compiled program (per-device shapes, operands -> "
+               "results):")
   if not report["compiled"]:
     lines.append("  not read: the compiler refused the program")
   elif not report["kernels"]:
     lines.append("  none: attention runs as XLA ops")
   for name, k in report["kernels"].items():
-    lines.append(f"  {name:<32} {k['lowering']:<10} {k['count']:3d} x, {' '.join(k['shapes'])}")
+    lines.append(f"  {name:<32} {k['lowering']:<10} {k['count']:3d} x, "
+                 f"{' '.join(k['operands']) or '?'} -> {' '.join(k['results'])}")
   times = report["roofline_seconds"]
   mfu = report["mfu_bound"]
   lines += ["", "roofline per step: " + ", ".join(f"{name} {_number(s, 1e3, '.3f')} ms"
