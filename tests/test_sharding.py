@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PRELUDE = """
@@ -220,15 +222,16 @@ def test_sharded_model_matches_one_device():
   assert out["one"]["losses"][2] < out["one"]["losses"][0]
 
 
+# name: (mesh data, fsdp, tensor; query heads H, KV heads K): heads split both ways, query
+# heads only (MQA; 2 KV heads on tensor=4), heads whole (tensor does not divide H).
+PALLAS_CASES = {"both": ((2, 2, 2), 4, 2), "mqa": ((2, 1, 4), 4, 1), "query": ((1, 2, 4), 8, 2),
+                "whole": ((4, 1, 2), 3, 3)}
 PALLAS_CHECKS = """
 from model import attention as attn
 
 rng = np.random.RandomState(0)
 out = {}
-# (mesh data, fsdp, tensor; query heads H, KV heads K): heads split both ways, query heads
-# only (MQA, and 2 KV heads on tensor=4), heads whole (tensor does not divide H).
-for name, mesh_shape, H, K in [("both", (2, 2, 2), 4, 2), ("mqa", (2, 1, 4), 4, 1),
-                               ("query", (1, 2, 4), 8, 2), ("whole", (4, 1, 2), 3, 3)]:
+for name, (mesh_shape, H, K) in CASES.items():
   B, T, D = 8, 16, 16
   q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32)
   k, v = (jnp.asarray(rng.randn(B, T, K, D), jnp.float32) for _ in range(2))
@@ -253,21 +256,26 @@ for name, mesh_shape, H, K in [("both", (2, 2, 2), 4, 2), ("mqa", (2, 1, 4), 4, 
   got = step(q, k, v, segments)
   out[name] = {"diff": max(float(jnp.abs(a - b).max()) for a, b in zip(got, reference)),
                "shard_map": "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v, segments))}
-mesh = sharding.make_mesh(mesh_cfg(1, 1, 8))
-with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+with jax.sharding.use_abstract_mesh(sharding.make_mesh(mesh_cfg(1, 1, 8)).abstract_mesh):
   out["bad_heads"] = error(lambda: attn.kernel_head_split(8, 3, 8))
+with jax.sharding.use_abstract_mesh(sharding.make_mesh(mesh_cfg(2, 4, 1)).abstract_mesh):
   out["bad_rows"] = error(lambda: jax.eval_shape(lambda x: attn.attention(
       x, x, x, implementation="pallas"), jax.ShapeDtypeStruct((2, 16, 8, 16), jnp.float32)))
 print(json.dumps(out))
 """
 
 
-def test_pallas_kernels_run_under_shard_map():
-  """Our kernels on 8 devices, each on its own rows and heads (`shard_map`),
-  forward and backward, against the reference on one device."""
-  out = run_on_8_devices(PALLAS_CHECKS)
-  for name in ("both", "mqa", "query", "whole"):
+@pytest.mark.parametrize("cases", [
+    ("query", "whole"),
+    pytest.param(tuple(PALLAS_CASES), marks=pytest.mark.slow)])
+def test_pallas_kernels_run_under_shard_map(cases):
+  """Our kernels (interpreted) on 8 devices, each on its own rows and heads
+  (`shard_map`), forward and backward, against the reference; heads split
+  both ways also in tests/test_sharded_training.py."""
+  code = f"CASES = {json.dumps({name: PALLAS_CASES[name] for name in cases})}\n" + PALLAS_CHECKS
+  out = run_on_8_devices(code)
+  for name in cases:
     assert out[name]["shard_map"], name
     assert out[name]["diff"] < 1e-4, (name, out[name])
   assert "mesh.tensor=8" in out["bad_heads"] and "num_kv_heads" in out["bad_heads"]
-  assert out["bad_rows"] is None  # one batch axis of size 1: 2 rows split fine
+  assert "2 rows" in out["bad_rows"] and "data x fsdp" in out["bad_rows"]
