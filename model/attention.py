@@ -9,7 +9,8 @@
 - `xla`, `cudnn`: `jax.nn.dot_product_attention` with that implementation.
 - `pallas`: our online-softmax kernels (`model/kernels/`): Mosaic GPU on
   H100/H200 for 16-bit inputs with head_dim 64 or 128, Mosaic TPU on TPUs,
-  Triton elsewhere.
+  Triton elsewhere; on a mesh each device runs it on its own rows and heads
+  (`sharded_kernel`).
 - `auto`: the fastest correct choice for the device and the inputs (see
   `choose_implementation`).
 
