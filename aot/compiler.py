@@ -22,6 +22,11 @@ target's real compiler and reads back, per device:
   all-gather and all-to-all (n-1)/n x, reduce-scatter (n-1) x its result,
   collective-permute 1 x; n the group size). A collective inside a loop
   (gradient accumulation) is counted once;
+- the Pallas kernels the compiled program calls (`kernels`), read from its
+  custom calls (`tpu_custom_call` for Mosaic TPU, `mosaic_gpu_v2` for Mosaic
+  GPU, `__gpu$xla.gpu.triton` for Triton), each by the name its `pallas_call`
+  gave it, with its count and per-device operand and result shapes: which
+  attention the numbers describe, from the program rather than the config;
 - a roofline bound: the step takes at least the longest of compute (FLOPs /
   peak), HBM traffic (`bytes accessed` / HBM bandwidth) and collective
   traffic / interconnect bandwidth, so MFU (PaLM FLOPs over that time at
@@ -56,6 +61,10 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 _COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
 _ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|c64)\[([\d,]*)\]")
+KERNEL_CALLS = {"tpu_custom_call": "mosaic_tpu", "mosaic_gpu_v2": "mosaic_gpu",
+                "mosaic_gpu": "mosaic_gpu", "__gpu$xla.gpu.triton": "triton"}
+_KERNEL_RE = re.compile(r"%([\w.-]+) = (.*?) custom-call\(.*custom_call_target=\"("
+                        + "|".join(re.escape(target) for target in KERNEL_CALLS) + r")\"")
 
 
 def abstract_batch(config, mesh) -> dict:
@@ -162,6 +171,38 @@ def collectives(hlo_text: str) -> dict[str, dict]:
   return out
 
 
+def _unique_shapes(text: str) -> list[str]:
+  """The array shapes named in `text` ("f32[4,2,128,64]"), each once, in order."""
+  return list(dict.fromkeys(f"{dtype}[{dims}]" for dtype, dims in _ARRAY_RE.findall(text)))
+
+
+def kernels(hlo_text: str) -> dict[str, dict]:
+  """Per Pallas kernel of a compiled program: its lowering, count, operand and
+  result shapes (per device).
+
+  A kernel is named by its `pallas_call`'s name: the op name's part before
+  the primitive's (`.../flash_attention_tpu_dq/pallas_call`,
+  `.../flash_attention_hopper_forward/mpmd_map`), else the instruction's
+  name. Operand shapes are those the compiler's layout constraints list
+  (empty where it lists none).
+  """
+  out = {}
+  for line in hlo_text.splitlines():
+    match = _KERNEL_RE.search(line)
+    if not match:
+      continue
+    instruction, shape, target = match.groups()
+    op_name = re.search(r'op_name="(?:[^"]*/)?([^"/]+)/[^"/]+"', line)
+    name = op_name.group(1) if op_name else re.sub(r"\.\d+$", "", instruction)
+    operands = re.search(r"operand_layout_constraints=\{((?:[^{}]|\{[^{}]*\})*)\}", line)
+    entry = out.setdefault(name, {"lowering": KERNEL_CALLS[target], "count": 0,
+                                  "operands": [], "results": []})
+    entry["count"] += 1
+    for key, text in (("operands", operands.group(1) if operands else ""), ("results", shape)):
+      entry[key] += [s for s in _unique_shapes(text) if s not in entry[key]]
+  return out
+
+
 def _group_size(line: str) -> int:
   """Devices per replica group of an HLO collective (1 when it names none)."""
   named = re.search(r"replica_groups=mesh\[(.*?)\][^{]*\{('[^}]*)\}", line)
@@ -186,14 +227,15 @@ def _cost(compiled) -> dict:
   return cost or {}
 
 
-def _accounting(config, mesh, step: str) -> dict:
+def _accounting(config, mesh, step: str, platform: str) -> dict:
   """model.accounting's estimate per device: parameters and optimizer state split
   over fsdp x tensor (the axes parameters shard over), activations over the batch
-  axes data x fsdp; a generation step holds parameters and the KV cache."""
+  axes data x fsdp (attention_impl=auto resolved for `platform`); a generation
+  step holds parameters and the KV cache."""
   m, t = config.model, config.train
   param_split = mesh.shape["fsdp"] * mesh.shape["tensor"]
   batch_split = mesh.shape["data"] * mesh.shape["fsdp"]
-  memory = accounting.training_memory_bytes(config)
+  memory = accounting.training_memory_bytes(config, backend=platform)
   if step == "train":
     estimate = {"parameters": memory["parameters"] / param_split,
                 "optimizer_state": memory["optimizer_state"] / param_split,
@@ -248,24 +290,35 @@ def out_of_memory_bytes(message: str) -> int | None:
   return int(float(match.group(1)) * 1024 ** " KMGT".index(match.group(2) or " "))
 
 
-def lower_step(config, mesh, step: str = "train"):
+def lower_on_mesh(config, mesh, step: str = "train"):
   """(the lowered `step`, bytes each device holds of its inputs) on `mesh`."""
   lower = {"train": _lower_train, "eval": _lower_eval, "generate": _lower_generate}[step]
   return lower(config, mesh)
 
 
-def compile_report(config, target: Target, *, step: str = "train") -> dict:
-  """Compiles `step` of the run `config` for `target`; the report as a JSON-able dict.
+def lower_step(config, target: Target, step: str = "train"):
+  """(the lowered `step` of the run `config` over `target`'s devices, the bytes
+  per device of its inputs, the mesh).
 
   Raises:
     UserError: a config or mesh that does not fit the target's device count,
       or a target whose compiler is not installed.
   """
   validate(config)
-  devices = target_devices(target)
-  mesh = make_mesh(config.mesh, devices)
+  mesh = make_mesh(config.mesh, target_devices(target))
+  lowered, held = lower_on_mesh(config, mesh, step)
+  return lowered, held, mesh
+
+
+def compile_report(config, target: Target, *, step: str = "train") -> dict:
+  """Compiles `step` of the run `config` for `target`; the report as a JSON-able dict.
+
+  Raises:
+    UserError: as `lower_step`.
+  """
   start = time.perf_counter()
-  lowered, held = lower_step(config, mesh, step)
+  lowered, held, mesh = lower_step(config, target, step)
+  devices = list(mesh.devices.flat)
   try:
     compiled = lowered.compile()
   except jax.errors.JaxRuntimeError as e:
@@ -286,7 +339,8 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
 
   cost = _cost(compiled) if compiled is not None else {}
   flops, hbm_bytes = cost.get("flops"), cost.get("bytes accessed")
-  found = collectives(compiled.as_text()) if compiled is not None else {}
+  hlo_text = compiled.as_text() if compiled is not None else ""
+  found = collectives(hlo_text)
   traffic = sum(c["traffic_bytes"] for c in found.values())
   formula = _formula_flops(config, step, len(devices))
   times = {"compute": (flops or formula) / chip.peak_flops,
@@ -305,10 +359,11 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
       "batch_size": config.train.batch_size, "seq_len": config.train.seq_len,
       "params_total": accounting.formula_params(config.model)["params_total"],
       "memory_per_device": memory,
-      "accounting_per_device": _accounting(config, mesh, step),
+      "accounting_per_device": _accounting(config, mesh, step, chip.platform),
       "hbm_bytes": chip.hbm_bytes, "fits": fits, "verdict": verdict,
       "flops_per_device": flops, "formula_flops_per_device": formula,
       "hbm_bytes_accessed_per_device": hbm_bytes, "collectives": found,
+      "kernels": kernels(hlo_text),
       "roofline_seconds": times, "step_seconds_bound": bound,
       "mfu_bound": formula / (bound * chip.peak_flops) if compiled and bound > 0 else None,
       "chip": {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
@@ -360,6 +415,15 @@ def format_report(report: dict) -> str:
   for kind, c in report["collectives"].items():
     lines.append(f"  {kind:<20} {c['count']:5d} x, {_size(c['bytes'])} results, "
                  f"{_size(c['traffic_bytes'])} through the links")
+  lines.append("Pallas kernels in the compiled program (per-device shapes, operands -> "
+               "results):")
+  if not report["compiled"]:
+    lines.append("  not read: the compiler refused the program")
+  elif not report["kernels"]:
+    lines.append("  none: attention runs as XLA ops")
+  for name, k in report["kernels"].items():
+    lines.append(f"  {name:<32} {k['lowering']:<10} {k['count']:3d} x, "
+                 f"{' '.join(k['operands']) or '?'} -> {' '.join(k['results'])}")
   times = report["roofline_seconds"]
   mfu = report["mfu_bound"]
   lines += ["", "roofline per step: " + ", ".join(f"{name} {_number(s, 1e3, '.3f')} ms"

@@ -42,7 +42,7 @@ def config(num_layers: int, scan: bool):
 
 def cpu_compile_seconds(c) -> float:
   start = time.perf_counter()
-  lowered, _ = compiler.lower_step(c, make_mesh(c.mesh))
+  lowered, _ = compiler.lower_on_mesh(c, make_mesh(c.mesh))
   lowered.compile()
   return time.perf_counter() - start
 
@@ -60,7 +60,7 @@ def step_seconds(steps: int) -> dict:
   runs = {}
   for scan in (True, False):
     c = config(2, scan)
-    lowered, _ = compiler.lower_step(c, make_mesh(c.mesh))
+    lowered, _ = compiler.lower_on_mesh(c, make_mesh(c.mesh))
     step = lowered.compile()
     params = nnx.state(build_model(c.model, nnx.Rngs(0)))
     state = init_state(params, make_optimizer(c.train), 0)

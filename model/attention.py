@@ -9,7 +9,8 @@
 - `xla`, `cudnn`: `jax.nn.dot_product_attention` with that implementation.
 - `pallas`: our online-softmax kernels (`model/kernels/`): Mosaic GPU on
   H100/H200 for 16-bit inputs with head_dim 64 or 128, Mosaic TPU on TPUs,
-  Triton elsewhere.
+  Triton elsewhere; on a mesh each device runs it on its own rows and heads
+  (`sharded_kernel`).
 - `auto`: the fastest correct choice for the device and the inputs (see
   `choose_implementation`).
 
@@ -28,10 +29,12 @@ is added to the scaled scores by `reference`, `xla` and `cudnn` (through
 """
 import functools
 import logging
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
 from model.embeddings import apply_rope
@@ -129,8 +132,87 @@ def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, 
   return jnp.where(row_valid_BT11, out, 0).astype(q_BTHD.dtype)
 
 
+def compile_device():
+  """The device the traced program is compiled for: the abstract mesh's device
+  (set by the jitted steps, `training/steps.traced_on`, so compile.py's target
+  chip), else `jax.devices()[0]`. It picks the kernel's lowering and tiles and
+  what `auto` resolves to."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.abstract_device is not None:
+    return mesh.abstract_device
+  return jax.devices()[0]
+
+
+def kernel_head_split(num_heads: int, num_kv_heads: int, tensor: int) -> str:
+  """How our kernels' heads split over `tensor` devices (`sharded_kernel`).
+
+  "both": query and KV heads split (K % tensor == 0), each device runs the
+  kernel on H / tensor query and K / tensor KV heads. "query": the query heads
+  split and the KV heads are replicated (tensor % K == 0: MQA, or fewer KV
+  heads than devices; the parameter rules replicate those heads too); each
+  device takes the one KV head its query heads share. "whole": tensor is 1 or
+  does not divide H, every device runs all heads (as the parameter rules then
+  replicate the query heads). Raises `UserError` where the query heads split
+  but the KV heads neither split nor fit one per device.
+  """
+  if tensor == 1 or num_heads % tensor:
+    return "whole"
+  if num_kv_heads % tensor == 0:
+    return "both"
+  if tensor % num_kv_heads == 0:
+    return "query"
+  raise UserError(f"attention_impl=pallas on mesh.tensor={tensor}: {num_heads} query heads "
+                  f"split {tensor} ways but {num_kv_heads} KV heads neither split nor divide "
+                  "it; choose num_kv_heads dividing or divisible by mesh.tensor")
+
+
+def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None):
+  """`kernel(q, k, v, q_seg, kv_seg)` under `jax.shard_map` over the abstract mesh.
+
+  XLA cannot partition a Mosaic kernel (it refuses) nor a Triton one (it runs
+  it on the whole batch on every device), so each device runs the kernel on
+  its own rows and heads: the batch split over the batch axes (data, fsdp)
+  with the segment ids of those rows, the heads over `tensor` as
+  `kernel_head_split` says; the sequence stays whole per device. The
+  kernel's custom VJP runs inside, on the same shards. Without a mesh (or on
+  a mesh of one device) the kernel runs as it is.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
+  B, _, H, _ = q_BTHD.shape
+  K = k_BSKD.shape[2]
+  batch = tuple(axis for axis in ("data", "fsdp") if axis in mesh.axis_names)
+  rows = math.prod(mesh.shape[axis] for axis in batch)
+  if B % rows:
+    raise UserError(f"attention_impl=pallas: {B} rows (per micro-batch) do not split over "
+                    f"the {rows} devices of the batch axes {' x '.join(batch)}; make "
+                    "train.batch_size / train.grad_accum_steps a multiple of it")
+  tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
+  split = kernel_head_split(H, K, tensor)
+  heads = None if split == "whole" else "tensor"
+  q_spec = P(batch, None, heads, None)
+  kv_spec = P(batch, None, "tensor" if split == "both" else None, None)
+  seg_spec = P(batch, None)
+
+  def local(q, k, v, *segments):
+    if split == "query":  # the one KV head this device's query heads share
+      head = jax.lax.axis_index("tensor") * K // tensor
+      k, v = (jax.lax.dynamic_slice_in_dim(x, head, 1, axis=2) for x in (k, v))
+    return kernel(q, k, v, *(segments or (None, None)))
+
+  segments = () if q_seg_BT is None else (q_seg_BT, kv_seg_BS)
+  # check_vma=False: the kernels' pallas_call outputs do not declare how they vary over
+  # the mesh; the specs above say it.
+  return jax.shard_map(local, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec)
+                       + (seg_spec,) * len(segments), out_specs=q_spec, check_vma=False)(
+                           q_BTHD, k_BSKD, v_BSKD, *segments)
+
+
 def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
                       bias, lowering):
+  """Our kernels (`model/kernels/router.py`) for `compile_device()`, one per
+  device of the mesh (`sharded_kernel`)."""
   if bias is not None:
     raise UserError("attention_impl=pallas: our kernels take no additive bias "
                     "(pos_emb=relative); use attention_impl xla, cudnn or auto")
@@ -138,10 +220,14 @@ def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scal
     raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
                      "not a dense mask or a window; use 'xla' or 'auto' for those")
   from model.kernels.router import flash_attention  # pylint: disable=import-outside-toplevel
-  q_seg, kv_seg = _split_segment_ids(segment_ids)
-  return flash_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, q_segment_ids=q_seg,
-                         kv_segment_ids=kv_seg, scale=scale,
-                         lowering=None if lowering == "auto" else lowering)
+  device = compile_device()
+
+  def kernel(q, k, v, q_seg, kv_seg):
+    return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                           scale=scale, lowering=None if lowering == "auto" else lowering,
+                           device=device)
+
+  return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(segment_ids))
 
 
 @functools.lru_cache(maxsize=None)
@@ -165,12 +251,14 @@ def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: b
 
 
 def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
-  """`auto_implementation` for these queries on the default backend (logged once)."""
+  """`auto_implementation` for these queries on the platform of `compile_device()`
+  (logged once)."""
   D = q_BTHD.shape[-1]
-  choice = auto_implementation(backend=jax.default_backend(), dtype=q_BTHD.dtype, head_dim=D,
+  backend = compile_device().platform
+  choice = auto_implementation(backend=backend, dtype=q_BTHD.dtype, head_dim=D,
                                has_dense_mask=has_dense_mask)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
-              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask} on {jax.default_backend()}")
+              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask} on {backend}")
   return choice
 
 

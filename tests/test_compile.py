@@ -8,12 +8,13 @@ Llama-2-70b figure from shapes alone.
 """
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from configs import llama2_70b
+from configs import llama2_70b, tiny
 from configs.errors import UserError
 from model import accounting
 from tests.helpers import ROOT, with_libtpu
@@ -81,7 +82,95 @@ def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
   assert report["flops_per_device"] == pytest.approx(report["formula_flops_per_device"],
                                                      rel=0.1)
   assert report["collectives"]["all-gather"]["count"] > 0  # fsdp gathers the parameters
+  assert report["kernels"] == {}  # attention_impl=auto is XLA's attention on a TPU
   assert 0 < report["mfu_bound"] <= 1
+
+
+def test_kernels_read_from_hlo():
+  hlo = """
+  %flash_attention_tpu_dq.1 = f32[4,2,128,64]{3,2,1,0:T(8,128)S(1)} custom-call(%r, %c), custom_call_target="tpu_custom_call", operand_layout_constraints={s32[4]{0}, f32[4,2,128,64]{3,2,1,0}}, metadata={op_name="jit(run)/jvp()/shard_map/jit(flash_attention)/flash_attention_tpu_dq/pallas_call" stack_frame_id=68}
+  %flash_attention_tpu_dq.2 = f32[4,2,128,64]{3,2,1,0} custom-call(%r, %c), custom_call_target="tpu_custom_call"
+  %mpmd_map.24 = (bf16[3,128,2,64]{3,2,1,0}, f32[3,2,128]{2,1,0}) custom-call(%p, %q), custom_call_target="mosaic_gpu_v2", operand_layout_constraints={bf16[3,128,2,64]{3,2,1,0}, s32[3,128]{1,0}}, api_version=API_VERSION_TYPED_FFI, metadata={op_name="jit(run)/jvp()/shard_map/jit(flash_attention)/flash_attention_hopper_forward/mpmd_map" scheduling_name="mpmd_map.24"}
+  %triton.1 = bf16[2,4,128,64]{3,2,1,0} custom-call(%p), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(step)/transpose(jvp(shard_map))/flash_attention_dkdv/pallas_call"}
+  %custom-call.11 = bf16[128,4,32]{2,1,0} custom-call(%all-gather.85), custom_call_target="AsyncCollectiveDone"
+  """
+  assert aot.kernels(hlo) == {
+      "flash_attention_tpu_dq": {"lowering": "mosaic_tpu", "count": 2,
+                                 "operands": ["s32[4]", "f32[4,2,128,64]"],
+                                 "results": ["f32[4,2,128,64]"]},
+      "flash_attention_hopper_forward": {"lowering": "mosaic_gpu", "count": 1,
+                                         "operands": ["bf16[3,128,2,64]", "s32[3,128]"],
+                                         "results": ["bf16[3,128,2,64]", "f32[3,2,128]"]},
+      "flash_attention_dkdv": {"lowering": "triton", "count": 1, "operands": [],
+                               "results": ["bf16[2,4,128,64]"]}}
+
+
+TPU_KERNELS = {"flash_attention_tpu_forward", "flash_attention_tpu_dq", "flash_attention_tpu_dkdv"}
+
+
+def gathered_shapes(hlo_text: str) -> list[list[int]]:
+  """The shapes every all-gather of a compiled program takes and gives."""
+  out = []
+  for line in hlo_text.splitlines():
+    match = re.search(r"=\s*(.*?)\sall-gather(?:-start)?\(", line)
+    if match:
+      out += [[int(d) for d in dims.split(",") if d]
+              for dims in re.findall(r"\[([\d,]*)\]", match.group(1))]
+  return out
+
+
+@pytest.mark.tpu
+@pytest.mark.parametrize("data,fsdp,tensor,kv_heads", [(1, 4, 1, 4), (2, 1, 2, 2)])
+def test_pallas_train_step_compiles_for_a_v5e_4_one_kernel_per_device(monkeypatch, data, fsdp,
+                                                                       tensor, kv_heads):
+  """configs/tiny.py (one layer; with 2 KV heads: GQA) with our kernel for a
+  v5e-4: the compiled step calls the Mosaic TPU kernels on each device's rows
+  and heads (batch 16 / data x fsdp, 4 heads / tensor) and gathers no q, k or
+  v (no all-gather of rank 4 holds the whole batch of 16)."""
+  monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")  # as compile.py: no TPU attached
+  monkeypatch.setenv("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  c = tiny.get_config()
+  c.model.update(attention_impl="pallas", num_layers=1, num_kv_heads=kv_heads)
+  c.mesh.update(data=data, fsdp=fsdp, tensor=tensor)
+  lowered, _, _ = aot.lower_step(c, aot_targets.parse_target("tpu:v5e:2x2"))
+  text = lowered.compile().as_text()
+  found = aot.kernels(text)
+  assert set(found) == TPU_KERNELS and {k["lowering"] for k in found.values()} == {"mosaic_tpu"}
+  rows, heads = 16 // (data * fsdp), 4 // tensor
+  # The kernels' layout: q [rows, heads, T, D] and k, v [rows, KV heads, T, D] (T and D
+  # padded to the tiles), segment ids [rows, T, 1] and [rows, 1, T].
+  q, kv = f"f32[{rows},{heads},128,64]", f"f32[{rows},{kv_heads // tensor},128,64]"
+  forward = found["flash_attention_tpu_forward"]
+  assert {q, kv, f"s32[{rows},128,1]", f"s32[{rows},1,128]"} <= set(forward["operands"])
+  assert forward["results"][0] == found["flash_attention_tpu_dq"]["results"][0] == q
+  assert found["flash_attention_tpu_dkdv"]["results"] == [kv]
+  gathered = gathered_shapes(text)
+  assert not [shape for shape in gathered if len(shape) == 4 and 16 in shape], gathered
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,heads,lowering", [("bfloat16", 2, "mosaic_gpu"),
+                                                   ("float32", 4, "triton")])
+def test_pallas_train_step_compiles_for_8_h200s_one_kernel_per_device(monkeypatch, dtype,
+                                                                       heads, lowering):
+  """configs/tiny.py with our kernel on 8 H200s at fsdp=8: the Hopper kernel
+  (bf16, head_dim 64) or Triton's (float32) on 3 of the 24 rows per GPU, no
+  all-gather of q, k or v (none of rank 4 holds the whole batch of 24; no
+  weight has a dimension of 24)."""
+  monkeypatch.setenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  c = tiny.get_config()
+  c.model.update(attention_impl="pallas", num_layers=1, dtype=dtype, num_heads=heads)
+  c.train.batch_size = 24
+  c.mesh.update(data=1, fsdp=8, tensor=1)
+  lowered, _, _ = aot.lower_step(c, aot_targets.parse_target("gpu:h200:8"))
+  text = lowered.compile().as_text()
+  found = aot.kernels(text)
+  assert found and {k["lowering"] for k in found.values()} == {lowering}, found
+  assert all(shape.split("[")[1].startswith("3,") for k in found.values()
+             for shape in k["operands"] + k["results"]), found
+  gathered = gathered_shapes(text)
+  assert gathered and not [shape for shape in gathered if len(shape) == 4 and 24 in shape]
 
 
 @pytest.mark.tpu

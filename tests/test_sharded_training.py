@@ -1,7 +1,9 @@
 """Sharded training end to end: `training.loop.train` on 8 CPU devices.
 
 Meshes (data, fsdp, tensor) = (2, 2, 2) and (1, 8, 1) give the train losses
-of one device, the saved parameters and optimizer moments are split across
+of one device (the (2, 2, 2) run with attention_impl=pallas: our kernel in
+the interpreter, each device on its rows and heads under `shard_map`, as on
+a TPU or GPU), the saved parameters and optimizer moments are split across
 the devices, and a checkpoint written on 8 devices is evaluated by a process
 with one. JAX fixes its device count when it first initialises, so every run
 is a fresh Python (as in tests/test_sharding.py) that prints one JSON line.
@@ -30,8 +32,9 @@ from training import loop
 args = json.loads(sys.argv[1])
 
 
-def config(mesh):
+def config(mesh, attention_impl="xla"):
   c = small_config(args["tok"])
+  c.model.attention_impl = attention_impl
   # 8 rows: the batch splits over data x fsdp = 8 devices of the (1, 8, 1) mesh.
   c.train.update(num_steps=args["steps"], batch_size=8, log_every=1, eval_every=args["steps"],
                  checkpoint_every=args["steps"])
@@ -53,7 +56,7 @@ from training.steps import init_state
 
 out = {"devices": jax.device_count()}
 for name, mesh_shape in args["meshes"].items():
-  c = config(mesh_shape)
+  c = config(mesh_shape, args["attention"].get(name, "xla"))
   workdir = args["workdirs"][name]
   loop.train(c, workdir)
   tx = make_optimizer(c.train)
@@ -106,7 +109,7 @@ def train_losses(workdir: str) -> list[float]:
 def test_sharded_training_matches_one_device_and_evaluates_on_one(tok_dir, tmp_path):
   workdirs = {name: str(tmp_path / name) for name in ("one", "222", "181")}
   args = {"tok": tok_dir, "steps": STEPS, "workdirs": workdirs, "up": UP,
-          "meshes": {"222": (2, 2, 2), "181": (1, 8, 1)}}
+          "meshes": {"222": (2, 2, 2), "181": (1, 8, 1)}, "attention": {"222": "pallas"}}
   sharded = run_python(ON_8_DEVICES, args, devices=8)
   single = run_python(ON_1_DEVICE, args, devices=1)
   assert sharded["devices"] == 8 and single["devices"] == 1

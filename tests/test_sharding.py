@@ -10,6 +10,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 PRELUDE = """
@@ -228,3 +230,62 @@ def test_sharded_model_matches_one_device():
       assert abs(loss - reference) <= 1e-5 * abs(reference), (name, out[name]["losses"],
                                                                out["one"]["losses"])
   assert out["one"]["losses"][2] < out["one"]["losses"][0]
+
+
+# name: (mesh data, fsdp, tensor; query heads H, KV heads K): heads split both ways, query
+# heads only (MQA; 2 KV heads on tensor=4), heads whole (tensor does not divide H).
+PALLAS_CASES = {"both": ((2, 2, 2), 4, 2), "mqa": ((2, 1, 4), 4, 1), "query": ((1, 2, 4), 8, 2),
+                "whole": ((4, 1, 2), 3, 3)}
+PALLAS_CHECKS = """
+from model import attention as attn
+
+rng = np.random.RandomState(0)
+out = {}
+for name, (mesh_shape, H, K) in CASES.items():
+  B, T, D = 8, 16, 16
+  q = jnp.asarray(rng.randn(B, T, H, D), jnp.float32)
+  k, v = (jnp.asarray(rng.randn(B, T, K, D), jnp.float32) for _ in range(2))
+  segments = jnp.asarray(np.repeat(rng.randint(1, 3, (B, 1)), T, 1) * (rng.rand(B, T) < 0.9),
+                         jnp.int32)
+
+  def loss(q, k, v, segments, implementation):
+    o = attn.attention(q, k, v, causal=True, segment_ids=segments,
+                       implementation=implementation)
+    return (o * jnp.cos(o)).sum()
+
+  grads = jax.grad(loss, argnums=(0, 1, 2))
+  reference = grads(q, k, v, segments, "reference")
+  mesh = sharding.make_mesh(mesh_cfg(*mesh_shape))
+
+  def sharded(q, k, v, segments):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return grads(q, k, v, segments, "pallas")
+
+  batch = NamedSharding(mesh, P(("data", "fsdp")))
+  step = jax.jit(sharded, in_shardings=batch)
+  got = step(q, k, v, segments)
+  out[name] = {"diff": max(float(jnp.abs(a - b).max()) for a, b in zip(got, reference)),
+               "shard_map": "shard_map" in str(jax.make_jaxpr(sharded)(q, k, v, segments))}
+with jax.sharding.use_abstract_mesh(sharding.make_mesh(mesh_cfg(1, 1, 8)).abstract_mesh):
+  out["bad_heads"] = error(lambda: attn.kernel_head_split(8, 3, 8))
+with jax.sharding.use_abstract_mesh(sharding.make_mesh(mesh_cfg(2, 4, 1)).abstract_mesh):
+  out["bad_rows"] = error(lambda: jax.eval_shape(lambda x: attn.attention(
+      x, x, x, implementation="pallas"), jax.ShapeDtypeStruct((2, 16, 8, 16), jnp.float32)))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("cases", [
+    ("query", "whole"),
+    pytest.param(tuple(PALLAS_CASES), marks=pytest.mark.slow)])
+def test_pallas_kernels_run_under_shard_map(cases):
+  """Our kernels (interpreted) on 8 devices, each on its own rows and heads
+  (`shard_map`), forward and backward, against the reference; heads split
+  both ways also in tests/test_sharded_training.py."""
+  code = f"CASES = {json.dumps({name: PALLAS_CASES[name] for name in cases})}\n" + PALLAS_CHECKS
+  out = run_on_8_devices(code)
+  for name in cases:
+    assert out[name]["shard_map"], name
+    assert out[name]["diff"] < 1e-4, (name, out[name])
+  assert "mesh.tensor=8" in out["bad_heads"] and "num_kv_heads" in out["bad_heads"]
+  assert "2 rows" in out["bad_rows"] and "data x fsdp" in out["bad_rows"]

@@ -59,9 +59,13 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       block_k applies, query tiles are 64 rows per warpgroup) or
       "mosaic_tpu" (the TPU kernels; block_q a multiple of 16 and block_k
       of 128 when compiled); default `choose_lowering`.
-    device: the device tiles and lowering are chosen for; default
-      `jax.devices()[0]`. A compile-only device (`jax.experimental.topologies`)
-      compiles ahead of time for a GPU this host lacks (`bench/compile_h200.py`).
+    device: the device tiles and lowering are chosen for (its `platform` and
+      `device_kind`); default `jax.devices()[0]`. A compile-only device
+      (`jax.experimental.topologies`) compiles ahead of time for a GPU this
+      host lacks (`bench/compile_h200.py`); the model passes its mesh's
+      abstract device (`model.attention.compile_device`). Called on one
+      device's shard: on a mesh the model runs it under `shard_map`
+      (`model.attention.sharded_kernel`).
 
   Returns:
     [B, T, H, D] in q's dtype; rows with no visible key are zeros.
