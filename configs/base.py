@@ -63,6 +63,12 @@ def get_config() -> config_dict.ConfigDict:
   m.head_transform = False  # before the output projection: dense d->d with bias, the MLP's
   #   activation, a norm (BERT's masked-LM head)
   m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
+  m.qk_norm = False  # RMSNorm (learned scale) of each head's queries and keys over head_dim,
+  #   before RoPE (Qwen3, OLMo-2, Gemma-3)
+  m.attn_softcap = config_dict.placeholder(float)  # attention scores become c tanh(s / c)
+  #   (Gemma-2: 50.0); None: no cap
+  m.final_softcap = config_dict.placeholder(float)  # final logits become c tanh(x / c)
+  #   (Gemma-2: 30.0); None: no cap
   m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
   #   many keys, itself included (Mistral's sliding_window); None: all
   m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
@@ -117,6 +123,7 @@ def get_config() -> config_dict.ConfigDict:
   tr.weight_decay = 0.1  # AdamW decay on matrices only (not norms, biases)
   tr.b1 = 0.9  # Adam beta1
   tr.b2 = 0.95  # Adam beta2
+  tr.z_loss = 0.0  # weight of the z-loss, mean log^2 Z of the softmax normaliser (PaLM: 1e-4)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.seed = 0  # parameter init, data order, MLM masking

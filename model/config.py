@@ -80,6 +80,9 @@ class ModelConfig:
   embedding_norm: bool
   head_transform: bool
   output_bias: bool
+  qk_norm: bool
+  attn_softcap: float | None
+  final_softcap: float | None
   sliding_window: int | None
   sliding_window_layers: tuple[int, ...]
   attention_impl: str
