@@ -21,11 +21,11 @@ from hf import bart, bert, gpt2, llama, t5
 from hf.tables import Architecture
 
 ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2,
-                                           bert.BERT, t5.T5, t5.MT5, bart.BART)}
+                                           llama.QWEN3, bert.BERT, t5.T5, t5.MT5, bart.BART)}
 
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
 # without a window is LLaMA; an mT5 import exports as T5 v1.1).
-EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "bart")
+EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "bert", "t5", "bart")
 
 
 def architecture_of(hf: dict) -> Architecture:
