@@ -58,12 +58,23 @@ def training_loss_sum(sums, z_loss: float):
   return loss_sum + z_loss * log_z_sq_sum if z_loss else loss_sum
 
 
+def token_losses(logits_BTV, targets_BT):
+  """Cross-entropy of every target [B, T] in float32 (unweighted, unsummed)."""
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT
+
+
+def next_token_logits(model, batch):
+  """The causal LM's logits of a batch; a batch without `segment_ids`
+  (data.packing=concat) is attended with the causal mask alone."""
+  return model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+               positions=batch["positions"])
+
+
 def next_token_loss(model, batch):
-  """Causal LM loss; a batch without `segment_ids` (data.packing=concat) is
-  attended with the causal mask alone."""
-  logits_BTV = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                     positions=batch["positions"])
-  return loss_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+  """Causal LM loss."""
+  return loss_sums(next_token_logits(model, batch), batch["targets"], batch["loss_mask"])
 
 
 def encoder_decoder_loss(model, batch):
