@@ -2,6 +2,7 @@
 scaling set at evaluation time, the refusal past a learned table, and the
 sweep report's column per evaluated length."""
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -15,24 +16,35 @@ TRAIN_LEN = 16
 TEXT = "".join(f"def f{i}(a, b):\n    return a * {i} + b\n\n" for i in range(60))
 
 
-def _run(tok_dir, tmp_path, pos_emb):
-  """A 1-step run trained at rows of 16 tokens, model.max_len 32."""
-  c = small_config(tok_dir)
-  c.model.update(pos_emb=pos_emb, max_len=32)
-  c.train.update(num_steps=1, seq_len=TRAIN_LEN, warmup_steps=0, log_every=1, eval_every=1,
-                 eval_steps=1, checkpoint_every=1)
-  workdir = tmp_path / pos_emb
-  loop.train(c, str(workdir))
-  data = tmp_path / "held_out.txt"
+@pytest.fixture(scope="module")
+def run_of(tok_dir, tmp_path_factory):
+  """pos_emb -> (workdir, held-out text file) of a 1-step run trained at rows
+  of 16 tokens, model.max_len 32; each trained once for the module."""
+  root = tmp_path_factory.mktemp("lengths")
+  data = root / "held_out.txt"
   data.write_text(TEXT)
-  return str(workdir), str(data)
+  runs = {}
+
+  def get(pos_emb):
+    if pos_emb not in runs:
+      c = small_config(tok_dir)
+      c.model.update(pos_emb=pos_emb, max_len=32)
+      c.train.update(num_steps=1, seq_len=TRAIN_LEN, warmup_steps=0, log_every=1,
+                     eval_every=1, eval_steps=1, checkpoint_every=1)
+      loop.train(c, str(root / pos_emb))
+      runs[pos_emb] = (str(root / pos_emb), str(data))
+    return runs[pos_emb]
+
+  return get
 
 
-@pytest.mark.parametrize("pos_emb", ["none", "sinusoidal", "rope"])
-def test_eval_at_four_times_the_training_length(tok_dir, tmp_path, pos_emb):
+@pytest.mark.parametrize("pos_emb", [pytest.param("none", marks=pytest.mark.slow),
+                                     pytest.param("sinusoidal", marks=pytest.mark.slow),
+                                     "rope"])
+def test_eval_at_four_times_the_training_length(run_of, pos_emb):
   """Rows of 64 positions: 16 buckets of 4, whose target-weighted mean is
   the report's loss, the training length marked in the plot."""
-  workdir, data = _run(tok_dir, tmp_path, pos_emb)
+  workdir, data = run_of(pos_emb)
   report = evaluate.run_eval(workdir, data=data, seq_len=4 * TRAIN_LEN, max_new_tokens=1,
                              prompts=["def "])
   table = report["loss_by_position"]
@@ -43,17 +55,17 @@ def test_eval_at_four_times_the_training_length(tok_dir, tmp_path, pos_emb):
   assert targets.sum() == report["targets"] and (targets > 0).all()
   mean = sum(b["loss"] * b["targets"] for b in buckets) / targets.sum()
   np.testing.assert_allclose(mean, report["loss"], rtol=1e-5)
-  saved = json.loads((tmp_path / pos_emb / "eval_report.json").read_text())
+  saved = json.loads(pathlib.Path(workdir, "eval_report.json").read_text())
   assert saved["loss_by_position"] == table
-  assert (tmp_path / pos_emb / "loss_by_position_64.png").stat().st_size > 0
+  assert pathlib.Path(workdir, "loss_by_position_64.png").stat().st_size > 0
   assert lengths.read_lengths(workdir)["64"]["loss"] == report["loss"]
 
 
-def test_rope_scaling_at_evaluation_time(tok_dir, tmp_path):
+def test_rope_scaling_at_evaluation_time(run_of):
   """--rope_scaling yarn --rope_scaling_factor 4 for one evaluation: recorded
   in the report and eval_lengths.json beside the plain one, the saved config
   untouched, a different loss."""
-  workdir, data = _run(tok_dir, tmp_path, "rope")
+  workdir, data = run_of("rope")
   plain = evaluate.run_eval(workdir, data=data, seq_len=64, max_new_tokens=1, prompts=["def "])
   yarn = evaluate.run_eval(workdir, data=data, seq_len=64, max_new_tokens=1, prompts=["def "],
                            rope_scaling="yarn", rope_scaling_factor=4)
@@ -61,13 +73,13 @@ def test_rope_scaling_at_evaluation_time(tok_dir, tmp_path):
                                        rope_original_max_len=TRAIN_LEN)
   assert abs(yarn["loss"] - plain["loss"]) > 1e-6
   assert set(lengths.read_lengths(workdir)) == {"64", "64_yarn4"}
-  assert (tmp_path / "rope" / "loss_by_position_64_yarn4.png").stat().st_size > 0
-  saved = json.loads((tmp_path / "rope" / "config.json").read_text())
+  assert pathlib.Path(workdir, "loss_by_position_64_yarn4.png").stat().st_size > 0
+  saved = json.loads(pathlib.Path(workdir, "config.json").read_text())
   assert saved["model"]["rope_scaling"] == "none"
 
 
-def test_learned_positions_refuse_past_the_table_in_one_line(tok_dir, tmp_path):
-  workdir, data = _run(tok_dir, tmp_path, "learned")
+def test_learned_positions_refuse_past_the_table_in_one_line(run_of):
+  workdir, data = run_of("learned")
   with pytest.raises(UserError, match=r"^--seq_len 64: a learned position table has no rows "
                                       r"past model.max_len=32; evaluate at most that length"):
     evaluate.run_eval(workdir, data=data, seq_len=64)
