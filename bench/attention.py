@@ -85,6 +85,7 @@ if str(ROOT) not in sys.path:
 from bench.bench_utils import git_commit  # pylint: disable=wrong-import-position
 from model.attention import attention  # pylint: disable=wrong-import-position
 from model.kernels import flash_attention_hopper as hopper  # pylint: disable=wrong-import-position
+from model.kernels import hopper_pipeline  # pylint: disable=wrong-import-position
 from model.kernels.router import flash_attention  # pylint: disable=wrong-import-position
 
 COMPETITORS = ("ours_mosaic", "ours_triton", "xla", "cudnn", "jax_pallas",
@@ -270,7 +271,7 @@ def mosaic_tune_tiles(quick: bool, D: int) -> list[tuple]:
 
   def fits(t):
     return max(hopper.shared_memory_bytes(D, jnp.bfloat16, mosaic_blocks(t), False).values()
-               ) <= hopper.SHARED_MEMORY_BYTES
+               ) <= hopper_pipeline.SHARED_MEMORY_BYTES
   return [t for t in tiles if fits(t)]
 
 

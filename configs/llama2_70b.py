@@ -5,7 +5,7 @@ for Llama-2-70b; 327,680 KV-cache bytes per token in 16-bit.
 
 Too big for one device; what a slice needs for it, without the slice:
 `python compile.py --config configs/llama2_70b.py --target tpu:v5p:4x8x8 --config.mesh.fsdp=256`
-(the README's "what fits where").
+(docs/compiling.md, "what fits where").
 """
 from configs import base
 

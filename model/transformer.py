@@ -49,9 +49,8 @@ def _batch_split(x_BTM):
 
   Without it XLA may gather a block's activations onto every device of an
   fsdp mesh (whose parameters are split along `embed`) rather than gather
-  the parameters: measured with compile.py, a 2-layer 7B-wide model on 64
-  v5p chips at fsdp=64 needed 64 GiB per chip, 8.6 GiB with the split. A
-  no-op where no mesh is set (`jax.sharding.use_abstract_mesh`, set by the
+  the parameters, which costs many times the memory. A no-op where no mesh
+  is set (`jax.sharding.use_abstract_mesh`, set by the
   jitted steps of training/steps.py).
   """
   mesh = jax.sharding.get_abstract_mesh()

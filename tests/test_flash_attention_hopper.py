@@ -19,6 +19,7 @@ import pytest
 
 from model.attention import attention
 from model.kernels import flash_attention_hopper as hopper
+from model.kernels import hopper_pipeline
 from model.kernels.router import choose_lowering, flash_attention
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 from tests.test_flash_attention import _inputs
@@ -187,7 +188,7 @@ def test_default_tiles_fit_in_shared_memory(D, segments):
     sizes = hopper.shared_memory_bytes(D, jnp.bfloat16,
                                        hopper.choose_hopper_blocks(D, kv_len), segments)
     assert set(sizes) == {"forward", "dq", "dkdv"}
-    assert 0 < max(sizes.values()) <= hopper.SHARED_MEMORY_BYTES
+    assert 0 < max(sizes.values()) <= hopper_pipeline.SHARED_MEMORY_BYTES
 
 
 def test_tiles_over_shared_memory_are_refused():
@@ -274,7 +275,7 @@ def test_scratch_out_of_step_with_kernel_raises_at_trace_time(
   def broken(D, dtype, blocks, seg):
     layout = build(D, dtype, blocks, seg)
     if field == "q" and wrong is None:  # query tiles of 32 rows in a ring of 64
-      return layout._replace(q=hopper._smem((blocks.stages, 32, D), dtype))
+      return layout._replace(q=hopper_pipeline.swizzled_smem((blocks.stages, 32, D), dtype))
     return layout._replace(**{field: wrong})
   monkeypatch.setattr(hopper, scratch, broken)
   jax.clear_caches()  # the fused backward is jitted: trace it again

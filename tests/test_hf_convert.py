@@ -319,7 +319,7 @@ def _edit_config(hf_dir, **changes):
 
 @pytest.mark.slow
 def test_commands_import_evaluate_finetune_export(tok, tmp_path):
-  """The README's worked example with the real commands: convert.py from_hf,
+  """docs/huggingface.md's worked example with the real commands: convert.py from_hf,
   eval.py, train.py from the imported run, convert.py to_hf of the fine-tune."""
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")

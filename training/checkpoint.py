@@ -212,7 +212,7 @@ class Checkpointer:
     if damaged:
       causes = "; ".join(str(e) for e in damaged)
       raise UserError(f"{where}: no checkpoint in {self.directory} restores whole: {causes}; "
-                      "nothing was moved or deleted (see README, Damaged checkpoints)")
+                      "nothing was moved or deleted (see docs/training.md, Faults)")
     return None
 
   def move_aside(self, step: int) -> str:

@@ -79,12 +79,11 @@ def _sharded_grads(grads, grad_sharding):
 
   Under fsdp XLA sums each weight's gradient over the devices with an
   all-reduce of the whole weight and slices the device's shard where it is
-  read: in the global norm and the optimizer update, after the backward pass.
-  The whole gradient of every layer was then alive at once (compile.py,
-  Llama-2-70B on 256 v5p chips: 137 GiB per chip). The barrier makes the
-  slices the values that the norm and the update read, so each whole
-  gradient is freed as soon as its shard is taken: 8 layers of the 70B,
-  21.7 -> 11.1 GiB per chip. An identity on the values.
+  read: in the global norm and the optimizer update, after the backward pass,
+  so the whole gradient of every layer would be alive at once. The barrier
+  makes the slices the values that the norm and the update read, so each
+  whole gradient is freed as soon as its shard is taken (docs/compiling.md
+  has the memory it saves). An identity on the values.
   """
   return jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(grads, grad_sharding))
 
@@ -107,8 +106,8 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
 
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
-  # Keep the old values after a bad step; a select fuses into the update (a
-  # lax.cond here made XLA copy the donated buffers: 10% slower on CPU).
+  # Keep the old values after a bad step; a select fuses into the update,
+  # where a lax.cond would make XLA copy the donated buffers.
   keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
   params = keep_if_bad(params, state["params"])
   opt_state = keep_if_bad(opt_state, state["opt_state"])

@@ -1,32 +1,26 @@
 """FlashAttention for Hopper (H100, H200) on Mosaic GPU: wgmma, TMA, warp groups.
 
-The same algorithm as `flash_attention.py` (the lesson's "Efficient attention
+The same algorithm as `flash_attention_triton.py` (the lesson's "Efficient attention
 variants": online softmax forward; backward recomputing the tiles of P from
 the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
 
-- Every CTA runs three warpgroups. Two compute warpgroups each own a 64-row
-  tile (the M of one wgmma): a query tile in the forward and dQ kernels, a
-  key tile in the dK/dV kernel. The third, the producer, streams the other
-  side's tiles with TMA through a ring of `stages` shared-memory slots.
-- Each slot has a "full" barrier (arrived by its TMA copies) and a "free"
-  barrier (arrived by both compute warpgroups when done with it); the
-  producer refills a slot once it is free (the forward, software-pipelined,
-  gives K and V barriers of their own). A compute warpgroup that needs
-  fewer tiles than its neighbour (causal) still waits for and frees the
-  rest, so the ring stays in step.
+- Every CTA runs three warpgroups (`hopper_pipeline.py`: the TMA ring, its
+  barriers and their trace-time checks, the turns). Two compute warpgroups
+  each own a 64-row tile: a query tile in the forward and dQ kernels, a key
+  tile in the dK/dV kernel. The third, the producer, streams the other
+  side's tiles through the ring (the forward, software-pipelined, gives K
+  and V barriers of their own).
 - Each kernel body takes its operands, outputs and shared memory by name
   (`_Operands`, `_ForwardScratch`, `_DqScratch`, `_DkDvScratch`: NamedTuples
-  of refs). A barrier's arrival count is derived from what arrives on it
-  (`_filled_by`: one TMA copy per scratch entry it guards;
-  `_each_compute_wg`) and checked, at trace time, against the code that
-  arrives (`_copy_in`, `_release`, `_Turns`, `_DqExchange`): a layout out of
-  step with the kernel is a ValueError, not a deadlock on the GPU.
+  of refs); each barrier of a scratch list counts what arrives on it, and
+  the code arriving checks that count at trace time (`_DqExchange` too).
 - Matmuls are wgmma with float32 accumulators in registers; P and dS stay in
   registers as the A operand of the next wgmma (the fused backward also
   writes dS to shared memory, for dQ). Scores are masked and scaled to base
   2 where ptxas makes one FFMA of the scale and the subtracted max or lse.
-- The two compute warpgroups take turns on the tensor cores (`_Turns`): one's
-  softmax (or dS) overlaps the other's matmuls. In the forward a turn
+- The two compute warpgroups take turns on the tensor cores
+  (`hopper_pipeline.Turns`): one's softmax (or dS) overlaps the other's
+  matmuls. In the forward a turn
   carries S_j and P_{j-1} V_{j-1} together (`_forward_kernel`).
 - The backward is written transposed for dK/dV (S^T = K Q^T, so the key
   tile is the wgmma M): dV += P^T dO, dK += dS^T Q, summed over the query
@@ -36,7 +30,7 @@ What it takes: float16/bfloat16, head_dim 64 or 128, causal or not, segment
 ids (packing, padding; a query with no visible key gets zeros), grouped
 heads, any lengths (padded to whole tiles, padded keys masked); the mask
 semantics and causal tile arithmetic are `common.py`'s. The portable
-kernel (`flash_attention.py`) covers every other GPU, float32 and other head
+kernel (`flash_attention_triton.py`) covers every other GPU, float32 and other head
 dims; `supports` says which applies.
 
 Which tiles a CTA streams is its plan (`_Plan`). Without segment ids it is
@@ -85,10 +79,9 @@ from model.kernels import MOSAIC_GPU_DTYPES as DTYPES
 from model.kernels import MOSAIC_GPU_HEAD_DIMS as HEAD_DIMS
 from model.kernels import block_sparse
 from model.kernels import common
+from model.kernels import hopper_pipeline as pipeline
+from model.kernels.hopper_pipeline import COMPUTE_WGS, PRODUCER, ROWS
 
-ROWS = 64  # rows of a compute warpgroup's tile: the M of one wgmma
-_COMPUTE_WGS = 2
-_PRODUCER = _COMPUTE_WGS  # index of the producer warpgroup
 _DQ_COLUMNS = 64  # columns of a dQ partial product per wgmma (fused backward)
 
 
@@ -101,7 +94,7 @@ class HopperBlocks:
     block_q_dkv: queries per streamed tile (dK/dV kernel).
     stages: slots in the shared-memory ring of each kernel.
     pingpong: the two compute warpgroups of each kernel take turns on the
-      tensor cores (`_Turns`).
+      tensor cores (`hopper_pipeline.Turns`).
     block_k_dq: keys per streamed tile of the dQ kernel; None: block_k.
     fused_dq: no dQ kernel: the dK/dV kernel also multiplies each dS tile
       by its key tile and adds the product into a float32 dQ in global
@@ -118,12 +111,12 @@ class HopperBlocks:
   @property
   def q_multiple(self) -> int:
     """The query length is padded to a multiple of this."""
-    return math.lcm(_COMPUTE_WGS * ROWS, self.block_q_dkv)
+    return math.lcm(COMPUTE_WGS * ROWS, self.block_q_dkv)
 
   @property
   def kv_multiple(self) -> int:
     """The key length is padded to a multiple of this."""
-    return math.lcm(_COMPUTE_WGS * ROWS, self.block_k, self.block_k_dq or self.block_k)
+    return math.lcm(COMPUTE_WGS * ROWS, self.block_k, self.block_k_dq or self.block_k)
 
   def for_dq(self) -> "HopperBlocks":
     """The tiles as the dQ kernel sees them (its key tile as block_k)."""
@@ -257,7 +250,7 @@ class _Ops:
     reduce-add is atomic; one per compute warpgroup in the interpreter,
     which runs CTAs one after another but the warpgroups of a CTA at once,
     and emulates reduce-add by read, add, write."""
-    return _COMPUTE_WGS if self.interpret else 1
+    return COMPUTE_WGS if self.interpret else 1
 
   def add_to_gmem(self, smem_ref, gmem_ref, wg):
     """gmem_ref[slab] += smem_ref (a TMA reduce-add on the GPU)."""
@@ -265,12 +258,6 @@ class _Ops:
       gmem_ref.at[wg][...] = gmem_ref.at[wg][...] + smem_ref[...]
     else:
       plgpu.copy_smem_to_gmem(smem_ref, gmem_ref.at[0], reduction_op="add")
-
-
-def _set_registers(producer: bool):
-  """Registers move from the producer (TMA only) to the compute groups."""
-  plgpu.set_max_registers(40 if producer else 232,
-                          action="decrease" if producer else "increase")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,146 +284,6 @@ class _Config:
     return not self.segments and self.kv_len % self.blocks.block_k != 0
 
 
-def _smem(shape, dtype):
-  """A shared-memory tile in the 128-byte swizzled layout wgmma reads."""
-  return plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((8, 128 // jnp.dtype(dtype).itemsize)),
-      plgpu.SwizzleTransform(128)))
-
-
-def _produce(num_steps, stages: int, rings):
-  """Producer loop over `rings`, pairs (full, free) of barrier arrays with a
-  slot per stage, and an `issue(j, slot, barrier)` each: at step j, for each
-  ring, wait until slot j % stages is free, then issue the TMA copies of
-  step j into it, arriving on its full barrier. At the end it waits for the
-  last slots to be freed, so no barrier phase is left unobserved when the
-  kernel exits."""
-  def wait_free(j, carry):
-    for (_, free), _ in rings:
-      plgpu.barrier_wait(free.at[lax.rem(j, stages)])
-    return carry
-
-  def step(j, carry):
-    slot = lax.rem(j, stages)
-    for (full, free), issue in rings:
-      pl.when(j >= stages)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
-      issue(j, slot, full.at[slot])
-    return carry
-  lax.fori_loop(0, num_steps, step, 0)
-  lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, wait_free, 0)
-
-
-def _pass(lo, hi, stages: int, rings, turns=None):
-  """Steps [lo, hi) a compute warpgroup does not need: wait for each ring's
-  (full, free) slot, then free it (and take and hand back a step's turns, so
-  its neighbour is not kept waiting)."""
-  def step(j, carry):
-    slot = lax.rem(j, stages)
-    for full, _ in rings:
-      plgpu.barrier_wait(full.at[slot])
-    if turns is not None:
-      turns.skip_step()
-    for _, free in rings:
-      _release(free.at[slot])
-    return carry
-  lax.fori_loop(lo, hi, step, 0)
-
-
-class _Turns:
-  """Ping-pong of the two compute warpgroups (FlashAttention-3's schedule).
-
-  A warpgroup issues its matmuls only while it holds the turn and hands the
-  turn over before its softmax, so one warpgroup's exponentials run while
-  the other's matmuls keep the tensor cores busy. Barrier `turn[w]` is
-  arrived by the other warpgroup when warpgroup w may go; warpgroup 0 goes
-  first. Each step of either warpgroup takes and hands back the turn
-  `per_step` times (passed steps too), and both do the same number of steps,
-  so the turns stay matched to the end. Disabled, every call is a no-op.
-  """
-
-  def __init__(self, turn, enabled: bool, per_step: int):
-    if enabled:
-      _check_arrivals(turn, 1, "the other compute warpgroup")
-    self.turn = turn
-    self.enabled = enabled
-    self.per_step = per_step
-    self.wg = lax.axis_index("wg")
-
-  def take(self):
-    if self.enabled:
-      plgpu.barrier_wait(self.turn.at[self.wg])
-
-  def hand_over(self):
-    if self.enabled:
-      plgpu.barrier_arrive(self.turn.at[1 - self.wg])
-
-  def skip_step(self):
-    for _ in range(self.per_step):
-      self.take()
-      self.hand_over()
-
-  def start(self):
-    """Warpgroup 1 gives warpgroup 0 the first turn."""
-    if self.enabled:
-      pl.when(self.wg == 1)(lambda: plgpu.barrier_arrive(self.turn.at[0]))
-
-  def finish(self):
-    """Warpgroup 0 takes the turn warpgroup 1 handed over last."""
-    if self.enabled:
-      pl.when(self.wg == 0)(lambda: plgpu.barrier_wait(self.turn.at[0]))
-
-
-def _filled_by(*tiles, num_barriers: int):
-  """A barrier arrived on by one TMA copy into each of `tiles`, the scratch
-  entries its copies fill (None: absent, no copy)."""
-  return plgpu.Barrier(num_arrivals=sum(tile is not None for tile in tiles),
-                       num_barriers=num_barriers)
-
-
-def _each_compute_wg(num_barriers: int):
-  """A barrier each compute warpgroup arrives on once (`_release`,
-  `_DqExchange.put`)."""
-  return plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=num_barriers)
-
-
-def _check_arrivals(barrier, count: int, by: str):
-  """Raises at trace time unless `barrier` (a ref) counts `count` arrivals:
-  its scratch entry and the code arriving on it disagree, which on the GPU
-  would deadlock."""
-  expected = barrier.dtype.num_arrivals
-  if expected != count:
-    raise ValueError(f"flash_attention_hopper: a barrier of {expected} arrivals is "
-                     f"arrived on by {count} {by}; its scratch entry does not match "
-                     "the code that arrives on it")
-
-
-def _copy_in(pairs, barrier):
-  """TMA copies of (source in global memory, destination in shared memory)
-  pairs, all arriving on `barrier`, which must count one arrival per copy.
-  A pair (None, None) is an operand not given; one side None, or shapes that
-  differ, is a scratch layout out of step with the kernel: a ValueError."""
-  copies = [(src, dst) for src, dst in pairs if src is not None or dst is not None]
-  for src, dst in copies:
-    if src is None or dst is None or src.shape != dst.shape:
-      raise ValueError(f"flash_attention_hopper: a TMA copy from {src} to {dst}: "
-                       "the operand and its scratch entry do not match")
-  _check_arrivals(barrier, len(copies), "TMA copies")
-  for src, dst in copies:
-    plgpu.copy_gmem_to_smem(src, dst, barrier)
-
-
-def _release(barrier):
-  """This compute warpgroup is done with a slot or step: arrive on
-  `barrier`, which must count one arrival per compute warpgroup."""
-  _check_arrivals(barrier, _COMPUTE_WGS, "compute warpgroups")
-  plgpu.barrier_arrive(barrier)
-
-
-def _at(ref, *index):
-  """ref.at[index], or None for an absent operand or scratch entry."""
-  return None if ref is None else ref.at[index]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """The steps of a CTA over its streamed tiles, as one warpgroup takes
@@ -460,7 +307,7 @@ def _listed_plan(cta_start, wg, plan_refs, *, from_first: bool) -> _Plan:
   """Warpgroup `wg`'s view of the listed plan of the CTA whose tiles start
   at row `cta_start`: from its bound `first` on, or from step 0."""
   tiles_ref, bounds_ref = plan_refs
-  b, cta = lax.axis_index("b"), lax.div(cta_start, _COMPUTE_WGS * ROWS)
+  b, cta = lax.axis_index("b"), lax.div(cta_start, COMPUTE_WGS * ROWS)
   first = bounds_ref[b, cta, wg, 0] if from_first else jnp.int32(0)
   split, count = bounds_ref[b, cta, wg, 1], bounds_ref[b, cta, wg, 2]
   return _Plan(first, whole_from=split, whole_to=count, last=count, count=count,
@@ -483,7 +330,7 @@ def _query_rows_plan(cta_q, wg, plan_refs, cfg: _Config) -> _Plan:
                             kv_len=cfg.kv_len, causal=cfg.causal)
   whole, seen = (jnp.int32(x) for x in tiles(cta_q + wg * ROWS, ROWS))
   return _Plan(first=jnp.int32(0), whole_from=jnp.int32(0), whole_to=whole, last=seen,
-               count=jnp.int32(tiles(cta_q, _COMPUTE_WGS * ROWS)[1]), tile=lambda n: n,
+               count=jnp.int32(tiles(cta_q, COMPUTE_WGS * ROWS)[1]), tile=lambda n: n,
                listed=False)
 
 
@@ -497,7 +344,7 @@ def _key_rows_plan(cta_k, wg, plan_refs, cfg: _Config) -> _Plan:
   end = cfg.q_len_padded // cfg.blocks.block_q_dkv
   tiles = functools.partial(common.q_tile_range, block_q=cfg.blocks.block_q_dkv,
                             num_q_tiles=end, causal=cfg.causal)
-  cta_first, _ = (jnp.int32(x) for x in tiles(cta_k, _COMPUTE_WGS * ROWS))
+  cta_first, _ = (jnp.int32(x) for x in tiles(cta_k, COMPUTE_WGS * ROWS))
   first, whole = (jnp.int32(x) for x in tiles(cta_k + wg * ROWS, ROWS))
   return _Plan(first=first, whole_from=whole, whole_to=end, last=end,
                count=end - cta_first, tile=lambda n: n, listed=False, start=cta_first)
@@ -506,11 +353,11 @@ def _key_rows_plan(cta_k, wg, plan_refs, cfg: _Config) -> _Plan:
 def _cta_q_start(cfg: _Config):
   """First query row of this CTA. Causal CTAs run the last (longest) query
   tiles first, so the short ones fill the tail of the launch."""
-  num_ctas = cfg.q_len_padded // (_COMPUTE_WGS * ROWS)
+  num_ctas = cfg.q_len_padded // (COMPUTE_WGS * ROWS)
   index = lax.axis_index("q")
   if cfg.causal:
     index = num_ctas - 1 - index
-  return index * (_COMPUTE_WGS * ROWS)
+  return index * (COMPUTE_WGS * ROWS)
 
 
 def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool,
@@ -633,22 +480,23 @@ def _stream_kv(gmem: _Operands, smem, rings, plan: _Plan, cfg: _Config):
   (`_ForwardScratch` or `_DqScratch`), through one pair (full, free) of
   barrier arrays in `rings`, or K (and ids) through the first of two and V
   through the second."""
-  _set_registers(producer=True)
+  pipeline.set_registers(producer=True)
   b, kv_head = lax.axis_index("b"), lax.div(lax.axis_index("h"), cfg.group)
   block_k = cfg.blocks.block_k
 
   def copies(n, slot, with_k: bool, with_v: bool):
     keys = pl.ds(plan.tile(n) * block_k, block_k)
     pairs = [(gmem.k.at[b, keys, kv_head], smem.k.at[slot]),
-             (_at(gmem.kv_seg, b, keys), _at(smem.kv_seg, slot))] if with_k else []
+             (pipeline.at(gmem.kv_seg, b, keys), pipeline.at(smem.kv_seg, slot))
+             ] if with_k else []
     return pairs + ([(gmem.v.at[b, keys, kv_head], smem.v.at[slot])] if with_v else [])
 
   if len(rings) == 1:
-    issues = [lambda n, slot, barrier: _copy_in(copies(n, slot, True, True), barrier)]
+    issues = [lambda n, slot, barrier: pipeline.copy_in(copies(n, slot, True, True), barrier)]
   else:
-    issues = [lambda n, slot, barrier: _copy_in(copies(n, slot, True, False), barrier),
-              lambda n, slot, barrier: _copy_in(copies(n, slot, False, True), barrier)]
-  _produce(plan.count, cfg.blocks.stages, list(zip(rings, issues)))
+    issues = [lambda n, slot, barrier: pipeline.copy_in(copies(n, slot, True, False), barrier),
+              lambda n, slot, barrier: pipeline.copy_in(copies(n, slot, False, True), barrier)]
+  pipeline.produce(plan.count, cfg.blocks.stages, list(zip(rings, issues)))
 
 
 def _query_tile_kernel(compute, gmem: _Operands, smem, rings, per_step: int, cfg: _Config):
@@ -660,14 +508,14 @@ def _query_tile_kernel(compute, gmem: _Operands, smem, rings, per_step: int, cfg
   wg = lax.axis_index("wg")
   cta_q = _cta_q_start(cfg)
 
-  @pl.when(wg == _PRODUCER)
+  @pl.when(wg == PRODUCER)
   def _producer():
     _stream_kv(gmem, smem, rings, _query_rows_plan(cta_q, 0, gmem.plan, cfg), cfg)
 
-  @pl.when(wg < _COMPUTE_WGS)
+  @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    _set_registers(producer=False)
-    turns = _Turns(smem.turn, cfg.blocks.pingpong, per_step=per_step)
+    pipeline.set_registers(producer=False)
+    turns = pipeline.Turns(smem.turn, cfg.blocks.pingpong, per_step=per_step)
     turns.start()
     compute(cta_q + wg * ROWS, _query_rows_plan(cta_q, wg, gmem.plan, cfg), turns)
     turns.finish()
@@ -693,7 +541,7 @@ def _over_kv_tiles(step, carry, plan: _Plan, rings, turns, cfg: _Config,
     carry = lax.fori_loop(masked_from, plan.last, functools.partial(step, masked=True), carry)
   if last is not None:
     carry = last(carry, plan.last)
-  _pass(plan.last, plan.count, cfg.blocks.stages, rings, turns)
+  pipeline.pass_steps(plan.last, plan.count, cfg.blocks.stages, rings, turns)
   return carry
 
 
@@ -743,9 +591,10 @@ def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
   def compute(q_start, plan: _Plan, turns):
     q_tile = smem.q.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
-    _copy_in([(gmem.q.at[q_rows], q_tile),
-              (_at(gmem.q_seg, b, pl.ds(q_start, ROWS)), _at(smem.q_seg, wg))],
-             smem.q_full.at[wg])
+    pipeline.copy_in([(gmem.q.at[q_rows], q_tile),
+                      (pipeline.at(gmem.q_seg, b, pl.ds(q_start, ROWS)),
+                       pipeline.at(smem.q_seg, wg))],
+                     smem.q_full.at[wg])
     plgpu.barrier_wait(smem.q_full.at[wg])
     q_seg = ops.load_vector(smem.q_seg.at[wg], along=1) if cfg.segments else None
 
@@ -776,8 +625,8 @@ def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
                           [(q_tile, smem.k.at[slot], False, True)]], [o, None])
       turns.hand_over()
       kv_seg = _key_segments(smem.kv_seg, slot, masked, cfg, ops)
-      _release(smem.v_free.at[prev])
-      _release(smem.k_free.at[slot])
+      pipeline.release(smem.v_free.at[prev])
+      pipeline.release(smem.k_free.at[slot])
       return softmax(n, s, kv_seg, o, m, l, masked)
 
     def last(carry, seen):
@@ -788,7 +637,7 @@ def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
       turns.take()
       o = ops.matmul(p, smem.v.at[slot], acc=o)
       turns.hand_over()
-      _release(smem.v_free.at[slot])
+      pipeline.release(smem.v_free.at[slot])
       return o, m, l, p
 
     def prologue():
@@ -799,7 +648,7 @@ def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
       s = ops.matmul(q_tile, smem.k.at[0], transpose_b=True)
       turns.hand_over()
       kv_seg = _key_segments(smem.kv_seg, 0, True, cfg, ops)
-      _release(smem.k_free.at[0])
+      pipeline.release(smem.k_free.at[0])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       return softmax(0, s, kv_seg, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)),
                      ops.cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), row_layout),
@@ -834,11 +683,12 @@ def _dq_kernel(gmem: _Operands, out: _DqOut, smem: _DqScratch, *, cfg: _Config, 
     q_tile, do_tile = smem.q.at[wg], smem.do.at[wg]
     q_rows = (b, pl.ds(q_start, ROWS), h)
     vec_rows = (b, h, pl.ds(q_start, ROWS))
-    _copy_in([(gmem.q.at[q_rows], q_tile), (gmem.do.at[q_rows], do_tile),
-              (gmem.lse.at[vec_rows], smem.lse.at[wg]),
-              (gmem.delta.at[vec_rows], smem.delta.at[wg]),
-              (_at(gmem.q_seg, b, pl.ds(q_start, ROWS)), _at(smem.q_seg, wg))],
-             smem.q_full.at[wg])
+    pipeline.copy_in([(gmem.q.at[q_rows], q_tile), (gmem.do.at[q_rows], do_tile),
+                      (gmem.lse.at[vec_rows], smem.lse.at[wg]),
+                      (gmem.delta.at[vec_rows], smem.delta.at[wg]),
+                      (pipeline.at(gmem.q_seg, b, pl.ds(q_start, ROWS)),
+                       pipeline.at(smem.q_seg, wg))],
+                     smem.q_full.at[wg])
     plgpu.barrier_wait(smem.q_full.at[wg])
     lse = ops.load_vector(smem.lse.at[wg], along=1)
     delta = ops.load_vector(smem.delta.at[wg], along=1)
@@ -863,7 +713,7 @@ def _dq_kernel(gmem: _Operands, out: _DqOut, smem: _DqScratch, *, cfg: _Config, 
       dq = ops.matmul(ds.astype(q_tile.dtype), smem.k.at[slot], transpose_b=False,
                       acc=dq)
       turns.hand_over()
-      _release(smem.kv_free.at[slot])
+      pipeline.release(smem.kv_free.at[slot])
       return dq
 
     dq = _over_kv_tiles(step, ops.tile(jnp.zeros(q_tile.shape, jnp.float32)), plan,
@@ -896,15 +746,15 @@ class _DqExchange:
   """
 
   def __init__(self, smem: "_DkDvScratch", ops: _Ops):
-    _check_arrivals(smem.ds_ready, _COMPUTE_WGS, "compute warpgroups")
-    _check_arrivals(smem.ds_read, 1, "the multiplying warpgroup")
+    pipeline.check_arrivals(smem.ds_ready, COMPUTE_WGS, "compute warpgroups")
+    pipeline.check_arrivals(smem.ds_read, 1, "the multiplying warpgroup")
     self.ds_smem, self.dq_smem, self.k_smem = smem.ds, smem.dq, smem.k
     self.ready, self.read, self.ops = smem.ds_ready, smem.ds_read, ops
     self.wg = lax.axis_index("wg")
     self.chunks = smem.k.shape[-1] // _DQ_COLUMNS  # turns `add` takes a step
 
   def _mine(self, t):
-    return lax.rem(t, _COMPUTE_WGS) == self.wg
+    return lax.rem(t, COMPUTE_WGS) == self.wg
 
   def put(self, ds_t, t):
     """Stores this warpgroup's dS^T of step t, once the other warpgroup has
@@ -913,9 +763,9 @@ class _DqExchange:
     pl.when((t > 0) & self._mine(t))(lambda: plgpu.barrier_wait(self.read.at[other]))
     self.ds_smem.at[self.wg][...] = ds_t
     plgpu.commit_smem()
-    plgpu.barrier_arrive(self.ready.at[lax.rem(t, _COMPUTE_WGS)])
+    plgpu.barrier_arrive(self.ready.at[lax.rem(t, COMPUTE_WGS)])
 
-  def add(self, t, dq_tile_ref, turns: _Turns):
+  def add(self, t, dq_tile_ref, turns: pipeline.Turns):
     """At step t, dq_tile_ref [slabs, block_q, D] += dS K if this warpgroup's
     turn; else pass the turns."""
     wg, ops = self.wg, self.ops
@@ -928,7 +778,7 @@ class _DqExchange:
         columns = pl.ds(c * _DQ_COLUMNS, _DQ_COLUMNS)
         turns.take()
         part, = ops.matmuls([[(self.ds_smem.at[w], self.k_smem.at[w, :, columns], True, False)
-                              for w in range(_COMPUTE_WGS)]])
+                              for w in range(COMPUTE_WGS)]])
         turns.hand_over()
         self.dq_smem.at[wg, :, columns][...] = part
       plgpu.barrier_arrive(self.read.at[wg])
@@ -956,33 +806,35 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
   H, D] float32 (unscaled; `_DqExchange`)."""
   b, kv_head, wg = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("wg")
   block_q, stages = cfg.blocks.block_q_dkv, cfg.blocks.stages
-  cta_k = lax.axis_index("k") * (_COMPUTE_WGS * ROWS)
+  cta_k = lax.axis_index("k") * (COMPUTE_WGS * ROWS)
 
-  @pl.when(wg == _PRODUCER)
+  @pl.when(wg == PRODUCER)
   def _producer():
-    _set_registers(producer=True)
+    pipeline.set_registers(producer=True)
     plan = _key_rows_plan(cta_k, 0, gmem.plan, cfg)
 
     def issue(t, slot, barrier):
       head = kv_head * cfg.group + lax.div(t, plan.count)
       queries = pl.ds(plan.tile(plan.start + lax.rem(t, plan.count)) * block_q, block_q)
-      _copy_in([(gmem.q.at[b, queries, head], smem.q.at[slot]),
-                (gmem.do.at[b, queries, head], smem.do.at[slot]),
-                (gmem.lse.at[b, head, queries], smem.lse.at[slot]),
-                (gmem.delta.at[b, head, queries], smem.delta.at[slot]),
-                (_at(gmem.q_seg, b, queries), _at(smem.q_seg, slot))], barrier)
-    _produce(cfg.group * plan.count, stages, [((smem.q_full, smem.q_free), issue)])
+      pipeline.copy_in([(gmem.q.at[b, queries, head], smem.q.at[slot]),
+                        (gmem.do.at[b, queries, head], smem.do.at[slot]),
+                        (gmem.lse.at[b, head, queries], smem.lse.at[slot]),
+                        (gmem.delta.at[b, head, queries], smem.delta.at[slot]),
+                        (pipeline.at(gmem.q_seg, b, queries), pipeline.at(smem.q_seg, slot))],
+                       barrier)
+    pipeline.produce(cfg.group * plan.count, stages, [((smem.q_full, smem.q_free), issue)])
 
-  @pl.when(wg < _COMPUTE_WGS)
+  @pl.when(wg < COMPUTE_WGS)
   def _compute():
-    _set_registers(producer=False)
+    pipeline.set_registers(producer=False)
     k_start = cta_k + wg * ROWS
     k_tile, v_tile = smem.k.at[wg], smem.v.at[wg]
     dtype = k_tile.dtype
     k_rows = (b, pl.ds(k_start, ROWS), kv_head)
-    _copy_in([(gmem.k.at[k_rows], k_tile), (gmem.v.at[k_rows], v_tile),
-              (_at(gmem.kv_seg, b, pl.ds(k_start, ROWS)), _at(smem.kv_seg, wg))],
-             smem.kv_full.at[wg])
+    pipeline.copy_in([(gmem.k.at[k_rows], k_tile), (gmem.v.at[k_rows], v_tile),
+                      (pipeline.at(gmem.kv_seg, b, pl.ds(k_start, ROWS)),
+                       pipeline.at(smem.kv_seg, wg))],
+                     smem.kv_full.at[wg])
     plgpu.barrier_wait(smem.kv_full.at[wg])
     kv_seg = ops.load_vector(smem.kv_seg.at[wg], along=1) if cfg.segments else None
     plan = _key_rows_plan(cta_k, wg, gmem.plan, cfg)
@@ -998,8 +850,8 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
         # (bench/compile_h200.py, before `_DqExchange`). The mask costs a
         # compare and a select per score, against five matmuls.
         first, whole = plan.start, plan.last
-    turns = _Turns(smem.turn, cfg.blocks.pingpong,
-                   per_step=3 + (exchange.chunks if exchange else 0))
+    turns = pipeline.Turns(smem.turn, cfg.blocks.pingpong,
+                           per_step=3 + (exchange.chunks if exchange else 0))
     turns.start()
 
     def step(n, carry, g, masked: bool):
@@ -1032,7 +884,7 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
       turns.take()
       dk = ops.matmul(ds_t, q_tile, acc=dk)
       turns.hand_over()
-      _release(smem.q_free.at[slot])  # the dQ product reads no slot of the ring
+      pipeline.release(smem.q_free.at[slot])  # the dQ product reads no slot of the ring
       if exchange is not None:
         exchange.add(t, gmem.dq_acc.at[:, b, pl.ds(plan.tile(n) * block_q, block_q),
                                       kv_head * cfg.group + g], turns)
@@ -1040,8 +892,8 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
 
     def head(g, carry):  # masked steps first, in either plan (`_key_rows_plan`)
       head_step0 = g * count
-      _pass(head_step0, head_step0 + first - plan.start, stages,
-            [(smem.q_full, smem.q_free)], turns)
+      pipeline.pass_steps(head_step0, head_step0 + first - plan.start, stages,
+                          [(smem.q_full, smem.q_free)], turns)
       carry = lax.fori_loop(first, whole, functools.partial(step, g=g, masked=True), carry)
       return lax.fori_loop(whole, plan.last, functools.partial(step, g=g, masked=False),
                            carry)
@@ -1059,100 +911,69 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
-  """A three-warpgroup Mosaic GPU kernel (interpreted when not on a GPU):
-  body(operands, outputs, scratch, cfg=, ops=) receives an `_Operands` of
-  global-memory refs, outputs as refs in the NamedTuple type of `out_type`,
-  and `scratch` (a NamedTuple of scratch types) as a NamedTuple of refs."""
-  interpret = None
-  if cfg.interpret:
-    from jax._src.pallas.mosaic_gpu.interpret import params  # pylint: disable=import-outside-toplevel
-    interpret = params.InterpretGPUParams()
-  mesh = plgpu.Mesh(grid=grid, grid_names=names, num_threads=_COMPUTE_WGS + 1,
-                    thread_name="wg", kernel_name=f"flash_attention_hopper_{name}")
-
-  def kernel_body(operands, *outputs):
-    pl.run_scoped(lambda refs: body(operands, type(out_type)(*outputs), refs, cfg=cfg,
-                                    ops=_Ops(cfg.interpret)),
-                  scratch, collective_axes="wg")
-  # pl.kernel rather than plgpu.kernel: it takes a Ref argument (the fused
-  # backward's dQ buffer) and aliases it in and out of the kernel.
-  return pl.kernel(kernel_body, out_type=out_type, mesh=mesh,
-                   compiler_params=plgpu.CompilerParams(approx_math=True),
-                   interpret=interpret, name=mesh.kernel_name)
-
-
-def _turn_barriers(blocks: HopperBlocks):
-  """The two barriers of `_Turns` (each arrived on by the other compute
-  warpgroup), or None without ping-pong."""
-  return plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if blocks.pingpong else None
-
-
-def _vectors(n: int, length: int, dtype, present: bool = True):
-  """Shared memory for n 1-D tiles (lse, delta, segment ids), or None."""
-  return plgpu.SMEM((n, length), dtype) if present else None
-
-
 def _forward_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _ForwardScratch:
   """The forward's scratch; each barrier counts the arrivals of the copies
   or warpgroups that arrive on it."""
   ring = (blocks.stages, blocks.block_k, D)
-  q, q_seg = _smem((_COMPUTE_WGS, ROWS, D), dtype), _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
-  k, v = _smem(ring, dtype), _smem(ring, dtype)
-  kv_seg = _vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
+  q = pipeline.swizzled_smem((COMPUTE_WGS, ROWS, D), dtype)
+  q_seg = pipeline.vectors(COMPUTE_WGS, ROWS, jnp.int32, seg)
+  k, v = pipeline.swizzled_smem(ring, dtype), pipeline.swizzled_smem(ring, dtype)
+  kv_seg = pipeline.vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
   return _ForwardScratch(
-      q=q, q_seg=q_seg, lse=_vectors(_COMPUTE_WGS, ROWS, jnp.float32), k=k, v=v,
+      q=q, q_seg=q_seg, lse=pipeline.vectors(COMPUTE_WGS, ROWS, jnp.float32), k=k, v=v,
       kv_seg=kv_seg,
-      q_full=_filled_by(q, q_seg, num_barriers=_COMPUTE_WGS),
-      k_full=_filled_by(k, kv_seg, num_barriers=blocks.stages),
-      k_free=_each_compute_wg(blocks.stages),
-      v_full=_filled_by(v, num_barriers=blocks.stages),
-      v_free=_each_compute_wg(blocks.stages),
-      turn=_turn_barriers(blocks))
+      q_full=pipeline.filled_by(q, q_seg, num_barriers=COMPUTE_WGS),
+      k_full=pipeline.filled_by(k, kv_seg, num_barriers=blocks.stages),
+      k_free=pipeline.each_compute_wg(blocks.stages),
+      v_full=pipeline.filled_by(v, num_barriers=blocks.stages),
+      v_free=pipeline.each_compute_wg(blocks.stages),
+      turn=pipeline.turn_barriers(blocks.pingpong))
 
 
 def _dq_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _DqScratch:
   """The dQ kernel's scratch (for `blocks`, which it reads `for_dq`)."""
   blocks = blocks.for_dq()
-  own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_k, D)
-  q, do = _smem(own, dtype), _smem(own, dtype)
-  lse, delta = _vectors(_COMPUTE_WGS, ROWS, jnp.float32), _vectors(_COMPUTE_WGS, ROWS, jnp.float32)
-  q_seg = _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
-  k, v = _smem(ring, dtype), _smem(ring, dtype)
-  kv_seg = _vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
+  own, ring = (COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_k, D)
+  q, do = pipeline.swizzled_smem(own, dtype), pipeline.swizzled_smem(own, dtype)
+  lse = pipeline.vectors(COMPUTE_WGS, ROWS, jnp.float32)
+  delta = pipeline.vectors(COMPUTE_WGS, ROWS, jnp.float32)
+  q_seg = pipeline.vectors(COMPUTE_WGS, ROWS, jnp.int32, seg)
+  k, v = pipeline.swizzled_smem(ring, dtype), pipeline.swizzled_smem(ring, dtype)
+  kv_seg = pipeline.vectors(blocks.stages, blocks.block_k, jnp.int32, seg)
   return _DqScratch(
       q=q, do=do, lse=lse, delta=delta, q_seg=q_seg, k=k, v=v, kv_seg=kv_seg,
-      q_full=_filled_by(q, do, lse, delta, q_seg, num_barriers=_COMPUTE_WGS),
-      kv_full=_filled_by(k, v, kv_seg, num_barriers=blocks.stages),
-      kv_free=_each_compute_wg(blocks.stages),
-      turn=_turn_barriers(blocks))
+      q_full=pipeline.filled_by(q, do, lse, delta, q_seg, num_barriers=COMPUTE_WGS),
+      kv_full=pipeline.filled_by(k, v, kv_seg, num_barriers=blocks.stages),
+      kv_free=pipeline.each_compute_wg(blocks.stages),
+      turn=pipeline.turn_barriers(blocks.pingpong))
 
 
 def _dkdv_scratch(D: int, dtype, blocks: HopperBlocks, seg: bool) -> _DkDvScratch:
   """The dK/dV kernel's scratch, with the fused backward's dS and dQ tiles
   and barriers when `blocks.fused_dq`."""
-  own, ring = (_COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_q_dkv, D)
+  own, ring = (COMPUTE_WGS, ROWS, D), (blocks.stages, blocks.block_q_dkv, D)
   fused = blocks.fused_dq
-  k, v = _smem(own, dtype), _smem(own, dtype)
-  kv_seg = _vectors(_COMPUTE_WGS, ROWS, jnp.int32, seg)
-  q, do = _smem(ring, dtype), _smem(ring, dtype)
-  lse = _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
-  delta = _vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
-  q_seg = _vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg)
+  k, v = pipeline.swizzled_smem(own, dtype), pipeline.swizzled_smem(own, dtype)
+  kv_seg = pipeline.vectors(COMPUTE_WGS, ROWS, jnp.int32, seg)
+  q, do = pipeline.swizzled_smem(ring, dtype), pipeline.swizzled_smem(ring, dtype)
+  lse = pipeline.vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
+  delta = pipeline.vectors(blocks.stages, blocks.block_q_dkv, jnp.float32)
+  q_seg = pipeline.vectors(blocks.stages, blocks.block_q_dkv, jnp.int32, seg)
   return _DkDvScratch(
       k=k, v=v, kv_seg=kv_seg, q=q, do=do, lse=lse, delta=delta, q_seg=q_seg,
-      ds=_smem((_COMPUTE_WGS, ROWS, blocks.block_q_dkv), dtype) if fused else None,
-      dq=_smem((_COMPUTE_WGS, blocks.block_q_dkv, D), jnp.float32) if fused else None,
-      kv_full=_filled_by(k, v, kv_seg, num_barriers=_COMPUTE_WGS),
-      q_full=_filled_by(q, do, lse, delta, q_seg, num_barriers=blocks.stages),
-      q_free=_each_compute_wg(blocks.stages),
+      ds=(pipeline.swizzled_smem((COMPUTE_WGS, ROWS, blocks.block_q_dkv), dtype)
+          if fused else None),
+      dq=(pipeline.swizzled_smem((COMPUTE_WGS, blocks.block_q_dkv, D), jnp.float32)
+          if fused else None),
+      kv_full=pipeline.filled_by(k, v, kv_seg, num_barriers=COMPUTE_WGS),
+      q_full=pipeline.filled_by(q, do, lse, delta, q_seg, num_barriers=blocks.stages),
+      q_free=pipeline.each_compute_wg(blocks.stages),
       # `_DqExchange`: ready is arrived on by both warpgroups, read by one.
-      ds_ready=_each_compute_wg(_COMPUTE_WGS) if fused else None,
-      ds_read=plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS) if fused else None,
-      turn=_turn_barriers(blocks))
+      ds_ready=pipeline.each_compute_wg(COMPUTE_WGS) if fused else None,
+      ds_read=plgpu.Barrier(num_arrivals=1, num_barriers=COMPUTE_WGS) if fused else None,
+      turn=pipeline.turn_barriers(blocks.pingpong))
 
 
-SHARED_MEMORY_BYTES = 227 * 1024  # the most one CTA may take on an H100/H200
 # Mosaic GPU's own shared memory in the forward kernel, beyond its scratch
 # list (for the softmax's row max and sum across warps): the allocation it
 # reports for every forward tile choice compiled by bench/compile_h200.py is
@@ -1162,33 +983,24 @@ _FORWARD_EXTRA_BYTES = 2048
 
 def shared_memory_bytes(head_dim: int, dtype, blocks: HopperBlocks,
                         segments: bool) -> dict[str, int]:
-  """Shared memory each kernel takes, as Mosaic GPU allocates it: every
-  buffer rounded up to 1 KiB (the alignment of a swizzled tile), 8 bytes a
-  barrier, and 2 KiB more in the forward (`_FORWARD_EXTRA_BYTES`)."""
-  def total(scratch):
-    size = 0
-    for entry in scratch:
-      if isinstance(entry, plgpu.Barrier):
-        count = entry.num_barriers
-        size += 8 * (math.prod(count) if isinstance(count, tuple) else count)
-      elif entry is not None:
-        size += common.round_up(math.prod(entry.shape) * jnp.dtype(entry.dtype).itemsize,
-                                1024)
-    return size
-  return {"forward": total(_forward_scratch(head_dim, dtype, blocks, segments))
-                     + _FORWARD_EXTRA_BYTES,
-          "dq": total(_dq_scratch(head_dim, dtype, blocks, segments)),
-          "dkdv": total(_dkdv_scratch(head_dim, dtype, blocks, segments))}
+  """Shared memory each kernel takes, as Mosaic GPU allocates it
+  (`hopper_pipeline.scratch_bytes`, and 2 KiB more in the forward:
+  `_FORWARD_EXTRA_BYTES`)."""
+  scratch = {"forward": _forward_scratch, "dq": _dq_scratch, "dkdv": _dkdv_scratch}
+  sizes = {name: pipeline.scratch_bytes(build(head_dim, dtype, blocks, segments))
+           for name, build in scratch.items()}
+  sizes["forward"] += _FORWARD_EXTRA_BYTES
+  return sizes
 
 
 def _check_shared_memory(head_dim: int, dtype, blocks: HopperBlocks, segments: bool):
   sizes = shared_memory_bytes(head_dim, dtype, blocks, segments)
   name, size = max(sizes.items(), key=lambda item: item[1])
-  if size > SHARED_MEMORY_BYTES:
+  if size > pipeline.SHARED_MEMORY_BYTES:
     raise ValueError(
         f"flash_attention: {blocks} with head_dim {head_dim} needs "
         f"{size / 1024:.1f} KiB of shared memory in the {name} kernel, over the "
-        f"{SHARED_MEMORY_BYTES // 1024} KiB of an H100/H200; use fewer stages "
+        f"{pipeline.SHARED_MEMORY_BYTES // 1024} KiB of an H100/H200; use fewer stages "
         "or a smaller block_k")
 
 
@@ -1199,7 +1011,7 @@ def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
   if not cfg.segments:
     return None
   return block_sparse.plan_over_keys(q_seg_BT, kv_seg_BS, q_tile=ROWS, k_tile=block_k,
-                                     causal=cfg.causal, per_cta=_COMPUTE_WGS)
+                                     causal=cfg.causal, per_cta=COMPUTE_WGS)
 
 
 def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
@@ -1208,7 +1020,19 @@ def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
   if not cfg.segments:
     return None
   return block_sparse.plan_over_queries(q_seg_BT, kv_seg_BS, q_tile=cfg.blocks.block_q_dkv,
-                                        k_tile=ROWS, causal=cfg.causal, per_cta=_COMPUTE_WGS)
+                                        k_tile=ROWS, causal=cfg.causal, per_cta=COMPUTE_WGS)
+
+
+def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
+  """The kernel `flash_attention_hopper_{name}` (`hopper_pipeline.kernel`):
+  body(operands, outputs, scratch, cfg=, ops=) receives an `_Operands` of
+  global-memory refs, outputs as refs in the NamedTuple type of `out_type`,
+  and `scratch` as a NamedTuple of refs."""
+  return pipeline.kernel(
+      f"flash_attention_hopper_{name}",
+      lambda operands, outputs, refs: body(operands, outputs, refs, cfg=cfg,
+                                           ops=_Ops(cfg.interpret)),
+      out_type, scratch, grid, names, interpret=cfg.interpret)
 
 
 def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
@@ -1220,7 +1044,7 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
                          lse=jax.ShapeDtypeStruct((B, H, T), jnp.float32))
   return _kernel("forward", _forward_kernel, out_type,
                  _forward_scratch(D, q_BTHD.dtype, cfg.blocks, cfg.segments),
-                 (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(gmem)
+                 (T // (COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), cfg)(gmem)
 
 
 def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
@@ -1237,7 +1061,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   dq_cfg = dataclasses.replace(cfg, blocks=cfg.blocks.for_dq())
   dq = _kernel("dq", _dq_kernel, _DqOut(jax.ShapeDtypeStruct(q_BTHD.shape, dtype)),
                _dq_scratch(D, dtype, cfg.blocks, cfg.segments),
-               (T // (_COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), dq_cfg)(
+               (T // (COMPUTE_WGS * ROWS), B, H), ("q", "b", "h"), dq_cfg)(
                    gmem._replace(plan=_query_plan(q_seg_BT, kv_seg_BS,
                                                   dq_cfg.blocks.block_k, cfg))).dq
   return (dq, *_dkdv(dkdv_gmem, cfg))
@@ -1249,7 +1073,7 @@ def _dkdv(gmem: _Operands, cfg: _Config) -> _DkDvOut:
   grad = jax.ShapeDtypeStruct(gmem.k.shape, dtype)
   return _kernel("dkdv", _dkdv_kernel, _DkDvOut(dk=grad, dv=grad),
                  _dkdv_scratch(D, dtype, cfg.blocks, cfg.segments),
-                 (S // (_COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(gmem)
+                 (S // (COMPUTE_WGS * ROWS), B, K), ("k", "b", "h"), cfg)(gmem)
 
 
 @functools.partial(jax.jit, static_argnums=(1,))
