@@ -28,7 +28,7 @@ is added to the scaled scores by `reference`, `xla` and `cudnn` (through
 
 A `softcap` c (Gemma-2's attention logit soft-capping) replaces the scaled
 scores s by c tanh(s / c), before the bias and the mask, so no score leaves
-(-c, c). `reference` and `pallas` (Triton and Mosaic TPU kernels) take it;
+(-c, c). `reference` and `pallas` (all three of our kernels) take it;
 `xla` with a soft-cap computes the reference's einsums (XLA compiles them;
 `jax.nn.dot_product_attention` has no soft-cap), and `cudnn` refuses it.
 """
@@ -219,8 +219,7 @@ def check_kernel_support(cfg) -> None:
   takes; `flash_attention` checks the arrays again at trace time), or when
   `attention_impl=pallas` meets a sliding window (not in our kernels yet) or
   T5's relative position bias (our kernels take no additive bias), or when
-  `attn_softcap` meets an implementation without a soft-cap (cudnn; the
-  Mosaic GPU kernels)."""
+  `attn_softcap` meets cudnn, which takes no soft-cap."""
   if cfg.attn_softcap is not None and cfg.attention_impl == "cudnn":
     raise UserError(f"config field model.attn_softcap={cfg.attn_softcap}: attention_impl=cudnn "
                     "takes no soft-cap; use attention_impl xla, pallas or auto")
@@ -233,9 +232,6 @@ def check_kernel_support(cfg) -> None:
   if cfg.pallas_lowering != "mosaic_gpu":
     return
   field = f"config field model.pallas_lowering={cfg.pallas_lowering!r}"
-  if cfg.attn_softcap is not None:
-    raise UserError(f"{field}: the Mosaic GPU kernels take no soft-cap (model.attn_softcap); "
-                    "use pallas_lowering triton")
   dtype = jnp.dtype(cfg.dtype).name
   if dtype not in MOSAIC_GPU_DTYPES:
     raise UserError(f"{field}: needs model.dtype {' or '.join(MOSAIC_GPU_DTYPES)}, "

@@ -19,16 +19,15 @@ from model.kernels import flash_attention_triton as triton
 LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
-def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str,
-                    softcap: float | None = None) -> str:
+def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
   """Which kernel runs: "mosaic_tpu" (`flash_attention_tpu.py`) on a TPU;
   "mosaic_gpu" (`flash_attention_hopper.py`: wgmma, TMA, warp
-  specialisation) on a Hopper GPU for the inputs it takes (no soft-cap); else "triton"
+  specialisation) on a Hopper GPU for the inputs it takes; else "triton"
   (`flash_attention_triton.py`: every GPU, every mask; the one the interpreter
   runs on CPU)."""
   if backend == "tpu":
     return "mosaic_tpu"
-  if backend == "gpu" and softcap is None and triton.is_hopper(device_kind) and hopper.supports(
+  if backend == "gpu" and triton.is_hopper(device_kind) and hopper.supports(
       q_BTHD, k_BSKD) is None:
     return "mosaic_gpu"
   return "triton"
@@ -52,7 +51,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       query i sees key j only if the ids are equal and the key's is not 0.
     scale: score multiplier, default 1 / sqrt(D).
     softcap: c of Gemma-2's soft-cap c tanh(s / c) on the scaled scores
-      (Triton and Mosaic TPU kernels; Mosaic GPU refuses it); None: none.
+      (every kernel); None: none.
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
     interpret: run the Pallas interpreter; default: when `device` is not the
@@ -90,14 +89,10 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   scale = D ** -0.5 if scale is None else float(scale)
   if lowering is None:
     lowering = choose_lowering(q_BTHD, k_BSKD, backend=device.platform,
-                               device_kind=device.device_kind, softcap=softcap)
+                               device_kind=device.device_kind)
   if interpret is None:
     interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
-  if softcap is not None:
-    softcap = float(softcap)
-    if lowering == "mosaic_gpu":
-      raise ValueError("flash_attention: lowering='mosaic_gpu' takes no softcap; use "
-                       "lowering='triton'")
+  softcap = None if softcap is None else float(softcap)
   if lowering == "mosaic_tpu":
     if not interpret and block_k is not None and block_k % tpu.LANES:
       raise ValueError(f"flash_attention: lowering='mosaic_tpu' on a TPU takes block_k "
@@ -128,7 +123,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     return hopper.hopper_flash_attention(
         q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        blocks=blocks, interpret=interpret)
+        blocks=blocks, interpret=interpret, softcap=softcap)
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")
