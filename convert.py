@@ -7,7 +7,8 @@
 `python train.py --config configs/from_run.py:W --config.train.restore_from=W
 --workdir W2` fine-tunes; `to_hf` writes a directory that
 `transformers.AutoModelForCausalLM` (BERT: `AutoModelForMaskedLM`, T5 and BART:
-`AutoModelForSeq2SeqLM`) and `AutoTokenizer` load. See
+`AutoModelForSeq2SeqLM`; a classifier: `AutoModelForSequenceClassification`)
+and `AutoTokenizer` load. See
 hf/convert.py and, for the architectures, hf/mappings.py.
 """
 import argparse

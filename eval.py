@@ -5,7 +5,9 @@
 Restores the checkpoint with its own config and tokenizer, writes
 eval_report.json, loss_curves.png and attention_maps.png into the workdir.
 Seq2seq runs are scored by generation (greedy and beam search), masked-LM
-runs by masked-token accuracy; both beside their baselines. `--seq_len L`
+runs by masked-token accuracy, classify runs by accuracy, macro-F1 and a
+confusion matrix (confusion_matrix.png, predictions.jsonl; --data classifies
+a .tsv/.jsonl file); each beside its baseline. `--seq_len L`
 evaluates a next_token run on rows of L tokens and reports the loss by
 position (a table, loss_by_position_<L>.png); `--rope_scaling` stretches a
 RoPE run's context for this evaluation only. Both are in eval_report.json.
@@ -21,7 +23,8 @@ from configs.errors import UserError
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _DATA = flags.DEFINE_string("data", None, "stdlib | pydoc | embedded, or files/globs "
-                            "(comma-separated; .jsonl and .arrayrecord by extension).")
+                            "(comma-separated; .jsonl and .arrayrecord by extension); "
+                            "classify runs: .tsv/.jsonl texts to classify.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "A tokenizer to use instead of the "
                                  "run's (refused unless it is the same one).")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt(s) to complete.")

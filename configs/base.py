@@ -69,6 +69,13 @@ def get_config() -> config_dict.ConfigDict:
   #   (Gemma-2: 50.0); None: no cap
   m.final_softcap = config_dict.placeholder(float)  # final logits become c tanh(x / c)
   #   (Gemma-2: 30.0); None: no cap
+  m.num_labels = 0  # classes of a sequence-classification head (train.objective=classify), in
+  #   place of the LM head; 0: the LM head
+  m.pooling = "cls"  # the hidden state a classifier or training.embed reads: cls (the first
+  #   token, BERT's) | mean (over the real tokens) | last (the last real token, as decoders)
+  m.pooler = False  # classify with pooling=cls: BERT's pooler, dense d->d + tanh, before it
+  m.classifier_bias = config_dict.placeholder(bool)  # a bias on the classifier's logits
+  #   (BERT: yes, transformers' decoder classifiers: no); None: use_bias
   m.sliding_window = config_dict.placeholder(int)  # decoder self-attention sees the last this
   #   many keys, itself included (Mistral's sliding_window); None: all
   m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
@@ -95,7 +102,8 @@ def get_config() -> config_dict.ConfigDict:
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
   d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
   d.num_workers = 0  # Grain worker processes (0: in the main process)
-  d.task = "none"  # seq2seq task: none | reverse | sort | addition | code_summary | pairs
+  d.task = "none"  # seq2seq task: none | reverse | sort | addition | code_summary | pairs;
+  #   classify task: stdlib_package (built in) | labelled (your .tsv/.jsonl in data.paths)
   d.task_size = 20000  # reverse | sort | addition: training examples drawn
   d.task_test_size = 500  # reverse | sort | addition: held-out (validation) examples
   d.task_min_len = 4  # reverse | sort | addition: shortest string (digits per number)
@@ -106,12 +114,17 @@ def get_config() -> config_dict.ConfigDict:
   # zero-padded to task_max_len digits, sum least-significant digit first: "012+005" -> "7100")
   d.src_field = "src"  # pairs: JSONL field or TSV header column of the source
   d.tgt_field = "tgt"  # pairs: JSONL field or TSV header column of the target
+  d.text_field = "text"  # labelled: JSONL field or TSV header column of the text
+  d.text_pair_field = ""  # labelled: the second text of a pair (token type 1); "": none
+  d.label_field = "label"  # labelled: JSONL field or TSV header column of the label
+  d.labels = ()  # classify: the class names in id order; (): the train split's, sorted (the
+  #   run's config.json keeps them)
   d.pair_specials = False  # encoder_decoder pairs marked as the tokenizer marks a model input
   #   (its special tokens: T5's "src </s>", BART's "<s> src </s>", the target likewise); set by
   #   convert.py from_hf for T5 and BART, as they were trained; False: bare src, tgt EOS
 
   tr = c.train = config_dict.ConfigDict()
-  tr.objective = "next_token"  # next_token | seq2seq | mlm
+  tr.objective = "next_token"  # next_token | seq2seq | mlm | classify
   tr.num_steps = 1000  # optimizer steps
   tr.batch_size = 16  # sequences per step (global, across all devices)
   tr.seq_len = 128  # tokens per sequence (seq2seq: prefix-LM row, or encoder-decoder source)

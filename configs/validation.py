@@ -19,6 +19,7 @@ CHOICES = {
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.decoder_start": ("bos", "pad", "eos"),
+    "model.pooling": ("cls", "mean", "last"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
@@ -29,15 +30,22 @@ CHOICES = {
     "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord",
                     "parquet"),
     "data.packing": ("packed", "concat"),
-    "data.task": ("none", "reverse", "sort", "addition", "code_summary", "pairs"),
+    "data.task": ("none", "reverse", "sort", "addition", "code_summary", "pairs",
+                  "stdlib_package", "labelled"),
     "data.task_addition_format": ("plain", "aligned"),
-    "train.objective": ("next_token", "seq2seq", "mlm"),
+    "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
+}
+
+# The data.task values each objective reads (next_token and mlm read data.source).
+TASKS = {
+    "seq2seq": ("reverse", "sort", "addition", "code_summary", "pairs"),
+    "classify": ("stdlib_package", "labelled"),
 }
 
 # Which objectives each model family can train with.
 OBJECTIVES = {
-    "decoder": ("next_token", "seq2seq"),
-    "encoder": ("mlm",),
+    "decoder": ("next_token", "seq2seq", "classify"),
+    "encoder": ("mlm", "classify"),
     "encoder_decoder": ("seq2seq",),
 }
 
@@ -128,7 +136,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
                 "model.norm_position", "model.mlp", "model.attention_impl",
                 "model.pallas_lowering", "model.dtype", "model.param_dtype",
-                "model.decoder_start"):
+                "model.decoder_start", "model.pooling"):
     _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                 "relative_buckets", "relative_max_distance"):
@@ -140,6 +148,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.real_vocab_size", m.real_vocab_size,
           f"must be <= model.vocab_size={m.vocab_size} (the rows past it are padding)")
   _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
+  _validate_classifier(m)
   if m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
           f"must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
@@ -177,6 +186,22 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
+
+
+def _validate_classifier(m: config_dict.ConfigDict) -> None:
+  """`model.num_labels` and the pooling that the classifier reads."""
+  _check_positive(m, "model.num_labels", "model.", allow_zero=True)
+  if m.num_labels and m.family == "encoder_decoder":
+    _fail("model.num_labels", m.num_labels, "is for model.family=encoder or decoder (the "
+          "classifier reads one stack's pooled hidden states)")
+  if m.pooler and m.pooling != "cls":
+    _fail("model.pooler", m.pooler, f"is for model.pooling=cls (BERT's pooler reads the first "
+          f"token), not {m.pooling}; unset it")
+
+
+def classifier_bias(m) -> bool:
+  """Whether the classifier's logits have a bias (None means model.use_bias)."""
+  return m.use_bias if m.classifier_bias is None else m.classifier_bias
 
 
 def _validate_window_layers(m: config_dict.ConfigDict) -> None:
@@ -261,11 +286,31 @@ def validate(config: config_dict.ConfigDict) -> None:
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:
-  """The seq2seq task fields (data.task and its lengths)."""
-  d = config.data
-  if d.task != "none" and config.train.objective != "seq2seq":
-    _fail("data.task", d.task, f"needs train.objective=seq2seq (is "
-          f"{config.train.objective}); set data.task=none for {config.train.objective}")
+  """The task fields (data.task and its lengths, the classifier's labels)."""
+  d, objective = config.data, config.train.objective
+  wanted = TASKS.get(objective, ("none",))
+  if d.task not in wanted:
+    (needs,) = [o for o, tasks in TASKS.items() if d.task in tasks] or [None]
+    if d.task == "none":
+      _fail("data.task", d.task, f"train.objective={objective} needs a task: one of "
+            f"{', '.join(wanted)}")
+    if needs is None:
+      _fail("data.task", d.task, f"is not a task of train.objective={objective}; use one of "
+            f"{', '.join(wanted)}")
+    choice = f"={wanted[0]}" if len(wanted) == 1 else f" to one of {', '.join(wanted)}"
+    _fail("data.task", d.task, f"needs train.objective={needs} (is {objective}); set "
+          f"data.task{choice} for {objective}")
+  num_labels = config.model.num_labels
+  if (objective == "classify") != (num_labels > 0):
+    _fail("model.num_labels", num_labels, "must be the number of classes (> 0) for "
+          "train.objective=classify" if objective == "classify" else
+          f"is for train.objective=classify (a classifier has no LM head for {objective}); "
+          "set it to 0")
+  if d.labels and len(d.labels) != num_labels:
+    _fail("data.labels", tuple(d.labels), f"names {len(d.labels)} classes but "
+          f"model.num_labels={num_labels}; make them agree")
+  if d.task == "labelled" and not d.paths:
+    _fail("data.paths", d.paths, "is required for data.task=labelled (.tsv or .jsonl files)")
   if d.pair_specials and config.model.family != "encoder_decoder":
     _fail("data.pair_specials", d.pair_specials, "is for model.family=encoder_decoder (a "
           "decoder's prefix-LM row is BOS src EOS tgt EOS); unset it")

@@ -22,6 +22,8 @@ The objective and data.task choose the rows (`rows_of_split`):
 - `seq2seq` (data.task, `data/tasks.py`): one pair per row
   (`data/seq2seq.py`): the prefix-LM fields above for a decoder, or
   src/src_mask/tgt_in/tgt_out/loss_mask for an encoder-decoder.
+- `classify` (data.task, `data/classify.py`): one labelled text per row:
+  inputs/padding_mask/token_types and a label and weight per row.
 
 Training: the rows of the train split, shuffled with seed train.seed,
 a different order every epoch, repeated forever. Global batch g is rows
@@ -38,6 +40,7 @@ from ml_collections import config_dict
 import numpy as np
 
 from configs.errors import UserError
+from data import classify
 from data import masking
 from data import packing
 from data import seq2seq
@@ -87,6 +90,8 @@ def split_stats(config: config_dict.ConfigDict, tokenizer, split: str) -> SplitS
 
 def tokenizer_texts(data_config: config_dict.ConfigDict):
   """The texts a run's tokenizer trains on: the task's train pairs, or the train documents."""
+  if data_config.task in classify.TASKS:
+    return classify.tokenizer_texts(data_config)
   if data_config.task != "none":
     return tasks.tokenizer_texts(data_config)
   return (text for _, text in sources.load_documents(data_config, "train"))
@@ -97,6 +102,9 @@ def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str):
   if config.train.objective == "seq2seq":
     rows = seq2seq.load_rows(config, tokenizer, split)
     return rows.num_pairs, rows
+  if config.train.objective == "classify":
+    rows = classify.load_rows(config, tokenizer, split)
+    return rows.num_examples, rows
   packer = make_packer(config, tokenizer, tokens.load_split(config.data, tokenizer, split))
   if split == "train" and len(packer.stream) < config.train.seq_len + 1:
     raise UserError(

@@ -1,7 +1,8 @@
-"""BERT (BertForMaskedLM)."""
+"""BERT: BertForMaskedLM and BertForSequenceClassification (the body, BERT's
+pooler on [CLS] and a dense classifier)."""
 from configs.errors import UserError
-from hf.tables import (Architecture, Tensor, bias_in, check_fields, linear_in, linear_out, same,
-                       transposed)
+from hf.tables import (Architecture, Tensor, bias_in, check_fields, classifier_fields, labels_to_hf,
+                       linear_in, linear_out, same, transposed)
 
 
 # HF hidden_act -> our model.mlp.
@@ -34,6 +35,14 @@ def _bert_from_hf(hf: dict) -> dict:
               head_transform=True, output_bias=True)
 
 
+def _bert_classifier_from_hf(hf: dict) -> dict:
+  """BertForSequenceClassification: the body, [CLS] through the pooler
+  (dense + tanh), a classifier with a bias; no masked-LM head."""
+  rest, fields = classifier_fields(hf, "bert")
+  return dict(_bert_from_hf(rest), head_transform=False, output_bias=False, pooling="cls",
+              pooler=True, classifier_bias=True, **fields)
+
+
 def _bert_to_hf(cfg, vocab_size: int) -> dict:
   act = ACT_NAMES.get(cfg.mlp, "gelu")
   return dict(architectures=["BertForMaskedLM"], model_type="bert", vocab_size=vocab_size,
@@ -44,19 +53,40 @@ def _bert_to_hf(cfg, vocab_size: int) -> dict:
               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
 
 
+def _bert_classifier_to_hf(cfg, vocab_size: int) -> dict:
+  """Written as BERT's whatever our pooling (the round trip names the
+  fields that do not come back)."""
+  return dict(_bert_to_hf(cfg, vocab_size), architectures=["BertForSequenceClassification"],
+              **labels_to_hf([f"LABEL_{i}" for i in range(cfg.num_labels)]))
+
+
 def _bert_tensors(cfg) -> list[Tensor]:
+  """The body's tensors and the masked-LM head, or with `num_labels` the
+  pooler and classifier."""
+  out = _bert_body_tensors(cfg)
+  if cfg.num_labels:
+    return out + [transposed("pooler.dense.weight", "classifier/pooler/kernel"),
+                  same("pooler.dense.bias", "classifier/pooler/bias"),
+                  transposed("classifier.weight", "classifier/out/kernel"),
+                  same("classifier.bias", "classifier/out/bias")]
+  out += [transposed("cls.predictions.transform.dense.weight", "head_transform/dense/kernel"),
+          same("cls.predictions.transform.dense.bias", "head_transform/dense/bias"),
+          same("cls.predictions.transform.LayerNorm.weight", "head_transform/norm/scale"),
+          same("cls.predictions.transform.LayerNorm.bias", "head_transform/norm/bias"),
+          same("cls.predictions.bias" if cfg.tie_embeddings else "cls.predictions.decoder.bias",
+               "output_bias", 0)]
+  if not cfg.tie_embeddings:
+    out.append(transposed("cls.predictions.decoder.weight", "head/kernel", 1))
+  return out
+
+
+def _bert_body_tensors(cfg) -> list[Tensor]:
   m, h, d = cfg.d_model, cfg.num_heads, cfg.head_dim
   out = [same("embeddings.word_embeddings.weight", "encoder/embed/embedding", 0),
          same("embeddings.position_embeddings.weight", "encoder/positions/table"),
          same("embeddings.token_type_embeddings.weight", "encoder/token_types/table"),
          same("embeddings.LayerNorm.weight", "encoder/embedding_norm/scale"),
-         same("embeddings.LayerNorm.bias", "encoder/embedding_norm/bias"),
-         transposed("cls.predictions.transform.dense.weight", "head_transform/dense/kernel"),
-         same("cls.predictions.transform.dense.bias", "head_transform/dense/bias"),
-         same("cls.predictions.transform.LayerNorm.weight", "head_transform/norm/scale"),
-         same("cls.predictions.transform.LayerNorm.bias", "head_transform/norm/bias"),
-         same("cls.predictions.bias" if cfg.tie_embeddings else "cls.predictions.decoder.bias",
-              "output_bias", 0)]
+         same("embeddings.LayerNorm.bias", "encoder/embedding_norm/bias")]
   for i in range(cfg.num_layers):
     hf, ours = f"encoder.layer.{i}.", f"encoder/layers/{i}/"
     for hf_name, p in (("query", "q"), ("key", "k"), ("value", "v")):
@@ -75,8 +105,6 @@ def _bert_tensors(cfg) -> list[Tensor]:
         same(hf + "output.LayerNorm.weight", ours + "norm_mlp/scale"),
         same(hf + "output.LayerNorm.bias", ours + "norm_mlp/bias"),
     ]
-  if not cfg.tie_embeddings:
-    out.append(transposed("cls.predictions.decoder.weight", "head/kernel", 1))
   return out
 
 
@@ -94,3 +122,8 @@ BERT = Architecture("bert", "BertForMaskedLM", "bert.", _bert_from_hf, _bert_to_
                     skipped=("embeddings.position_ids", "pooler.dense.weight",
                              "pooler.dense.bias", "cls.seq_relationship.weight",
                              "cls.seq_relationship.bias"))
+BERT_CLASSIFIER = Architecture(
+    "bert", "BertForSequenceClassification", "bert.", _bert_classifier_from_hf,
+    _bert_classifier_to_hf, _bert_tensors, unprefixed=("classifier.",), read_past=lambda cfg: (),
+    objective="classify", auto_class="AutoModelForSequenceClassification",
+    skipped=("embeddings.position_ids", "embeddings.token_type_ids"))

@@ -18,8 +18,12 @@ the tokenizer (`export_hf`) for `transformers.AutoModelForCausalLM` (BERT:
 `AutoTokenizer`; the token ids in config.json are the tokenizer's (an
 encoder-decoder's `decoder_start_token_id` too, the id `model.decoder_start`
 names; an import checks it against that id). Vocabulary rows past the
-tokenizer's or past `model.real_vocab_size` (our padding, 50,304 against
-GPT-2's 50,257) are dropped, and so is the option. Imports keep the
+`model.real_vocab_size` (our padding, 50,304 against GPT-2's 50,257) are
+dropped, and so is the option; every other row is written, also rows the
+tokenizer never gives (T5's 32,128 rows for 32,100 ids, Qwen2's 151,936 for
+151,646), so a checkpoint comes back with its own shapes. A sequence
+classifier (`model.num_labels`) exports as `AutoModelForSequenceClassification`
+with its labels (`data.labels`) as `id2label`. Imports keep the
 checkpoint's rows, or pad them to a multiple (`pad_vocab_to_multiple`) with
 `model.real_vocab_size` the checkpoint's, so that the padded rows' logits
 are masked and the outputs do not change.
@@ -43,6 +47,7 @@ from data import seq2seq
 from model.config import ModelConfig
 import tokenizer as tokenizer_lib
 from hf import mappings as hf_mappings
+from hf import tables as hf_tables
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
 from training.workdir import load_run
@@ -117,6 +122,9 @@ def run_config(hf: dict, arch, tok, pad_vocab_to_multiple: int = 1):
   config.train.objective = arch.objective
   if arch.objective == "seq2seq":  # the user's pairs (eval.py --data, train.py data.paths),
     config.data.update(task="pairs", pair_specials=True)  # marked as T5 and BART were trained
+  if arch.objective == "classify":  # the user's labelled texts, the checkpoint's labels
+    config.data.update(task="labelled",
+                       labels=hf_tables.label_names(hf, config.model.num_labels))
   config.train.seq_len = min(config.train.seq_len, config.model.max_len)
   if tok.vocab_size > rows:
     raise UserError(f"the tokenizer has {tok.vocab_size} ids but the model only "
@@ -293,7 +301,7 @@ def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
 
   Writes `arch`'s config.json for `cfg`, imports it back and compares every
   forward field (`ModelConfig.forward_fields`; the vocabulary's size aside,
-  which export cuts to the tokenizer's rows): the first one that does not come back is
+  which export cuts to the rows that are not padding): the first one that does not come back is
   named with the value `arch` gives it. One rule for every architecture, so a
   new model option is refused by every architecture that does not map it.
   """
@@ -313,10 +321,13 @@ def round_trip_mismatch(arch, cfg: ModelConfig) -> str:
 
 def export_architecture(cfg) -> hf_mappings.Architecture:
   """The HF architecture our `cfg` exports as (the first of
-  `hf_mappings.EXPORTS` that takes it), or a UserError with each one's reason."""
+  `hf_mappings.EXPORTS` that takes it; a classifier's, of
+  `CLASSIFIER_EXPORTS`), or a UserError with each one's reason."""
   reasons = []
-  for name in hf_mappings.EXPORTS:
-    arch = hf_mappings.ARCHITECTURES[name]
+  names, table = ((hf_mappings.CLASSIFIER_EXPORTS, hf_mappings.CLASSIFIERS) if cfg.num_labels
+                  else (hf_mappings.EXPORTS, hf_mappings.ARCHITECTURES))
+  for name in names:
+    arch = table[name]
     reason = round_trip_mismatch(arch, cfg)
     if not reason:
       return arch
@@ -334,7 +345,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   arch = export_architecture(cfg)
   config, tok, model, step = load_run(workdir, step)
   params = _flat(nnx.state(model, nnx.Param))
-  vocab = min(tok.vocab_size, cfg.real_vocab_size)
+  vocab = cfg.real_vocab_size  # every row but our padding, also rows the tokenizer never gives
   dtype = jnp.dtype(cfg.param_dtype)
   np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
   tensors = {}
@@ -350,6 +361,9 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
             pad_token_id=tok.pad_id)
   if cfg.family == "encoder_decoder":
     hf["decoder_start_token_id"] = seq2seq.decoder_start_id(tok, cfg.decoder_start)
+  if cfg.num_labels:
+    names = config.data.labels or hf_tables.label_names({}, cfg.num_labels)
+    hf.update(hf_tables.labels_to_hf(names))
   tmp = out.parent / f".{out.name}.exporting-{os.getpid()}"
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)

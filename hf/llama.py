@@ -3,10 +3,12 @@
 QK-norm: Qwen2's layout without q/k/v biases, with an RMSNorm of each head's
 queries and keys before RoPE, `model.qk_norm`; its head_dim may differ from
 hidden_size / num_attention_heads). Both RoPE layouts rotate pairs (x[i],
-x[i + D/2]), so no permutation is needed."""
+x[i + D/2]), so no permutation is needed. LLaMA's and Qwen2's
+`*ForSequenceClassification`: the body and a `score` matrix without bias on
+the last real token (pooling=last), no LM head."""
 from configs.errors import UserError
-from hf.tables import (Architecture, ROTARY, Tensor, bias_in, check_fields, linear_in, linear_out,
-                       same, transposed)
+from hf.tables import (Architecture, ROTARY, Tensor, bias_in, check_fields, classifier_fields,
+                       labels_to_hf, linear_in, linear_out, same, transposed)
 
 
 # rope_type -> {HF rope_parameters key: (our model field, default)}; a None
@@ -208,9 +210,26 @@ def _llama_tensors(cfg) -> list[Tensor]:
     if cfg.qk_norm:
       out += [same(hf + f"self_attn.{p}_norm.weight", ours + f"attn/{p}_norm/scale")
               for p in ("q", "k")]
-  if not cfg.tie_embeddings:
+  if cfg.num_labels:
+    out.append(transposed("score.weight", "classifier/out/kernel"))
+  elif not cfg.tie_embeddings:
     out.append(transposed("lm_head.weight", "head/kernel", 1))
   return out
+
+
+def _classifier(from_hf, to_hf, name: str):
+  """(config_from_hf, config_to_hf) of `name`ForSequenceClassification over
+  the causal LM's: the last real token's hidden state, `score` without bias."""
+
+  def config_from_hf(hf: dict) -> dict:
+    rest, fields = classifier_fields(hf, name.lower())
+    return dict(from_hf(rest), pooling="last", pooler=False, classifier_bias=False, **fields)
+
+  def config_to_hf(cfg, vocab_size: int) -> dict:
+    return dict(to_hf(cfg, vocab_size), architectures=[f"{name}ForSequenceClassification"],
+                **labels_to_hf([f"LABEL_{i}" for i in range(cfg.num_labels)]))
+
+  return config_from_hf, config_to_hf
 
 
 LLAMA = Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _llama_to_hf,
@@ -221,3 +240,13 @@ QWEN2 = Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwe
                      _llama_tensors, skipped=ROTARY)
 QWEN3 = Architecture("qwen3", "Qwen3ForCausalLM", "model.", _qwen3_from_hf, _qwen3_to_hf,
                      _llama_tensors, skipped=ROTARY)
+LLAMA_CLASSIFIER = Architecture(
+    "llama", "LlamaForSequenceClassification", "model.", *_classifier(
+        _llama_from_hf, _llama_to_hf, "Llama"), _llama_tensors, skipped=ROTARY,
+    unprefixed=("score.",), read_past=lambda cfg: (), objective="classify",
+    auto_class="AutoModelForSequenceClassification")
+QWEN2_CLASSIFIER = Architecture(
+    "qwen2", "Qwen2ForSequenceClassification", "model.", *_classifier(
+        _qwen2_from_hf, _qwen2_to_hf, "Qwen2"), _llama_tensors, skipped=ROTARY,
+    unprefixed=("score.",), read_past=lambda cfg: (), objective="classify",
+    auto_class="AutoModelForSequenceClassification")

@@ -23,15 +23,30 @@ from hf.tables import Architecture
 ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2,
                                            llama.QWEN3, bert.BERT, t5.T5, t5.MT5, bart.BART)}
 
+# The sequence classifiers (`*ForSequenceClassification`, our model.num_labels),
+# by model_type.
+CLASSIFIERS = {a.model_type: a for a in (llama.LLAMA_CLASSIFIER, llama.QWEN2_CLASSIFIER,
+                                         bert.BERT_CLASSIFIER)}
+
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
-# without a window is LLaMA; an mT5 import exports as T5 v1.1).
+# without a window is LLaMA; an mT5 import exports as T5 v1.1); a classifier
+# as the first of CLASSIFIER_EXPORTS.
 EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "bert", "t5", "bart")
+CLASSIFIER_EXPORTS = ("llama", "qwen2", "bert")
+
+
+def is_classifier(hf: dict) -> bool:
+  """Whether an HF config.json is a `*ForSequenceClassification`'s."""
+  return any(str(a).endswith("ForSequenceClassification") for a in hf.get("architectures") or ())
 
 
 def architecture_of(hf: dict) -> Architecture:
-  """The mapping for an HF config.json, or a UserError naming its model_type."""
+  """The mapping for an HF config.json (its model_type; a sequence classifier's
+  by its `architectures`), or a UserError naming what is not supported."""
   kind = hf.get("model_type")
-  if kind in ARCHITECTURES:
-    return ARCHITECTURES[kind]
-  raise UserError(f"Hugging Face model_type {kind!r} is not supported; supported: "
-                  f"{', '.join(ARCHITECTURES)}")
+  table = CLASSIFIERS if is_classifier(hf) else ARCHITECTURES
+  if kind in table:
+    return table[kind]
+  what = "sequence-classifier model_type" if table is CLASSIFIERS else "model_type"
+  raise UserError(f"Hugging Face {what} {kind!r} is not supported; supported: "
+                  f"{', '.join(table)}")

@@ -33,7 +33,7 @@ class Tensor:
 
   `to_ours(array)` gives one array per path in `paths`; `to_hf(*arrays)`
   packs them back. `vocab_axis`: the axis of our (single) array that runs over
-  the vocabulary (cut to the tokenizer's rows on export), None if none.
+  the vocabulary (cut to `model.real_vocab_size` on export), None if none.
   `zeros_if_missing`: a file without it is read as zeros, as transformers
   does (BART's `final_logits_bias` in files saved from `BartModel`).
   """
@@ -84,6 +84,34 @@ def check_fields(hf: dict, honoured: set, required: dict, name: str) -> None:
                       f"{name} import")
 
 
+def classifier_fields(hf: dict, name: str) -> tuple[dict, dict]:
+  """(the HF config without the classification fields, our classifier's
+  fields) of a `*ForSequenceClassification` config.json: `num_labels` from
+  `id2label` (transformers' default: 2); `problem_type` must be single-label
+  (regression and multi-label train with other losses)."""
+  kind = hf.get("problem_type")
+  if kind not in (None, "single_label_classification"):
+    raise UserError(f"Hugging Face config field problem_type={kind!r} is not supported by the "
+                    f"{name} import (needs single_label_classification: one class per text)")
+  id2label = hf.get("id2label")
+  num_labels = len(id2label) if id2label else hf.get("num_labels", 2)
+  rest = {k: v for k, v in hf.items() if k not in ("problem_type", "num_labels")}
+  return rest, {"num_labels": num_labels}
+
+
+def label_names(hf: dict, num_labels: int) -> tuple[str, ...]:
+  """The class names of a classifier's config.json in id order (`id2label`,
+  whose keys JSON writes as strings; transformers' LABEL_i without one)."""
+  id2label = {str(k): v for k, v in (hf.get("id2label") or {}).items()}
+  return tuple(str(id2label.get(str(i), f"LABEL_{i}")) for i in range(num_labels))
+
+
+def labels_to_hf(names) -> dict:
+  """`id2label` and `label2id` of the class names in id order."""
+  return {"id2label": {str(i): name for i, name in enumerate(names)},
+          "label2id": {name: i for i, name in enumerate(names)}}
+
+
 @dataclasses.dataclass(frozen=True)
 class Architecture:
   """One Hugging Face architecture (see the module docstring).
@@ -97,7 +125,8 @@ class Architecture:
   `read_past(cfg)`: tensor names in files that transformers does not use with
   this config: a tied head's own copy; untied BERT's `cls.predictions.bias`
   (its decoder has its own).
-  `objective`: our `train.objective` for fine-tuning an import.
+  `objective`: our `train.objective` for fine-tuning an import (`classify`:
+  a `*ForSequenceClassification`, whose config.json names its labels).
   `auto_class`: the transformers Auto class that loads an export.
   `tied_head`: (head, embedding) tensor names as in files: an import whose
   config ties them is untied when the file holds the head with other values

@@ -106,7 +106,7 @@ def measured_params(model_cfg) -> dict:
     elif len(parts) > 1 and parts[1] == "final_norm":
       counts["params_final_norms"] += size
     else:  # embed/embedding, positions/table, relative_bias/table, token_types/table,
-      #      embedding_norm, head/kernel, head_transform, output_bias
+      #      embedding_norm, head/kernel, head_transform, output_bias, classifier
       counts["params_embedding"] += size
       if len(parts) > 1 and parts[1] in ("positions", "relative_bias"):
         counts["params_position_table"] += size
@@ -154,7 +154,11 @@ def _stack_embedding_params(m) -> int:
 
 def _head_params(m) -> int:
   """The untied output matrix d x V, the head transform (d x d, its bias
-  and a norm) and the output bias (V)."""
+  and a norm) and the output bias (V); or a classifier's pooler (d x d and
+  its bias) and output matrix d x labels (and its bias)."""
+  if m.num_labels:
+    pooler = m.d_model * m.d_model + m.d_model if m.pooler else 0
+    return pooler + m.d_model * m.num_labels + (m.num_labels if m.classifier_bias else 0)
   untied = 0 if m.tie_embeddings else m.d_model * m.vocab_size
   transform = m.d_model * m.d_model + m.d_model + _norm_params(m) if m.head_transform else 0
   return untied + transform + (m.vocab_size if m.output_bias else 0)

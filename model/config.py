@@ -3,7 +3,7 @@
 `ModelConfig.resolve(config.model)` validates the section (the rules of
 `configs/validation.py`), computes the derived values (`head_dim`,
 `num_kv_heads`, `num_decoder_layers`, `real_vocab_size`, the
-per-projection biases, the layers with the sliding window,
+per-projection and classifier biases, the layers with the sliding window,
 `scale_embeddings`, `attention_scale`), resolves the dtypes to jnp dtypes and
 checks that the chosen attention kernel takes them (`model.attention`).
 Every module, the accounting and the attention dispatcher read this frozen
@@ -83,6 +83,10 @@ class ModelConfig:
   qk_norm: bool
   attn_softcap: float | None
   final_softcap: float | None
+  num_labels: int
+  pooling: str
+  pooler: bool
+  classifier_bias: bool
   sliding_window: int | None
   sliding_window_layers: tuple[int, ...]
   attention_impl: str
@@ -99,7 +103,9 @@ class ModelConfig:
     (the three per-projection biases resolve it), and the fields the others
     leave unused: RoPE's without `pos_emb=rope` (and the scaling parameters
     the scaling type does not read), the relative bias's without
-    `pos_emb=relative`, the decoder's without `family=encoder_decoder`. Two
+    `pos_emb=relative`, the decoder's without `family=encoder_decoder`, the
+    LM head's with a classifier (`num_labels` > 0) and the classifier's
+    without one. Two
     configs with equal forward fields and equal weights give the same logits.
     """
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
@@ -111,6 +117,10 @@ class ModelConfig:
       unused |= {"relative_buckets", "relative_max_distance"}
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
+    if self.num_labels:
+      unused |= {"tie_embeddings", "scale_head_input", "head_transform", "output_bias"}
+    else:
+      unused |= {"pooling", "pooler", "classifier_bias"}
     return {k: v for k, v in fields.items() if k not in unused}
 
   @classmethod
@@ -129,6 +139,7 @@ class ModelConfig:
                   qkv_bias=validation.projection_bias(section, "qkv_bias"),
                   out_bias=validation.projection_bias(section, "out_bias"),
                   mlp_bias=validation.projection_bias(section, "mlp_bias"),
+                  classifier_bias=validation.classifier_bias(section),
                   scale_embeddings=validation.scale_embeddings(section),
                   attention_scale=validation.attention_scale(section),
                   dtype=DTYPES[section.dtype], param_dtype=DTYPES[section.param_dtype])

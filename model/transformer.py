@@ -20,7 +20,10 @@ the output projection (tied E^T or its own matrix) and an optional bias
 over the vocabulary; with `real_vocab_size` < `vocab_size` the logits of
 the padded rows are `PADDED_LOGIT`. The projection computes in float32
 whatever `model.dtype` (its inputs and weights cast up, as nanodo and MaxText
-do), so the loss sees full-precision logits.
+do), so the loss sees full-precision logits. With `model.num_labels` the
+head is a sequence classifier instead (`model/classifier.py`):
+`m.classify(tokens_BT, padding_mask_BT) -> logits [B, num_labels]`, and
+`m.pooled(...)` is the pooled hidden state (training.embed's vectors).
 """
 import math
 
@@ -31,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from model.attention import soft_cap
 from model.blocks import Block
+from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
 from model.layers import Dense, param
 from model.mlp import KINDS
@@ -197,9 +201,13 @@ class _WithHead(nnx.Module):
   """The output head: optional transform, tied (E^T) or untied projection
   computed in float32, optional bias over the vocabulary, the soft-cap
   c tanh(logits / c) with `final_softcap` (Gemma-2), the padded rows
-  masked."""
+  masked; or, with `model.num_labels`, a sequence classifier."""
 
   def _init_head(self, cfg, rngs):
+    self.pooling = cfg.pooling
+    self.classifier = SequenceClassifier(cfg, rngs=rngs) if cfg.num_labels else None
+    if self.classifier is not None:
+      return
     self.head_input_scale = cfg.d_model ** -0.5 if cfg.scale_head_input else None
     self.head_transform = HeadTransform(cfg, rngs=rngs) if cfg.head_transform else None
     self.head = None if cfg.tie_embeddings else Dense(
@@ -211,8 +219,24 @@ class _WithHead(nnx.Module):
                             else None)
     self.final_softcap = cfg.final_softcap
 
+  def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
+    """Final hidden states [B, T, M] of right-padded rows (True = real token)."""
+    raise NotImplementedError
+
+  def pooled(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None, pooling=None):
+    """The pooled hidden state [B, M] (`pooling`: None for model.pooling)."""
+    return pool(self.padded_hidden(tokens_BT, padding_mask_BT, token_type_ids_BT),
+                padding_mask_BT, pooling or self.pooling)
+
+  def classify(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
+    """Float32 class logits [B, num_labels] of right-padded rows."""
+    return self.classifier(self.padded_hidden(tokens_BT, padding_mask_BT, token_type_ids_BT),
+                           padding_mask_BT)
+
   def logits(self, stack: _Stack, x_BTM):
     """Float32 logits [B, T, V] of the final hidden states."""
+    if self.classifier is not None:
+      raise ValueError("a classifier (model.num_labels > 0) has no LM head; use classify")
     if self.head_transform is not None:
       x_BTM = self.head_transform(x_BTM)
     if self.head_input_scale is not None:
@@ -244,6 +268,10 @@ class Decoder(_WithHead):
 
   def __call__(self, tokens_BT, segment_ids=None, positions=None):
     return self.logits(self.decoder, self.hidden(tokens_BT, segment_ids, positions))
+
+  def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
+    del token_type_ids_BT  # A decoder has no token types.
+    return self.hidden(tokens_BT, _padding_segments(padding_mask_BT, tokens_BT.shape))
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
@@ -279,6 +307,9 @@ class Encoder(_WithHead):
     `model.type_vocab_size`."""
     return self.logits(self.encoder, self.hidden(tokens_BT, padding_mask, segment_ids,
                                                  positions, token_type_ids))
+
+  def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
+    return self.hidden(tokens_BT, padding_mask_BT, token_type_ids=token_type_ids_BT)
 
 
 class EncoderDecoder(_WithHead):

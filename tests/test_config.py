@@ -133,8 +133,8 @@ def test_run_rule_messages(field, value, message):
 
 
 @pytest.mark.parametrize("family,objective,allowed", [
-    ("encoder", "seq2seq", "mlm"), ("encoder_decoder", "next_token", "seq2seq"),
-    ("decoder", "mlm", "next_token, seq2seq")])
+    ("encoder", "seq2seq", "mlm, classify"), ("encoder_decoder", "next_token", "seq2seq"),
+    ("decoder", "mlm", "next_token, seq2seq, classify")])
 def test_objective_must_fit_the_family(family, objective, allowed):
   c = base.get_config()
   c.model.family, c.train.objective = family, objective

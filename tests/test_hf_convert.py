@@ -143,13 +143,13 @@ def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCau
 
 
 def test_gpt2_in_and_out(tok, tmp_path):
-  """Also our padded rows (320 here, 50,304 for GPT-2): dropped on export, the
-  tokenizer's 290 remain with their logits unchanged."""
+  """Every row comes back: the checkpoint's 320, past the tokenizer's 290 (as
+  T5's 32,128 for 32,100 ids), with their logits unchanged."""
   hf_model = _gpt2()
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
-  assert exported["vocab_size"] == tok.vocab_size == 290
+  assert (exported["vocab_size"], tok.vocab_size) == (320, 290)
   # The config to fine-tune it with: the run's own.
   assert (from_run.get_config(str(workdir)).model.to_dict()
           == workdir_lib.load_config(str(workdir)).model.to_dict())
@@ -246,8 +246,8 @@ def test_bfloat16(tok, tmp_path):
   assert _run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(out)
   assert exported.dtype == torch.bfloat16
-  for name, param in hf_model.state_dict().items():  # vocabulary rows: the tokenizer's 290
-    assert torch.equal(exported.state_dict()[name], param[:tok.vocab_size]), name
+  for name, param in hf_model.state_dict().items():  # every row, past the tokenizer's 290
+    assert torch.equal(exported.state_dict()[name], param), name
 
 
 def _error_line(capsys, *args) -> str:
@@ -413,7 +413,8 @@ _OTHER_VALUES = dict(
     qkv_bias=True, out_bias=True, mlp_bias=True, scale_embeddings=True, attention_scale=1.0,
     tie_embeddings=False, scale_head_input=True, type_vocab_size=2, embedding_norm=True,
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
-    sliding_window_layers=(1,), qk_norm=True, attn_softcap=50.0, final_softcap=30.0)
+    sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
+    final_softcap=30.0)
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")

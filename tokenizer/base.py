@@ -91,6 +91,14 @@ class Tokenizer(abc.ABC):
     """
     return [self.bos_id] + self.encode(text)
 
+  def encode_classified(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+    """(ids, token type ids) of a classifier's input: `BOS text EOS`, with a
+    pair `BOS text EOS pair EOS` whose `pair EOS` has type 1 (BERT's
+    segments); a Hugging Face tokenizer marks them as its own files say."""
+    first = [self.bos_id] + self.encode(text) + [self.eos_id]
+    second = [] if pair is None else self.encode(pair) + [self.eos_id]
+    return first + second, [0] * len(first) + [1] * len(second)
+
   def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
     """`encode` of each text, in order."""
     return [self.encode(text) for text in texts]

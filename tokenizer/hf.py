@@ -108,6 +108,12 @@ class HFTokenizer(base.Tokenizer):
   def encode_with_specials(self, text: str) -> list[int]:
     return self._tok.encode(base.replace_surrogates(text), add_special_tokens=True).ids
 
+  def encode_classified(self, text: str, pair: str | None = None) -> tuple[list[int], list[int]]:
+    encoding = self._tok.encode(base.replace_surrogates(text),
+                                None if pair is None else base.replace_surrogates(pair),
+                                add_special_tokens=True)
+    return encoding.ids, encoding.type_ids
+
   def encode_batch(self, texts) -> list[list[int]]:
     """`encode` of each text; `tokenizers` encodes the batch in threads."""
     batch = self._tok.encode_batch([base.replace_surrogates(t) for t in texts],

@@ -25,6 +25,10 @@ generates for the held-out pairs with the KV cache, batched, greedy and with
 beam search (length penalty alpha): exact match, BLEU and chrF (sacrebleu),
 samples with their references, and for code_summary the
 copy-the-function-name baseline; no attention plot for an encoder-decoder.
+A `classify` run reports accuracy, macro-F1, per-class precision and
+recall and the confusion matrix (`confusion_matrix.png`) beside the
+majority-class baseline, and writes every prediction to `predictions.jsonl`
+(`training/classify_report.py`); `--data` then classifies the user's file.
 """
 import json
 import math
@@ -40,10 +44,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 from configs.errors import UserError  # pylint: disable=wrong-import-position
-from data import pipeline, seq2seq, tasks, tokens  # pylint: disable=wrong-import-position
+from data import classify, pipeline, seq2seq, tasks, tokens  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import lengths  # pylint: disable=wrong-import-position
+from training import classify_report  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
@@ -59,8 +64,13 @@ def apply_data_flag(config, data: str) -> None:
   evaluated. `.jsonl` files are read as JSONL (field data.jsonl_field),
   `.arrayrecord` / `.array_record` as ArrayRecord, `.parquet` as Parquet
   (column data.parquet_column), anything else as text.
-  A data.task=pairs run takes .tsv/.jsonl pair files; other tasks refuse it.
+  A data.task=pairs run takes .tsv/.jsonl pair files, a classify run
+  .tsv/.jsonl files of texts (labelled or not, data.text_field and
+  data.label_field); other tasks refuse it.
   """
+  if config.train.objective == "classify":
+    config.data.update(task="labelled", paths=data, val_percent=100)  # every example held out
+    return
   if config.data.task not in ("none", "pairs"):
     raise UserError(f"--data {data}: a data.task={config.data.task} run is evaluated on its "
                     "own held-out pairs; --data takes text corpora or, for data.task=pairs, "
@@ -151,6 +161,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
   if data:
     apply_data_flag(config, data)
+  if config.train.objective == "classify":
+    return _classify_eval(workdir, config, tok, model, step)
   train_len = config.train.seq_len
   rope_override = None
   if rope_scaling is not None:
@@ -214,6 +226,24 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   if config.model.family != "encoder_decoder":
     plot_attention(model, config, tok, attention_text, attn_png)
     report["files"].append(attn_png)
+  return report
+
+
+def _classify_eval(workdir: str, config, tok, model, step: int) -> dict:
+  """A classify run's report (`training/classify_report.py`) and plots."""
+  rows = classify.load_rows(config, tok, "validation")
+  where = (config.data.paths if config.data.val_percent == 100
+           else f"task={config.data.task} validation")
+  report, files = classify_report.classify_report(
+      model, rows, workdir, os.path.basename(os.path.abspath(workdir)))
+  report = {"step": step, "data": where, **report}
+  report_path = os.path.join(workdir, "eval_report.json")
+  with open(report_path, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=2)
+  report["files"] = [report_path, *files]
+  loss_png = os.path.join(workdir, "loss_curves.png")
+  if plot_loss_curves(workdir, loss_png):
+    report["files"].append(loss_png)
   return report
 
 

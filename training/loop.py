@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from configs.errors import UserError
 from configs.validation import validate
-from data import pipeline
+from data import classify, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import hardware
@@ -162,6 +162,8 @@ def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
 def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   validate(config)
+  if config.train.objective == "classify":
+    classify.resolve_labels(config)
   tc = config.train
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
 
@@ -202,7 +204,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
     # Created under jit in its shards: the full state never sits on one device.
     state = jax.jit(make_state, out_shardings=state_sharding)()
     if source_params is not None:  # fresh optimizer state and step 0
-      state["params"] = source_params
+      state["params"] = _with_source(state["params"], source_params)
     start = 0
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
@@ -302,8 +304,7 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
   if not os.path.exists(os.path.join(source, workdir_lib.CONFIG_FILE)):
     raise UserError(f"{where}: not a run directory (no {workdir_lib.CONFIG_FILE})")
   _, abstract = abstract_state(workdir_lib.load_config(source))
-  if jax.tree.map(np.shape, abstract["params"]) != jax.tree.map(np.shape, abstract_params):
-    raise UserError(f"{where}: its parameters have other shapes")
+  _check_source_shapes(config, where, abstract["params"], abstract_params)
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
     restored = checkpointer.restore_newest_intact(
@@ -316,8 +317,44 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
   _, state, meta = restored
   tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
   # Restored in the source's dtypes (so that its checksums are checked), then cast.
-  params = jax.tree.map(lambda x, a: x.astype(a.dtype), state["params"], abstract_params)
+  dtypes = {path: a.dtype for path, a in _by_path(abstract_params).items()}
+  params = {path: x.astype(dtypes[path]) for path, x in _by_path(state["params"]).items()
+            if path in dtypes}
   return params, tokenizer_path
+
+
+def _path_name(path) -> str:
+  """A parameter's path as a name: "encoder/layers/0/attn/q_proj/kernel"."""
+  return jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+
+
+def _by_path(tree) -> dict:
+  """{parameter path name: leaf} of a params tree."""
+  return {_path_name(path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _check_source_shapes(config, where: str, source_params, params) -> None:
+  """train.restore_from's parameters must have this run's shapes; only a
+  classifier started from a language model (`model.num_labels`, the source
+  without) leaves out the source's LM head and initialises its own head, as
+  transformers' `from_pretrained` does, saying so in one line."""
+  theirs = {p: np.shape(x) for p, x in _by_path(source_params).items()}
+  ours = {p: np.shape(x) for p, x in _by_path(params).items()}
+  fresh, unused = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+  is_new_head = (config.model.num_labels > 0 and fresh
+                 and all(p.startswith("classifier/") for p in fresh))
+  if (any(theirs[p] != ours[p] for p in set(ours) & set(theirs))
+      or ((fresh or unused) and not is_new_head)):
+    raise UserError(f"{where}: its parameters have other shapes")
+  if fresh:
+    _print(f"{where}: the classification head ({', '.join(fresh)}) is initialised fresh; "
+           f"the source's {', '.join(unused) or 'nothing else'} is not used")
+
+
+def _with_source(params, source: dict):
+  """`params` with every leaf that `source` ({path: array}) has replaced by it."""
+  return jax.tree_util.tree_map_with_path(lambda path, x: source.get(_path_name(path), x),
+                                          params)
 
 
 def _source_tokenizer(config, workdir: str, expected: str) -> str:

@@ -9,6 +9,10 @@
   target) and predicts `tgt_out` (target + EOS) through cross-attention.
 - `mlm` (encoder): the batch's `inputs` have the selected positions masked
   (BERT 80/10/10, done by the data pipeline); the loss is on those only.
+- `classify` (encoder or decoder with `model.num_labels`): one label per
+  row, cross-entropy of the classifier's logits (`model/classifier.py`) over
+  the rows with weight 1; padding tokens are masked out of attention and
+  pooling.
 
 Cross-entropy is
 computed from float32 logits. Each objective returns (sum of per-target
@@ -88,10 +92,17 @@ def masked_lm_loss(model, batch):
   return loss_sums(logits_BTV, batch["targets"], batch["loss_mask"])
 
 
+def classify_loss(model, batch):
+  logits_BL = model.classify(batch["inputs"], batch["padding_mask"] > 0, batch["token_types"])
+  return loss_sums(logits_BL, batch["labels"], batch["weights"])
+
+
 def batch_loss(objective: str, model, batch):
   """(loss sum, target count, correct count, (log Z)^2 sum) of `batch` for `objective`."""
   if objective == "mlm":
     return masked_lm_loss(model, batch)
+  if objective == "classify":
+    return classify_loss(model, batch)
   if objective == "seq2seq" and "src" in batch:
     return encoder_decoder_loss(model, batch)
   return next_token_loss(model, batch)

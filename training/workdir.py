@@ -91,7 +91,11 @@ def prepare(config: config_dict.ConfigDict, workdir: str) -> None:
   os.makedirs(workdir, exist_ok=True)
   path = os.path.join(workdir, CONFIG_FILE)
   if os.path.exists(path):
-    check_same_shapes(load_config(workdir), config, workdir)
+    saved = load_config(workdir)
+    check_same_shapes(saved, config, workdir)
+    if tuple(saved.data.labels) != tuple(config.data.labels):
+      raise UserError(f"workdir {workdir} was trained on the labels {tuple(saved.data.labels)}, "
+                      f"this run has {tuple(config.data.labels)}; use a new --workdir")
   _barrier("prepare_workdir")
   if jax.process_index() == 0:
     _write_json_atomic(path, config_to_dict(config))
