@@ -1,5 +1,6 @@
 """Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
 [--prompt TEXT --max_new_tokens N] [--beam_size K --length_penalty A --max_examples N]
+[--seq_len L [--position_buckets N]] [--rope_scaling yarn --rope_scaling_factor 4]
 
 Restores the checkpoint with its own config and tokenizer, writes
 eval_report.json, loss_curves.png and attention_maps.png into
@@ -8,7 +9,10 @@ of the newest step's whole-split report.
 Seq2seq runs are scored by generation (greedy and beam search), masked-LM
 runs by masked-token accuracy, classify runs by accuracy, macro-F1 and a
 confusion matrix (confusion_matrix.png, predictions.jsonl; --data classifies
-a .tsv/.jsonl file); each beside its baseline.
+a .tsv/.jsonl file); each beside its baseline. `--seq_len L`
+evaluates a next_token run on rows of L tokens and reports the loss by
+position (a table, loss_by_position_<L>.png); `--rope_scaling` stretches a
+RoPE run's context for this evaluation only. Both are in eval_report.json.
 """
 import json
 import sys
@@ -37,6 +41,15 @@ _MAX_EXAMPLES = flags.DEFINE_integer("max_examples", 0, "seq2seq: held-out pairs
                                      "generate for (0: all).")
 _OUT = flags.DEFINE_string("out", None, "Directory for the report and plots (default: "
                            "<workdir>/eval/step_<N>).")
+_SEQ_LEN = flags.DEFINE_integer("seq_len", None, "next_token: evaluate on rows of this many "
+                                "tokens and report the loss by position (default: the "
+                                "training length, no position table).")
+_BUCKETS = flags.DEFINE_integer("position_buckets", 16, "--seq_len: buckets of position.")
+_ROPE_SCALING = flags.DEFINE_enum("rope_scaling", None, ["none", "linear", "ntk", "yarn",
+                                                         "llama3"],
+                                  "RoPE scaling for this evaluation only (a rope run).")
+_ROPE_FACTOR = flags.DEFINE_float("rope_scaling_factor", None, "--rope_scaling: context "
+                                  "stretch over the training length.")
 flags.mark_flag_as_required("workdir")
 
 
@@ -50,7 +63,9 @@ def main(argv):
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
         top_k=_TOP_K.value, top_p=_TOP_P.value, beam_size=_BEAM_SIZE.value,
-        alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value, out=_OUT.value)
+        alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value, out=_OUT.value,
+        seq_len=_SEQ_LEN.value, rope_scaling=_ROPE_SCALING.value,
+        rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
@@ -58,6 +73,12 @@ def main(argv):
   print(json.dumps(report, indent=2))
   for line in report.get("config_history", []):
     print(f"config history: {line}")
+  if "loss_by_position" in report:
+    print(f"loss by position (rows of {report['seq_len']}, trained at "
+          f"{report['train_seq_len']}):")
+    for bucket in report["loss_by_position"]["buckets"]:
+      loss = "-" if bucket["loss"] is None else f"{bucket['loss']:.4f}"
+      print(f"  {bucket['start']:>7}-{bucket['end'] - 1:<7} {loss}")
   print("wrote " + ", ".join(files))
 
 

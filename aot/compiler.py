@@ -98,7 +98,7 @@ def _lower_train(config, mesh):
   batch = abstract_batch(config, mesh)
   step = jit_train_step(graphdef, make_optimizer(tc), learning_rate_schedule(tc), tc.objective,
                         tc.grad_accum_steps, state_sharding=shardings,
-                        batch_sharding=batch_sharding(mesh))
+                        batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss)
   held = {"parameters": _shard_bytes(state["params"]),
           "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
   return step.lower(state, batch), held

@@ -63,6 +63,12 @@ def get_config() -> config_dict.ConfigDict:
   m.head_transform = False  # before the output projection: dense d->d with bias, the MLP's
   #   activation, a norm (BERT's masked-LM head)
   m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
+  m.qk_norm = False  # RMSNorm (learned scale) of each head's queries and keys over head_dim,
+  #   before RoPE (Qwen3, OLMo-2, Gemma-3)
+  m.attn_softcap = config_dict.placeholder(float)  # attention scores become c tanh(s / c)
+  #   (Gemma-2: 50.0); None: no cap
+  m.final_softcap = config_dict.placeholder(float)  # final logits become c tanh(x / c)
+  #   (Gemma-2: 30.0); None: no cap
   m.num_labels = 0  # classes of a sequence-classification head (train.objective=classify), in
   #   place of the LM head; 0: the LM head
   m.pooling = "cls"  # the hidden state a classifier or training.embed reads: cls (the first
@@ -138,6 +144,7 @@ def get_config() -> config_dict.ConfigDict:
   tr.weight_decay = 0.1  # AdamW decay on matrices only (not norms, biases)
   tr.b1 = 0.9  # Adam beta1
   tr.b2 = 0.95  # Adam beta2
+  tr.z_loss = 0.0  # weight of the z-loss, mean log^2 Z of the softmax normaliser (PaLM: 1e-4)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same

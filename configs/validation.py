@@ -207,6 +207,9 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   _validate_window_layers(m)
   scan_layers(m)
+  for field in ("attn_softcap", "final_softcap"):
+    if m[field] is not None and not m[field] > 0:
+      _fail(f"model.{field}", m[field], "must be positive (the cap c of c tanh(x / c)) or None")
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
@@ -302,6 +305,8 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")
   if not config.data.tokenize_wait_s > 0:
     _fail("data.tokenize_wait_s", config.data.tokenize_wait_s, "must be positive")
+  if not config.train.z_loss >= 0:
+    _fail("train.z_loss", config.train.z_loss, "must be >= 0 (0: no z-loss)")
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "tensor"):

@@ -1,8 +1,11 @@
-"""LLaMA, Mistral and Qwen2: one tensor table, three config mappings (rope
-scaling types, Mistral's window, Qwen2's per-layer window). Both RoPE
-layouts rotate pairs (x[i], x[i + D/2]), so no permutation is needed.
-LLaMA's and Qwen2's `*ForSequenceClassification`: the body and a `score`
-matrix without bias on the last real token (pooling=last), no LM head."""
+"""LLaMA, Mistral, Qwen2 and Qwen3: one tensor table, four config mappings
+(rope scaling types, Mistral's window, Qwen2's per-layer window, Qwen3's
+QK-norm: Qwen2's layout without q/k/v biases, with an RMSNorm of each head's
+queries and keys before RoPE, `model.qk_norm`; its head_dim may differ from
+hidden_size / num_attention_heads). Both RoPE layouts rotate pairs (x[i],
+x[i + D/2]), so no permutation is needed. LLaMA's and Qwen2's
+`*ForSequenceClassification`: the body and a `score` matrix without bias on
+the last real token (pooling=last), no LM head."""
 from configs.errors import UserError
 from hf.tables import (Architecture, ROTARY, Tensor, bias_in, check_fields, classifier_fields,
                        labels_to_hf, linear_in, linear_out, same, transposed)
@@ -133,6 +136,15 @@ def _qwen2_from_hf(hf: dict) -> dict:
   return dict(_llama_body(hf), qkv_bias=True, out_bias=False, mlp_bias=False, **_qwen2_window(hf))
 
 
+def _qwen3_from_hf(hf: dict) -> dict:
+  """Qwen3: LLaMA with QK-norm and Qwen2's per-layer window; no biases
+  (attention_bias must be false)."""
+  check_fields(hf, _LLAMA_FIELDS | {"use_sliding_window", "sliding_window", "max_window_layers",
+                                     "layer_types"},
+               {"hidden_act": "silu", "attention_bias": False}, "qwen3")
+  return dict(_llama_body(hf), qk_norm=True, **_qwen2_window(hf))
+
+
 def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
   return dict(vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -151,21 +163,31 @@ def _mistral_to_hf(cfg, vocab_size: int) -> dict:
               **_llama_body_to_hf(cfg, vocab_size), sliding_window=cfg.sliding_window)
 
 
-def _qwen2_to_hf(cfg, vocab_size: int) -> dict:
-  """LLaMA's fields and the window: `layer_types` says which layers have it
+def _qwen_window_to_hf(cfg) -> dict:
+  """Qwen2's and Qwen3's window: `layer_types` says which layers have it
   (`max_window_layers`, which transformers reads only without `layer_types`,
   is the first of them)."""
   layers = cfg.sliding_window_layers
-  return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-              **_llama_body_to_hf(cfg, vocab_size), use_sliding_window=bool(layers),
-              sliding_window=cfg.sliding_window,
+  return dict(use_sliding_window=bool(layers), sliding_window=cfg.sliding_window,
               max_window_layers=layers[0] if layers else cfg.num_layers,
               layer_types=["sliding_attention" if i in layers else "full_attention"
                            for i in range(cfg.num_layers)])
 
 
+def _qwen2_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+              **_llama_body_to_hf(cfg, vocab_size), **_qwen_window_to_hf(cfg))
+
+
+def _qwen3_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+              **_llama_body_to_hf(cfg, vocab_size), attention_bias=False,
+              **_qwen_window_to_hf(cfg))
+
+
 def _llama_tensors(cfg) -> list[Tensor]:
-  """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias)."""
+  """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias),
+  Qwen3's with the q/k norms (cfg.qk_norm)."""
   m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
          same("norm.weight", "decoder/final_norm/scale")]
@@ -185,6 +207,9 @@ def _llama_tensors(cfg) -> list[Tensor]:
     if cfg.qkv_bias:
       out += [bias_in(hf + f"self_attn.{p}_proj.bias", ours + f"attn/{p}_proj/bias", heads, d)
               for p, heads in (("q", h), ("k", k), ("v", k))]
+    if cfg.qk_norm:
+      out += [same(hf + f"self_attn.{p}_norm.weight", ours + f"attn/{p}_norm/scale")
+              for p in ("q", "k")]
   if cfg.num_labels:
     out.append(transposed("score.weight", "classifier/out/kernel"))
   elif not cfg.tie_embeddings:
@@ -212,6 +237,8 @@ LLAMA = Architecture("llama", "LlamaForCausalLM", "model.", _llama_from_hf, _lla
 MISTRAL = Architecture("mistral", "MistralForCausalLM", "model.", _mistral_from_hf,
                        _mistral_to_hf, _llama_tensors, skipped=ROTARY)
 QWEN2 = Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwen2_to_hf,
+                     _llama_tensors, skipped=ROTARY)
+QWEN3 = Architecture("qwen3", "Qwen3ForCausalLM", "model.", _qwen3_from_hf, _qwen3_to_hf,
                      _llama_tensors, skipped=ROTARY)
 LLAMA_CLASSIFIER = Architecture(
     "llama", "LlamaForSequenceClassification", "model.", *_classifier(

@@ -21,7 +21,7 @@ from hf import bart, bert, gpt2, llama, t5
 from hf.tables import Architecture
 
 ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2,
-                                           bert.BERT, t5.T5, t5.MT5, bart.BART)}
+                                           llama.QWEN3, bert.BERT, t5.T5, t5.MT5, bart.BART)}
 
 # The sequence classifiers (`*ForSequenceClassification`, our model.num_labels),
 # by model_type.
@@ -31,7 +31,7 @@ CLASSIFIERS = {a.model_type: a for a in (llama.LLAMA_CLASSIFIER, llama.QWEN2_CLA
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
 # without a window is LLaMA; an mT5 import exports as T5 v1.1); a classifier
 # as the first of CLASSIFIER_EXPORTS.
-EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "bert", "t5", "bart")
+EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "bert", "t5", "bart")
 CLASSIFIER_EXPORTS = ("llama", "qwen2", "bert")
 
 

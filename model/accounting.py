@@ -121,10 +121,11 @@ def measured_params(model_cfg) -> dict:
 
 def _attention_params(m) -> int:
   """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; the biases
-  of q, k, v (qkv_bias) and of o (out_bias)."""
+  of q, k, v (qkv_bias) and of o (out_bias); the two RMSNorm scales [d_k] of
+  qk_norm."""
   d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
   biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
-  return 2 * d * h * dk + 2 * d * g * dk + biases
+  return 2 * d * h * dk + 2 * d * g * dk + biases + (2 * dk if m.qk_norm else 0)
 
 
 def _mlp_params(m) -> int:
@@ -230,7 +231,8 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
   d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
   materialised = model_implementation(m, backend) in _MATERIALISED_SCORES
   scores = h * seq_len if materialised else 0
-  attention = d + 2 * h * dk + 2 * g * dk + scores
+  qk_norm_inputs = h * dk + g * dk if m.qk_norm else 0
+  attention = d + 2 * h * dk + 2 * g * dk + scores + qk_norm_inputs
   mlp = d + (4 if is_gated(m.mlp) else 2) * f
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
@@ -251,6 +253,7 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                reference and xla implementations, fused kernels recompute;
                `auto` as the dispatcher resolves it on `backend`, default
                JAX's default backend: cudnn for 16-bit on a GPU, else xla)
+               + h d_k + g d_k (the inputs of the qk_norm RMSNorms)
     mlp        d (input) + 2 d_ff (plain: the activation's input and output)
                          or 4 d_ff (gated: gate, act(gate), up, product)
     norms      d per norm (its input)

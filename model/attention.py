@@ -26,6 +26,12 @@ zeros, not NaN, from every implementation.
 An additive `bias` [1 or B, H, T, S] (float32; T5's relative position bias)
 is added to the scaled scores by `reference`, `xla` and `cudnn` (through
 `jax.nn.dot_product_attention(bias=...)`); our `pallas` kernels take none.
+
+A `softcap` c (Gemma-2's attention logit soft-capping) replaces the scaled
+scores s by c tanh(s / c), before the bias and the mask, so no score leaves
+(-c, c). `reference` and `pallas` (all three of our kernels) take it;
+`xla` with a soft-cap computes the reference's einsums (XLA compiles them;
+`jax.nn.dot_product_attention` has no soft-cap), and `cudnn` refuses it.
 """
 import functools
 import logging
@@ -40,6 +46,7 @@ from configs.errors import UserError
 from model.embeddings import apply_rope
 from model.kernels import MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
 from model.layers import Dense
+from model.norms import RMSNorm
 
 IMPLEMENTATIONS = ("reference", "xla", "cudnn", "pallas", "auto")
 
@@ -75,9 +82,15 @@ def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None, 
   return out
 
 
+def soft_cap(scores, cap: float | None):
+  """cap * tanh(scores / cap) (Gemma-2's soft-capping), or the scores for None."""
+  return scores if cap is None else cap * jnp.tanh(scores / cap)
+
+
 def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=None,
-                      scale=None, window=None, bias=None):
-  """softmax(Q K^T * scale + bias + M) in float32, [B, K, G, T, S] (H = K * G heads).
+                      scale=None, window=None, bias=None, softcap=None):
+  """softmax(softcap(Q K^T * scale) + bias + M) in float32, [B, K, G, T, S]
+  (H = K * G heads).
 
   Fully masked rows are all zeros.
   """
@@ -87,6 +100,7 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
+  scores = soft_cap(scores, softcap)
   if bias is not None:
     scores = scores + bias.astype(jnp.float32).reshape(bias.shape[0], K, H // K, T, S)
   valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids, window=window)
@@ -98,24 +112,33 @@ def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=No
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
-                        segment_ids=None, scale=None, window=None, bias=None):
+                        segment_ids=None, scale=None, window=None, bias=None, softcap=None):
   """The lesson's math: weights from `attention_weights`, times V."""
   B, T, H, D = q_BTHD.shape
   weights = attention_weights(q_BTHD, k_BSKD, causal=causal, mask=mask,
-                              segment_ids=segment_ids, scale=scale, window=window, bias=bias)
+                              segment_ids=segment_ids, scale=scale, window=window, bias=bias,
+                              softcap=softcap)
   out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
 def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window, bias,
-                   implementation):
+                   softcap, implementation):
   """`jax.nn.dot_product_attention`, with fully masked rows set to zero.
 
   The window goes in as its `local_window_size` (window - 1 keys to the left;
   to the right too unless causal). The bias goes in in q's dtype (cuDNN
-  takes no other).
+  takes no other). It takes no soft-cap: `xla` with one runs the reference
+  einsums, `cudnn` refuses it.
   """
+  if softcap is not None:
+    if implementation == "cudnn":
+      raise UserError("attention_impl=cudnn takes no soft-cap (model.attn_softcap); use "
+                      "attention_impl xla, pallas or auto")
+    return reference_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, mask=mask,
+                               segment_ids=segment_ids, scale=scale, window=window, bias=bias,
+                               softcap=softcap)
   T, S = q_BTHD.shape[1], k_BSKD.shape[1]
   valid = combined_mask(T, S, mask=mask, segment_ids=segment_ids)
   local = None if window is None else (window - 1, 0 if causal else window - 1)
@@ -210,7 +233,7 @@ def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None
 
 
 def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
-                      bias, lowering):
+                      bias, softcap, lowering):
   """Our kernels (`model/kernels/router.py`) for `compile_device()`, one per
   device of the mesh (`sharded_kernel`)."""
   if bias is not None:
@@ -224,7 +247,7 @@ def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scal
 
   def kernel(q, k, v, q_seg, kv_seg):
     return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                           scale=scale, lowering=None if lowering == "auto" else lowering,
+                           scale=scale, softcap=softcap, lowering=None if lowering == "auto" else lowering,
                            device=device)
 
   return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(segment_ids))
@@ -235,30 +258,34 @@ def _log_choice(message: str) -> None:
   logging.info(message)
 
 
-def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: bool) -> str:
+def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: bool,
+                        has_softcap: bool = False) -> str:
   """The `auto` rule.
 
-  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
-  and no dense mask (cuDNN's fused flash attention, the fastest measured in
-  docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU): `xla`. `pallas` is
-  chosen explicitly until `bench/attention.py` shows it ahead of cuDNN (on a
-  TPU, of XLA and JAX's splash attention) on the device at hand.
+  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128,
+  no dense mask and no soft-cap (cuDNN's fused flash attention, the fastest
+  measured in docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU):
+  `xla`. `pallas` is chosen explicitly until `bench/attention.py` shows it
+  ahead of cuDNN (on a TPU, of XLA and JAX's splash attention) on the device
+  at hand.
   """
-  if (backend == "gpu" and not has_dense_mask and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  if (backend == "gpu" and not has_dense_mask and not has_softcap
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   return "xla"
 
 
-def choose_implementation(q_BTHD, *, has_dense_mask: bool) -> str:
+def choose_implementation(q_BTHD, *, has_dense_mask: bool, has_softcap: bool = False) -> str:
   """`auto_implementation` for these queries on the platform of `compile_device()`
   (logged once)."""
   D = q_BTHD.shape[-1]
   backend = compile_device().platform
   choice = auto_implementation(backend=backend, dtype=q_BTHD.dtype, head_dim=D,
-                               has_dense_mask=has_dense_mask)
+                               has_dense_mask=has_dense_mask, has_softcap=has_softcap)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
-              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask} on {backend}")
+              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask}, softcap={has_softcap} "
+              f"on {backend}")
   return choice
 
 
@@ -270,7 +297,8 @@ def model_implementation(cfg, backend: str | None = None) -> str:
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   return auto_implementation(backend=backend or jax.default_backend(), dtype=cfg.dtype,
-                             head_dim=cfg.head_dim, has_dense_mask=cfg.pos_emb == "relative")
+                             head_dim=cfg.head_dim, has_dense_mask=cfg.pos_emb == "relative",
+                             has_softcap=cfg.attn_softcap is not None)
 
 
 def check_kernel_support(cfg) -> None:
@@ -278,7 +306,11 @@ def check_kernel_support(cfg) -> None:
   take the config's dtype or head dim (the kernel package declares what each
   takes; `flash_attention` checks the arrays again at trace time), or when
   `attention_impl=pallas` meets a sliding window (not in our kernels yet) or
-  T5's relative position bias (our kernels take no additive bias)."""
+  T5's relative position bias (our kernels take no additive bias), or when
+  `attn_softcap` meets cudnn, which takes no soft-cap."""
+  if cfg.attn_softcap is not None and cfg.attention_impl == "cudnn":
+    raise UserError(f"config field model.attn_softcap={cfg.attn_softcap}: attention_impl=cudnn "
+                    "takes no soft-cap; use attention_impl xla, pallas or auto")
   if cfg.attention_impl == "pallas" and cfg.sliding_window is not None:
     raise UserError(f"config field model.sliding_window={cfg.sliding_window}: our pallas "
                     "kernels take no sliding window yet; use attention_impl xla, cudnn or auto")
@@ -300,12 +332,13 @@ def check_kernel_support(cfg) -> None:
 
 def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
               segment_ids=None, scale: float | None = None, window: int | None = None,
-              bias=None, implementation: str = "reference", pallas_lowering: str = "auto"):
+              bias=None, softcap: float | None = None, implementation: str = "reference",
+              pallas_lowering: str = "auto"):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
   q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
-  returns [B, T, H, D] in q's dtype. See the module docstring for the masks
-  and the additive `bias` [1 or B, H, T, S].
+  returns [B, T, H, D] in q's dtype. See the module docstring for the masks,
+  the additive `bias` [1 or B, H, T, S] and the `softcap`.
   `pallas_lowering` (auto, triton, mosaic_gpu, mosaic_tpu) picks our kernel when
   implementation is pallas.
   """
@@ -314,9 +347,10 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
     # A bias counts as dense: `auto` leaves it to XLA.
     bidirectional_window = window is not None and not causal
     dense = mask is not None or bidirectional_window or bias is not None
-    implementation = choose_implementation(q_BTHD, has_dense_mask=dense)
+    implementation = choose_implementation(q_BTHD, has_dense_mask=dense,
+                                           has_softcap=softcap is not None)
   kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window,
-                bias=bias)
+                bias=bias, softcap=softcap)
   if implementation == "reference":
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
   if implementation in ("xla", "cudnn"):
@@ -332,7 +366,11 @@ class Attention(nnx.Module):
 
   Self-attention when `context` is None, cross-attention (queries from x,
   keys and values from the encoder output) otherwise. W_Q is [d, h, d_k],
-  W_K and W_V are [d, g, d_k], W_O is [h, d_k, d].
+  W_K and W_V are [d, g, d_k], W_O is [h, d_k, d]. With `qk_norm`, each
+  head's queries and keys go through an RMSNorm over d_k (its own learned
+  scale [d_k] for Q and for K, shared by the heads) before RoPE, as Qwen3,
+  OLMo-2 and Gemma-3 do: the scores then grow with the scales, not with the
+  activations.
   """
 
   def __init__(self, cfg, *, rope=None, window: int | None = None, rngs: nnx.Rngs):
@@ -342,6 +380,7 @@ class Attention(nnx.Module):
     b, b_out = cfg.qkv_bias, cfg.out_bias
     self.rope = rope  # (inv_freq, attention_factor) or None
     self.scale = cfg.attention_scale
+    self.softcap = cfg.attn_softcap
     self.window = window  # self-attention only
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
@@ -352,19 +391,30 @@ class Attention(nnx.Module):
                         rngs=rngs)
     self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
                         rngs=rngs, in_axes=2)
+    self.q_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
+    self.k_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
 
   def _rotate(self, x_BTHD, positions_BT):
-    if self.rope is None:
+    if self.rope is None or positions_BT is None:
       return x_BTHD
     inv_freq, attention_factor = self.rope
     return apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor)
 
+  def project_q(self, x_BTM, positions_BT=None):
+    """Q [B, T, h, d_k]: normalised with `qk_norm`, then rotated when RoPE is
+    on and `positions_BT` are given (self-attention)."""
+    q_BTHD = self.q_proj(x_BTM)
+    if self.q_norm is not None:
+      q_BTHD = self.q_norm(q_BTHD)
+    return self._rotate(q_BTHD, positions_BT)
+
   def project_kv(self, context_BSM, positions_BS=None):
-    """K and V [B, S, g, d_k] (rotated when RoPE is on)."""
+    """K and V [B, S, g, d_k] (K normalised with `qk_norm`, then rotated when
+    RoPE is on and `positions_BS` are given)."""
     k_BSKD = self.k_proj(context_BSM)
-    if positions_BS is not None:
-      k_BSKD = self._rotate(k_BSKD, positions_BS)
-    return k_BSKD, self.v_proj(context_BSM)
+    if self.k_norm is not None:
+      k_BSKD = self.k_norm(k_BSKD)
+    return self._rotate(k_BSKD, positions_BS), self.v_proj(context_BSM)
 
   def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, context_kv=None,
                causal=False, segment_ids=None, mask=None, bias=None):
@@ -372,27 +422,26 @@ class Attention(nnx.Module):
     keys and values `context_kv` = `project_kv(context_BSM)`, computed once
     for a whole generation). `bias` [1 or B, H, T, S] is added to the scores
     (the stack's relative position bias)."""
-    q_BTHD = self.q_proj(x_BTM)
     window = None
-    if context_kv is not None:
-      k_BSKD, v_BSKD = context_kv
-    elif context_BSM is not None:
-      k_BSKD, v_BSKD = self.project_kv(context_BSM)
+    if context_kv is not None or context_BSM is not None:
+      q_BTHD = self.project_q(x_BTM)
+      k_BSKD, v_BSKD = context_kv if context_kv is not None else self.project_kv(context_BSM)
     else:
-      q_BTHD = self._rotate(q_BTHD, positions_BT)
+      q_BTHD = self.project_q(x_BTM, positions_BT)
       k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
       window = self.window
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
                          mask=mask, scale=self.scale, window=window, bias=bias,
-                         implementation=self.implementation, pallas_lowering=self.pallas_lowering)
+                         softcap=self.softcap, implementation=self.implementation,
+                         pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
   def weights(self, x_BTM, *, positions_BT, causal, bias=None):
     """Self-attention weights [B, h, T, T] (for plots)."""
-    q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
+    q_BTHD = self.project_q(x_BTM, positions_BT)
     k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
     w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal, scale=self.scale,
-                                window=self.window, bias=bias)
+                                window=self.window, bias=bias, softcap=self.softcap)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
@@ -410,7 +459,7 @@ class Attention(nnx.Module):
     `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).
     """
-    q_BTHD = self._rotate(self.q_proj(x_BTM), positions_BT)
+    q_BTHD = self.project_q(x_BTM, positions_BT)
     k_BTKD, v_BTKD = self.project_kv(x_BTM, positions_BT)
     rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
     cache = dict(k=cache["k"].at[rows_B1, positions_BT].set(k_BTKD.astype(cache["k"].dtype)),
@@ -422,5 +471,5 @@ class Attention(nnx.Module):
     impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
                          cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, scale=self.scale,
-                         bias=bias, implementation=impl)
+                         bias=bias, softcap=self.softcap, implementation=impl)
     return self.o_proj(out_BTHD), cache

@@ -83,6 +83,9 @@ class ModelConfig:
   embedding_norm: bool
   head_transform: bool
   output_bias: bool
+  qk_norm: bool
+  attn_softcap: float | None
+  final_softcap: float | None
   num_labels: int
   pooling: str
   pooler: bool

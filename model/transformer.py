@@ -34,6 +34,7 @@ from flax import nnx
 from flax.nnx import spmd
 from jax.sharding import PartitionSpec as P
 
+from model.attention import soft_cap
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
@@ -271,7 +272,8 @@ class HeadTransform(nnx.Module):
 
 class _WithHead(nnx.Module):
   """The output head: optional transform, tied (E^T) or untied projection
-  computed in float32, optional bias over the vocabulary, the padded rows
+  computed in float32, optional bias over the vocabulary, the soft-cap
+  c tanh(logits / c) with `final_softcap` (Gemma-2), the padded rows
   masked; or, with `model.num_labels`, a sequence classifier."""
 
   def _init_head(self, cfg, rngs):
@@ -288,6 +290,7 @@ class _WithHead(nnx.Module):
                               cfg.param_dtype) if cfg.output_bias else None)
     self.real_vocab_size = (cfg.real_vocab_size if cfg.real_vocab_size < cfg.vocab_size
                             else None)
+    self.final_softcap = cfg.final_softcap
 
   def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
     """Final hidden states [B, T, M] of right-padded rows (True = real token)."""
@@ -314,6 +317,7 @@ class _WithHead(nnx.Module):
     logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
     if self.output_bias is not None:
       logits_BTV = logits_BTV + self.output_bias[...].astype(jnp.float32)
+    logits_BTV = soft_cap(logits_BTV, self.final_softcap)
     if self.real_vocab_size is not None:
       real_V = jnp.arange(logits_BTV.shape[-1]) < self.real_vocab_size
       logits_BTV = jnp.where(real_V, logits_BTV, PADDED_LOGIT)

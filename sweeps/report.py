@@ -8,6 +8,7 @@ from training import workdir as workdir_lib
 from training.metrics import read_metrics
 from training.plots import plot_against_steps_and_tokens, plot_curves, split_curve
 from sweeps.common import REPO
+from sweeps.lengths import write_length_table
 from sweeps.state import read_manifest, variant_state
 
 # eval_report.json keys, their column titles in report.md and their formats.
@@ -54,9 +55,11 @@ def write_report(root: str) -> list[str]:
   with open(csv_path, "w", encoding="utf-8", newline="") as f:
     csv.writer(f).writerows([header, *rows])
   md_path = os.path.join(root, "report.md")
+  length_section, length_files = write_length_table(
+      root, [v.name for v in variants], [v.workdir for v in variants])
   with open(md_path, "w", encoding="utf-8") as f:
-    f.write(_markdown(manifest, fields, rows, files, root, histories))
-  return [md_path, csv_path, *files]
+    f.write(_markdown(manifest, fields, rows, files, root, histories) + length_section)
+  return [md_path, csv_path, *length_files, *files]
 
 
 def _display(path: str) -> str:

@@ -116,6 +116,8 @@ def _small(**overrides):
     dict(family="encoder_decoder", embedding_norm=True, type_vocab_size=3, norm="layernorm"),
     dict(family="encoder", pos_emb="relative", relative_buckets=8, relative_max_distance=16),
     dict(pos_emb="relative", scale_head_input=True),
+    dict(qk_norm=True, num_kv_heads=2, head_dim=12, attn_softcap=50.0, final_softcap=30.0),
+    dict(family="encoder_decoder", qk_norm=True),
 ], ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
 def test_measured_equals_formula(overrides):
   m = _small(**overrides)
@@ -132,6 +134,16 @@ def test_qkv_bias_without_out_bias():
     biased = {path.split("/")[-2] for path in accounting.parameter_shapes(_small(**overrides))
               if path.endswith("/bias")}
     assert biased == want, overrides
+
+
+def test_qk_norm_adds_two_scales_of_head_dim_per_attention():
+  """QK-norm: a q scale and a k scale [d_k] in each attention sublayer (Qwen3's
+  q_norm, k_norm); the soft-caps add no parameter."""
+  plain = accounting.formula_params(_small(head_dim=12, num_layers=3))
+  normed = accounting.formula_params(_small(head_dim=12, num_layers=3, qk_norm=True,
+                                            attn_softcap=50.0, final_softcap=30.0))
+  assert normed["params_per_layer"]["attention"] - plain["params_per_layer"]["attention"] == 24
+  assert normed["params_total"] - plain["params_total"] == 3 * 24
 
 
 def test_presets_measured_equals_formula():

@@ -198,10 +198,11 @@ def test_device_argument_picks_the_tiles():
   assert launches(None) == launches(_Device("cpu", "cpu")) == {"num_warps=4"}
 
 
-@pytest.mark.parametrize("D", [64, 128])
-def test_triton_lowering_builds(D):
+@pytest.mark.parametrize("D,softcap", [(64, None), (128, None), (64, 50.0)])
+def test_triton_lowering_builds(D, softcap):
   """Forward and backward lower through Pallas' Triton backend for an H200
-  (lowering only, for an abstract device: nothing is compiled or run)."""
+  (lowering only, for an abstract device: nothing is compiled or run), also
+  with the soft-cap's tanh tile."""
   q = jax.ShapeDtypeStruct((2, 256, 4, D), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((2, 256, 2, D), jnp.bfloat16)
   seg = jax.ShapeDtypeStruct((2, 256), jnp.int32)
@@ -209,7 +210,7 @@ def test_triton_lowering_builds(D):
   def loss(q, k, v, q_seg, kv_seg):
     out = flash_attention(q, k, v, causal=True, q_segment_ids=q_seg,
                           kv_segment_ids=kv_seg, block_q=128, block_k=64,
-                          interpret=False)
+                          interpret=False, softcap=softcap)
     return out.astype(jnp.float32).sum()
 
   h200 = jax.sharding.AbstractMesh(

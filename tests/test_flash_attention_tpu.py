@@ -114,7 +114,8 @@ def _tpu_device(topology: str):
 
 
 def compile_variant(device, *, D: int, causal: bool, segments: bool, group: int,
-                    B: int = 2, T: int = 1024, K: int = 2, dtype=jnp.bfloat16):
+                    B: int = 2, T: int = 1024, K: int = 2, dtype=jnp.bfloat16,
+                    softcap: float | None = None):
   """Compiles forward + backward for `device` (a TPU from
   `jax.experimental.topologies`): the compiled step."""
   sharding = jax.sharding.SingleDeviceSharding(device)
@@ -123,7 +124,7 @@ def compile_variant(device, *, D: int, causal: bool, segments: bool, group: int,
   def step(q, k, v, do, q_seg, kv_seg):
     def f(q, k, v):
       return flash_attention(q, k, v, causal=causal, device=device, lowering="mosaic_tpu",
-                             q_segment_ids=q_seg if segments else None,
+                             softcap=softcap, q_segment_ids=q_seg if segments else None,
                              kv_segment_ids=kv_seg if segments else None)
     out, vjp = jax.vjp(f, q, k, v)
     return (out, *vjp(do))
@@ -149,6 +150,14 @@ def test_compiles_for_v5e():
 
 @pytest.mark.slow
 @pytest.mark.tpu
+def test_softcap_compiles_for_v5e():
+  """The soft-cap's tanh tile, forward and backward, through Mosaic for a v5e."""
+  compile_variant(_tpu_device("v5e:2x2"), D=128, causal=True, segments=True, group=4,
+                  softcap=50.0)
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", ["v5e:2x2", "v5p:2x2x1"])
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])

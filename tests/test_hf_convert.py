@@ -315,7 +315,7 @@ def test_export_refuses_configs_without_hf_architecture():
 
 
 @pytest.mark.parametrize("field,value,model_type", [
-    ("sliding_window", 4, "mistral"), ("qkv_bias", True, "qwen2"),
+    ("sliding_window", 4, "mistral"), ("qkv_bias", True, "qwen2"), ("qk_norm", True, "qwen3"),
     ("rope_scaling", "yarn", "llama"), ("rope_scaling", "llama3", "llama")])
 def test_export_picks_the_architecture_of_each_option(field, value, model_type):
   config = base_config.get_config()
@@ -351,7 +351,8 @@ _OTHER_VALUES = dict(
     qkv_bias=True, out_bias=True, mlp_bias=True, scale_embeddings=True, attention_scale=1.0,
     tie_embeddings=False, scale_head_input=True, type_vocab_size=2, embedding_norm=True,
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
-    sliding_window_layers=(1,), num_labels=4)
+    sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
+    final_softcap=30.0)
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
@@ -376,6 +377,31 @@ def test_export_check_names_every_field_llama_does_not_map(field):
     assert reason == ""
   else:
     assert reason.startswith(f"model.{field}={_OTHER_VALUES[field]!r} (needs "), reason
+
+
+def test_qwen3_in_and_out(tok, tmp_path):
+  """QK-norm (q_norm, k_norm drawn at random, so that swapping them shows),
+  a head_dim of 16 that is not hidden_size / heads = 8, GQA, untied head."""
+  hf_model = _llama(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=16)
+  with torch.no_grad():
+    for name, parameter in hf_model.named_parameters():
+      if "norm" in name:
+        torch.nn.init.normal_(parameter, mean=1.0, std=0.5)
+  workdir = _check_import(hf_model, tok, tmp_path)
+  model_config = workdir_lib.load_config(str(workdir)).model
+  assert (model_config.qk_norm, model_config.head_dim, model_config.use_bias) == (True, 16, False)
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert (exported["model_type"], exported["head_dim"], exported["attention_bias"]) == (
+      "qwen3", 16, False)
+
+
+def test_qwen3_with_attention_bias_is_refused_by_name():
+  hf = {"model_type": "qwen3", "hidden_size": 32, "num_attention_heads": 4,
+        "attention_bias": True}
+  with pytest.raises(UserError, match="attention_bias=True is not supported by the qwen3 "
+                                      "import"):
+    hf_mappings.ARCHITECTURES["qwen3"].config_from_hf(hf)
 
 
 def test_bert_base_preset_exports_as_bert():

@@ -111,7 +111,7 @@ def test_prefix_lm_loss_ignores_the_source():
   rows = seq2seq.PairRows([("hello", "olleh"), ("abc", "cba")], ByteTokenizer(),
                           family="decoder", seq_len=16)
   batch = {k: np.stack([rows(0)[k], rows(1)[k]]) for k in rows(0)}
-  loss_sum, count, _ = batch_loss("seq2seq", model, batch)
+  loss_sum, count, _, _ = batch_loss("seq2seq", model, batch)
   assert count == 6 + 4  # target tokens + EOS of each pair
   changed = dict(batch, targets=np.where(batch["loss_mask"] > 0, batch["targets"], 77))
   assert float(batch_loss("seq2seq", model, changed)[0]) == float(loss_sum)

@@ -15,6 +15,12 @@ replaces another's report; `<workdir>/eval_report.json` is a copy of the
 newest step's whole-split report, for tools that read one file (a sweep's
 "done" test).
 
+With `seq_len` (eval.py --seq_len L) a next_token run is evaluated on rows
+of L tokens, any L a learned table holds, and the report adds the loss by
+position bucket, `loss_by_position_<label>.png` and an entry in
+eval_lengths.json; `rope_scaling` sets RoPE scaling for this evaluation only
+(see `training/lengths.py`).
+
 Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
 does not depend on the tokenizer, so runs with different vocabularies compare.
 
@@ -47,7 +53,7 @@ from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
-from training import classify_report, compile_cache  # pylint: disable=wrong-import-position
+from training import classify_report, compile_cache, lengths  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
@@ -228,12 +234,16 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              tokenizer_path: str | None = None, prompts: list[str] | None = None,
              max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, beam_size: int = 4, alpha: float = 0.6,
-             max_examples: int = 0, out: str | None = None) -> dict:
+             max_examples: int = 0, out: str | None = None, seq_len: int | None = None,
+             rope_scaling: str | None = None, rope_scaling_factor: float | None = None,
+             position_buckets: int = 16) -> dict:
   """Evaluates a checkpoint; writes the report and plots into `out` (default
   `<workdir>/eval/step_<N>/`), see the module docstring.
 
   `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
-  seq2seq runs.
+  seq2seq runs. `seq_len` evaluates on rows of that many tokens and reports
+  the loss in `position_buckets` buckets of position; `rope_scaling` and
+  `rope_scaling_factor` override the run's RoPE scaling for this evaluation.
   """
   compile_cache.enable(workdir_lib.load_config(workdir).train.compilation_cache_dir)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
@@ -241,16 +251,42 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     apply_data_flag(config, data)
   if config.train.objective == "classify":
     return _classify_eval(workdir, config, tok, model, step)
+  train_len = config.train.seq_len
+  rope_override = None
+  if rope_scaling is not None:
+    rope_override = lengths.apply_rope_scaling(config, rope_scaling, rope_scaling_factor)
+    model = lengths.with_model_config(model, config.model)
+  if seq_len is not None:
+    lengths.apply_seq_len(config, seq_len)
+  if position_buckets < 1:
+    raise UserError(f"--position_buckets {position_buckets}: must be a positive integer")
   graphdef, params = nnx.split(model)
   batches = pipeline.make_eval_batches(config, tok, None)
   metrics = evaluate(jit_eval_step(graphdef, config.train.objective), params, batches)
   report = {"step": step, "data": config.data.source, "data_override": data,
             "split": "validation, whole split", "loss": metrics["loss"],
             "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
-            "targets": int(metrics["targets"])}
+            "targets": int(metrics["targets"]), "seq_len": config.train.seq_len,
+            "train_seq_len": train_len}
+  if rope_override:
+    report["rope_override"] = rope_override
   history = workdir_lib.read_history(workdir)
   if history:
     report["config_history"] = workdir_lib.history_lines(history)
+  length_files = []
+  if seq_len is not None:
+    name = lengths.label(seq_len, rope_override)
+    report["loss_by_position"] = lengths.loss_by_position(
+        graphdef, params, batches, seq_len=seq_len, num_buckets=position_buckets)
+    png = os.path.join(workdir, f"loss_by_position_{name}.png")
+    lengths.plot_loss_by_position(
+        png, report["loss_by_position"], train_len=train_len,
+        title=f"{os.path.basename(os.path.abspath(workdir))} at step {step}, rows of {seq_len}"
+              + (f", rope_scaling {rope_scaling} x{rope_scaling_factor:g}" if rope_override
+                 else ""))
+    length_files += [png, lengths.record(workdir, name, {
+        "seq_len": seq_len, "step": step, "loss": metrics["loss"],
+        "rope_override": rope_override, "loss_by_position": report["loss_by_position"]})]
   attention_prompt = None
   if config.train.objective == "next_token":
     stats = pipeline.split_stats(config, tok, "validation")
@@ -272,7 +308,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
                                  max_examples=max_examples))
     attention_prompt = rows.prompt(0)
   out = out or os.path.join(workdir, EVAL_DIR, f"step_{step}")
-  files = _write_report(report, workdir, out)
+  files = _write_report(report, workdir, out) + length_files
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)

@@ -297,7 +297,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
     _print(line)
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
-                           state_sharding=state_sharding, batch_sharding=batch_sharding(mesh))
+                           state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
+                           z_loss=tc.z_loss)
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh)
   writer = None  # opened after the first step: an interrupted start writes nothing
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
@@ -389,6 +390,8 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
          "grad_norm": float(window[-1]["grad_norm"]),
          "learning_rate": float(window[-1]["learning_rate"]),
          "tokens_per_second": tokens_per_second}
+  if "z_loss" in window[-1]:
+    out["z_loss"] = float(np.mean([m["z_loss"] for m in window]))
   if peak is not None:
     out["mfu"] = tokens_per_second * flops_per_token / peak
   return out

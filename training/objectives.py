@@ -16,19 +16,28 @@
 
 Cross-entropy is
 computed from float32 logits. Each objective returns (sum of per-target
-losses, number of targets, number of correct argmax predictions), so that
-micro-batches and evaluation passes add up exactly.
+losses, number of targets, number of correct argmax predictions, sum of
+log^2 Z), so that micro-batches and evaluation passes add up exactly.
+
+The z-loss (PaLM; `train.z_loss`): log Z = logsumexp(logits) is the log of
+the softmax normaliser, which cross-entropy leaves free to drift (adding a
+constant to every logit changes no probability). The training objective
+adds weight x mean over targets of (log Z)^2, pulling it to 0 so that the
+logits stay in the range where float32 and bfloat16 softmaxes are exact
+(`training_loss_sum`); the reported loss stays the cross-entropy.
 """
 import jax
 import jax.numpy as jnp
 
 
-def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
-  """(sum of weighted losses, sum of weights, weighted count of correct).
+def loss_sums(logits_BTV, targets_BT, weights_BT):
+  """(sum of weighted losses, sum of weights, weighted count of correct,
+  weighted sum of (log Z)^2).
 
-  loss = logsumexp(logits) - logit[target], in float32; a prediction is
-  correct when the target's logit is the maximum, which reuses the max of
-  the logsumexp instead of a separate argmax pass over the vocabulary.
+  loss = log Z - logit[target] with log Z = logsumexp(logits), in float32; a
+  prediction is correct when the target's logit is the maximum, which reuses
+  the max of the logsumexp instead of a separate argmax pass over the
+  vocabulary.
   """
   logits_BTV = logits_BTV.astype(jnp.float32)
   max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
@@ -36,35 +45,60 @@ def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
   target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
   losses_BT = lse_BT - target_BT
   correct_BT = (target_BT >= max_BT).astype(jnp.float32)
-  return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum())
+  return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum(),
+          (jnp.square(lse_BT) * weights_BT).sum())
+
+
+def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
+  """(sum of weighted losses, sum of weights, weighted count of correct): `loss_sums`
+  without the z-loss term."""
+  return loss_sums(logits_BTV, targets_BT, weights_BT)[:3]
+
+
+def training_loss_sum(sums, z_loss: float):
+  """What training differentiates: the summed cross-entropy plus `z_loss` x
+  the summed (log Z)^2 (`sums` as the objectives return them)."""
+  loss_sum, _, _, log_z_sq_sum = sums
+  return loss_sum + z_loss * log_z_sq_sum if z_loss else loss_sum
+
+
+def token_losses(logits_BTV, targets_BT):
+  """Cross-entropy of every target [B, T] in float32 (unweighted, unsummed)."""
+  logits_BTV = logits_BTV.astype(jnp.float32)
+  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  return jax.nn.logsumexp(logits_BTV, axis=-1) - target_BT
+
+
+def next_token_logits(model, batch):
+  """The causal LM's logits of a batch; a batch without `segment_ids`
+  (data.packing=concat) is attended with the causal mask alone."""
+  return model(batch["inputs"], segment_ids=batch.get("segment_ids"),
+               positions=batch["positions"])
 
 
 def next_token_loss(model, batch):
-  """Causal LM loss; a batch without `segment_ids` (data.packing=concat) is
-  attended with the causal mask alone."""
-  logits_BTV = model(batch["inputs"], segment_ids=batch.get("segment_ids"),
-                     positions=batch["positions"])
-  return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+  """Causal LM loss."""
+  return loss_sums(next_token_logits(model, batch), batch["targets"], batch["loss_mask"])
 
 
 def encoder_decoder_loss(model, batch):
   logits_BTV = model(batch["src"], batch["tgt_in"], src_padding_mask=batch["src_mask"] > 0)
-  return cross_entropy_sums(logits_BTV, batch["tgt_out"], batch["loss_mask"])
+  return loss_sums(logits_BTV, batch["tgt_out"], batch["loss_mask"])
 
 
 def masked_lm_loss(model, batch):
   logits_BTV = model(batch["inputs"], segment_ids=batch["segment_ids"],
                      positions=batch["positions"])
-  return cross_entropy_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+  return loss_sums(logits_BTV, batch["targets"], batch["loss_mask"])
 
 
 def classify_loss(model, batch):
   logits_BL = model.classify(batch["inputs"], batch["padding_mask"] > 0, batch["token_types"])
-  return cross_entropy_sums(logits_BL, batch["labels"], batch["weights"])
+  return loss_sums(logits_BL, batch["labels"], batch["weights"])
 
 
 def batch_loss(objective: str, model, batch):
-  """(loss sum, target count, correct count) of `batch` for `objective`."""
+  """(loss sum, target count, correct count, (log Z)^2 sum) of `batch` for `objective`."""
   if objective == "mlm":
     return masked_lm_loss(model, batch)
   if objective == "classify":

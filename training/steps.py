@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from model import build_model
-from training.objectives import batch_loss
+from training.objectives import batch_loss, training_loss_sum
 from training.optim import make_optimizer
 
 
@@ -52,12 +52,13 @@ def _loss_sums(graphdef, params, batch, objective):
   return batch_loss(objective, nnx.merge(graphdef, params), batch)
 
 
-def _grads(graphdef, params, batch, objective, accum_steps):
-  """Gradient of the summed loss and the sums, over accum_steps micro-batches."""
+def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0):
+  """Gradient of the summed training loss (cross-entropy plus `z_loss` x
+  (log Z)^2) and the sums, over accum_steps micro-batches."""
 
   def sum_loss(p, micro):
-    loss_sum, count, correct = _loss_sums(graphdef, p, micro, objective)
-    return loss_sum, (loss_sum, count, correct)
+    sums = _loss_sums(graphdef, p, micro, objective)
+    return training_loss_sum(sums, z_loss), sums
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
   if accum_steps == 1:
@@ -68,7 +69,7 @@ def _grads(graphdef, params, batch, objective, accum_steps):
     g, sums = grad_fn(params, mb)
     return jax.tree.map(jnp.add, carry, (g, sums)), None
 
-  zeros = (jax.tree.map(jnp.zeros_like, params), (0.0, 0.0, 0.0))
+  zeros = (jax.tree.map(jnp.zeros_like, params), (0.0, 0.0, 0.0, 0.0))
   (grads, sums), _ = jax.lax.scan(body, zeros, micro)
   return grads, sums
 
@@ -88,18 +89,20 @@ def _sharded_grads(grads, grad_sharding):
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int,
-               grad_sharding=None):
+               grad_sharding=None, z_loss: float = 0.0):
   """One optimizer step; `grad_sharding`: the parameters' shardings, to which
-  the gradients are held (`_sharded_grads`) on a mesh."""
-  grads, (loss_sum, count, correct) = _grads(graphdef, state["params"], batch, objective,
-                                             accum_steps)
+  the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
+  of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`."""
+  grads, (loss_sum, count, correct, log_z_sq_sum) = _grads(
+      graphdef, state["params"], batch, objective, accum_steps, z_loss)
   if grad_sharding is not None:
     grads = _sharded_grads(grads, grad_sharding)
   count = jnp.maximum(count, 1.0)
   grads = jax.tree.map(lambda g: g / count, grads)
   loss = loss_sum / count
+  z_term = z_loss * log_z_sq_sum / count
   grad_norm = optax.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  ok = jnp.isfinite(loss) & jnp.isfinite(z_term) & jnp.isfinite(grad_norm)
 
   updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
   params = optax.apply_updates(state["params"], updates)
@@ -113,11 +116,13 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
                "bad_step": bad_step}
   metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": schedule(state["step"]),
              "accuracy": correct / count, "targets": count}
+  if z_loss:
+    metrics["z_loss"] = z_term
   return new_state, metrics
 
 
 def eval_step(params, batch, *, graphdef, objective: str):
-  """(loss sum, target count, correct count) of one batch."""
+  """(loss sum, target count, correct count, (log Z)^2 sum) of one batch."""
   return _loss_sums(graphdef, params, batch, objective)
 
 
@@ -133,9 +138,9 @@ def traced_on(mesh, fn):
 
 
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
-                   batch_sharding=None):
+                   batch_sharding=None, z_loss: float = 0.0):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                         objective=objective, accum_steps=accum_steps)
+                         objective=objective, accum_steps=accum_steps, z_loss=z_loss)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])

@@ -3,7 +3,10 @@ the causal tile arithmetic, tile padding, the refs of a block-sparse plan.
 
 The lesson's backward pass recomputes the tiles from the saved log-sum-exp:
 the forward returns (out, lse) and keeps (q, k, v, segment ids, out, lse) as
-residuals; the backward turns them and dO into (dq, dk, dv).
+residuals; the backward turns them and dO into (dq, dk, dv). A soft-cap
+(`soft_cap_tile`) is elementwise on the score tile: the forward caps the
+scaled scores, the backward recomputes the capped tile and multiplies dS by
+the cap's derivative (`soft_cap_grad`) before dQ and dK.
 
 Mask semantics, the same in every kernel: query i sees key j iff j <= i when
 causal (top-left aligned), j is below the true key length (the arrays may be
@@ -47,6 +50,22 @@ def flash_vjp(forward, backward):
 
   flash.defvjp(flash_fwd, flash_bwd)
   return flash
+
+
+def soft_cap_tile(s_TS, cap: float | None):
+  """(c tanh(s / c), tanh(s / c)) of a tile of scaled scores, Gemma-2's
+  soft-cap c = `cap`; (s, None) without one. The backward keeps the tanh for
+  `soft_cap_grad`."""
+  if cap is None:
+    return s_TS, None
+  tanh_TS = jnp.tanh(s_TS * (1.0 / cap))
+  return cap * tanh_TS, tanh_TS
+
+
+def soft_cap_grad(ds_TS, tanh_TS):
+  """dS of the scores before the cap from dS after it: d/ds c tanh(s / c) =
+  1 - tanh^2(s / c) (the identity without a cap, `tanh_TS` None)."""
+  return ds_TS if tanh_TS is None else ds_TS * (1.0 - tanh_TS * tanh_TS)
 
 
 def delta(o_BTHD, do_BTHD):

@@ -18,6 +18,8 @@ the saved base-2 log-sum-exp), laid out the way Hopper runs fastest:
   registers as the A operand of the next wgmma (the fused backward also
   writes dS to shared memory, for dQ). Scores are masked and scaled to base
   2 where ptxas makes one FFMA of the scale and the subtracted max or lse.
+  A soft-cap c tanh(s / c) (Gemma-2) caps the scaled scores first and
+  multiplies dS by 1 - tanh^2 (`common.soft_cap_tile`, `soft_cap_grad`).
 - The two compute warpgroups take turns on the tensor cores
   (`hopper_pipeline.Turns`): one's softmax (or dS) overlaps the other's
   matmuls. In the forward a turn
@@ -265,6 +267,7 @@ class _Config:
   """Static description of one call, shared by the three kernels."""
   scale: float
   causal: bool
+  softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
   segments: bool  # segment ids given: mask by them, rows may be empty
   q_len: int  # true query length (the arrays are padded past it)
   kv_len: int  # true key length (the arrays are padded past it)
@@ -554,12 +557,17 @@ def _masked_if(masked, mask, x):
 
 
 def _base2(s, cfg: _Config):
-  """Scores `s` and the factor that takes them to base 2: (s, scale * log2 e)
-  for a positive scale, so that the factor meets the subtracted max or lse in
-  one FFMA per score (and the row max is taken before scaling); else the
-  scores already scaled, and 1 (a scale <= 0 would turn the mask's -inf)."""
+  """Scores `s`, the factor that takes them to base 2 and the soft-cap's
+  tanh tile (None without a cap): (s, scale * log2 e) for a positive scale,
+  so that the factor meets the subtracted max or lse in one FFMA per score
+  (and the row max is taken before scaling); else the scores already scaled,
+  and 1 (a scale <= 0 would turn the mask's -inf); with a soft-cap, the
+  capped scaled scores and log2 e."""
+  if cfg.softcap is not None:
+    capped, tanh = common.soft_cap_tile(s * cfg.scale, cfg.softcap)
+    return capped, common.LOG2_E, tanh
   factor = cfg.scale * common.LOG2_E
-  return (s, factor) if factor > 0 else (s * factor, 1.0)
+  return (s, factor, None) if factor > 0 else (s * factor, 1.0, None)
 
 
 def _key_segments(kv_seg_smem, slot, masked: bool, cfg: _Config, ops: _Ops):
@@ -601,7 +609,7 @@ def _forward_kernel(gmem: _Operands, out: _ForwardOut, smem: _ForwardScratch, *,
     def softmax(n, s, kv_seg, o, m, l, masked: bool):
       """Online softmax of step n's S (key segment ids `kv_seg`): o and l
       rescaled, the new max, P (16-bit)."""
-      s, factor = _base2(s, cfg)
+      s, factor, _ = _base2(s, cfg)
       s = _masked_if(masked, lambda s: _mask(
           s, q_start, plan.tile(n) * cfg.blocks.block_k, ops, cfg, transposed=False,
           q_seg=q_seg, kv_seg=kv_seg), s)
@@ -701,14 +709,14 @@ def _dq_kernel(gmem: _Operands, out: _DqOut, smem: _DqScratch, *, cfg: _Config, 
       s, dp = ops.matmuls([[(q_tile, smem.k.at[slot], False, True)],
                            [(do_tile, smem.v.at[slot], False, True)]])
       turns.hand_over()
-      s, factor = _base2(s, cfg)
+      s, factor, tanh = _base2(s, cfg)
       x = s * factor - _rows(lse, s.shape)  # masked after: one FFMA a score
       kv_seg = _key_segments(smem.kv_seg, slot, masked, cfg, ops)
       x = _masked_if(masked, lambda x: _mask(
           x, q_start, plan.tile(n) * cfg.blocks.block_k, ops, cfg, transposed=False,
           q_seg=q_seg, kv_seg=kv_seg), x)
       p = jnp.exp2(x)
-      ds = p * (dp - _rows(delta, dp.shape))
+      ds = common.soft_cap_grad(p * (dp - _rows(delta, dp.shape)), tanh)
       turns.take()
       dq = ops.matmul(ds.astype(q_tile.dtype), smem.k.at[slot], transpose_b=False,
                       acc=dq)
@@ -863,7 +871,7 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
       turns.take()
       s_t = ops.matmul(k_tile, q_tile, transpose_b=True)
       turns.hand_over()
-      s_t, factor = _base2(s_t, cfg)
+      s_t, factor, tanh_t = _base2(s_t, cfg)
       lse = ops.load_vector(smem.lse.at[slot], along=0)
       x_t = s_t * factor - lax.broadcast_in_dim(lse, s_t.shape, [1])  # masked after: FFMA
       if masked:
@@ -878,7 +886,8 @@ def _dkdv_kernel(gmem: _Operands, out: _DkDvOut, smem: _DkDvScratch, *, cfg: _Co
       dp_t = ops.matmul(v_tile, do_tile, transpose_b=True)
       turns.hand_over()
       delta = ops.load_vector(smem.delta.at[slot], along=0)
-      ds_t = (p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1]))).astype(dtype)
+      ds_t = common.soft_cap_grad(p_t * (dp_t - lax.broadcast_in_dim(delta, dp_t.shape, [1])),
+                                  tanh_t).astype(dtype)
       if exchange is not None:
         exchange.put(ds_t, t)
       turns.take()
@@ -1092,21 +1101,23 @@ _flash = common.flash_vjp(_forward, _backward)
 
 def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                            q_segment_ids=None, kv_segment_ids=None,
-                           blocks: HopperBlocks | None = None, interpret: bool):
+                           blocks: HopperBlocks | None = None, interpret: bool,
+                           softcap: float | None = None):
   """Attention [B, T, H, D] for inputs `supports` accepts.
 
   Query and key lengths are zero-padded to whole tiles (padded keys are
   masked, padded query rows cut off), so any T and S work. The mask
   semantics of `common.py`: causal top-left aligned; segment ids [B, T] and
   [B, S] (both or neither); a query that sees no key gets zeros. The same
-  semantics as `flash_attention`.
+  semantics as `flash_attention`; `softcap` its soft-cap.
   """
   _, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
   segments = q_segment_ids is not None
   _check_shared_memory(D, q_BTHD.dtype, blocks, segments)
-  cfg = _Config(scale=scale, causal=causal, segments=segments, q_len=T, kv_len=S,
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, segments=segments, q_len=T,
+                kv_len=S,
                 group=H // K, blocks=blocks, interpret=interpret)
   return common.padded_call(
       lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),

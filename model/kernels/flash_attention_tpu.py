@@ -3,7 +3,8 @@
 The same algorithm as the portable kernels of `flash_attention.py` (online
 softmax forward; backward recomputing P from the saved log-sum-exp, with
 delta = rowsum(dO * O), dV = P^T dO, dS = P * (dO V^T - delta),
-dK = scale * dS^T Q, dQ = scale * dS K), laid out the way a TPU core wants
+dK = scale * dS^T Q, dQ = scale * dS K; a soft-cap as in `common.py`), laid
+out the way a TPU core wants
 it: one program per grid step, with the streamed tile a grid axis of its
 own ("arbitrary", run in order) instead of a loop inside the program, so
 Mosaic's pipeline fetches the next K/V (or Q/dO) tile by DMA while the
@@ -135,6 +136,7 @@ class _Config:
   """Static description of one call, shared by the forward and backward."""
   scale: float
   causal: bool
+  softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
   num_kv_heads: int
   blocks: TpuBlocks
   interpret: bool
@@ -147,20 +149,21 @@ def _dot(a, b, contract_a: int, contract_b: int):
                          preferred_element_type=jnp.float32)
 
 
-def _scores(q_TD, k_SD, q_start, k_start, q_seg_T1, kv_seg_1S, *, scale: float,
-            causal: bool, masked: bool):
-  """Scaled scores of a tile [block_q, block_k] float32; with `masked`, -inf
-  where the key is after the query (causal) or in another segment or padding
-  (id 0)."""
-  s_TS = _dot(q_TD, k_SD, 1, 1) * scale
+def _scores(q_TD, k_SD, q_start, k_start, q_seg_T1, kv_seg_1S, *, cfg: _Config,
+            masked: bool):
+  """Scaled scores of a tile [block_q, block_k] float32, soft-capped with
+  `cfg.softcap`; with `masked`, -inf where the key is after the query
+  (causal) or in another segment or padding (id 0). Returns them and the
+  cap's tanh tile (None without a cap) for the backward."""
+  s_TS, tanh_TS = common.soft_cap_tile(_dot(q_TD, k_SD, 1, 1) * cfg.scale, cfg.softcap)
   if not masked:
-    return s_TS
+    return s_TS, tanh_TS
   visible = (q_seg_T1 == kv_seg_1S) & (kv_seg_1S != 0)
-  if causal:
+  if cfg.causal:
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 0)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 1)
     visible &= k_pos <= q_pos
-  return jnp.where(visible, s_TS, -jnp.inf)
+  return jnp.where(visible, s_TS, -jnp.inf), tanh_TS
 
 
 def _plan(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,
@@ -207,8 +210,8 @@ def _forward_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, q_seg_ref, kv_se
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
   def update(k_tile, masked: bool):
-    s_TS = _scores(q_ref[...], k_ref[...], i * block_q, k_tile * block_k, q_seg_ref[...],
-                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    s_TS, _ = _scores(q_ref[...], k_ref[...], i * block_q, k_tile * block_k, q_seg_ref[...],
+                      kv_seg_ref[...], cfg=cfg, masked=masked)
     m_T1 = m_ref[...]
     m_new_T1 = jnp.maximum(m_T1, jnp.max(s_TS, axis=1, keepdims=True))
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
@@ -246,11 +249,11 @@ def _dq_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delt
 
   def update(k_tile, masked: bool):
     k_SD = k_ref[...]
-    s_TS = _scores(q_ref[...], k_SD, i * block_q, k_tile * block_k, q_seg_ref[...],
-                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    s_TS, tanh_TS = _scores(q_ref[...], k_SD, i * block_q, k_tile * block_k, q_seg_ref[...],
+                            kv_seg_ref[...], cfg=cfg, masked=masked)
     p_TS = jnp.exp(s_TS - lse_ref[...])
     dp_TS = _dot(do_ref[...], v_ref[...], 1, 1)
-    ds_TS = p_TS * (dp_TS - delta_ref[...])
+    ds_TS = common.soft_cap_grad(p_TS * (dp_TS - delta_ref[...]), tanh_TS)
     acc_ref[...] += _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
 
   _run_plan_step(update, tiles_ref, bounds_ref, b=b, tile=i, n=n, N=N,
@@ -276,12 +279,12 @@ def _dkdv_kernel(tiles_ref, bounds_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
 
   def update(q_tile, masked: bool):
     q_TD, do_TD = q_ref[...], do_ref[...]
-    s_TS = _scores(q_TD, k_ref[...], q_tile * block_q, j * block_k, q_seg_ref[...],
-                   kv_seg_ref[...], scale=cfg.scale, causal=cfg.causal, masked=masked)
+    s_TS, tanh_TS = _scores(q_TD, k_ref[...], q_tile * block_q, j * block_k, q_seg_ref[...],
+                            kv_seg_ref[...], cfg=cfg, masked=masked)
     p_TS = jnp.exp(s_TS - lse_ref[...])
     dv_acc_ref[...] += _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
     dp_TS = _dot(do_TD, v_ref[...], 1, 1)
-    ds_TS = p_TS * (dp_TS - delta_ref[...])
+    ds_TS = common.soft_cap_grad(p_TS * (dp_TS - delta_ref[...]), tanh_TS)
     dk_acc_ref[...] += _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
 
   _run_plan_step(update, tiles_ref, bounds_ref, b=b, tile=j, n=n, N=N,
@@ -450,7 +453,7 @@ _flash = common.flash_vjp(_forward, _backward)
 
 def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                         q_segment_ids, kv_segment_ids, blocks: TpuBlocks,
-                        interpret: bool):
+                        interpret: bool, softcap: float | None = None):
   """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k, v
   [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`.
 
@@ -470,7 +473,7 @@ def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
     q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
     kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
   layout = lambda x, L: common.pad_to(common.pad_to(x, 1, L), 3, D_pad).transpose(0, 2, 1, 3)
-  cfg = _Config(scale=scale, causal=causal, num_kv_heads=K, blocks=blocks,
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, num_kv_heads=K, blocks=blocks,
                 interpret=interpret, per_batch_plan=q_segment_ids is not None)
   out_BHTD = _flash(layout(q_BTHD, T_pad), layout(k_BSKD, S_pad), layout(v_BSKD, S_pad),
                     q_seg[:, :, None], kv_seg[:, None, :], cfg)

@@ -13,6 +13,9 @@ matrix never exists in memory.
   recomputed from the saved log-sum-exp, never stored. With
   delta = rowsum(dO * O): dV = P^T dO, dS = P * (dO V^T - delta),
   dK = scale * dS^T Q, dQ = scale * dS K.
+- Soft-cap (`softcap` c, Gemma-2): the scaled scores s become c tanh(s / c)
+  in every kernel's tile, and the backward multiplies dS by 1 - tanh^2(s / c)
+  before dK and dQ (`common.soft_cap_tile`, `common.soft_cap_grad`).
 
 The exponentials are taken base 2 (exp2 is the native GPU instruction): the
 scores are multiplied by scale * log2(e) and the saved log-sum-exp is in
@@ -165,6 +168,7 @@ class _Config:
   """Static description of one call, shared by the forward and backward."""
   scale: float
   causal: bool
+  softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
   q_len: int  # true query length (the arrays are padded past it)
   kv_len: int  # true key length (the arrays are padded past it)
   blocks: BlockSizes
@@ -200,10 +204,13 @@ def _key_tile_mask(q_start, kv_tile, block_q: int, block_k: int, cfg: _Config, *
                kv_seg_S=None if q_seg_T is None else kv_seg_ref[pl.ds(k_start, block_k)])
 
 
-def _scores(q_TD, k_SD, mask, scale: float):
-  """Base-2 scores of a tile, masked entries -inf: [block_q, block_k] float32."""
-  s_TS = _dot(q_TD, k_SD, 1, 1) * (scale * common.LOG2_E)
-  return s_TS if mask is None else jnp.where(mask, s_TS, -jnp.inf)
+def _scores(q_TD, k_SD, mask, cfg: _Config):
+  """Base-2 scores of a tile (soft-capped with `cfg.softcap`), masked entries
+  -inf, [block_q, block_k] float32, and the cap's tanh tile (None without a
+  cap) for the backward."""
+  s_TS, tanh_TS = common.soft_cap_tile(_dot(q_TD, k_SD, 1, 1) * cfg.scale, cfg.softcap)
+  s_TS = s_TS * common.LOG2_E
+  return (s_TS if mask is None else jnp.where(mask, s_TS, -jnp.inf)), tanh_TS
 
 
 def _fori(lo, hi, body, carry):
@@ -254,7 +261,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, tiles_ref, bound
     k_slice = pl.ds(kv_tile * block_k, block_k)
     mask = _key_tile_mask(q_start, kv_tile, block_q, block_k, cfg, masked=masked,
                           q_seg_T=q_seg_T, kv_seg_ref=kv_seg_ref)
-    s_TS = _scores(q_TD, k_ref[k_slice, :], mask, cfg.scale)
+    s_TS, _ = _scores(q_TD, k_ref[k_slice, :], mask, cfg)
     m_new_T = jnp.maximum(m_T, jnp.max(s_TS, axis=1))
     # A row with no visible key so far keeps m = -inf; subtracting 0 instead
     # keeps exp2(-inf - m) = 0 rather than NaN.
@@ -299,11 +306,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     mask = None if not masked else _mask(
         q_tile * block_q, k_start, block_q, block_k, cfg, ragged=False,
         q_seg_T=None if kv_seg_S is None else q_seg_ref[q_slice], kv_seg_S=kv_seg_S)
-    s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
+    s_TS, tanh_TS = _scores(q_TD, k_SD, mask, cfg)
     p_TS = jnp.exp2(s_TS - lse_ref[head, q_slice][:, None])
     dv_SD = dv_SD + _dot(p_TS.astype(do_TD.dtype), do_TD, 0, 0)
     dp_TS = _dot(do_TD, v_SD, 1, 1)
-    ds_TS = p_TS * (dp_TS - delta_ref[head, q_slice][:, None])
+    ds_TS = common.soft_cap_grad(p_TS * (dp_TS - delta_ref[head, q_slice][:, None]), tanh_TS)
     dk_SD = dk_SD + _dot(ds_TS.astype(q_TD.dtype), q_TD, 0, 0)
     return dk_SD, dv_SD
 
@@ -340,10 +347,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
     mask = _key_tile_mask(q_start, kv_tile, block_q, block_k, cfg, masked=masked,
                           q_seg_T=q_seg_T, kv_seg_ref=kv_seg_ref)
     k_SD = k_ref[k_slice, :]
-    s_TS = _scores(q_TD, k_SD, mask, cfg.scale)
+    s_TS, tanh_TS = _scores(q_TD, k_SD, mask, cfg)
     p_TS = jnp.exp2(s_TS - lse_T[:, None])
     dp_TS = _dot(do_TD, v_ref[k_slice, :], 1, 1)
-    ds_TS = p_TS * (dp_TS - delta_T[:, None])
+    ds_TS = common.soft_cap_grad(p_TS * (dp_TS - delta_T[:, None]), tanh_TS)
     return dq_TD + _dot(ds_TS.astype(k_SD.dtype), k_SD, 1, 0)
 
   dq_TD = jnp.zeros(q_TD.shape, jnp.float32)
@@ -475,7 +482,8 @@ _flash = common.flash_vjp(_forward, _backward)
 
 def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                            q_segment_ids, kv_segment_ids, block_q: int | None,
-                           block_k: int | None, interpret: bool, device):
+                           block_k: int | None, interpret: bool, device,
+                           softcap: float | None = None):
   """The portable kernels on [B, T, H, D] inputs, tiles chosen for `device`
   (`choose_block_sizes`) unless `block_q` / `block_k` are given."""
   B, T, H, D = q_BTHD.shape
@@ -488,7 +496,7 @@ def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   if block_k is not None:
     blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dkv=block_k,
                                  block_k_dq=block_k)
-  cfg = _Config(scale=scale, causal=causal, q_len=T, kv_len=S, blocks=blocks,
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, q_len=T, kv_len=S, blocks=blocks,
                 interpret=interpret)
   # Tile alignment: the head dim zero-padded to a power of two >= 16, the
   # lengths to whole tiles.

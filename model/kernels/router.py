@@ -34,10 +34,11 @@ def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "scale", "block_q", "block_k", "interpret", "lowering", "device"))
+    "causal", "scale", "softcap", "block_q", "block_k", "interpret", "lowering", "device"))
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                     q_segment_ids=None, kv_segment_ids=None,
-                    scale: float | None = None, block_q: int | None = None,
+                    scale: float | None = None, softcap: float | None = None,
+                    block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None,
                     lowering: str | None = None, device=None):
   """Exact attention by tiles with the online softmax (FlashAttention).
@@ -49,6 +50,8 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither;
       query i sees key j only if the ids are equal and the key's is not 0.
     scale: score multiplier, default 1 / sqrt(D).
+    softcap: c of Gemma-2's soft-cap c tanh(s / c) on the scaled scores
+      (every kernel); None: none.
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
     interpret: run the Pallas interpreter; default: when `device` is not the
@@ -93,6 +96,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                                device_kind=device.device_kind)
   if interpret is None:
     interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  softcap = None if softcap is None else float(softcap)
   if lowering == "mosaic_tpu":
     if not interpret and block_k is not None and block_k % tpu.LANES:
       raise ValueError(f"flash_attention: lowering='mosaic_tpu' on a TPU takes block_k "
@@ -105,7 +109,7 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     return tpu.tpu_flash_attention(
         q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        blocks=blocks, interpret=interpret)
+        blocks=blocks, interpret=interpret, softcap=softcap)
   if lowering == "mosaic_gpu":
     reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:
@@ -123,11 +127,11 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     return hopper.hopper_flash_attention(
         q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
         q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        blocks=blocks, interpret=interpret)
+        blocks=blocks, interpret=interpret, softcap=softcap)
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")
   return triton.triton_flash_attention(
       q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
       kv_segment_ids=kv_segment_ids, block_q=block_q, block_k=block_k,
-      interpret=interpret, device=device)
+      interpret=interpret, device=device, softcap=softcap)
