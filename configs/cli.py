@@ -15,6 +15,7 @@ exit status 2, not a traceback:
 Each is checked against the defined flags and the loaded config itself,
 never by reading a library's error message.
 """
+import ast
 import difflib
 import os
 import sys
@@ -145,12 +146,25 @@ def _check(argv: list[str], values: flags.FlagValues) -> None:
       raise _unknown_flag(arg, fields)
 
 
+def _readable(message: str) -> str:
+  """A message whose value is an exception's args tuple (`flag --x=yes: ('Non-boolean
+  argument to boolean flag', 'yes')`) with the tuple written out as text."""
+  head, sep, tail = message.partition(": ")
+  try:
+    parts = ast.literal_eval(tail) if sep else None
+  except (ValueError, SyntaxError):
+    return message
+  if isinstance(parts, tuple) and all(isinstance(p, str) for p in parts):
+    return f"{head}: {': '.join(parts)}"
+  return message
+
+
 def _parse(argv: list[str], values: flags.FlagValues) -> list[str]:
   _check(argv, values)
   try:
     return values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
-    raise UserError(first_line(e)) from e
+    raise UserError(_readable(first_line(e))) from e
 
 
 def parse_flags(argv: list[str], values: flags.FlagValues = flags.FLAGS) -> list[str]:

@@ -7,6 +7,8 @@ import shlex
 import sys
 
 
+from ml_collections import config_dict
+
 from configs.cli import check_field, config_fields, load_config
 from configs.errors import UserError
 from configs.validation import eval_points, validate

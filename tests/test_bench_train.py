@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 def test_train_throughput_runs_and_writes_json(tmp_path):
   out = tmp_path / "train_throughput.json"
-  cmd = [sys.executable, str(ROOT / "bench" / "train_throughput.py"), "--config",
+  cmd = [sys.executable, "-m", "bench.train_throughput", "--config",
          str(ROOT / "configs" / "tiny.py"), "--config.model.num_layers=1",
          "--config.train.batch_size=2", "--config.train.seq_len=16", "--steps", "2",
          "--warmup", "1", "--out", str(out)]

@@ -15,7 +15,7 @@ from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 
 
 def _config(causal: bool, q_len: int, block_q_dkv: int = 64):
-  return hopper._Config(scale=1.0, causal=causal, segments=True, q_len=q_len, kv_len=q_len,
+  return hopper._Config(scale=1.0, causal=causal, softcap=None, segments=True, q_len=q_len, kv_len=q_len,
                         group=1, blocks=hopper.HopperBlocks(64, block_q_dkv, 2),
                         interpret=True)
 

@@ -40,7 +40,8 @@ def _parse(monkeypatch, *args):
      "command line: model.colour: no such config field"),
     (["--config.train.num_steps=3"], "--config.train.num_steps: give --config first"),
     (["--config", "configs/absent.py"],
-     "--config configs/absent.py: cannot load it (no such file, or it fails to import)"),
+     "--config configs/absent.py: cannot load it (no such file, or it fails to import); "
+     "the presets: configs/addition.py, "),
     (["--workdirr=runs/x"], "--workdirr: no such flag (see --help)"),
     (["--config", "configs/tiny.py", "--config.train.num_steps=many"],
      "flag --config.train.num_steps=many: invalid literal for int() with base 10: 'many"),
@@ -49,7 +50,8 @@ def test_mistakes_are_one_line_naming_the_fix(monkeypatch, capsys, args, message
   with pytest.raises(SystemExit) as exit_info:
     _parse(monkeypatch, *args)
   assert exit_info.value.code == 2
-  assert capsys.readouterr().err == f"error: {message}\n"
+  err = capsys.readouterr().err
+  assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
 
 
 def test_good_flags_parse(monkeypatch):

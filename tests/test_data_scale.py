@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from data import corpora
-from tests.test_train import ROOT
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow
 BUDGET = 1 << 30  # RLIMIT_DATA of the training process and its workers

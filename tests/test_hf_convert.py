@@ -382,7 +382,7 @@ def test_export_check_names_every_field_llama_does_not_map(field):
 def test_qwen3_in_and_out(tok, tmp_path):
   """QK-norm (q_norm, k_norm drawn at random, so that swapping them shows),
   a head_dim of 16 that is not hidden_size / heads = 8, GQA, untied head."""
-  hf_model = _llama(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=16)
+  hf_model = tiny_llama(transformers.Qwen3ForCausalLM, transformers.Qwen3Config, head_dim=16)
   with torch.no_grad():
     for name, parameter in hf_model.named_parameters():
       if "norm" in name:

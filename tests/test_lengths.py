@@ -9,7 +9,7 @@ import pytest
 
 from configs.errors import UserError
 from sweeps import lengths as sweep_lengths
-from tests.test_train import small_config, tok_dir  # pylint: disable=unused-import
+from tests.helpers import small_config
 from training import evaluate, lengths, loop
 
 TRAIN_LEN = 16
@@ -55,7 +55,9 @@ def test_eval_at_four_times_the_training_length(run_of, pos_emb):
   assert targets.sum() == report["targets"] and (targets > 0).all()
   mean = sum(b["loss"] * b["targets"] for b in buckets) / targets.sum()
   np.testing.assert_allclose(mean, report["loss"], rtol=1e-5)
-  saved = json.loads(pathlib.Path(workdir, "eval_report.json").read_text())
+  (path,) = [f for f in report["files"] if f.endswith("eval_report.json")]
+  assert pathlib.Path(path).parent.name == f"step_{report['step']}_64"  # the step's own stays
+  saved = json.loads(pathlib.Path(path).read_text())
   assert saved["loss_by_position"] == table
   assert pathlib.Path(workdir, "loss_by_position_64.png").stat().st_size > 0
   assert lengths.read_lengths(workdir)["64"]["loss"] == report["loss"]

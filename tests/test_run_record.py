@@ -14,7 +14,7 @@ from configs import validation
 from configs.errors import UserError
 from training import evaluate, loop, workdir as workdir_lib
 import sweeps as sweep_lib
-from tests.test_train import ROOT, overrides, small_config, tok_dir  # pylint: disable=unused-import
+from tests.helpers import ROOT, overrides, small_config
 
 
 def _config(tok_dir, **train):
@@ -192,8 +192,7 @@ def test_changed_sweep_is_refused_and_status_says_changed(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--config", "configs/tiny.py", "--num_steps=100"],
-     "error: Unknown command line flag 'num_steps'; config fields are set as "
-     "--config.train.num_steps=..."),
+     "error: --num_steps: no such flag; the config field is --config.train.num_steps=100"),
     (["--config", "configs/nope.py"],
      "error: --config configs/nope.py: cannot load it (no such file, or it fails to import); "
      "the presets: configs/addition.py, "),

@@ -90,7 +90,7 @@ def test_gradient_accumulation_equals_the_whole_batch_step(accum_steps):
   eval_step = jit_eval_step(graphdef, "next_token")
   batch = next_token_batch()
   rows = B // accum_steps
-  micro_means = [float(s / c) for s, c, _ in (
+  micro_means = [float(sums[0] / sums[1]) for sums in (
       eval_step(params, {k: v[i * rows:(i + 1) * rows] for k, v in batch.items()})
       for i in range(accum_steps))]
   assert abs(np.mean(micro_means) - loss) > 1e-4

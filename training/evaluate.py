@@ -170,15 +170,20 @@ def attention_ids(config, tok, prompt_ids: list[int] | None = None) -> list[int]
   first ATTENTION_TOKENS tokens of the validation split."""
   if prompt_ids is not None:
     return list(prompt_ids)[:config.train.seq_len]
-  val = tokens.load_split(config.data, tok, "validation").tokens
-  return [tok.bos_id] + [int(i) for i in val[:ATTENTION_TOKENS - 1]]
+  index = pipeline.split_index(config, tok, "validation", quiet=True)
+  ids = [tok.bos_id]
+  for d in range(index.num_documents):
+    ids += [int(i) for i in index.document(d)[:ATTENTION_TOKENS - len(ids)]]
+    if len(ids) >= ATTENTION_TOKENS:
+      break
+  return ids
 
 
 def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
   """A grid of every layer (rows) and head (columns), tokens on the axes, one colour bar."""
   stack = model.encoder if config.model.family != "decoder" else model.decoder
   causal = config.model.family == "decoder"
-  layers = len(stack.layers)
+  layers = stack.num_layers
   weights = [np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
              for layer in range(layers)]
   heads = weights[0].shape[0]
@@ -212,7 +217,9 @@ def _write_report(report: dict, workdir: str, out: str) -> list[str]:
   paths = [os.path.join(out, REPORT_FILE)]
   _write_json(paths[0], report)
   top = os.path.join(workdir, REPORT_FILE)
-  if report.get("data_override") is None:
+  whole_split = (report.get("data_override") is None and "rope_override" not in report
+                 and report.get("seq_len") == report.get("train_seq_len"))
+  if whole_split:
     try:
       with open(top, encoding="utf-8") as f:
         newest = json.load(f).get("step", -1)
@@ -307,7 +314,10 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
                                  max_examples=max_examples))
     attention_prompt = rows.prompt(0)
-  out = out or os.path.join(workdir, EVAL_DIR, f"step_{step}")
+  if out is None:  # another length or RoPE scaling: a folder of its own
+    other = seq_len is not None and seq_len != train_len or rope_override
+    out = os.path.join(workdir, EVAL_DIR, f"step_{step}"
+                       + (f"_{lengths.label(seq_len or train_len, rope_override)}" if other else ""))
   files = _write_report(report, workdir, out) + length_files
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):

@@ -188,6 +188,9 @@ def check_resume(config: config_dict.ConfigDict, workdir: str) -> list:
   saved = load_config(workdir)
   check_same_shapes(saved, config, workdir)
   changes = config_changes(saved.to_dict(), config_to_dict(config))
+  # A layout left unset (None) resumes as the saved run's (`keep_layout`): no change.
+  changes = [c for c in changes if not (c[0] == "model.scan_layers" and c[1] is None
+                                        and c[2] == validation.scan_layers(saved.model))]
   unsafe = unsafe_changes(changes)
   if unsafe and not config.train.allow_config_changes:
     raise UserError(f"{workdir} was trained with another config: {describe_changes(unsafe)}; "
