@@ -19,9 +19,9 @@ $(STAMP): requirements.txt requirements-test.txt requirements-libtpu.txt
 
 install: $(STAMP)
 
-## Run the test suite (about 12 minutes on 2 CPU cores).
+## Run the test suite (two worker processes, one per CPU core).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 ## The slower checks, marked `slow`, skipped by `make test`.
 test-slow: $(STAMP)

@@ -58,7 +58,8 @@ def forward(model, family, tokens):
   return model(tokens)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [f if f == "decoder" else pytest.param(f, marks=pytest.mark.slow)
+                                    for f in FAMILIES])
 def test_scanned_layers_give_the_loops_logits_and_gradients(family):
   """Same weights: same logits and same gradients (stacked), with remat inside the scan."""
   looped, scanned = loop_and_scanned(remat=True, **FAMILIES[family])

@@ -199,11 +199,6 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
   latest = _latest_step(workdir)
   changes = workdir_lib.check_resume(config, workdir) if latest is not None else []
-  if latest is not None and latest >= tc.num_steps:
-    _print(f"{workdir} is complete: trained {latest}/{tc.num_steps} steps; nothing to do "
-           f"(evaluate it: python eval.py --workdir {workdir}; train longer: "
-           "--config.train.num_steps=<more>)")
-    return {}
   memory = startup.check_memory(config, mesh)
   created = not os.path.exists(workdir)
 
@@ -275,6 +270,12 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
       where=f"resume of {workdir}")
   if restored is not None:
     start, state, meta = restored
+    if start >= tc.num_steps:  # the newest intact checkpoint, so a damaged last one retrains
+      checkpointer.close()
+      _print(f"{workdir} is complete: trained {start}/{tc.num_steps} steps; nothing to do "
+             f"(evaluate it: python eval.py --workdir {workdir}; train longer: "
+             "--config.train.num_steps=<more>)")
+      return {}
     if meta["tokenizer_fingerprint"] != tokenizer.fingerprint:
       raise UserError(f"{workdir}/tokenizer changed since step {start} (fingerprint "
                       f"{meta['tokenizer_fingerprint'][:12]} expected); use a new workdir")
