@@ -83,7 +83,7 @@ def submit_slurm(config, tok_path: str) -> None:
   import submitit  # pylint: disable=import-outside-toplevel
   from data import tokens  # pylint: disable=import-outside-toplevel
   from sweeps import slurm  # pylint: disable=import-outside-toplevel
-  from sweeps.common import first_line  # pylint: disable=import-outside-toplevel
+  from configs.errors import first_line  # pylint: disable=import-outside-toplevel
   params = slurm.slurm_parameters("prepare", nodes=1, tasks_per_node=1, gpus_per_node=0,
                                   cpus_per_task=_CPUS.value, timeout_min=_TIMEOUT.value,
                                   partition=_PARTITION.value, account=None, parallel=None,

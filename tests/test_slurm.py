@@ -23,7 +23,7 @@ from tokenizer import train_tokenizer
 from training.workdir import load_run
 from sweeps.state import last_step
 from scripts import local_slurm
-from tests.helpers import small_flags, sweep_cli, TINY, TWO_VARIANTS, write_sweep
+from tests.helpers import ROOT, small_flags, sweep_cli, TINY, TWO_VARIANTS, write_sweep
 
 pytestmark = [pytest.mark.slow, pytest.mark.slurm]
 FITS = ["--launcher", "slurm", "--gpus_per_node", "0", "--cpus_per_task", "1"]
