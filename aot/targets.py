@@ -16,8 +16,10 @@ counted both directions (ICI for TPUs, NVLink for GPUs), which is what a
 ring collective over the chip's links can use.
 """
 import dataclasses
+import importlib.util
 import math
 import pathlib
+import sys
 
 from configs.errors import UserError
 from training import hardware
@@ -26,6 +28,7 @@ GB = 1e9
 GIB = 2**30
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200_TARGET_CONFIG = ROOT / "bench" / "h200_target.txtpb"
+LIBTPU_DIR = ROOT / ".venv" / "libtpu"  # `make install` keeps libtpu here, off the default path
 INSTALL = {"tpu": "pip install -r requirements-tpu.txt (and run with JAX_PLATFORMS=cpu)",
            "gpu": "pip install -r requirements-gpu.txt (its own venv: the CUDA wheels take "
                   "4.4 GB; no GPU or driver needed)"}
@@ -93,6 +96,9 @@ def parse_target(text: str) -> Target:
 def target_devices(target: Target) -> list:
   """Abstract devices of the target slice (compile-only; nothing runs on them)."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  if (target.chip.platform == "tpu" and importlib.util.find_spec("libtpu") is None
+      and LIBTPU_DIR.is_dir()):
+    sys.path.append(str(LIBTPU_DIR))  # loaded for this compile only, never probed at start-up
   try:
     if target.chip.platform == "tpu":
       topology = topologies.get_topology_desc(platform="tpu",

@@ -1,6 +1,6 @@
 """The data pipeline on corpora of about 0.1, 1 and 4 GB of real text.
 
-  python bench/data_pipeline.py --sizes 0.1,1 --out bench/results/data_pipeline-DATE.json
+  python -m bench.data_pipeline --sizes 0.1,1 --out bench/results/data_pipeline-DATE.json
 
 Builds, under --scratch (deleted afterwards), Parquet shards of about 64 MB
 of text from the Python sources and docs installed here (.py, .rst, .md,
@@ -37,8 +37,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench.bench_utils import ROOT, git_commit  # pylint: disable=wrong-import-position
+from bench.bench_utils import ROOT, git_commit
 
 SHARD_BYTES = 64_000_000  # at most; a corpus has at least 16 shards when it can (8 MB each)
 _WORDS = ["self", "return", "import", "from", "value", "name", "data", "result", "path",
@@ -263,7 +262,7 @@ def main():
                       help="where the corpora and caches go (deleted afterwards)")
   parser.add_argument("--tokenizer", default="", help="a saved tokenizer (default: train one)")
   parser.add_argument("--out", default="", help="JSON file for the results")
-  parser.add_argument("--one-worker-max-gb", type=float, default=float("inf"),
+  parser.add_argument("--one_worker_max_gb", type=float, default=float("inf"),
                       help="measure 1-worker tokenisation only up to this corpus size")
   args = parser.parse_args()
   scratch = pathlib.Path(args.scratch)

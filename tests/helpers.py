@@ -16,6 +16,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers import Regex, trainers
 
 import convert
+from aot.targets import LIBTPU_DIR
 from configs import base
 from model.attention import attention
 from model.kernels.router import flash_attention
@@ -24,7 +25,6 @@ from training.checkpoint import Checkpointer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.py")
-LIBTPU_DIR = ROOT / ".venv" / "libtpu"  # make install keeps libtpu here, off the default path
 
 
 def with_libtpu(env: dict) -> dict:

@@ -65,6 +65,41 @@ def test_collectives_read_from_hlo():
   assert found["reduce-scatter"] == {"count": 1, "bytes": 32, "traffic_bytes": 32}
 
 
+def test_a_loop_body_counts_once_per_iteration():
+  """Scanned layers: the collectives and kernels of a while loop's body count
+  its trip count times per step, nested loops multiply, and a loop the
+  compiler knows no trip count of counts once."""
+  hlo = """HloModule m
+%body.1 (p: f32[8]) -> f32[8] {
+  %ag = bf16[256,128]{1,0} all-gather(%p0), replica_groups=[1,4]<=[4], dimensions={0}
+  %k = f32[4,2,128,64]{3,2,1,0} custom-call(%r), custom_call_target="tpu_custom_call", metadata={op_name="jit(run)/flash_attention_tpu_dq/pallas_call"}
+  %inner = f32[8] while(%x), condition=%cond.2, body=%body.2, backend_config={"known_trip_count":{"n":"2"}}
+}
+%body.2 (p: f32[8]) -> f32[8] {
+  %ar = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add
+}
+%cond.2 (p: f32[8]) -> pred[] {
+  %lt = pred[] compare(%a, %b), direction=LT
+}
+%unknown (p: f32[8]) -> f32[8] {
+  %ar2 = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add
+}
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = f32[8] while(%a), condition=%cond.1, body=%body.1, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"80"}}
+  %w2 = f32[8] while(%a), condition=%cond.1, body=%unknown
+  %ag0 = bf16[256,128]{1,0} all-gather(%p0), replica_groups=[1,4]<=[4], dimensions={0}
+}
+"""
+  runs = aot.multiplicities(hlo)
+  assert (runs["main"], runs["body.1"], runs["body.2"], runs["unknown"]) == (1, 80, 160, 1)
+  found = aot.collectives(hlo)
+  assert found["all-gather"]["count"] == 81 and found["all-reduce"]["count"] == 161
+  assert found["all-gather"]["bytes"] == 81 * 256 * 128 * 2
+  assert aot.kernels(hlo)["flash_attention_tpu_dq"]["count"] == 80
+  assert aot.has_loops(hlo) and not aot.has_loops(hlo.replace('"n":"80"', '"n":"1"')
+                                                   .replace('"n":"2"', '"n":"1"'))
+
+
 @pytest.mark.tpu
 def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
   # Looped layers: XLA's cost analysis counts a scanned loop's body once.
