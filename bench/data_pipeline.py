@@ -152,6 +152,12 @@ def summary_rate(output: str) -> tuple[float, float]:
   return (float(match.group(1)), float(match.group(2))) if match else (0.0, 0.0)
 
 
+def ready_seconds(output: str) -> float:
+  """Seconds train.py took to get its data ready (its `data: ready in` line)."""
+  match = re.search(r"data: ready in ([\d.]+) s", output)
+  return float(match.group(1)) if match else float("nan")
+
+
 def du(path: pathlib.Path) -> int:
   return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
@@ -211,7 +217,7 @@ def bench_size(size_gb: float, scratch: pathlib.Path, tok_dir: str, one_worker: 
   for run in ("cold", "warm"):
     workdir = scratch / f"run-{run}"
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime
-    r = run_watched(train + ["--workdir", str(workdir)], env, first_line="step 1:")
+    r = run_watched(train + ["--workdir", str(workdir)], env, first_line="step 1/")
     cpu = resource.getrusage(resource.RUSAGE_CHILDREN).ru_utime - cpu_before
     shutil.rmtree(workdir)
     result[f"{run}_first_step_s"] = r["first"]
@@ -220,8 +226,14 @@ def bench_size(size_gb: float, scratch: pathlib.Path, tok_dir: str, one_worker: 
     if run == "cold":
       result["tokenise_2_workers_mb_s"], result["cold_data_s"] = summary_rate(r["output"])
       result["cold_cpu_s"] = cpu
+      # The data work of a cold start beside tokenisation (the index, the first
+      # batches), as a share of the whole start up to the first step.
+      result["cold_other_data_s"] = ready_seconds(r["output"]) - result["cold_data_s"]
+      result["cold_other_data_share"] = result["cold_other_data_s"] / r["first"]
       print(f"[{size_gb:g} GB] 2 workers: {result['tokenise_2_workers_mb_s']:.2f} MB/s, "
-            f"{result['cold_data_s']:.0f} s of data work", flush=True)
+            f"{result['cold_data_s']:.0f} s of tokenisation, {result['cold_other_data_s']:.1f} s "
+            f"of other data work ({100 * result['cold_other_data_share']:.1f}% of the cold "
+            "start)", flush=True)
     print(f"[{size_gb:g} GB] {run}: first step {r['first']:.1f} s, peak RSS "
           f"{r['peak_rss_gib']:.2f} GiB (workers {r['worker_peak_rss_gib']:.2f})", flush=True)
   prep = subprocess.run([sys.executable, "-c", PREP_TIMER, paths, str(cache), tok_dir], cwd=ROOT,
@@ -250,7 +262,7 @@ def train_tokenizer(scratch: pathlib.Path) -> str:
     inputs.append(str(target))
     total += path.stat().st_size
   out = scratch / "tokenizer"
-  subprocess.run([sys.executable, "-m", "tokenizer.train", "--kind", "bpe", "--vocab-size",
+  subprocess.run([sys.executable, "-m", "tokenizer.train", "--kind", "bpe", "--vocab_size",
                   "1024", "--input", *inputs, "--out", str(out)], cwd=ROOT, check=True)
   return str(out)
 
@@ -276,14 +288,16 @@ def main():
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
   print("\n| corpus text | cold first step | cold peak RSS | warm first step | warm peak RSS "
-        "| warm data prep | cache | tokenise 1 worker | tokenise 2 workers |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "| warm data prep | cache | tokenise 1 worker | tokenise 2 workers | other cold data "
+        "work |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for r in results:
     print(f"| {r['text_bytes'] / 1e9:.2f} GB | {r['cold_first_step_s']:.1f} s "
           f"| {r['cold_peak_rss_gib']:.2f} GiB | {r['warm_first_step_s']:.1f} s "
           f"| {r['warm_peak_rss_gib']:.2f} GiB | {r['warm_prep_s']:.2f} s "
           f"| {r['cache_bytes'] / 1e9:.2f} GB | {r.get('tokenise_1_worker_mb_s', 0):.2f} MB/s "
-          f"| {r['tokenise_2_workers_mb_s']:.2f} MB/s |")
+          f"| {r['tokenise_2_workers_mb_s']:.2f} MB/s "
+          f"| {r['cold_other_data_s']:.1f} s ({100 * r['cold_other_data_share']:.1f}%) |")
   record = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "nproc": len(os.sched_getaffinity(0)),
             "load_average": os.getloadavg(), "results": results}

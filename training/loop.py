@@ -261,9 +261,12 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   tokenizer = workdir_lib.setup_tokenizer(config, workdir, source and source[1])
   process = {"process_index": jax.process_index(), "process_count": jax.process_count(),
              "local_process_count": local_process_count()}
+  data_start = time.perf_counter()
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
   eval_batches = [shard_batch(batch, mesh) for batch in
                   pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
+  print(f"data: ready in {time.perf_counter() - data_start:.1f} s (tokenisation, index, "
+        "first batches)", file=sys.stderr, flush=True)
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
   restored = checkpointer.restore_newest_intact(
       with_shardings(abstract, state_sharding), data_iter, move_aside=True,
