@@ -192,6 +192,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   config = workdir_lib.keep_layout(config, workdir)
   validate(config)
+  config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
   tc = config.train

@@ -39,6 +39,7 @@ RESUME_SAFE_FIELDS = (
     "train.checkpoint_every", "train.keep_checkpoints", "train.peer_timeout_s",
     "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
     "train.restore_from", "data.num_workers", "data.cache_dir",
+    "train.token_budget", "train.flop_budget",  # they set train.num_steps
 )
 
 
