@@ -39,6 +39,7 @@ class Variant:
 
 
 def _seeds_check(seeds: int | None, fields: list[str], where: str) -> None:
+  """With seeds, train.seed is theirs: a variant or flag setting it is refused."""
   if seeds and "train.seed" in fields:
     raise UserError(f"train.seed is set {where} and by the sweep's seeds ({seeds}: "
                     "train.seed = 0..N-1 for every variant); drop one of them")
