@@ -180,6 +180,7 @@ def test_report_aggregates_the_seeds_of_each_variant(tmp_path):
   md = (root / "report.md").read_text()
   assert "## Statistics over seeds" in md and "| pos_emb=none,norm_position=post | 3 |" in md
   assert "## Cost" in md and str(root / "validation_curves.png") in written
+  assert "6 runs (2 variant(s) x 3 seeds)" in sweep_lib.status_lines(str(root))[0]
   sweep_lib.write_report(str(root), "pos_emb=none,norm_position=post")
   assert read_csv(root / "report_summary.csv")[0]["loss_verdict"] == "differs"
 
