@@ -2,9 +2,11 @@
 
   python sweep.py run --sweep configs/sweeps/pos_norm.py [--config configs/tiny.py]
       [--root runs/sweeps/pos_norm] [--launcher local|slurm] [--parallel N] [--dry_run]
+      [--seeds N]                            # each variant N times, train.seed 0..N-1
       [--config.train.num_steps=200 ...]     # overrides for every variant
   python sweep.py status --root runs/sweeps/pos_norm
-  python sweep.py report --root runs/sweeps/pos_norm   # report.md, report.csv, PNGs
+  python sweep.py report --root runs/sweeps/pos_norm [--baseline VARIANT]
+      # report.md, report.csv (per run), report_summary.csv (per variant), PNGs
 
 Running `run` again resumes the unfinished variants and skips the done ones.
 A variant whose workdir was trained with another config than the sweep now
@@ -33,6 +35,11 @@ _PARALLEL = flags.DEFINE_integer("parallel", None, "Variants at once: local proc
                                  "(default 1) or the SLURM array's %N.", lower_bound=1)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands (and the submitit "
                              "parameters and sbatch script); run nothing.")
+_SEEDS = flags.DEFINE_integer("seeds", None, "run: train each variant N times, train.seed = "
+                              "0..N-1, in <root>/<variant>,seed=<k> (default: the sweep's "
+                              "SEEDS, else once).", lower_bound=1)
+_BASELINE = flags.DEFINE_string("baseline", None, "report: the variant the others are "
+                                "compared with (default: the first).")
 _RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
                                    "with another config in place (old workdirs set aside).")
 _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
@@ -68,14 +75,15 @@ def run(overrides: list[str]) -> int:
     raise UserError("run needs --config (or CONFIG in the sweep file)")
   config = config_flags.get_config_filename(flags.FLAGS["config"])
   root = _ROOT.value or os.path.join("runs", "sweeps", sweep.name)
-  variants = sweep_lib.make_variants(sweep, config, overrides, root)
+  seeds = _SEEDS.value or sweep.seeds
+  variants = sweep_lib.make_variants(sweep, config, overrides, root, seeds)
   for line in sweep_lib.few_points(variants):
     print(line, file=sys.stderr)
   changed = [(v, sweep_lib.changed_fields(v)) for v in variants]
   changed = [(v, c) for v, c in changed if c]
   if changed and not _DRY_RUN.value:
     if not _RERUN_CHANGED.value:
-      sweep_lib.write_manifest(root, sweep, config, overrides, variants)
+      sweep_lib.write_manifest(root, sweep, config, overrides, variants, seeds)
       first, fields = changed[0]
       raise UserError(
           f"{len(changed)} variant(s) in {root} were trained with another config than this "
@@ -96,7 +104,7 @@ def run(overrides: list[str]) -> int:
     return 0
   if _LAUNCHER.value == "slurm" and todo:
     sweep_lib.check_fits(params)
-  sweep_lib.write_manifest(root, sweep, config, overrides, variants)
+  sweep_lib.write_manifest(root, sweep, config, overrides, variants, seeds)
   if _LAUNCHER.value == "local":
     return 1 if sweep_lib.run_local(todo, _PARALLEL.value or 1) else 0
   for job, variant in zip(sweep_lib.submit_slurm(todo, folder, params, _MAX_TIMEOUTS.value), todo):
@@ -120,7 +128,7 @@ def main(argv):
     if commands[0] == "status":
       print("\n".join(sweep_lib.status_lines(_ROOT.value)))
     else:
-      print("wrote " + ", ".join(sweep_lib.write_report(_ROOT.value)))
+      print("wrote " + ", ".join(sweep_lib.write_report(_ROOT.value, _BASELINE.value)))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

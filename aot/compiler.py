@@ -362,6 +362,7 @@ def lower_step(config, target: Target, step: str = "train"):
       or a target whose compiler is not installed.
   """
   validate(config)
+  config = accounting.with_budget(config)  # num_steps as train.py sets it (the schedule)
   mesh = make_mesh(config.mesh, target_devices(target))
   lowered, held = lower_on_mesh(config, mesh, step)
   return lowered, held, mesh

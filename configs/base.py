@@ -118,6 +118,7 @@ def get_config() -> config_dict.ConfigDict:
   d.task_max_len = 24  # reverse | sort | addition: longest string (digits per number)
   d.task_test_min_len = 0  # shortest held-out string; 0: task_min_len (raise it to test longer)
   d.task_seed = 0  # reverse | sort | addition: which examples are drawn
+  d.seed = config_dict.placeholder(int)  # data order (the shuffle) and MLM masks; None: train.seed
   d.task_addition_format = "plain"  # addition: plain ("12+5" -> "17") | aligned (numbers
   # zero-padded to task_max_len digits, sum least-significant digit first: "012+005" -> "7100")
   d.src_field = "src"  # pairs: JSONL field or TSV header column of the source
@@ -134,6 +135,8 @@ def get_config() -> config_dict.ConfigDict:
   tr = c.train = config_dict.ConfigDict()
   tr.objective = "next_token"  # next_token | seq2seq | mlm | classify
   tr.num_steps = 1000  # optimizer steps
+  tr.token_budget = 0.0  # > 0: num_steps = floor(token_budget / (batch_size x seq_len)); 0: unused
+  tr.flop_budget = 0.0  # > 0: num_steps = floor(flop_budget / training FLOPs per step); 0: unused
   tr.batch_size = 16  # sequences per step (global, across all devices)
   tr.seq_len = 128  # tokens per sequence (seq2seq: prefix-LM row, or encoder-decoder source)
   tr.tgt_seq_len = 0  # encoder_decoder seq2seq: target tokens (tgt_in/tgt_out); 0: seq_len
@@ -150,7 +153,7 @@ def get_config() -> config_dict.ConfigDict:
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
   #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE or
   #   ~/.cache/transformer_lab/jax; "none": compile at every start
-  tr.seed = 0  # parameter init, data order, MLM masking
+  tr.seed = 0  # parameter init; data order and MLM masking too while data.seed is None
   tr.log_every = 10  # steps between metric lines
   tr.eval_every = config_dict.placeholder(int)  # steps between validation passes (of
   #   eval_steps batches, logged as val<eval_steps>_loss); None: num_steps // 10, so 10 points

@@ -10,7 +10,8 @@ exit status 2, not a traceback:
   spelling (`--config.train.num_steps=100`);
 - a misspelt config override (`--config.model.colour=red`): no such field,
   and the closest one;
-- a config file that cannot be loaded, or a value of the wrong type.
+- a config file that cannot be loaded, or a value of the wrong type;
+- `--config.train.num_steps` beside a token or FLOP budget, which sets it.
 
 Each is checked against the defined flags and the loaded config itself,
 never by reading a library's error message.
@@ -23,6 +24,7 @@ import sys
 from absl import flags
 from ml_collections import config_dict, config_flags
 
+from configs import validation
 from configs.errors import UserError, first_line
 
 OVERRIDE = "--config."  # the prefix of a config override
@@ -100,6 +102,16 @@ def load_config(config_path: str, overrides: list[str] = ()) -> config_dict.Conf
     raise UserError(first_line(e)) from e
 
 
+def check_budget_overrides(config: config_dict.ConfigDict, fields: list[str]) -> None:
+  """A budget sets train.num_steps (`model.accounting.with_budget`): a
+  train.num_steps among the overridden `fields` beside one is refused, not
+  silently replaced (a config file's own num_steps is replaced)."""
+  given = validation.budget(config.train)
+  if given is not None and "train.num_steps" in fields:
+    raise UserError(f"train.num_steps={config.train.num_steps} is given beside "
+                    f"{given[0]}={given[1]:g}, which sets it; drop one of them")
+
+
 def _config_path(argv: list[str]) -> str | None:
   """The value of `--config PATH` or `--config=PATH` in `argv`, if any."""
   path = None
@@ -162,9 +174,15 @@ def _readable(message: str) -> str:
 def _parse(argv: list[str], values: flags.FlagValues) -> list[str]:
   _check(argv, values)
   try:
-    return values(argv)
+    rest = values(argv)
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UserError(_readable(first_line(e))) from e
+  config = values["config"].value if "config" in values else None
+  if isinstance(config, config_dict.ConfigDict):
+    overridden = [_flag_name(arg)[len("config."):] for arg in argv[1:]
+                  if arg.startswith(OVERRIDE)]
+    check_budget_overrides(config, overridden)
+  return rest
 
 
 def parse_flags(argv: list[str], values: flags.FlagValues = flags.FLAGS) -> list[str]:

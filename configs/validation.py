@@ -151,6 +151,21 @@ def eval_every(t) -> int:
   return max(1, t.num_steps // 10) if t.eval_every is None else t.eval_every
 
 
+def data_seed(config) -> int:
+  """The seed of the data order and the MLM masks (data.seed; None means
+  train.seed, as every run before data.seed had it)."""
+  return config.train.seed if config.data.seed is None else config.data.seed
+
+
+def budget(t) -> tuple[str, float] | None:
+  """(field, value) of the budget that sets train.num_steps, None when neither
+  train.token_budget nor train.flop_budget is set (0)."""
+  for field in ("token_budget", "flop_budget"):
+    if t[field]:
+      return f"train.{field}", t[field]
+  return None
+
+
 def eval_points(t) -> int:
   """Validation passes of a run: every eval_every steps and at the last step."""
   return -(-t.num_steps // eval_every(t))
@@ -280,6 +295,8 @@ def validate(config: config_dict.ConfigDict) -> None:
                 "data.tokenize_workers"):
     _check_positive(config, field, allow_zero=True)
   _check_positive(config, "train.eval_every", allow_none=True)
+  _check_positive(config, "data.seed", allow_none=True, allow_zero=True)
+  _validate_budget(config.train)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
     _fail("train.objective", objective,
@@ -313,6 +330,16 @@ def validate(config: config_dict.ConfigDict) -> None:
     value = config.mesh[axis]
     if not isinstance(value, int) or (value < 1 and value != -1):
       _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")
+
+
+def _validate_budget(t: config_dict.ConfigDict) -> None:
+  """train.token_budget and train.flop_budget: non-negative, at most one set."""
+  for field in ("token_budget", "flop_budget"):
+    if not t[field] >= 0:
+      _fail(f"train.{field}", t[field], "must be >= 0 (0: unused)")
+  if t.token_budget and t.flop_budget:
+    _fail("train.flop_budget", t.flop_budget, f"and train.token_budget={t.token_budget:g} "
+          "both set train.num_steps; set one of them to 0")
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:

@@ -25,10 +25,11 @@ The objective and data.task choose the rows (`rows_of_split`):
 - `classify` (data.task, `data/classify.py`): one labelled text per row:
   inputs/padding_mask/token_types and a label and weight per row.
 
-Training: the rows of the train split, shuffled with seed train.seed,
-a different order every epoch, repeated forever. Global batch g is rows
-[g * B, (g + 1) * B) of that stream (B = train.batch_size); process p of P
-gets its slice of B / P rows, [g * B + p * B / P, g * B + (p + 1) * B / P).
+Training: the rows of the train split, shuffled with seed data.seed (None:
+train.seed, `configs.validation.data_seed`), a different order every epoch,
+repeated forever. Global batch g is rows [g * B, (g + 1) * B) of that
+stream (B = train.batch_size); process p of P gets its slice of B / P rows,
+[g * B + p * B / P, g * B + (p + 1) * B / P).
 The iterator is Grain's, so `get_state()` / `set_state()` resume exactly.
 """
 import dataclasses
@@ -41,6 +42,7 @@ from ml_collections import config_dict
 import numpy as np
 
 from configs.errors import UserError
+from configs.validation import data_seed
 from data import classify
 from data import corpora
 from data import masking
@@ -168,11 +170,11 @@ def _causal_rows(packer: packing.RowPacker, row: int) -> dict[str, np.ndarray]:
 
 
 def _masked(config: config_dict.ConfigDict, tokenizer, ds: grain.MapDataset) -> grain.MapDataset:
-  """`mlm`: BERT masking, seeded by (train.seed, element index); else `ds`."""
+  """`mlm`: BERT masking, seeded by (data.seed, element index); else `ds`."""
   if config.train.objective != "mlm":
     return ds
   return ds.random_map(masking.for_tokenizer(config.train.mlm_probability, tokenizer),
-                       seed=config.train.seed)
+                       seed=data_seed(config))
 
 
 def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_index: int = 0,
@@ -200,7 +202,7 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
   share = tokens.Share(process_index, process_count, local_process_count)
   num_rows, row_fn = rows_of_split(config, tokenizer, "train", share)
   ds = (grain.MapDataset.range(num_rows)
-        .shuffle(seed=config.train.seed)
+        .shuffle(seed=data_seed(config))
         .repeat()
         .map(row_fn))
   ds = (_masked(config, tokenizer, ds)

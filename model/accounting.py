@@ -28,7 +28,8 @@ the tests hold them equal. Both return the same dict:
 - `params_final_norms`: the norm after each stack (pre-norm only).
 
 FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
-estimate is documented at `activation_bytes_per_token`.
+estimate is documented at `activation_bytes_per_token`. A token or FLOP
+budget becomes train.num_steps here (`with_budget`), from the same counts.
 """
 import math
 
@@ -36,6 +37,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs import validation
+from configs.errors import UserError
 from model import build_model
 from model.attention import model_implementation
 from model.config import ModelConfig
@@ -224,6 +227,41 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
   forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * m.head_dim
   return 3 * forward if train else forward
+
+
+def tokens_per_step(train) -> int:
+  """Tokens of one optimizer step, train.batch_size x train.seq_len (padding
+  included; train.grad_accum_steps splits the batch, it adds nothing)."""
+  return train.batch_size * train.seq_len
+
+
+def flops_per_step(config) -> int:
+  """Training FLOPs of one optimizer step: `flops_per_token` x `tokens_per_step`."""
+  return flops_per_token(config.model, config.train.seq_len, train=True) * tokens_per_step(
+      config.train)
+
+
+def with_budget(config):
+  """`config` with train.num_steps set by its budget: floor(train.token_budget /
+  tokens per step) or floor(train.flop_budget / training FLOPs per step); the
+  config itself when neither is set. train.py, sweep.py and compile.py apply
+  it after `validate`, before anything reads num_steps (the schedule, the
+  start-up summary, config.json), so that they agree. A budget short of one
+  step is a UserError."""
+  given = validation.budget(config.train)
+  if given is None:
+    return config
+  field, amount = given
+  per_step, what = ((tokens_per_step(config.train), "tokens") if field == "train.token_budget"
+                    else (flops_per_step(config), "training FLOPs"))
+  steps = int(amount // per_step)
+  if steps < 1:
+    raise UserError(f"{field}={amount:g} is less than one step ({per_step:,} {what} at "
+                    f"train.batch_size={config.train.batch_size} x train.seq_len="
+                    f"{config.train.seq_len}); raise it")
+  config = config.copy_and_resolve_references()
+  config.train.num_steps = steps
+  return config
 
 
 def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None) -> int:

@@ -4,11 +4,14 @@ A sweep file (`configs/sweeps/*.py`) defines `get_sweep()`, returning either a
 grid, `{"model.pos_emb": ["none", "rope"], "model.norm_position": ["pre",
 "post"]}` (every combination; the first field varies slowest), or a list of
 override dicts (one variant each). It may also set `NAME` (default: the file's
-name) and `CONFIG` (the base config used when `--config` is not given).
+name), `CONFIG` (the base config used when `--config` is not given) and
+`SEEDS` (runs per variant; `sweep.py run --seeds N` overrides it).
 
 Each variant is named after its overrides (`pos_emb=rope,norm_position=pre`)
 and is two commands run in `<root>/<name>`: `train.py` (which resumes from the
-workdir) and, once training has reached `train.num_steps`, `eval.py`. Every
+workdir) and, once training has reached `train.num_steps`, `eval.py`. With
+seeds each variant is N runs, train.seed = k in `<root>/<name>,seed=<k>`
+(a `Variant` each, the unit of status, resume and SLURM array tasks). Every
 variant's config is resolved and validated exactly as train.py will do it
 before anything starts. Running a sweep again skips the finished variants and
 resumes the others; a variant whose workdir was trained with another config
@@ -19,7 +22,8 @@ the sweep unless told to retrain such variants in place (see sweep.py).
 `<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py
 `<root>/<name>/sweep_error.json`  the failed command and its last line of output
 `<root>/slurm/`                   submitit's job files and logs
-`<root>/report.md`, `report.csv`, `validation_curves.png`, `curves/<name>.png`
+`<root>/report.md`, `report.csv` (per run), `report_summary.csv` (per variant),
+`validation_curves.png`, `curves/<name>.png`
 
 One module per job:
   sweep_file.py  sweep files: loading, expansion, variant names
@@ -27,7 +31,8 @@ One module per job:
   state.py       the manifest and where each variant stands (status)
   jobs.py        running a variant (`VariantJob`) and the local launcher
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
-  report.py      report.md, report.csv and the validation-curve plots
+  report.py      report.md, report.csv, report_summary.csv and the plots
+  stats.py       the statistics over seeds: intervals, Welch's test
 """
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
 from sweeps.report import write_report

@@ -48,11 +48,13 @@ def last_step(workdir: str) -> int | None:
 
 
 def write_manifest(root: str, sweep: Sweep, config_path: str, extra_flags: list[str],
-                   variants: list[Variant]) -> None:
+                   variants: list[Variant], seeds: int | None = None) -> None:
+  """sweep.json: the sweep, its flags, `seeds` (runs per variant; None: one,
+  unnamed by seed) and every run."""
   os.makedirs(root, exist_ok=True)
   write_json(os.path.join(root, MANIFEST), {
       "name": sweep.name, "sweep": os.path.abspath(sweep.path),
-      "config": os.path.abspath(config_path), "extra_flags": extra_flags,
+      "config": os.path.abspath(config_path), "extra_flags": extra_flags, "seeds": seeds,
       "variants": [dataclasses.asdict(v) for v in variants]})
 
 
@@ -124,7 +126,10 @@ def status_lines(root: str) -> list[str]:
   for s in states:
     counts[s.state] = counts.get(s.state, 0) + 1
   width = max(len(v.name) for v in variants)
-  lines = [f"sweep {manifest['name']}: {len(variants)} variants in {root} ("
+  seeds = manifest.get("seeds")
+  runs = (f"{len(variants)} runs ({len(variants) // seeds} variant(s) x {seeds} seeds)"
+          if seeds else f"{len(variants)} variants")
+  lines = [f"sweep {manifest['name']}: {runs} in {root} ("
            + ", ".join(f"{n} {state}" for state, n in counts.items()) + ")"]
   for variant, s in zip(variants, states):
     lines.append(f"  {s.state:15s}  {variant.name:{width}s}  {s.detail}".rstrip())

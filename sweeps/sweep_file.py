@@ -13,11 +13,13 @@ VALUE_TYPES = (str, int, float, bool)
 
 @dataclasses.dataclass
 class Sweep:
-  """A loaded sweep file: its name, its CONFIG (or None), one dict per variant."""
+  """A loaded sweep file: its name, its CONFIG (or None), one dict per variant,
+  its SEEDS (runs per variant, or None: one run with the config's train.seed)."""
   path: str
   name: str
   config: str | None
   overrides: list[dict]
+  seeds: int | None = None
 
 
 def load_sweep(path: str) -> Sweep:
@@ -32,7 +34,12 @@ def load_sweep(path: str) -> Sweep:
   except Exception as e:  # pylint: disable=broad-except  # any mistake in the user's file
     raise UserError(f"--sweep {path}: cannot load it ({type(e).__name__}: {first_line(e)})")
   name = getattr(module, "NAME", os.path.splitext(os.path.basename(path))[0])
-  return Sweep(path, name, getattr(module, "CONFIG", None), expand(sweep, f"sweep {path}"))
+  seeds = getattr(module, "SEEDS", None)
+  if seeds is not None and (not isinstance(seeds, int) or isinstance(seeds, bool) or seeds < 1):
+    raise UserError(f"--sweep {path}: SEEDS={seeds!r} must be a positive integer (runs per "
+                    "variant)")
+  return Sweep(path, name, getattr(module, "CONFIG", None), expand(sweep, f"sweep {path}"),
+               seeds)
 
 
 def with_default_config(argv: list[str]) -> list[str]:

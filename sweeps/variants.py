@@ -6,12 +6,12 @@ import os
 import shlex
 import sys
 
-
 from ml_collections import config_dict
 
-from configs.cli import check_field, config_fields, load_config
+from configs.cli import check_budget_overrides, check_field, config_fields, load_config
 from configs.errors import UserError
 from configs.validation import eval_points, validate
+from model.accounting import with_budget
 from model.config import ModelConfig
 from sweeps.common import REPO
 from sweeps.sweep_file import Sweep, format_value, variant_name
@@ -19,7 +19,11 @@ from sweeps.sweep_file import Sweep, format_value, variant_name
 
 @dataclasses.dataclass
 class Variant:
-  """One run of a sweep: the fields it sets and the two commands that run it."""
+  """One run of a sweep: the fields it sets and the two commands that run it.
+
+  With seeds (`--seeds N`, a sweep file's SEEDS) a variant is N of these, one
+  per train.seed 0..N-1, named `<group>,seed=<k>`; without, one, its name the
+  group's."""
   name: str
   overrides: dict
   workdir: str
@@ -27,37 +31,58 @@ class Variant:
   train_command: list[str]
   eval_command: list[str]
   config: dict = dataclasses.field(default_factory=dict)  # the resolved config it trains
+  group: str = ""  # the variant's name, shared by its seeds ("": `name`, a manifest before seeds)
+  seed: int | None = None  # the train.seed --seeds gave it; None: the config's own
+
+  def __post_init__(self):
+    self.group = self.group or self.name
 
 
-def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
-                  root: str) -> list[Variant]:
-  """Named, validated variants; `extra_flags` (`--config.a.b=v`) apply to all."""
+def _seeds_check(seeds: int | None, fields: list[str], where: str) -> None:
+  """With seeds, train.seed is theirs: a variant or flag setting it is refused."""
+  if seeds and "train.seed" in fields:
+    raise UserError(f"train.seed is set {where} and by the sweep's seeds ({seeds}: "
+                    "train.seed = 0..N-1 for every variant); drop one of them")
+
+
+def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: str,
+                  seeds: int | None = None) -> list[Variant]:
+  """Named, validated variants; `extra_flags` (`--config.a.b=v`) apply to all.
+  `seeds` (default: the sweep file's SEEDS): that many runs of each variant."""
+  seeds = seeds or sweep.seeds
   fields = config_fields(load_config(config_path, []))
   extra_fields = [flag[len("--config."):].split("=", 1)[0] for flag in extra_flags]
   for field in extra_fields:
     check_field(field, fields, "command line")
+  _seeds_check(seeds, extra_fields, "on the command line")
   variants = []
   for overrides in sweep.overrides:
     for field in overrides:
       check_field(field, fields, f"sweep {sweep.path}")
       if field in extra_fields:
         raise UserError(f"{field} is set both by sweep {sweep.path} and on the command line")
-    name = variant_name(overrides)
+    _seeds_check(seeds, list(overrides), f"by sweep {sweep.path}")
+    group = variant_name(overrides)
     config_flags_ = extra_flags + [f"--config.{field}={format_value(value)}"
                                    for field, value in overrides.items()]
-    try:
-      config = load_config(config_path, config_flags_)
-      validate(config)
-      ModelConfig.resolve(config.model)  # what the chosen kernel takes, as train.py checks it
-    except UserError as e:
-      raise UserError(f"variant {name}: {e}") from e
-    workdir = os.path.join(os.path.abspath(root), name)
-    variants.append(Variant(
-        name, overrides, workdir, config.train.num_steps,
-        train_command=[sys.executable, os.path.join(REPO, "train.py"), "--config",
-                       os.path.abspath(config_path), "--workdir", workdir, *config_flags_],
-        eval_command=[sys.executable, os.path.join(REPO, "eval.py"), "--workdir", workdir],
-        config=json.loads(config.to_json())))
+    for seed in range(seeds) if seeds else [None]:
+      name = group if seed is None else f"{group},seed={seed}"
+      run_flags = config_flags_ + ([] if seed is None else [f"--config.train.seed={seed}"])
+      try:
+        config = load_config(config_path, run_flags)
+        validate(config)
+        check_budget_overrides(config, extra_fields + list(overrides))
+        config = with_budget(config)  # num_steps as train.py sets it
+        ModelConfig.resolve(config.model)  # what the chosen kernel takes, as train.py checks it
+      except UserError as e:
+        raise UserError(f"variant {name}: {e}") from e
+      workdir = os.path.join(os.path.abspath(root), name)
+      variants.append(Variant(
+          name, overrides, workdir, config.train.num_steps,
+          train_command=[sys.executable, os.path.join(REPO, "train.py"), "--config",
+                         os.path.abspath(config_path), "--workdir", workdir, *run_flags],
+          eval_command=[sys.executable, os.path.join(REPO, "eval.py"), "--workdir", workdir],
+          config=json.loads(config.to_json()), group=group, seed=seed))
   names = [v.name for v in variants]
   for name in names:
     if names.count(name) > 1:
@@ -67,14 +92,15 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str],
 
 
 def few_points(variants: list[Variant], minimum: int = 5) -> list[str]:
-  """A warning per variant whose in-training validation curve would have
-  fewer than `minimum` points."""
-  out = []
+  """A warning per variant (once for all its seeds) whose in-training
+  validation curve would have fewer than `minimum` points."""
+  out, warned = [], set()
   for variant in variants:
     train = config_dict.ConfigDict(variant.config).train
     points = eval_points(train)
-    if points < minimum:
-      out.append(f"warning: {variant.name} validates {points} time(s) in training "
+    if points < minimum and variant.group not in warned:
+      warned.add(variant.group)
+      out.append(f"warning: {variant.group} validates {points} time(s) in training "
                  f"(train.eval_every={train.eval_every} of num_steps={train.num_steps}): its "
                  "curve has too few points; lower --config.train.eval_every or leave it unset "
                  "(num_steps // 10)")

@@ -118,6 +118,8 @@ RUN_CASES = [
     ("train.tgt_seq_len", 512, "train.tgt_seq_len=512: exceeds the learned position table"),
     ("train.tgt_seq_len", -1, "train.tgt_seq_len=-1: must be a positive integer or 0"),
     ("train.mlm_probability", 1.5, "train.mlm_probability=1.5: must be in (0, 1)"),
+    ("data.seed", -1, "data.seed=-1: must be a positive integer or 0"),
+    ("train.token_budget", -1.0, "train.token_budget=-1.0: must be >= 0 (0: unused)"),
 ]
 
 
@@ -190,3 +192,20 @@ def test_saved_run_config_gets_new_fields_at_their_defaults(tmp_path):
   assert config.data.task_addition_format == "plain"
   assert config.model.pallas_lowering == "auto"
   assert config.model.d_model == 48
+
+
+def test_one_budget_at_a_time_and_a_saved_run_without_them_keeps_its_seeds(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from configs.validation import data_seed  # pylint: disable=import-outside-toplevel
+  from training import workdir  # pylint: disable=import-outside-toplevel
+  c = base.get_config()
+  c.train.token_budget, c.train.flop_budget = 1e6, 1e12
+  with pytest.raises(UserError, match=r"train.flop_budget=1000000000000.0: and "
+                     r"train.token_budget=1e\+06 both set train.num_steps"):
+    validate(c)
+  saved = workdir.config_to_dict(base.get_config())
+  saved["train"]["seed"] = 5
+  del saved["data"]["seed"], saved["train"]["token_budget"], saved["train"]["flop_budget"]
+  (tmp_path / "config.json").write_text(json.dumps(saved))
+  config = workdir.load_config(str(tmp_path))
+  assert (config.data.seed, data_seed(config), config.train.flop_budget) == (None, 5, 0)

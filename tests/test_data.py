@@ -155,6 +155,27 @@ def test_epochs_cover_every_row_in_a_new_order(tmp_path):
   assert epoch1 != epoch2
 
 
+def test_data_seed_unset_is_train_seed_and_set_changes_only_the_order(tmp_path):
+  """data.seed None shuffles as train.seed did before the field existed; another
+  data.seed gives the same rows in another order; train.seed then no longer
+  moves the data."""
+  config = make_config(tmp_path, source="pydoc")
+  config.train.seed = 3
+  tok = ByteTokenizer()
+  unset = take(pipeline.make_train_iterator(config, tok), 4)
+  config.data.seed = 3
+  assert_batches_equal(take(pipeline.make_train_iterator(config, tok), 4), unset)
+  config.data.seed = 4
+  other = take(pipeline.make_train_iterator(config, tok), 4)
+  assert not all(np.array_equal(a["inputs"], b["inputs"]) for a, b in zip(other, unset))
+  config.train.seed = 7
+  assert_batches_equal(take(pipeline.make_train_iterator(config, tok), 4), other)
+  packer = pipeline.make_packer(tok, pipeline.split_index(config, tok, "train"),
+                                config.train.seq_len)
+  row_ids = {tuple(packer(r)["inputs"]) for r in range(packer.num_rows)}
+  assert all(tuple(row) in row_ids for batch in other for row in batch["inputs"])
+
+
 def test_worker_processes_give_the_same_batches(tmp_path):
   config = make_config(tmp_path, source="pydoc")
   tok = ByteTokenizer()

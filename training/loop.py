@@ -192,6 +192,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   config = workdir_lib.keep_layout(config, workdir)
   validate(config)
+  config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
   tc = config.train
@@ -333,7 +334,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
           seconds = time.perf_counter() - window_start
           last = _train_scalars(jax.device_get(window_metrics), window_steps, seconds, tc,
                                 flops_per_token, peak)
-          writer.write(step, "train", last)
+          writer.write(step, "train", {**last, "seconds": seconds})  # wall time of the window
           bar.set_postfix(loss=f"{last['loss']:.3f}")
           eta = (tc.num_steps - step) * seconds / window_steps
           _print(f"step {step}/{tc.num_steps}: "

@@ -41,21 +41,26 @@ def plot_curves(path: str, title: str, curves: dict, *, baseline: float | None =
   fig.savefig(path, dpi=100)
 
 
-def plot_against_steps_and_tokens(path: str, title: str, curves: dict) -> None:
-  """Two panels, the same curves against steps and against tokens seen:
-  label -> (steps, losses, tokens per step, matplotlib style keywords)."""
-  fig = Figure(figsize=(12, 4.5))
-  by_step, by_tokens = fig.subplots(1, 2, sharey=True)
-  for label, (steps, losses, tokens_per_step, style) in curves.items():
-    by_step.plot(steps, losses, label=label, **style)
-    by_tokens.plot([s * tokens_per_step for s in steps], losses, label=label, **style)
-  by_step.set_xlabel("step")
-  by_tokens.set_xlabel("tokens seen")
-  by_tokens.xaxis.set_major_formatter(EngFormatter())
-  by_step.set_ylabel("loss (nats per token)")
-  for ax in (by_step, by_tokens):
+def plot_against_steps_tokens_and_flops(path: str, title: str, curves: dict) -> None:
+  """Three panels, the same curves against steps, tokens seen and training
+  FLOPs: label -> (steps, losses, tokens per step, FLOPs per step, band,
+  matplotlib style keywords); `band` is (lows, highs) at the steps, shaded,
+  or None."""
+  fig = Figure(figsize=(16, 4.5))
+  axes = fig.subplots(1, 3, sharey=True)
+  for label, (steps, losses, tokens_per_step, flops_per_step, band, style) in curves.items():
+    for ax, per_step in zip(axes, (1, tokens_per_step, flops_per_step)):
+      x = [s * per_step for s in steps]
+      line, = ax.plot(x, losses, label=label, **style)
+      if band is not None:
+        ax.fill_between(x, *band, color=line.get_color(), alpha=0.2, linewidth=0)
+  for ax, what in zip(axes, ("step", "tokens seen", "training FLOPs (6N + attention)")):
+    ax.set_xlabel(what)
     ax.grid(alpha=0.3)
-  by_tokens.legend(fontsize=7)
+  for ax in axes[1:]:
+    ax.xaxis.set_major_formatter(EngFormatter())
+  axes[0].set_ylabel("loss (nats per token)")
+  axes[-1].legend(fontsize=7)
   fig.suptitle(title)
   fig.tight_layout()
   fig.savefig(path, dpi=100)

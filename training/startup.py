@@ -8,9 +8,9 @@ in one line before anything is compiled or written;
 `train.skip_memory_check=True` runs it anyway.
 
 `summary_lines`: the block train.py prints at start: devices and mesh,
-parameters, tokens and FLOPs per step, memory, data and epochs, the peak of
-the learning rate (a warning when the warm-up is longer than the run), the
-workdir and what was restored.
+parameters, tokens and FLOPs per step (and the budget that set num_steps),
+memory, data and epochs, the peak of the learning rate (a warning when the
+warm-up is longer than the run), the workdir and what was restored.
 
 `out_of_memory`: the one-line error for an allocation that still fails at run time.
 """
@@ -19,6 +19,7 @@ import os
 import jax
 import numpy as np
 
+from configs import validation
 from configs.errors import UserError
 from model import accounting
 from training.hardware import device_memory_limit
@@ -105,6 +106,17 @@ def schedule_line(config, schedule) -> str:
   return line
 
 
+def _budget_lines(config, tokens: int, flops: int) -> list[str]:
+  """The budget that set train.num_steps (`accounting.with_budget`), if any."""
+  given = validation.budget(config.train)
+  if given is None:
+    return []
+  field, amount = given
+  per_step = f"{tokens:,} tokens" if field == "train.token_budget" else f"{_count(flops)} FLOPs"
+  return [f"budget      {field}={amount:g} / {per_step} per step = {config.train.num_steps} "
+          "steps (train.num_steps)"]
+
+
 def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
                   train_rows: int, val_rows: int, schedule) -> list[str]:
   """The start-up block (see the module docstring)."""
@@ -124,6 +136,7 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
       "non-embedding)",
       f"step        {t.batch_size} x {t.seq_len} = {tokens:,} tokens, "
       f"{_count(flops)} FLOPs (6N + attention)",
+      *_budget_lines(config, tokens, flops),
       f"memory      about {format_bytes(estimate)} per device (estimate), "
       + (f"of {format_bytes(limit)} ({what})" if limit is not None else "no limit known"),
       f"data        train {train_rows:,} rows = {_count(train_rows * t.seq_len)} tokens, "

@@ -39,6 +39,7 @@ RESUME_SAFE_FIELDS = (
     "train.checkpoint_every", "train.keep_checkpoints", "train.peer_timeout_s",
     "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
     "train.restore_from", "data.num_workers", "data.cache_dir",
+    "train.token_budget", "train.flop_budget",  # they set train.num_steps
 )
 
 
@@ -71,6 +72,12 @@ def _with_new_defaults(saved: dict, defaults: config_dict.ConfigDict, before: di
   return out
 
 
+def saved_config(saved: dict) -> config_dict.ConfigDict:
+  """A config as a run saved it (config.json, a sweep's manifest), with the
+  fields added to configs/base.py since at the values that keep its behaviour."""
+  return config_dict.ConfigDict(_with_new_defaults(saved, base.get_config(), base.BEFORE_FIELD))
+
+
 def load_config(workdir: str) -> config_dict.ConfigDict:
   """The run's saved config; fields added to configs/base.py since it was
   saved get their defaults."""
@@ -86,7 +93,7 @@ def load_config(workdir: str) -> config_dict.ConfigDict:
   except json.JSONDecodeError as e:
     raise UserError(f"{path} is damaged (not valid JSON: {e.msg}, line {e.lineno}); restore it "
                     "or use a new workdir") from None
-  return config_dict.ConfigDict(_with_new_defaults(saved, base.get_config(), base.BEFORE_FIELD))
+  return saved_config(saved)
 
 
 def keep_layout(config: config_dict.ConfigDict, workdir: str) -> config_dict.ConfigDict:
