@@ -162,7 +162,7 @@ def multiplicities(hlo_text: str) -> dict[str, int]:
   entry: a while loop's body and condition run its known trip count times
   per run of the computation holding the loop (1 where the compiler knows
   no trip count); other called computations once per call."""
-  calls, trips, entry, current = {}, {}, None, None
+  calls, entry, current = {}, None, None
   for line in hlo_text.splitlines():
     header = _COMPUTATION_RE.match(line)
     if header:
