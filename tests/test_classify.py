@@ -185,8 +185,11 @@ def test_train_report_predictions_and_a_start_from_masked_lm(tmp_path, capsys):
   assert set(report["per_class"]) == {"colour", "fruit", "number"}
   assert np.sum(report["confusion_matrix"]) == report["labelled_examples"] == report["examples"]
   assert report["majority_baseline"]["accuracy"] >= 1 / 3
-  assert (tmp_path / "run" / "confusion_matrix.png").stat().st_size > 1000
-  lines = (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()
+  folder = tmp_path / "run" / "eval" / f"step_{report['step']}"
+  assert json.loads((tmp_path / "run" / "eval_report.json").read_text()) == json.loads(
+      (folder / "eval_report.json").read_text())
+  assert (folder / "confusion_matrix.png").stat().st_size > 1000
+  lines = (folder / "predictions.jsonl").read_text().splitlines()
   assert len(lines) == report["examples"] and {"name", "label", "probability", "true"} == set(
       json.loads(lines[0]))
 
@@ -194,7 +197,10 @@ def test_train_report_predictions_and_a_start_from_masked_lm(tmp_path, capsys):
   user.write_text(json.dumps({"text": "red blue"}) + "\n" + json.dumps({"text": "one two"}) + "\n")
   report = evaluate.run_eval(str(tmp_path / "run"), data=str(user))
   assert report["examples"] == 2 and "accuracy" not in report  # nothing to score
-  predictions = [json.loads(x) for x in (tmp_path / "run" / "predictions.jsonl").open()]
+  user_folder = folder.parent / f"{folder.name}_data-user.jsonl"
+  predictions = [json.loads(x) for x in (user_folder / "predictions.jsonl").open()]
+  # The whole-split report is left as it was.
+  assert json.loads((tmp_path / "run" / "eval_report.json").read_text())["accuracy"] >= 0
   assert [p["name"] for p in predictions] == [f"{user}:1", f"{user}:2"]
   assert all(p["label"] in WORDS for p in predictions)
   user.write_text(json.dumps({"text": "red", "label": "animal"}) + "\n")

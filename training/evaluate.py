@@ -13,7 +13,9 @@ baseline and the learning rate) and `attention_maps.png` (every head of every
 layer on the start of the validation split). Evaluating one step never
 replaces another's report; `<workdir>/eval_report.json` is a copy of the
 newest step's whole-split report, for tools that read one file (a sweep's
-"done" test).
+"done" test). An evaluation of another data file (`data`), length or RoPE
+scaling goes to a folder of its own: `step_<N>_data-<file>`,
+`step_<N>_<length>`.
 
 With `seq_len` (eval.py --seq_len L) a next_token run is evaluated on rows
 of L tokens, any L a learned table holds, and the report adds the loss by
@@ -39,6 +41,7 @@ majority-class baseline, and writes every prediction to `predictions.jsonl`
 import json
 import math
 import os
+import re
 
 import jax
 import matplotlib
@@ -137,7 +140,9 @@ def full_split_points(workdir: str, extra: dict | None = None) -> tuple[list, li
     if name.startswith("step_") and os.path.exists(path):
       with open(path, encoding="utf-8") as f:
         report = json.load(f)
-      if report.get("data_override") is None:
+      whole_split = (report.get("data_override") is None and "rope_override" not in report
+                     and report.get("seq_len") == report.get("train_seq_len"))
+      if whole_split and "loss" in report:
         points[report["step"]] = report["loss"]
   if extra is not None:
     points[extra["step"]] = extra["loss"]
@@ -210,6 +215,16 @@ def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
   plt.close(fig)
 
 
+def _out_dir(workdir: str, step: int, data: str | None, length: str | None = None) -> str:
+  """`<workdir>/eval/step_<N>`, with a suffix for another length or RoPE
+  scaling (`length`) or another data file (`data`): a folder of its own each,
+  so that no evaluation overwrites another's report."""
+  name = f"step_{step}" + (f"_{length}" if length else "")
+  if data:
+    name += "_data-" + re.sub(r"[^\w.-]+", "_", os.path.basename(data.rstrip("/")) or "data")
+  return os.path.join(workdir, EVAL_DIR, name)
+
+
 def _write_report(report: dict, workdir: str, out: str) -> list[str]:
   """Writes the report into `out`; the workdir's top-level copy when it is the
   newest whole-split evaluation. Returns the paths written."""
@@ -257,7 +272,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   if data:
     apply_data_flag(config, data)
   if config.train.objective == "classify":
-    return _classify_eval(workdir, config, tok, model, step)
+    return _classify_eval(workdir, config, tok, model, step, data,
+                          out or _out_dir(workdir, step, data))
   train_len = config.train.seq_len
   rope_override = None
   if rope_scaling is not None:
@@ -314,10 +330,10 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
                                  max_examples=max_examples))
     attention_prompt = rows.prompt(0)
-  if out is None:  # another length or RoPE scaling: a folder of its own
+  if out is None:
     other = seq_len is not None and seq_len != train_len or rope_override
-    out = os.path.join(workdir, EVAL_DIR, f"step_{step}"
-                       + (f"_{lengths.label(seq_len or train_len, rope_override)}" if other else ""))
+    out = _out_dir(workdir, step, data,
+                   lengths.label(seq_len or train_len, rope_override) if other else None)
   files = _write_report(report, workdir, out) + length_files
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
@@ -330,21 +346,22 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   return report
 
 
-def _classify_eval(workdir: str, config, tok, model, step: int) -> dict:
-  """A classify run's report (`training/classify_report.py`) and plots."""
+def _classify_eval(workdir: str, config, tok, model, step: int, data: str | None,
+                   out: str) -> dict:
+  """A classify run's report (`training/classify_report.py`) and plots, into
+  `out`; the workdir's top-level eval_report.json as for a language model."""
   rows = classify.load_rows(config, tok, "validation")
   where = (config.data.paths if config.data.val_percent == 100
            else f"task={config.data.task} validation")
+  os.makedirs(out, exist_ok=True)
   report, files = classify_report.classify_report(
-      model, rows, workdir, os.path.basename(os.path.abspath(workdir)))
-  report = {"step": step, "data": where, **report}
-  report_path = os.path.join(workdir, "eval_report.json")
-  with open(report_path, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=2)
-  report["files"] = [report_path, *files]
-  loss_png = os.path.join(workdir, "loss_curves.png")
-  if plot_loss_curves(workdir, loss_png):
-    report["files"].append(loss_png)
+      model, rows, out, os.path.basename(os.path.abspath(workdir)))
+  report = {"step": step, "data": where, "data_override": data, **report}
+  files = _write_report(report, workdir, out) + files
+  loss_png = os.path.join(out, "loss_curves.png")
+  if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
+    files.append(loss_png)
+  report["files"] = files
   return report
 
 
