@@ -185,6 +185,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to
   # model.param_dtype, and its tokenizer (a tokenizer.path must be that one); new optimizer, step 0
+  tr.restore_branch = False  # with restore_from: continue its optimizer state, step and data
+  #   position too, so that the schedule goes on from its step (a WSD decay branched from a
+  #   stable-phase checkpoint, docs/training.md); num_steps counts from its step 0
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
   tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
   tr.peer_timeout_s = 600.0  # multi-process: exit (status 1) after this long without a step

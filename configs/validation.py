@@ -359,7 +359,7 @@ def _check_range(t, field: str, low: float, high: float, *, low_open=False,
 
 
 def _validate_optimizer(t: config_dict.ConfigDict) -> None:
-  """The optimizer, its own fields and the learning-rate schedule."""
+  """The optimizer, its own fields, the learning-rate schedule and restore_branch."""
   for field in ("train.optimizer", "train.schedule"):
     _check_choice(t, field, "train.")
   for optimizer, options in OPTIMIZER_OPTIONS.items():
@@ -391,6 +391,9 @@ def _validate_optimizer(t: config_dict.ConfigDict) -> None:
           f"{decay_fraction(t):g} x num_steps={t.num_steps} is "
           f"{t.num_steps - decay_start(t)} steps, and train.warmup_steps={t.warmup_steps}; "
           "change either")
+  if t.restore_branch and not t.restore_from:
+    _fail("train.restore_branch", t.restore_branch,
+          "needs train.restore_from (the run to branch from); set it or unset this")
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:

@@ -129,6 +129,8 @@ RUN_CASES = [
     ("train.b2", 1.0, "train.b2=1.0: must be in [0, 1)"),
     ("train.min_lr_ratio", 1.5, "train.min_lr_ratio=1.5: must be in [0, 1]"),
     ("train.weight_decay", -0.1, "train.weight_decay=-0.1: must be in [0, inf)"),
+    ("train.restore_branch", True, "train.restore_branch=True: needs train.restore_from (the "
+     "run to branch from); set it or unset this"),
 ]
 
 

@@ -2,7 +2,8 @@
 before, bit for bit; each schedule follows its formula and the start-up line
 says so; Muon takes exactly the hidden matrices and orthogonalises each
 layer's by itself; every optimizer trains, and stops and resumes
-bit-identically."""
+bit-identically; a WSD decay branched from a stable-phase checkpoint
+(train.restore_branch) continues the schedule."""
 import functools
 import math
 
@@ -14,8 +15,10 @@ import pytest
 from flax import nnx
 
 from configs import base
+from configs.errors import UserError
 from model import accounting, build_model
 from training import loop, optim, startup
+from training.metrics import read_metrics
 from training.steps import init_state, jit_train_step
 from tests.helpers import assert_trees_equal, final_params, small_cfg, small_config
 
@@ -224,7 +227,7 @@ def test_the_memory_estimate_counts_each_optimizers_moments():
   assert state["lion"] < state["muon"] < state["adamw"]
 
 
-# Stop and resume, bit for bit.
+# Stop and resume, bit for bit; a WSD decay branched from a stable phase.
 
 def stop_at(monkeypatch, stop_step: int) -> None:
   """The next run stops at `stop_step` as on SIGTERM: it saves and returns."""
@@ -260,3 +263,53 @@ def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
   assert step_a == step_b == 6
   assert_trees_equal(params_a, params_b)
 
+
+@pytest.fixture(scope="module")
+def stable_run(tok_dir, tmp_path_factory):
+  """A 4-step stable phase: warm-up over 2 steps, then constant."""
+  workdir = tmp_path_factory.mktemp("stable") / "run"
+  loop.train(run_config(tok_dir, num_steps=4, schedule="constant"), str(workdir))
+  return workdir
+
+
+def test_a_wsd_decay_branched_from_the_stable_phase_continues_the_schedule(
+    tok_dir, stable_run, tmp_path, capsys):
+  """4 stable steps, then a branch decaying over 4 more, equal the straight
+  8-step wsd run: the branch continues the optimizer state, the step (so the
+  schedule) and the data position."""
+  wsd = dict(num_steps=8, schedule="wsd", decay_fraction=0.5)
+  loop.train(run_config(tok_dir, **wsd), str(tmp_path / "straight"))
+  capsys.readouterr()
+  branch = run_config(tok_dir, **wsd, restore_from=str(stable_run), restore_branch=True)
+  loop.train(branch, str(tmp_path / "branch"))
+  assert (f"restored    step 4 of train.restore_from={stable_run}, branched: its optimizer "
+          "state and data position, training to 8") in capsys.readouterr().out
+  rates = {r["step"]: r["learning_rate"] for r in read_metrics(str(tmp_path / "branch"))
+           if r["split"] == "train"}
+  peak, end = 3e-3, 3e-4  # small_config's learning_rate, min_lr_ratio 0.1
+  assert sorted(rates) == [5, 6, 7, 8]  # step k runs at step count k - 1; the decay from 4
+  np.testing.assert_allclose([rates[k] for k in (5, 6, 7, 8)],
+                             [peak + (end - peak) * (k - 1 - 4) / 4 for k in (5, 6, 7, 8)],
+                             rtol=1e-6)
+  (step_a, params_a), (step_b, params_b) = (final_params(tmp_path / name)
+                                            for name in ("straight", "branch"))
+  assert step_a == step_b == 8
+  assert_trees_equal(params_a, params_b)
+
+
+@pytest.mark.parametrize("train,message", [
+    (dict(optimizer="lion"), "train.restore_branch continues its optimizer state, which does "
+     "not fit this run's (train.optimizer=adamw there, lion here;"),
+    (dict(num_steps=4), "its step 4 is not before train.num_steps=4 (counted from its step 0)"),
+    (dict(num_steps=8, schedule="wsd", decay_fraction=0.75),
+     "its step 4 is past the start of this run's wsd decay, step 2 of train.num_steps=8"),
+], ids=["another_optimizer", "no_step_left", "decay_before_its_step"])
+def test_a_branch_that_cannot_continue_is_one_line_and_writes_nothing(
+    tok_dir, stable_run, tmp_path, train, message):
+  c = run_config(tok_dir, **{"num_steps": 8, **train}, restore_from=str(stable_run),
+                 restore_branch=True)
+  with pytest.raises(UserError) as error:
+    loop.train(c, str(tmp_path / "branch"))
+  assert str(error.value).startswith(f"train.restore_from={str(stable_run)!r}: {message}")
+  assert "\n" not in str(error.value)
+  assert not (tmp_path / "branch").exists()
