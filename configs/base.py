@@ -141,12 +141,38 @@ def get_config() -> config_dict.ConfigDict:
   tr.seq_len = 128  # tokens per sequence (seq2seq: prefix-LM row, or encoder-decoder source)
   tr.tgt_seq_len = 0  # encoder_decoder seq2seq: target tokens (tgt_in/tgt_out); 0: seq_len
   tr.grad_accum_steps = 1  # micro-batches per step (batch_size must divide)
-  tr.learning_rate = 3e-3  # peak learning rate
+  tr.optimizer = "adamw"  # adamw | adafactor | lion | muon (docs/training.md, Optimizers)
+  tr.learning_rate = 3e-3  # peak learning rate (lion: about 3-10x lower than adamw's; muon: of
+  #   its AdamW part, and of its matrices unless muon_lr)
+  tr.schedule = "cosine"  # after the linear warm-up: cosine | linear | constant | inverse_sqrt |
+  #   wsd (warm-up, stable, decay); formulas in docs/training.md
   tr.warmup_steps = 100  # linear warm-up steps
-  tr.min_lr_ratio = 0.1  # cosine decays to learning_rate * min_lr_ratio
-  tr.weight_decay = 0.1  # AdamW decay on matrices only (not norms, biases)
-  tr.b1 = 0.9  # Adam beta1
-  tr.b2 = 0.95  # Adam beta2
+  tr.min_lr_ratio = 0.1  # cosine, linear and wsd decay to learning_rate * min_lr_ratio
+  tr.decay_fraction = config_dict.placeholder(float)  # wsd: the last this fraction of num_steps
+  #   decays linearly; None: 0.2
+  tr.weight_decay = 0.1  # decoupled, times the learning rate, every optimizer: on matrices,
+  #   embeddings and position tables; not on norms or biases
+  tr.b1 = 0.9  # Adam beta1 (adamw, muon's AdamW part)
+  tr.b2 = 0.95  # Adam beta2 (adamw, muon's AdamW part)
+  tr.lion_b1 = config_dict.placeholder(float)  # lion: update sign(b1 m + (1 - b1) g); None: 0.9
+  tr.lion_b2 = config_dict.placeholder(float)  # lion: momentum m = b2 m + (1 - b2) g; None: 0.99
+  tr.adafactor_decay_rate = config_dict.placeholder(float)  # adafactor: second moments decay
+  #   with 1 - step^-rate; None: 0.8
+  tr.adafactor_clipping = config_dict.placeholder(float)  # adafactor: each update clipped to
+  #   this RMS; 0: not clipped; None: 1.0
+  tr.adafactor_momentum = config_dict.placeholder(float)  # adafactor: first-moment decay (one
+  #   more copy of the parameters); None: no first moment
+  tr.adafactor_param_scale = config_dict.placeholder(bool)  # adafactor: steps relative to each
+  #   parameter's RMS (the paper's learning_rate: 1e-2); None: True
+  tr.adafactor_min_dim_to_factor = config_dict.placeholder(int)  # adafactor: second moments of
+  #   weights with two axes at least this long are kept as a row and a column; None: 128
+  tr.muon_lr = config_dict.placeholder(float)  # muon: peak learning rate of the hidden matrices
+  #   (Muon); None: learning_rate
+  tr.muon_momentum = config_dict.placeholder(float)  # muon: Nesterov momentum; None: 0.95
+  tr.muon_ns_steps = config_dict.placeholder(int)  # muon: Newton-Schulz iterations; None: 5
+  tr.muon_rms = config_dict.placeholder(float)  # muon: updates scaled to this RMS, so that
+  #   AdamW's learning_rate and weight_decay carry over (Moonlight); 0: Keller Jordan's
+  #   sqrt(max(1, fan_out / fan_in)) (with muon_lr about 0.02); None: 0.2
   tr.z_loss = 0.0  # weight of the z-loss, mean log^2 Z of the softmax normaliser (PaLM: 1e-4)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
@@ -162,6 +188,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to
   # model.param_dtype, and its tokenizer (a tokenizer.path must be that one); new optimizer, step 0
+  tr.restore_branch = False  # with restore_from: continue its optimizer state, step and data
+  #   position too, so that the schedule goes on from its step (a WSD decay branched from a
+  #   stable-phase checkpoint, docs/training.md); num_steps counts from its step 0
   tr.mlm_probability = 0.15  # masked-LM: fraction of tokens selected
   tr.peak_tflops = 0.0  # per-device peak for MFU; 0: look up the device (none on CPU)
   tr.peer_timeout_s = 600.0  # multi-process: exit (status 1) after this long without a step

@@ -34,6 +34,17 @@ CHOICES = {
                   "stdlib_package", "labelled"),
     "data.task_addition_format": ("plain", "aligned"),
     "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
+    "train.optimizer": ("adamw", "adafactor", "lion", "muon"),
+    "train.schedule": ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
+}
+
+# Each optimizer's own fields (train.<name>), with the value None stands for.
+OPTIMIZER_OPTIONS = {
+    "adafactor": {"adafactor_decay_rate": 0.8, "adafactor_clipping": 1.0,
+                  "adafactor_momentum": None, "adafactor_param_scale": True,
+                  "adafactor_min_dim_to_factor": 128},
+    "lion": {"lion_b1": 0.9, "lion_b2": 0.99},
+    "muon": {"muon_lr": None, "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_rms": 0.2},
 }
 
 # The data.task values each objective reads (next_token and mlm read data.source).
@@ -164,6 +175,26 @@ def budget(t) -> tuple[str, float] | None:
     if t[field]:
       return f"train.{field}", t[field]
   return None
+
+
+def optimizer_option(t, field: str):
+  """train.<field> of an optimizer's own (`OPTIMIZER_OPTIONS`), None meaning its
+  default there; muon_lr's default is train.learning_rate."""
+  value = t[field]
+  if value is None:
+    (value,) = [o[field] for o in OPTIMIZER_OPTIONS.values() if field in o]
+  return t.learning_rate if field == "muon_lr" and value is None else value
+
+
+def decay_fraction(t) -> float:
+  """wsd's share of num_steps that decays (None means 0.2)."""
+  return 0.2 if t.decay_fraction is None else t.decay_fraction
+
+
+def decay_start(t) -> int:
+  """wsd: the step count where the decay starts (num_steps less its rounded
+  decay_fraction); the learning rate is constant from warmup_steps to it."""
+  return t.num_steps - round(decay_fraction(t) * t.num_steps)
 
 
 def eval_points(t) -> int:
@@ -310,8 +341,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   if config.train.batch_size % config.train.grad_accum_steps:
     _fail("train.grad_accum_steps", config.train.grad_accum_steps,
           f"must divide train.batch_size={config.train.batch_size}")
-  if config.train.learning_rate <= 0:
-    _fail("train.learning_rate", config.train.learning_rate, "must be positive")
+  _validate_optimizer(config.train)
   if not config.tokenizer.path and config.tokenizer.vocab_size > real_vocab_size(config.model):
     field = token_rows_field(config.model)
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
@@ -340,6 +370,57 @@ def _validate_budget(t: config_dict.ConfigDict) -> None:
   if t.token_budget and t.flop_budget:
     _fail("train.flop_budget", t.flop_budget, f"and train.token_budget={t.token_budget:g} "
           "both set train.num_steps; set one of them to 0")
+
+
+def _check_range(t, field: str, low: float, high: float, *, low_open=False,
+                 high_open=True) -> None:
+  """train.<field> within low..high (each end open or closed); None passes."""
+  value = t[field]
+  if value is None:
+    return
+  if (isinstance(value, bool) or not isinstance(value, (int, float))
+      or not (low < value if low_open else low <= value)
+      or not (value < high if high_open else value <= high)):
+    _fail(f"train.{field}", value,
+          f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}")
+
+
+def _validate_optimizer(t: config_dict.ConfigDict) -> None:
+  """The optimizer, its own fields, the learning-rate schedule and restore_branch."""
+  for field in ("train.optimizer", "train.schedule"):
+    _check_choice(t, field, "train.")
+  for optimizer, options in OPTIMIZER_OPTIONS.items():
+    for field in options:
+      if t[field] is not None and t.optimizer != optimizer:
+        _fail(f"train.{field}", t[field], f"is for train.optimizer={optimizer} (not "
+              f"{t.optimizer}); unset it")
+  if t.decay_fraction is not None and t.schedule != "wsd":
+    _fail("train.decay_fraction", t.decay_fraction,
+          f"is for train.schedule=wsd (not {t.schedule}); unset it")
+  for field in ("learning_rate", "muon_lr"):
+    if t[field] is not None and not t[field] > 0:
+      _fail(f"train.{field}", t[field], "must be positive")
+  for field in ("b1", "b2", "lion_b1", "lion_b2", "adafactor_momentum", "muon_momentum"):
+    _check_range(t, field, 0, 1)
+  _check_range(t, "min_lr_ratio", 0, 1, high_open=False)
+  _check_range(t, "decay_fraction", 0, 1, low_open=True, high_open=False)
+  _check_range(t, "adafactor_decay_rate", 0, 1, low_open=True, high_open=False)
+  for field in ("weight_decay", "adafactor_clipping", "muon_rms"):
+    _check_range(t, field, 0, float("inf"))
+  for field in ("adafactor_min_dim_to_factor", "muon_ns_steps"):
+    _check_positive(t, f"train.{field}", "train.", allow_none=True)
+  if t.schedule == "inverse_sqrt" and t.warmup_steps < 1:
+    _fail("train.warmup_steps", t.warmup_steps, "must be >= 1 for train.schedule=inverse_sqrt "
+          "(learning_rate * sqrt(warmup_steps / step) after it)")
+  if t.schedule == "wsd" and not t.warmup_steps <= decay_start(t) < t.num_steps:
+    _fail("train.decay_fraction", t.decay_fraction,
+          f"must leave the decay at least one step, after the warm-up: "
+          f"{decay_fraction(t):g} x num_steps={t.num_steps} is "
+          f"{t.num_steps - decay_start(t)} steps, and train.warmup_steps={t.warmup_steps}; "
+          "change either")
+  if t.restore_branch and not t.restore_from:
+    _fail("train.restore_branch", t.restore_branch,
+          "needs train.restore_from (the run to branch from); set it or unset this")
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:

@@ -321,21 +321,32 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   return (layer_elements + outside) * _itemsize(m.dtype) + 4 * m.vocab_size
 
 
+def _moments(t, params: dict) -> int:
+  """Optimizer moments kept, in parameters: adamw two per parameter, lion one,
+  muon one on the non-embedding parameters (its matrices) and two on the
+  embeddings and head (its AdamW part), adafactor at most one (a factored
+  matrix keeps a row and a column) and one more with adafactor_momentum."""
+  n, embedding = params["params_total"], params["params_embedding"]
+  return {"adamw": 2 * n, "lion": n, "muon": n + embedding,
+          "adafactor": n * (1 + (t.adafactor_momentum is not None))}[t.optimizer]
+
+
 def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   """Bytes of a training step, summed over all devices (before sharding).
 
   `parameters` and `gradients` in model.param_dtype; `optimizer_state`:
-  AdamW's two float32 moments; `activations` at train.batch_size x
+  float32 moments of train.optimizer (`_moments`); `activations` at train.batch_size x
   train.seq_len, divided by train.grad_accum_steps (one micro-batch is live
   at a time; see `activation_bytes_per_token`, which also says what
   `backend` means); `total`: their sum.
   """
   m, t = ModelConfig.resolve(config.model), config.train
-  n = formula_params(m)["params_total"]
+  params = formula_params(m)
+  n = params["params_total"]
   tokens = t.batch_size // t.grad_accum_steps * t.seq_len
   memory = dict(parameters=n * _itemsize(m.param_dtype),
                 gradients=n * _itemsize(m.param_dtype),
-                optimizer_state=2 * n * 4,
+                optimizer_state=_moments(t, params) * 4,
                 activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend))
   memory["total"] = sum(memory.values())
   return memory

@@ -120,6 +120,21 @@ RUN_CASES = [
     ("train.mlm_probability", 1.5, "train.mlm_probability=1.5: must be in (0, 1)"),
     ("data.seed", -1, "data.seed=-1: must be a positive integer or 0"),
     ("train.token_budget", -1.0, "train.token_budget=-1.0: must be >= 0 (0: unused)"),
+
+
+    ("train.optimizer", "sgd", "train.optimizer='sgd': must be one of adamw, adafactor, lion, "
+     "muon"),
+    ("train.schedule", "step", "train.schedule='step': must be one of cosine, linear, constant, "
+     "inverse_sqrt, wsd"),
+    ("train.lion_b1", 0.95, "train.lion_b1=0.95: is for train.optimizer=lion (not adamw); "
+     "unset it"),
+    ("train.decay_fraction", 0.1, "train.decay_fraction=0.1: is for train.schedule=wsd (not "
+     "cosine); unset it"),
+    ("train.b2", 1.0, "train.b2=1.0: must be in [0, 1)"),
+    ("train.min_lr_ratio", 1.5, "train.min_lr_ratio=1.5: must be in [0, 1]"),
+    ("train.weight_decay", -0.1, "train.weight_decay=-0.1: must be in [0, inf)"),
+    ("train.restore_branch", True, "train.restore_branch=True: needs train.restore_from (the "
+     "run to branch from); set it or unset this"),
 ]
 
 
@@ -132,6 +147,41 @@ def test_run_rule_messages(field, value, message):
   with pytest.raises(UserError) as err:
     validate(c)
   assert str(err.value).startswith("config field " + message)
+
+
+OPTIMIZER_CASES = [
+    (dict(optimizer="muon", muon_lr=0.0), "train.muon_lr=0.0: must be positive"),
+    (dict(optimizer="muon", muon_momentum=1.0), "train.muon_momentum=1.0: must be in [0, 1)"),
+    (dict(optimizer="muon", muon_ns_steps=0), "train.muon_ns_steps=0: must be a positive integer"),
+    (dict(optimizer="muon", muon_rms=-0.2), "train.muon_rms=-0.2: must be in [0, inf)"),
+    (dict(optimizer="lion", lion_b2=-0.5), "train.lion_b2=-0.5: must be in [0, 1)"),
+    (dict(optimizer="adafactor", adafactor_decay_rate=0.0),
+     "train.adafactor_decay_rate=0.0: must be in (0, 1]"),
+    (dict(optimizer="adafactor", adafactor_clipping=-1.0),
+     "train.adafactor_clipping=-1.0: must be in [0, inf)"),
+    (dict(optimizer="adafactor", adafactor_min_dim_to_factor=0),
+     "train.adafactor_min_dim_to_factor=0: must be a positive integer"),
+    (dict(schedule="wsd", decay_fraction=0.0), "train.decay_fraction=0.0: must be in (0, 1]"),
+    (dict(schedule="wsd", decay_fraction=0.0004), "train.decay_fraction=0.0004: must leave the "
+     "decay at least one step, after the warm-up: 0.0004 x num_steps=1000 is 0 steps, and "
+     "train.warmup_steps=100; change either"),
+    (dict(schedule="wsd", decay_fraction=0.95), "train.decay_fraction=0.95: must leave the decay "
+     "at least one step, after the warm-up: 0.95 x num_steps=1000 is 950 steps, and "
+     "train.warmup_steps=100; change either"),
+    (dict(schedule="inverse_sqrt", warmup_steps=0), "train.warmup_steps=0: must be >= 1 for "
+     "train.schedule=inverse_sqrt (learning_rate * sqrt(warmup_steps / step) after it)"),
+]
+
+
+@pytest.mark.parametrize("train,message", OPTIMIZER_CASES)
+def test_optimizer_and_schedule_rule_messages(train, message):
+  """Each in one line: the field, its value, the fix."""
+  c = base.get_config()
+  c.train.update(**train)
+  with pytest.raises(UserError) as err:
+    validate(c)
+  assert str(err.value).startswith("config field " + message)
+  assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("family,objective,allowed", [

@@ -181,6 +181,19 @@ class Checkpointer:
       raise DamagedCheckpoint(step, cause or "damaged on another process")
     return state, meta
 
+  def restore_data(self, step: int, data_iterator) -> None:
+    """Moves `data_iterator` to its position at `step`; `DamagedCheckpoint`
+    when that cannot be read."""
+    try:
+      self.manager.restore(step, args=ocp.args.Composite(
+          data=grain.checkpoint.CheckpointRestore(data_iterator)))
+    except Exception as e:  # pylint: disable=broad-except
+      cause = _cause(e)
+    else:
+      cause = None
+    if not all_true(cause is None):
+      raise DamagedCheckpoint(step, cause or "damaged on another process")
+
   def restore_meta(self, step: int) -> dict:
     try:
       return self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]

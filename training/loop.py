@@ -21,6 +21,7 @@ import signal
 import socket
 import sys
 import time
+from typing import NamedTuple
 import zlib
 
 import jax
@@ -30,13 +31,13 @@ from flax import nnx
 from tqdm import tqdm
 
 from configs.errors import UserError
-from configs.validation import eval_every as eval_every_of, validate
+from configs.validation import decay_start, eval_every as eval_every_of, validate
 from data import classify, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import compile_cache, hardware, startup
 from training import workdir as workdir_lib
-from training.checkpoint import Checkpointer, all_true
+from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true
 from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, evaluate
@@ -256,10 +257,10 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   source = None
   if tc.restore_from and not resuming:
     # Before anything is written to the workdir: a bad source leaves it untouched.
-    source = restore_source(config, workdir, abstract["params"], mesh, rules)
+    source = restore_source(config, workdir, abstract, mesh, rules)
   _lock_workdir(lock, workdir)
   workdir_lib.prepare(config, workdir, resuming)
-  tokenizer = workdir_lib.setup_tokenizer(config, workdir, source and source[1])
+  tokenizer = workdir_lib.setup_tokenizer(config, workdir, source and source.tokenizer_path)
   process = {"process_index": jax.process_index(), "process_count": jax.process_count(),
              "local_process_count": local_process_count()}
   data_start = time.perf_counter()
@@ -286,14 +287,19 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
     what = f"step {start} of {workdir}, resuming to {tc.num_steps}"
     if changes:
       what += f"; config changes: {workdir_lib.describe_changes(changes)}"
+  elif source is not None and source.state is not None:  # train.restore_branch
+    state, start = source.state, source.step
+    _restore_source_data(config, start, data_iter)
+    what = (f"step {start} of train.restore_from={tc.restore_from}, branched: its optimizer "
+            f"state and data position, training to {tc.num_steps}")
   else:
     # Created under jit in its shards: the full state never sits on one device.
     state = jax.jit(make_state, out_shardings=state_sharding)()
     start = 0
     what = "nothing (new run from step 0)"
     if source is not None:  # fresh optimizer state and step 0
-      state["params"] = _with_source(state["params"], source[0])
-      what = (f"parameters of step {source[2]} of train.restore_from={tc.restore_from} "
+      state["params"] = _with_source(state["params"], source.params)
+      what = (f"parameters of step {source.step} of train.restore_from={tc.restore_from} "
               "(new optimizer, step 0)")
   for line in startup.summary_lines(
       config, mesh, workdir=workdir, restored=what, memory=memory,
@@ -402,23 +408,37 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
   return out
 
 
-def restore_source(config, workdir: str, abstract_params, mesh, rules):
-  """(parameters, tokenizer path, step) to start from: train.restore_from, another run's
-  workdir.
+class Source(NamedTuple):
+  """What a run starts from (`restore_source`)."""
+  params: dict  # {parameter path name: array}, in this run's dtypes
+  tokenizer_path: str
+  step: int
+  state: dict | None  # the whole train state, for train.restore_branch; else None
+
+
+def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:
+  """What to start from: train.restore_from, another run's workdir.
 
   The parameters of its newest intact checkpoint (a damaged newer one is
   skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
-  `abstract_params` (this run's model.param_dtype), so a float32 run can be
-  fine-tuned in bfloat16 and back. The tokenizer they were trained with
-  (`_source_tokenizer`). Everything is checked before the workdir is written.
-  Only reads the source, which may still be training.
+  the parameters of `this_abstract` (this run's train state: its
+  model.param_dtype), so a float32 run can be fine-tuned in bfloat16 and back.
+  The tokenizer they were trained with (`_source_tokenizer`). With
+  train.restore_branch the whole train state too (`_check_branch_state`,
+  `_check_branch_step`).
+  Everything is checked before the workdir is written. Only reads the
+  source, which may still be training.
   """
   source = config.train.restore_from
   where = f"train.restore_from={source!r}"
   if not os.path.exists(os.path.join(source, workdir_lib.CONFIG_FILE)):
     raise UserError(f"{where}: not a run directory (no {workdir_lib.CONFIG_FILE})")
-  _, abstract = abstract_state(workdir_lib.load_config(source))
+  source_config = workdir_lib.load_config(source)
+  _, abstract = abstract_state(source_config)
+  abstract_params = this_abstract["params"]
   _check_source_shapes(config, where, abstract["params"], abstract_params)
+  if config.train.restore_branch:
+    _check_branch_state(config, source_config, where, abstract, this_abstract)
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
   try:
     restored = checkpointer.restore_newest_intact(
@@ -429,12 +449,54 @@ def restore_source(config, workdir: str, abstract_params, mesh, rules):
   if restored is None:
     raise UserError(f"{where}: it has no checkpoint")
   step, state, meta = restored
+  if config.train.restore_branch:
+    _check_branch_step(config, where, step)
   tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
   # Restored in the source's dtypes (so that its checksums are checked), then cast.
   dtypes = {path: a.dtype for path, a in _by_path(abstract_params).items()}
   params = {path: x.astype(dtypes[path]) for path, x in _by_path(state["params"]).items()
             if path in dtypes}
-  return params, tokenizer_path, step
+  return Source(params, tokenizer_path, step, state if config.train.restore_branch else None)
+
+
+def _check_branch_state(config, source_config, where: str, source_abstract,
+                        this_abstract) -> None:
+  """train.restore_branch continues the source's train state as it is: this
+  run's optimizer must keep the same state (optimizer, its options, dtypes)."""
+  def layout(tree):
+    return jax.tree.structure(tree), [(x.shape, x.dtype) for x in jax.tree.leaves(tree)]
+
+  if layout(source_abstract) != layout(this_abstract):
+    theirs, ours = source_config.train.optimizer, config.train.optimizer
+    raise UserError(f"{where}: train.restore_branch continues its optimizer state, which does "
+                    f"not fit this run's (train.optimizer={theirs} there, {ours} here; or "
+                    "another optimizer option, train.grad_clip or model.param_dtype); train "
+                    "as it did, or unset train.restore_branch to start from its parameters")
+
+
+def _check_branch_step(config, where: str, step: int) -> None:
+  """A branch from `step` must have steps left, and a wsd decay after it."""
+  tc = config.train
+  if step >= tc.num_steps:
+    raise UserError(f"{where}: its step {step} is not before train.num_steps={tc.num_steps} "
+                    "(counted from its step 0); raise train.num_steps")
+  if tc.schedule == "wsd" and step > decay_start(tc):
+    raise UserError(f"{where}: its step {step} is past the start of this run's wsd decay, "
+                    f"step {decay_start(tc)} of train.num_steps={tc.num_steps}; raise "
+                    "train.num_steps or lower train.decay_fraction")
+
+
+def _restore_source_data(config, step: int, data_iter) -> None:
+  """Moves `data_iter` to train.restore_from's data position at `step`."""
+  where = f"train.restore_from={config.train.restore_from!r}"
+  checkpointer = Checkpointer(config.train.restore_from, asynchronous=False, read_only=True)
+  try:
+    checkpointer.restore_data(step, data_iter)
+  except DamagedCheckpoint as e:
+    raise UserError(f"{where}: its data position does not restore here ({e.cause}); "
+                    "branch with its data, batch and process settings") from None
+  finally:
+    checkpointer.close()
 
 
 def _path_name(path) -> str:

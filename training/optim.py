@@ -1,28 +1,176 @@
-"""AdamW with linear warm-up and cosine decay, global-norm clipping, and a
-weight-decay mask (matrices decay; norms, biases and other vectors do not).
+"""The optimizer (`train.optimizer`) and its learning-rate schedule (`train.schedule`).
+
+AdamW (the default), Adafactor, Lion and Muon from optax, each after
+global-norm clipping, with decoupled weight decay (times the learning rate)
+on the matrices only: norms, biases and other vectors do not decay. Muon
+orthogonalises the updates of the hidden weight matrices, the kernels inside
+the blocks, one layer at a time; AdamW takes the embeddings, the output head,
+norms and biases. The schedules warm up linearly, then follow
+`train.schedule`; docs/training.md has their formulas.
 """
+import math
+
 import jax
+import jax.numpy as jnp
 import optax
+from optax.contrib import MuonDimensionNumbers, scale_by_muon
+
+from configs.validation import decay_start, optimizer_option
+
+# The kernels whose input is more than their first axis: the attention output
+# projection maps [heads, head_dim] to d_model.
+INPUT_AXES = {"o_proj": 2}
 
 
-def learning_rate_schedule(train_cfg) -> optax.Schedule:
-  """Linear warm-up to train.learning_rate, cosine decay to lr * min_lr_ratio."""
-  peak = train_cfg.learning_rate
-  return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=peak, warmup_steps=train_cfg.warmup_steps,
-      decay_steps=max(train_cfg.num_steps, train_cfg.warmup_steps + 1),
-      end_value=peak * train_cfg.min_lr_ratio)
+def learning_rate_schedule(train_cfg, peak: float | None = None) -> optax.Schedule:
+  """Linear warm-up from 0 to `peak` (train.learning_rate) over warmup_steps,
+  then train.schedule; step t is the count of steps taken (0 at the first)."""
+  t = train_cfg
+  peak = t.learning_rate if peak is None else peak
+  end, warmup, total = peak * t.min_lr_ratio, t.warmup_steps, t.num_steps
+  if t.schedule == "cosine":
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=peak, warmup_steps=warmup,
+        decay_steps=max(total, warmup + 1), end_value=end)
+
+  def linear_to_end(step, start):
+    """peak at step `start`, end at num_steps."""
+    return peak + (end - peak) * jnp.clip((step - start) / max(total - start, 1), 0.0, 1.0)
+
+  def schedule(count):
+    step = jnp.asarray(count, jnp.float32)
+    if t.schedule == "linear":
+      after = linear_to_end(step, warmup)
+    elif t.schedule == "constant":
+      after = jnp.full_like(step, peak)
+    elif t.schedule == "inverse_sqrt":
+      after = peak * jnp.sqrt(warmup / jnp.maximum(step, warmup))
+    else:  # wsd
+      after = linear_to_end(step, decay_start(t))
+    return jnp.where(step < warmup, peak * step / max(warmup, 1), after)
+
+  return schedule
 
 
 def decay_mask(params):
-  """True for parameters with two or more axes (weight matrices, embeddings)."""
-  return jax.tree.map(lambda p: p.ndim >= 2, params)
+  """True for weight matrices, embeddings and position tables: parameters
+  with two or more axes per layer that are not biases (q/k/v biases are
+  [heads, head_dim]). A scanned stack's leading `layers` axis does not
+  count, so its norms and biases do not decay, as in the per-layer layout."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, p: p.ndim - _stacked(path) >= 2 and _name(path).split("/")[-1] != "bias",
+      params)
+
+
+def _name(path) -> str:
+  """A parameter's path as a name: "decoder/layers/attn/q_proj/kernel"."""
+  return jax.tree_util.keystr(path, simple=True, separator="/").removesuffix("/value")
+
+
+def _stacked(path) -> bool:
+  """Whether the parameter at `path` belongs to a scanned stack (its blocks'
+  parameters stacked on a leading `layers` axis, not a list of layers)."""
+  parts = _name(path).split("/")
+  return "layers" in parts[:-1] and not parts[parts.index("layers") + 1].isdigit()
+
+
+def muon_dimensions(path, x) -> MuonDimensionNumbers | None:
+  """How Muon sees parameter `x` at `path` as (input, output) matrices, or None
+  for a parameter AdamW takes.
+
+  Muon takes the kernels inside the blocks (`.../layers/...`): attention and
+  MLP projections. A scanned stack's kernels lead with the `layers` axis, a
+  batch axis (each layer's matrix is orthogonalised by itself); the input is
+  the next axis (the next two for `o_proj`), the output every axis after it.
+  """
+  parts = _name(path).split("/")
+  if "layers" not in parts or parts[-1] != "kernel":
+    return None
+  below = parts[parts.index("layers") + 1]
+  first = 0 if below.isdigit() else 1  # a per-layer list, or the scanned stack's axis
+  inputs = INPUT_AXES.get(parts[-2], 1)
+  if x.ndim < first + inputs + 1:
+    raise ValueError(f"{_name(path)}: shape {x.shape} is not a matrix of {inputs} input axes")
+  return MuonDimensionNumbers(reduction_axis=tuple(range(first, first + inputs)),
+                              output_axis=tuple(range(first + inputs, x.ndim)))
+
+
+def muon_labels(params):
+  """"muon" for the hidden matrices (`muon_dimensions`), "adamw" for the rest."""
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: "adamw" if muon_dimensions(path, x) is None else "muon", params)
+
+
+def _muon_dimension_tree(updates):
+  """`muon_dimensions` of every leaf of Muon's part (the rest is masked out)."""
+  return jax.tree_util.tree_map_with_path(muon_dimensions, updates)
+
+
+def _scale_by_shape(rms: float) -> optax.GradientTransformation:
+  """Each orthogonalised update times rms * sqrt(max(fan_in, fan_out)), which
+  makes its RMS `rms` (Moonlight's), or for rms 0 times sqrt(max(1, fan_out /
+  fan_in)) (Keller Jordan's): optax.contrib.muon's two scalings, per layer."""
+
+  def scale(path, u):
+    dims = muon_dimensions(path, u)
+    fan_in = math.prod(u.shape[a] for a in dims.reduction_axis)
+    fan_out = math.prod(u.shape[a] for a in dims.output_axis)
+    factor = rms * math.sqrt(max(fan_in, fan_out)) if rms > 0 else math.sqrt(
+        max(1.0, fan_out / fan_in))
+    return u * factor
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree_util.tree_map_with_path(scale, updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def _adamw(train_cfg, schedule) -> optax.GradientTransformation:
+  t = train_cfg
+  return optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=decay_mask)
+
+
+def _muon(train_cfg, schedule) -> optax.GradientTransformation:
+  """Muon (optax.contrib's, with Nesterov momentum) on the hidden matrices at
+  muon_lr, AdamW on the rest at learning_rate; one weight decay."""
+  t = train_cfg
+  matrices = optax.chain(
+      scale_by_muon(ns_steps=optimizer_option(t, "muon_ns_steps"),
+                    beta=optimizer_option(t, "muon_momentum"),
+                    weight_dimension_numbers=_muon_dimension_tree),
+      _scale_by_shape(optimizer_option(t, "muon_rms")),
+      optax.add_decayed_weights(t.weight_decay),
+      optax.scale_by_learning_rate(learning_rate_schedule(t, optimizer_option(t, "muon_lr"))))
+  return optax.partition({"muon": matrices, "adamw": _adamw(t, schedule)}, muon_labels)
+
+
+def _adafactor(train_cfg, schedule) -> optax.GradientTransformation:
+  t = train_cfg
+  clipping = optimizer_option(t, "adafactor_clipping")
+  return optax.adafactor(
+      schedule, min_dim_size_to_factor=optimizer_option(t, "adafactor_min_dim_to_factor"),
+      decay_rate=optimizer_option(t, "adafactor_decay_rate"),
+      multiply_by_parameter_scale=optimizer_option(t, "adafactor_param_scale"),
+      clipping_threshold=clipping if clipping > 0 else None,
+      momentum=optimizer_option(t, "adafactor_momentum"),
+      weight_decay_rate=lambda count: t.weight_decay * schedule(count),
+      weight_decay_mask=decay_mask)
+
+
+def _lion(train_cfg, schedule) -> optax.GradientTransformation:
+  t = train_cfg
+  return optax.lion(schedule, b1=optimizer_option(t, "lion_b1"),
+                    b2=optimizer_option(t, "lion_b2"), weight_decay=t.weight_decay,
+                    mask=decay_mask)
+
+
+OPTIMIZERS = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion, "muon": _muon}
 
 
 def make_optimizer(train_cfg) -> optax.GradientTransformation:
   parts = []
   if train_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
-  parts.append(optax.adamw(learning_rate_schedule(train_cfg), b1=train_cfg.b1, b2=train_cfg.b2,
-                           weight_decay=train_cfg.weight_decay, mask=decay_mask))
+  parts.append(OPTIMIZERS[train_cfg.optimizer](train_cfg, learning_rate_schedule(train_cfg)))
   return optax.chain(*parts)

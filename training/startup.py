@@ -9,8 +9,9 @@ in one line before anything is compiled or written;
 
 `summary_lines`: the block train.py prints at start: devices and mesh,
 parameters, tokens and FLOPs per step (and the budget that set num_steps),
-memory, data and epochs, the peak of the learning rate (a warning when the
-warm-up is longer than the run), the workdir and what was restored.
+memory, data and epochs, the peak of the learning rate and what the schedule
+does after it (a warning when the warm-up is longer than the run), the
+workdir and what was restored.
 
 `out_of_memory`: the one-line error for an allocation that still fails at run time.
 """
@@ -94,16 +95,25 @@ def out_of_memory(config, estimate: int) -> UserError:
 
 
 def schedule_line(config, schedule) -> str:
-  """The learning rate's peak over the run, and a warning when the warm-up
-  keeps it below train.learning_rate."""
+  """Where the learning rate peaks (steps counted from 1) and what it does
+  after, or a warning when the warm-up keeps it below train.learning_rate."""
   t = config.train
   rates = np.asarray(schedule(np.arange(t.num_steps)))
   peak, at = float(rates.max()), int(rates.argmax()) + 1
   line = f"schedule    learning rate peaks at {peak:.3g} at step {at}/{t.num_steps}"
   if peak < 0.999 * t.learning_rate:
-    line += (f"; warning: below train.learning_rate={t.learning_rate:g}, since "
-             f"train.warmup_steps={t.warmup_steps} >= num_steps: lower train.warmup_steps")
-  return line
+    return line + (f"; warning: below train.learning_rate={t.learning_rate:g}, since "
+                   f"train.warmup_steps={t.warmup_steps} >= num_steps: lower "
+                   "train.warmup_steps")
+  last = f"{float(rates[-1]):.3g} at step {t.num_steps}"
+  if at == t.num_steps:
+    return line
+  if t.schedule == "constant":
+    return line + ", then constant"
+  if t.schedule == "wsd":
+    return line + f", held to step {validation.decay_start(t) + 1}, then a linear decay to {last}"
+  how = {"cosine": "a cosine", "linear": "a linear", "inverse_sqrt": "an inverse-sqrt"}
+  return line + f", then {how[t.schedule]} decay to {last}"
 
 
 def _budget_lines(config, tokens: int, flops: int) -> list[str]:

@@ -38,7 +38,7 @@ RESUME_SAFE_FIELDS = (
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_steps",
     "train.checkpoint_every", "train.keep_checkpoints", "train.peer_timeout_s",
     "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
-    "train.restore_from", "data.num_workers", "data.cache_dir",
+    "train.restore_from", "train.restore_branch", "data.num_workers", "data.cache_dir",
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
 )
 
