@@ -174,3 +174,12 @@ def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
   assert entries and sorted(os.listdir(tmp_path / "jax")) == entries
   assert events.count("/jax/compilation_cache/cache_hits") > 0
   assert "/jax/compilation_cache/cache_misses" not in events
+
+
+def test_compilation_cache_off_by_config_or_environment(monkeypatch, tmp_path):
+  monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
+  assert compile_cache.cache_dir("") == str(tmp_path / "env")
+  assert compile_cache.cache_dir(str(tmp_path / "own")) == str(tmp_path / "own")
+  assert compile_cache.cache_dir(compile_cache.OFF) is None
+  monkeypatch.setenv(compile_cache.ENV_VAR, compile_cache.OFF)
+  assert compile_cache.cache_dir("") is None

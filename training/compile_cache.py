@@ -7,7 +7,7 @@ train and eval steps from disk instead of compiling them again. Every
 program is cached, however small or quick to compile. `train.py` and
 `eval.py` call it with `train.compilation_cache_dir`: a directory, "" for
 the default (`$TRANSFORMER_LAB_COMPILATION_CACHE`, else
-`~/.cache/transformer_lab/jax`), or "none" to compile every start.
+`~/.cache/transformer_lab/jax`), or "none" (in either) to compile every start.
 """
 import os
 
@@ -22,10 +22,8 @@ OFF = "none"
 
 def cache_dir(setting: str) -> str | None:
   """The directory `train.compilation_cache_dir` names (None: off)."""
-  if setting == OFF:
-    return None
-  return os.path.abspath(os.path.expanduser(
-      setting or os.environ.get(ENV_VAR) or DEFAULT_DIR))
+  setting = setting or os.environ.get(ENV_VAR) or DEFAULT_DIR
+  return None if setting == OFF else os.path.abspath(os.path.expanduser(setting))
 
 
 def enable(setting: str) -> str | None:
