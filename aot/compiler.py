@@ -157,26 +157,49 @@ def _lower_generate(config, mesh):
           held)
 
 
-def multiplicities(hlo_text: str) -> dict[str, int]:
-  """How many times each computation of an HLO module runs per call of its
-  entry: a while loop's body and condition run its known trip count times
-  per run of the computation holding the loop (1 where the compiler knows
-  no trip count); other called computations once per call."""
-  calls, entry, current = {}, None, None
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """({computation name: its instruction lines}, the entry's name) of an HLO module."""
+  computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
     header = _COMPUTATION_RE.match(line)
     if header:
       current = header.group(2)
-      calls[current] = []
+      computations[current] = []
       entry = current if header.group(1) else entry
-      continue
-    if current is None:
-      continue
-    trip = _TRIP_RE.search(line)
-    for role, names in _CALLED_RE.findall(line):
-      for name in re.findall(r"%([\w.\-]+)", names):
-        calls[current].append((name, int(trip.group(1)) if trip and role in ("body", "condition")
-                               else 1))
+    elif current is not None:
+      computations[current].append(line)
+  return computations, entry
+
+
+def _trip_count(line: str, computations: dict[str, list[str]]) -> int:
+  """Iterations of the while loop of `line`: the compiler's known trip count,
+  else N where its condition is `i < N` against one constant, as a JAX scan
+  or fori_loop (from 0 by 1) compiles for TPUs; 1 where neither is there."""
+  known = _TRIP_RE.search(line)
+  if known:
+    return int(known.group(1))
+  condition = re.search(r"condition=%([\w.\-]+)", line)
+  lines = computations.get(condition.group(1), []) if condition else []
+  constants = [int(c) for l in lines for c in re.findall(r"s32\[\]\S* constant\((\d+)\)", l)]
+  less_than = any(l.lstrip().startswith("ROOT") and "compare(" in l and "direction=LT" in l
+                  for l in lines)
+  return constants[0] if less_than and len(constants) == 1 else 1
+
+
+def multiplicities(hlo_text: str) -> dict[str, int]:
+  """How many times each computation of an HLO module runs per call of its
+  entry: a while loop's body and condition run its trip count times
+  (`_trip_count`) per run of the computation holding the loop; other called
+  computations once per call."""
+  computations, entry = _computations(hlo_text)
+  calls = {name: [] for name in computations}
+  for name, lines in computations.items():
+    for line in lines:
+      called = _CALLED_RE.findall(line)
+      trips = _trip_count(line, computations) if " while(" in line else 1
+      for role, names in called:
+        for callee in re.findall(r"%([\w.\-]+)", names):
+          calls[name].append((callee, trips if role in ("body", "condition") else 1))
   runs = dict.fromkeys(calls, 0)
 
   def visit(name: str, times: int) -> None:
@@ -201,7 +224,9 @@ def _lines_with_runs(hlo_text: str):
 
 def has_loops(hlo_text: str) -> bool:
   """Whether the program holds a loop that runs more than once (scanned layers)."""
-  return any(int(n) > 1 for n in _TRIP_RE.findall(hlo_text))
+  computations, _ = _computations(hlo_text)
+  return any(_trip_count(line, computations) > 1 for lines in computations.values()
+             for line in lines if " while(" in line)
 
 
 def collectives(hlo_text: str) -> dict[str, dict]:

@@ -84,6 +84,9 @@ def get_config() -> config_dict.ConfigDict:
   #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth);
   #   False: a Python loop over per-layer blocks; None: scan unless the layers differ (a window
   #   on some layers only), and a run resumed or restored from keeps its saved layout
+  m.scan_unroll = 2  # scanned stacks: blocks per iteration of the scan (jax.lax.scan's unroll);
+  #   the loop's own cost is paid num_layers / scan_unroll times, and the program holds
+  #   scan_unroll blocks (1: the smallest program; num_layers: as fast as the Python loop)
   m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |

@@ -253,6 +253,8 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   _validate_window_layers(m)
   scan_layers(m)
+  if isinstance(m.scan_unroll, bool) or not isinstance(m.scan_unroll, int) or m.scan_unroll < 1:
+    _fail("model.scan_unroll", m.scan_unroll, "must be a positive integer (blocks per iteration)")
   for field in ("attn_softcap", "final_softcap"):
     if m[field] is not None and not m[field] > 0:
       _fail(f"model.{field}", m[field], "must be positive (the cap c of c tanh(x / c)) or None")

@@ -20,7 +20,7 @@ from model.layers import DTYPES
 
 # Fields that say how the model is computed or initialised, not what it computes.
 _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias",
-        "scan_layers")
+        "scan_layers", "scan_unroll")
 # RoPE scaling parameters, and those each `rope_scaling` type reads.
 _ROPE_FIELDS = ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
                 "rope_beta_slow", "rope_attention_factor", "rope_truncate",
@@ -93,6 +93,7 @@ class ModelConfig:
   sliding_window: int | None
   sliding_window_layers: tuple[int, ...]
   scan_layers: bool
+  scan_unroll: int
   attention_impl: str
   pallas_lowering: str
   dtype: Any

@@ -91,6 +91,7 @@ class _Stack(nnx.Module):
     self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
                           if cfg.pos_emb == "relative" else None)
     self.scan = cfg.scan_layers
+    self.scan_unroll = cfg.scan_unroll
     if self.scan:
       self.layers = _stacked_blocks(
           lambda r: Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(0), rngs=r),
@@ -143,7 +144,8 @@ class _Stack(nnx.Module):
 
     x_BTM = _batch_split(x_BTM)
     if self.scan:
-      x_BTM, _ = _scan_layers(lambda layer, h, _: (block(layer, h), None), self.layers, x_BTM)
+      x_BTM, _ = _scan_layers(lambda layer, h, _: (block(layer, h), None), self.layers, x_BTM,
+                              unroll=self.scan_unroll)
     else:
       for layer in self.layers:
         x_BTM = block(layer, x_BTM)
@@ -178,7 +180,7 @@ class _Stack(nnx.Module):
 
     if self.scan:
       x_BTM, new_cache = _scan_layers(lambda layer, h, xs: block(layer, h, *xs), self.layers,
-                                      x_BTM, (cache, cross_kv))
+                                      x_BTM, (cache, cross_kv), unroll=self.scan_unroll)
     else:
       new_cache = []
       for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
@@ -228,13 +230,14 @@ def _one_layer(graphdef, layer_state) -> Block:
   return nnx.merge(graphdef, spmd.remove_axis(layer_state, 0, _LAYERS_METADATA))
 
 
-def _scan_layers(fn, layers: Block, carry, xs=None):
+def _scan_layers(fn, layers: Block, carry, xs=None, unroll: int = 1):
   """`fn(block, carry, x) -> (carry, y)` over the layers of the stacked
   `layers` (and over the leading axis of `xs`): a `jax.lax.scan` over their
-  split state, so that it also runs inside other JAX loops (generation)."""
+  split state, so that it also runs inside other JAX loops (generation);
+  `unroll` blocks per iteration (model.scan_unroll)."""
   graphdef, state = nnx.split(layers)
   return jax.lax.scan(lambda c, scanned: fn(_one_layer(graphdef, scanned[0]), c, scanned[1]),
-                      carry, (state, xs))
+                      carry, (state, xs), unroll=unroll)
 
 
 def _map_layers(fn, layers: Block):

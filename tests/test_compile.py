@@ -67,8 +67,9 @@ def test_collectives_read_from_hlo():
 
 def test_a_loop_body_counts_once_per_iteration():
   """Scanned layers: the collectives and kernels of a while loop's body count
-  its trip count times per step, nested loops multiply, and a loop the
-  compiler knows no trip count of counts once."""
+  its trip count times per step (the compiler's, or the bound of its
+  condition as TPU programs have it), nested loops multiply, and a loop of
+  unknown trip count counts once."""
   hlo = """HloModule m
 %body.1 (p: f32[8]) -> f32[8] {
   %ag = bf16[256,128]{1,0} all-gather(%p0), replica_groups=[1,4]<=[4], dimensions={0}
@@ -84,20 +85,31 @@ def test_a_loop_body_counts_once_per_iteration():
 %unknown (p: f32[8]) -> f32[8] {
   %ar2 = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add
 }
+%tpu_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar3 = f32[8]{0} all-reduce(%p), replica_groups=[1,4]<=[4], to_apply=%add
+}
+%tpu_cond (p: (s32[], f32[8])) -> pred[] {
+  %constant.1 = s32[]{:T(128)} constant(5)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %constant.1), direction=LT
+}
 ENTRY %main (a: f32[8]) -> f32[8] {
   %w = f32[8] while(%a), condition=%cond.1, body=%body.1, backend_config={"known_induction_variable":{"tuple_index":"0"},"known_trip_count":{"n":"80"}}
   %w2 = f32[8] while(%a), condition=%cond.1, body=%unknown
+  %w3 = (s32[], f32[8]) while(%t), condition=%tpu_cond, body=%tpu_body
   %ag0 = bf16[256,128]{1,0} all-gather(%p0), replica_groups=[1,4]<=[4], dimensions={0}
 }
 """
   runs = aot.multiplicities(hlo)
   assert (runs["main"], runs["body.1"], runs["body.2"], runs["unknown"]) == (1, 80, 160, 1)
+  assert runs["tpu_body"] == 5  # no known trip count: `i < 5` in its condition
   found = aot.collectives(hlo)
-  assert found["all-gather"]["count"] == 81 and found["all-reduce"]["count"] == 161
+  assert found["all-gather"]["count"] == 81 and found["all-reduce"]["count"] == 161 + 5
   assert found["all-gather"]["bytes"] == 81 * 256 * 128 * 2
   assert aot.kernels(hlo)["flash_attention_tpu_dq"]["count"] == 80
   assert aot.has_loops(hlo) and not aot.has_loops(hlo.replace('"n":"80"', '"n":"1"')
-                                                   .replace('"n":"2"', '"n":"1"'))
+                                                   .replace('"n":"2"', '"n":"1"')
+                                                   .replace("constant(5)", "constant(1)"))
 
 
 @pytest.mark.tpu

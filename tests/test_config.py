@@ -32,6 +32,7 @@ CASES = [
     (dict(pos_emb="learned", rope_scaling="linear"),
      "model.rope_scaling='linear': needs model.pos_emb=rope"),
     (dict(norm_eps=0.0), "model.norm_eps=0.0: must be positive"),
+    (dict(scan_unroll=0), "model.scan_unroll=0: must be a positive integer (blocks per iteration)"),
     (dict(rope_original_max_len=0), "model.rope_original_max_len=0: must be a positive integer"),
     (dict(rope_scaling="yarn", rope_beta_fast=1.0),
      "model.rope_beta_fast=1.0: must exceed model.rope_beta_slow=1.0 > 0"),

@@ -58,11 +58,13 @@ def forward(model, family, tokens):
   return model(tokens)
 
 
-@pytest.mark.parametrize("family", [f if f == "decoder" else pytest.param(f, marks=pytest.mark.slow)
-                                    for f in FAMILIES])
-def test_scanned_layers_give_the_loops_logits_and_gradients(family):
-  """Same weights: same logits and same gradients (stacked), with remat inside the scan."""
-  looped, scanned = loop_and_scanned(remat=True, **FAMILIES[family])
+@pytest.mark.parametrize("family,unroll", [
+    ("decoder", 1), ("decoder", 2),  # 3 layers: 2 a loop of 1 iteration and 1 more
+    *(pytest.param(f, 2, marks=pytest.mark.slow) for f in FAMILIES if f != "decoder")])
+def test_scanned_layers_give_the_loops_logits_and_gradients(family, unroll):
+  """Same weights: same logits and same gradients (stacked), with remat inside
+  the scan, one block or two per iteration (model.scan_unroll)."""
+  looped, scanned = loop_and_scanned(remat=True, scan_unroll=unroll, **FAMILIES[family])
   tokens = jax.random.randint(jax.random.key(0), (2, 10), 1, 64)
 
   def loss_and_grads(model):
