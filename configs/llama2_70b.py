@@ -15,7 +15,8 @@ def get_config():
   c.model.update(family="decoder", vocab_size=32000, d_model=8192, num_layers=80,
                  num_heads=64, num_kv_heads=8, d_ff=28672, max_len=4096, pos_emb="rope",
                  norm="rmsnorm", norm_eps=1e-5, mlp="swiglu", use_bias=False,
-                 tie_embeddings=False, dtype="bfloat16")
+                 tie_embeddings=False, dtype="bfloat16",
+                 scan_unroll=1)  # one block's working set per scan iteration: less HBM
   c.tokenizer.update(kind="spm_bpe", vocab_size=32000)
   c.train.update(batch_size=256, seq_len=4096, learning_rate=1.5e-4, warmup_steps=2000,
                  remat=True)

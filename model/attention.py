@@ -259,33 +259,44 @@ def _log_choice(message: str) -> None:
 
 
 def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: bool,
-                        has_softcap: bool = False) -> str:
+                        has_softcap: bool = False, has_window: bool = False) -> str:
   """The `auto` rule.
 
   On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128,
   no dense mask and no soft-cap (cuDNN's fused flash attention, the fastest
-  measured in docs/benchmarks.md), otherwise `xla`. Elsewhere (CPU, TPU):
-  `xla`. `pallas` is chosen explicitly until `bench/attention.py` shows it
-  ahead of cuDNN (on a TPU, of XLA and JAX's splash attention) on the device
-  at hand.
+  measured in docs/benchmarks.md), otherwise `xla`.
+
+  On a TPU: `pallas` (our Mosaic TPU kernel) where it takes the inputs (no
+  dense mask or bias, no sliding window), otherwise `xla`. Memory decides
+  this: the kernel keeps O(T) per row for the backward pass where XLA's
+  attention keeps every layer's [heads, T, S] scores, so llama2_7b at 4,096
+  tokens per chip on a v5p-64 fits without remat with it (41 GiB per chip)
+  and not with XLA (108 GiB; docs/compiling.md). Its speed against XLA and
+  JAX's splash attention is untimed until `bench/attention.py` runs on a TPU.
+
+  On a CPU: `xla`.
   """
   if (backend == "gpu" and not has_dense_mask and not has_softcap
       and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
+  if backend == "tpu" and not has_dense_mask and not has_window:
+    return "pallas"
   return "xla"
 
 
-def choose_implementation(q_BTHD, *, has_dense_mask: bool, has_softcap: bool = False) -> str:
+def choose_implementation(q_BTHD, *, has_dense_mask: bool, has_softcap: bool = False,
+                          has_window: bool = False) -> str:
   """`auto_implementation` for these queries on the platform of `compile_device()`
   (logged once)."""
   D = q_BTHD.shape[-1]
   backend = compile_device().platform
   choice = auto_implementation(backend=backend, dtype=q_BTHD.dtype, head_dim=D,
-                               has_dense_mask=has_dense_mask, has_softcap=has_softcap)
+                               has_dense_mask=has_dense_mask, has_softcap=has_softcap,
+                               has_window=has_window)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
-              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask}, softcap={has_softcap} "
-              f"on {backend}")
+              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask}, softcap={has_softcap}, "
+              f"window={has_window} on {backend}")
   return choice
 
 
@@ -298,7 +309,8 @@ def model_implementation(cfg, backend: str | None = None) -> str:
     return cfg.attention_impl
   return auto_implementation(backend=backend or jax.default_backend(), dtype=cfg.dtype,
                              head_dim=cfg.head_dim, has_dense_mask=cfg.pos_emb == "relative",
-                             has_softcap=cfg.attn_softcap is not None)
+                             has_softcap=cfg.attn_softcap is not None,
+                             has_window=cfg.sliding_window is not None)
 
 
 def check_kernel_support(cfg) -> None:
@@ -348,7 +360,8 @@ def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
     bidirectional_window = window is not None and not causal
     dense = mask is not None or bidirectional_window or bias is not None
     implementation = choose_implementation(q_BTHD, has_dense_mask=dense,
-                                           has_softcap=softcap is not None)
+                                           has_softcap=softcap is not None,
+                                           has_window=window is not None)
   kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window,
                 bias=bias, softcap=softcap)
   if implementation == "reference":

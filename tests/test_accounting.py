@@ -231,8 +231,8 @@ def test_cli_bad_config_is_one_line_exit_2():
 
 def test_activations_follow_the_dispatchers_choice_for_auto():
   """`auto` counts the attention scores exactly when the dispatcher picks an
-  implementation that keeps them: xla on CPU, TPU and for float32 on a GPU,
-  cuDNN (no scores) for 16-bit on a GPU."""
+  implementation that keeps them: xla on CPU and for float32 on a GPU; cuDNN
+  (no scores) for 16-bit on a GPU, our kernel (no scores) on a TPU."""
   def activations(impl, dtype, backend=None):
     config = gpt2_small.get_config()
     config.model.update(attention_impl=impl, dtype=dtype)
@@ -240,7 +240,7 @@ def test_activations_follow_the_dispatchers_choice_for_auto():
 
   for dtype in ("float32", "bfloat16"):
     assert activations("auto", dtype, "cpu") == activations("xla", dtype)
-    assert activations("auto", dtype, "tpu") == activations("xla", dtype)
+    assert activations("auto", dtype, "tpu") == activations("pallas", dtype)
     assert activations("xla", dtype) > activations("cudnn", dtype)
   assert activations("auto", "float32", "gpu") == activations("xla", "float32")
   assert activations("auto", "bfloat16", "gpu") == activations("cudnn", "bfloat16")

@@ -219,6 +219,16 @@ def test_auto_does_not_pick_cudnn_for_a_softcap():
   assert cfg.attn_softcap == 50.0
 
 
+def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
+  """Memory decides on TPUs (model/attention.py, auto_implementation): our
+  kernel, soft-cap included, but XLA for a dense mask or bias or a window."""
+  tpu = dict(backend="tpu", dtype=jnp.bfloat16, head_dim=128, has_dense_mask=False)
+  assert auto_implementation(**tpu) == auto_implementation(**tpu, has_softcap=True) == "pallas"
+  assert auto_implementation(**dict(tpu, has_dense_mask=True)) == "xla"
+  assert auto_implementation(**tpu, has_window=True) == "xla"
+  assert auto_implementation(**dict(tpu, backend="cpu")) == "xla"
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("model.attn_softcap", 0.0, "model.attn_softcap=0.0: must be positive"),
     ("model.final_softcap", -1.0, "model.final_softcap=-1.0: must be positive"),
