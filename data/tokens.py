@@ -24,6 +24,10 @@ An entry is a directory of four files:
 It is written in a temporary directory renamed into place, so an interrupted
 or failed run never leaves a partial entry. An entry whose files do not match
 its recorded counts or checksums is rebuilt with a one-line note, never used.
+The checksums are read once per entry: `verified.json` records the files'
+size, modification time and inode when they passed, and a later start
+whose files still have them reads only the counts (a warm start then costs
+nothing per token); `data.verify_cache=True` reads every checksum again.
 The arrays are opened memory-mapped (`mmap_mode="r"`).
 
 Tokenisation runs in `data.tokenize_workers` processes (spawned: no JAX in
@@ -61,6 +65,7 @@ NUM_BUCKETS = 100
 _ENCODE_CHUNK_DOCS = 256  # documents per tokenizer.encode_batch call
 _ENCODE_CHUNK_BYTES = 4 << 20  # or fewer, when the documents are large
 _ARRAY_FILES = ("tokens.npy", "offsets.npy", "buckets.npy")
+_STAMP = "verified.json"  # the files' (size, mtime, inode) when their checksums last passed
 _HEADER_BYTES = 128  # the .npy header of tokens.npy, written before its length is known
 _POLL_S = 0.5
 _CLOCK_SKEW_S = 60.0  # a failure note older than the wait by more than this is stale
@@ -163,7 +168,8 @@ def load_corpus(data_config: config_dict.ConfigDict, tokenizer, share: Share = S
       continue
     if os.path.exists(stem + ".failed"):  # an earlier run's: this one tries again
       os.remove(stem + ".failed")
-    entry, problem = read_entry(stem) if os.path.isdir(stem) else (None, "")
+    entry, problem = (read_entry(stem, trust_stamp=not data_config.verify_cache)
+                      if os.path.isdir(stem) else (None, ""))
     if problem:
       print(f"note: token cache entry {stem} is damaged ({problem}); rebuilding it",
             file=sys.stderr)
@@ -392,13 +398,36 @@ _VERIFIED: dict[str, tuple] = {}  # stem -> (stat of its files, entry): checked 
 
 
 def _stat_signature(stem: str) -> tuple:
-  return tuple((s.st_size, s.st_mtime_ns) for s in
+  return tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in
                (os.stat(os.path.join(stem, n)) for n in _ARRAY_FILES + ("meta.json",)))
 
 
-def read_entry(stem: str) -> tuple[Entry | None, str]:
+def _stamped_signature(stem: str) -> tuple | None:
+  """The files' signature when their checksums were last found right (`_STAMP`)."""
+  try:
+    with open(os.path.join(stem, _STAMP), encoding="utf-8") as f:
+      return tuple(tuple(s) for s in json.load(f))
+  except (OSError, ValueError, TypeError):
+    return None
+
+
+def _stamp(stem: str, signature: tuple) -> None:
+  """Records that the files of `signature` passed their checksums; best effort."""
+  tmp = os.path.join(stem, f"{_STAMP}.{os.getpid()}")
+  try:
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump(signature, f)
+    os.replace(tmp, os.path.join(stem, _STAMP))
+  except OSError:
+    pass
+
+
+def read_entry(stem: str, *, trust_stamp: bool = True) -> tuple[Entry | None, str]:
   """(the cached entry, "") when its files match the recorded counts and
-  checksums, else (None, what does not match)."""
+  checksums, else (None, what does not match). The checksums are read once:
+  files whose size, modification time and inode are those stamped when they
+  last passed are trusted (`trust_stamp=False`, data.verify_cache, reads
+  them all again), so a warm start does not read the whole cache."""
   try:
     signature = _stat_signature(stem)
     if stem in _VERIFIED and _VERIFIED[stem][0] == signature:
@@ -407,9 +436,11 @@ def read_entry(stem: str) -> tuple[Entry | None, str]:
       meta = json.load(f)
     if meta.get("format") != FORMAT_VERSION:
       return None, "written by another version of the cache"
-    for name in _ARRAY_FILES:
-      if meta["crc32"].get(name) != file_crc32(os.path.join(stem, name)):
-        return None, f"{name} does not match its recorded checksum"
+    checked = trust_stamp and _stamped_signature(stem) == signature
+    if not checked:
+      for name in _ARRAY_FILES:
+        if meta["crc32"].get(name) != file_crc32(os.path.join(stem, name)):
+          return None, f"{name} does not match its recorded checksum"
     entry = _entry(stem, meta)
     tokens, offsets, buckets = (entry.array(n) for n in ("tokens", "offsets", "buckets"))
     counts = (len(tokens), len(offsets), int(offsets[-1]), len(buckets))
@@ -418,6 +449,8 @@ def read_entry(stem: str) -> tuple[Entry | None, str]:
   if counts != (entry.num_tokens, entry.num_documents + 1, entry.num_tokens,
                 entry.num_documents):
     return None, "its files do not match the recorded document and token counts"
+  if not checked:
+    _stamp(stem, signature)
   _VERIFIED[stem] = (signature, entry)
   return entry, ""
 

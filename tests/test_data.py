@@ -685,3 +685,33 @@ def test_prepare_fills_the_cache_and_bad_input_exits_2(tmp_path):
   assert bad.stderr.strip().splitlines()[-1].startswith(
       f"error: {tmp_path}/corpus/c.txt: not UTF-8 text (bad byte at offset 3)")
   assert "Traceback" not in bad.stderr and len(cache_entries(tmp_path)) == 2
+
+
+def test_checksums_are_read_once_per_entry(tmp_path, monkeypatch):
+  """A warm start in a new process (here: the in-process memo cleared) trusts
+  an entry whose files are as stamped when their CRC-32s last passed; a
+  rewritten file or data.verify_cache=True reads them again."""
+  config = make_config(tmp_path, source="pydoc")
+  (first,) = tokens.load_corpus(config.data, ByteTokenizer())
+  reads = []
+  real = tokens.file_crc32
+  monkeypatch.setattr(tokens, "file_crc32", lambda path: reads.append(path) or real(path))
+
+  def warm_start(**data):
+    tokens._VERIFIED.clear()
+    reads.clear()
+    config.data.update(**data)
+    return tokens.load_corpus(config.data, ByteTokenizer())
+
+  warm_start()
+  assert len(reads) == 3  # the first start after tokenising reads them, and stamps them
+  warm_start()
+  assert reads == []
+  warm_start(verify_cache=True)
+  assert len(reads) == 3
+  buckets = pathlib.Path(first.directory) / "buckets.npy"
+  buckets.write_bytes(buckets.read_bytes())  # same contents, a new modification time
+  warm_start(verify_cache=False)
+  assert len(reads) == 3
+  warm_start()
+  assert reads == []
