@@ -56,7 +56,9 @@ def test_eval_at_four_times_the_training_length(run_of, pos_emb):
   mean = sum(b["loss"] * b["targets"] for b in buckets) / targets.sum()
   np.testing.assert_allclose(mean, report["loss"], rtol=1e-5)
   (path,) = [f for f in report["files"] if f.endswith("eval_report.json")]
-  assert pathlib.Path(path).parent.name == f"step_{report['step']}_64"  # the step's own stays
+  # A folder of its own (the length and the data file): the step's own report stays.
+  folder = f"step_{report['step']}_64_data-{pathlib.Path(data).name}"
+  assert pathlib.Path(path).parent.name == folder
   saved = json.loads(pathlib.Path(path).read_text())
   assert saved["loss_by_position"] == table
   assert pathlib.Path(workdir, "loss_by_position_64.png").stat().st_size > 0
