@@ -207,7 +207,7 @@ def fixed_batch(rows: int = 8, length: int = 16, vocab: int = 64) -> dict:
 
 
 @pytest.mark.parametrize("optimizer,schedule,lr", [
-    ("adafactor", "linear", 0.3),  # a step relative to each parameter's RMS
+    pytest.param("adafactor", "linear", 0.3, marks=pytest.mark.slow),  # steps relative to RMS
     pytest.param("muon", "wsd", 1e-2, marks=pytest.mark.slow),  # fast: the resume test's muon
     pytest.param("lion", "constant", 3e-3, marks=pytest.mark.slow),
     pytest.param("adamw", "cosine", 1e-2, marks=pytest.mark.slow),
@@ -262,7 +262,8 @@ def run_config(tok_dir, **train):
 
 
 @pytest.mark.parametrize("optimizer,schedule", [
-    ("adamw", "cosine"), ("muon", "wsd"),
+    pytest.param("adamw", "cosine", marks=pytest.mark.slow),  # as tests/test_train.py's
+    ("muon", "wsd"),
     pytest.param("adafactor", "linear", marks=pytest.mark.slow),
     pytest.param("lion", "inverse_sqrt", marks=pytest.mark.slow)])
 def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
