@@ -213,7 +213,8 @@ def multiplicities(hlo_text: str) -> dict[str, int]:
 
 
 def _lines_with_runs(hlo_text: str):
-  """(line, how many times it runs per step) for every line of an HLO module."""
+  """(line, how many times it runs per step) for every line of an HLO module
+  (a line outside any computation: once)."""
   runs, current = multiplicities(hlo_text), None
   for line in hlo_text.splitlines():
     header = _COMPUTATION_RE.match(line)
@@ -447,8 +448,8 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
       "hbm_bytes": chip.hbm_bytes, "fits": fits, "verdict": verdict,
       "flops_per_device": flops, "formula_flops_per_device": formula,
       "hbm_bytes_accessed_per_device": hbm_bytes,
-      "loop_bodies_once": ({"flops": cost.get("flops"), "bytes_accessed": cost.get("bytes accessed")}
-                           if looped else None),
+      "loop_bodies_once": ({"flops": cost.get("flops"),
+                            "bytes_accessed": cost.get("bytes accessed")} if looped else None),
       "collectives": found,
       "kernels": kernels(hlo_text),
       "roofline_seconds": times, "step_seconds_bound": bound,
