@@ -140,9 +140,7 @@ def full_split_points(workdir: str, extra: dict | None = None) -> tuple[list, li
     if name.startswith("step_") and os.path.exists(path):
       with open(path, encoding="utf-8") as f:
         report = json.load(f)
-      whole_split = (report.get("data_override") is None and "rope_override" not in report
-                     and report.get("seq_len") == report.get("train_seq_len"))
-      if whole_split and "loss" in report:
+      if _whole_split(report) and "loss" in report:
         points[report["step"]] = report["loss"]
   if extra is not None:
     points[extra["step"]] = extra["loss"]
@@ -215,6 +213,13 @@ def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
   plt.close(fig)
 
 
+def _whole_split(report: dict) -> bool:
+  """Whether `report` is of the run's own validation split at its training
+  length and RoPE scaling (no --data, --seq_len or --rope_scaling)."""
+  return (report.get("data_override") is None and "rope_override" not in report
+          and report.get("seq_len") == report.get("train_seq_len"))
+
+
 def _out_dir(workdir: str, step: int, data: str | None, length: str | None = None) -> str:
   """`<workdir>/eval/step_<N>`, with a suffix for another length or RoPE
   scaling (`length`) or another data file (`data`): a folder of its own each,
@@ -232,9 +237,7 @@ def _write_report(report: dict, workdir: str, out: str) -> list[str]:
   paths = [os.path.join(out, REPORT_FILE)]
   _write_json(paths[0], report)
   top = os.path.join(workdir, REPORT_FILE)
-  whole_split = (report.get("data_override") is None and "rope_override" not in report
-                 and report.get("seq_len") == report.get("train_seq_len"))
-  if whole_split:
+  if _whole_split(report):
     try:
       with open(top, encoding="utf-8") as f:
         newest = json.load(f).get("step", -1)
