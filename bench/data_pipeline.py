@@ -299,7 +299,8 @@ def main():
           f"| {r['tokenise_2_workers_mb_s']:.2f} MB/s "
           f"| {r['cold_other_data_s']:.1f} s ({100 * r['cold_other_data_share']:.1f}%) |")
   record = {"commit": git_commit(), "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(sys.argv), "nproc": len(os.sched_getaffinity(0)),
+            "command": " ".join(["python -m bench.data_pipeline", *sys.argv[1:]]),
+            "nproc": len(os.sched_getaffinity(0)),
             "load_average": os.getloadavg(), "results": results}
   if args.out:
     pathlib.Path(args.out).write_text(json.dumps(record, indent=1), encoding="utf-8")
