@@ -76,6 +76,7 @@ def run(overrides: list[str]) -> int:
   config = config_flags.get_config_filename(flags.FLAGS["config"])
   root = _ROOT.value or os.path.join("runs", "sweeps", sweep.name)
   seeds = _SEEDS.value or sweep.seeds
+  sweep_lib.check_seeds(root, seeds)
   variants = sweep_lib.make_variants(sweep, config, overrides, root, seeds)
   for line in sweep_lib.few_points(variants):
     print(line, file=sys.stderr)

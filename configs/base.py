@@ -191,6 +191,8 @@ def get_config() -> config_dict.ConfigDict:
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to
   # model.param_dtype, and its tokenizer (a tokenizer.path must be that one); new optimizer, step 0
+  tr.restore_step = config_dict.placeholder(int)  # with restore_from: its checkpoint of this
+  #   step; None: its newest intact one
   tr.restore_branch = False  # with restore_from: continue its optimizer state, step and data
   #   position too, so that the schedule goes on from its step (a WSD decay branched from a
   #   stable-phase checkpoint, docs/training.md); num_steps counts from its step 0

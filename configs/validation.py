@@ -329,6 +329,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     _check_positive(config, field, allow_zero=True)
   _check_positive(config, "train.eval_every", allow_none=True)
   _check_positive(config, "data.seed", allow_none=True, allow_zero=True)
+  _check_positive(config, "train.restore_step", allow_none=True)
   _validate_budget(config.train)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
@@ -423,6 +424,9 @@ def _validate_optimizer(t: config_dict.ConfigDict) -> None:
   if t.restore_branch and not t.restore_from:
     _fail("train.restore_branch", t.restore_branch,
           "needs train.restore_from (the run to branch from); set it or unset this")
+  if t.restore_step is not None and not t.restore_from:
+    _fail("train.restore_step", t.restore_step,
+          "needs train.restore_from (the run whose checkpoint it names); set it or unset this")
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:

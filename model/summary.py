@@ -2,12 +2,14 @@
 
 The parameter count per layer and in total (as in "Counting parameters in a
 decoder layer"), the KV cache per token and per sequence ("Cost: O(n^2)
-attention and the KV cache"), FLOPs per token and a training-memory
-estimate; formulas in `model/accounting.py`.
+attention and the KV cache"), FLOPs per token, the run's steps, tokens and
+FLOPs (train.token_budget or train.flop_budget set the steps, as in train.py)
+and a training-memory estimate; formulas in `model/accounting.py`.
 
   python -m model.summary --config configs/llama2_7b.py
   python -m model.summary --config configs/llama2_7b.py --config.model.num_kv_heads=8 --json
   python -m model.summary --config configs/gpt2_small.py --backend=cpu
+  python -m model.summary --config configs/tiny.py --config.train.flop_budget=4.6e12
 
 `--backend` (gpu, the default; tpu; cpu) is the device the training-memory
 estimate is for, since it decides what `attention_impl=auto` runs.
@@ -22,6 +24,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
+from configs import validation
 from configs.validation import validate
 from model import accounting
 from model.config import ModelConfig
@@ -45,7 +48,10 @@ def summarize(config, backend: str = "gpu") -> dict:
       kv_cache_bytes_at_max_len=per_token * m.max_len,
       flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False),
       flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True),
-      training_memory_bytes=accounting.training_memory_bytes(config, backend))
+      training_memory_bytes=accounting.training_memory_bytes(config, backend),
+      train_steps=config.train.num_steps,
+      train_tokens=config.train.num_steps * accounting.tokens_per_step(config.train),
+      train_flops=config.train.num_steps * accounting.flops_per_step(config))
   return report
 
 
@@ -99,8 +105,14 @@ def format_table(config, report: dict) -> str:
   flops = [("forward", report["flops_per_token_forward"], "2N + 4 L S d_attn"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
+  budget = validation.budget(t)
+  steps_from = f"{budget[0]}={budget[1]:g}" if budget else "train.num_steps"
+  run = [("steps", report["train_steps"], steps_from),
+         ("tokens", report["train_tokens"], f"batch {t.batch_size} x {t.seq_len} per step"),
+         ("FLOPs", report["train_flops"], f"{report['train_flops']:.3g}")]
+  lines += _rows("Training run", run) + [""]
   memory = [(part, size, _bytes(size)) for part, size in report["training_memory_bytes"].items()]
-  lines += _rows(f"Training memory, bytes (AdamW, batch {t.batch_size} x {t.seq_len}, "
+  lines += _rows(f"Training memory, bytes ({t.optimizer}, batch {t.batch_size} x {t.seq_len}, "
                  f"grad_accum {t.grad_accum_steps}, remat={t.remat})", memory)
   return "\n".join(lines)
 
@@ -111,6 +123,7 @@ def main(argv):
   config = _CONFIG.value
   try:
     validate(config)
+    config = accounting.with_budget(config)
     report = summarize(config, _BACKEND.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

@@ -58,6 +58,21 @@ def write_manifest(root: str, sweep: Sweep, config_path: str, extra_flags: list[
       "variants": [dataclasses.asdict(v) for v in variants]})
 
 
+def check_seeds(root: str, seeds: int | None) -> None:
+  """A root run with seeds is resumed with seeds, and one run without them
+  without: the two lay out their workdirs differently (`<variant>,seed=<k>`
+  and `<variant>`), and one report over both would mix them."""
+  manifest = read_json(os.path.join(root, MANIFEST))
+  had = manifest and manifest.get("seeds")
+  if manifest is None or bool(had) == bool(seeds):
+    return
+  if had:
+    raise UserError(f"--root {root} was run with --seeds {had}; give --seeds {had} (or more) "
+                    "to resume or extend it, or a new --root for one run per variant")
+  raise UserError(f"--root {root} was run without seeds (one run per variant); give a new "
+                  f"--root for --seeds {seeds}")
+
+
 def read_manifest(root: str) -> tuple[dict, list[Variant]]:
   """The sweep in `root` and its variants (workdirs under `root` as it is now)."""
   manifest = read_json(os.path.join(root, MANIFEST))

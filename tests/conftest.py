@@ -5,8 +5,10 @@ pytest.ini and described in docs/testing.md. libtpu lives in .venv/libtpu,
 outside site-packages (see requirements-libtpu.txt), and is put on the path
 here for the TPU compile tests.
 """
+import atexit
 import importlib.util
 import os
+import shutil
 import sys
 import tempfile
 
@@ -14,9 +16,14 @@ import pytest
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The persistent compilation cache (training/compile_cache.py) of every run a
-# test starts goes to a temporary directory, never the user's cache.
-os.environ.setdefault("TRANSFORMER_LAB_COMPILATION_CACHE",
-                      tempfile.mkdtemp(prefix="transformer_lab_jax_cache_"))
+# test starts goes to a temporary directory, never the user's cache; the
+# process that made it (pytest's main process; xdist workers inherit it)
+# removes it at exit.
+if "TRANSFORMER_LAB_COMPILATION_CACHE" not in os.environ:
+  os.environ["TRANSFORMER_LAB_COMPILATION_CACHE"] = tempfile.mkdtemp(
+      prefix="transformer_lab_jax_cache_")
+  atexit.register(shutil.rmtree, os.environ["TRANSFORMER_LAB_COMPILATION_CACHE"],
+                  ignore_errors=True)
 
 from data import sources  # pylint: disable=wrong-import-position
 import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position

@@ -221,6 +221,19 @@ def test_cli_table():
   assert "524,288" in result.stdout
 
 
+def test_cli_sets_the_steps_from_a_budget_as_train_py_does():
+  """configs/sweeps/heads.py's budget: 4.6e12 FLOPs are 600 steps of MHA and
+  652 of MQA, which costs less per step."""
+  for kv_heads, steps in ((4, 600), (1, 652)):
+    result = _summary_cli("--config", "configs/tiny.py", "--config.train.flop_budget=4.6e12",
+                          f"--config.model.num_kv_heads={kv_heads}", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["train_steps"] == steps
+    assert report["train_tokens"] == steps * 16 * 128
+    assert report["train_flops"] == steps * 16 * 128 * report["flops_per_token_train"] <= 4.6e12
+
+
 def test_cli_bad_config_is_one_line_exit_2():
   result = _summary_cli("--config", "configs/llama2_7b.py", "--config.model.num_heads=5")
   assert result.returncode == 2

@@ -136,6 +136,9 @@ RUN_CASES = [
     ("train.weight_decay", -0.1, "train.weight_decay=-0.1: must be in [0, inf)"),
     ("train.restore_branch", True, "train.restore_branch=True: needs train.restore_from (the "
      "run to branch from); set it or unset this"),
+    ("train.restore_step", 400, "train.restore_step=400: needs train.restore_from (the run "
+     "whose checkpoint it names); set it or unset this"),
+    ("train.restore_step", 0, "train.restore_step=0: must be"),
 ]
 
 

@@ -327,7 +327,7 @@ def test_verify_cache_finds_a_file_rewritten_with_its_size_and_mtime(tmp_path, c
   fresh = tokens.load_corpus(config.data, tok)
   assert tok.decode(fresh[0].array("tokens").tolist()).startswith("ALPHA")
   note = capsys.readouterr().err
-  assert f"a.txt changed since it was tokenised (same size and mtime); rebuilding it" in note
+  assert "a.txt changed since it was tokenised (same size and mtime); rebuilding it" in note
   assert "b.txt" not in note
 
 

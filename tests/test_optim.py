@@ -283,9 +283,10 @@ def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
 
 @pytest.fixture(scope="module")
 def stable_run(tok_dir, tmp_path_factory):
-  """A 4-step stable phase: warm-up over 2 steps, then constant."""
+  """A 4-step stable phase: warm-up over 2 steps, then constant; checkpoints at 2 and 4."""
   workdir = tmp_path_factory.mktemp("stable") / "run"
-  loop.train(run_config(tok_dir, num_steps=4, schedule="constant"), str(workdir))
+  loop.train(run_config(tok_dir, num_steps=4, schedule="constant", checkpoint_every=2),
+             str(workdir))
   return workdir
 
 
@@ -314,13 +315,32 @@ def test_a_wsd_decay_branched_from_the_stable_phase_continues_the_schedule(
   assert_trees_equal(params_a, params_b)
 
 
+def test_a_branch_from_an_earlier_checkpoint_of_the_stable_phase(tok_dir, stable_run, tmp_path,
+                                                                capsys):
+  """train.restore_step picks the source's checkpoint of step 2, not its newest
+  (4): the branch retrains steps 3-4 and decays over 5-8, ending where the
+  straight wsd run ends."""
+  wsd = dict(num_steps=8, schedule="wsd", decay_fraction=0.5)
+  loop.train(run_config(tok_dir, **wsd), str(tmp_path / "straight"))
+  capsys.readouterr()
+  loop.train(run_config(tok_dir, **wsd, restore_from=str(stable_run), restore_branch=True,
+                        restore_step=2), str(tmp_path / "branch"))
+  assert f"restored    step 2 of train.restore_from={stable_run}, branched" in (
+      capsys.readouterr().out)
+  rates = [r["step"] for r in read_metrics(str(tmp_path / "branch")) if r["split"] == "train"]
+  assert sorted(rates) == [3, 4, 5, 6, 7, 8]
+  assert_trees_equal(final_params(tmp_path / "straight")[1],
+                     final_params(tmp_path / "branch")[1])
+
+
 @pytest.mark.parametrize("train,message", [
+    (dict(restore_step=3), "no checkpoint at step 3; available: 2, 4"),
     (dict(optimizer="lion"), "train.restore_branch continues its optimizer state, which does "
      "not fit this run's (train.optimizer=adamw there, lion here;"),
     (dict(num_steps=4), "its step 4 is not before train.num_steps=4 (counted from its step 0)"),
     (dict(num_steps=8, schedule="wsd", decay_fraction=0.75),
      "its step 4 is past the start of this run's wsd decay, step 2 of train.num_steps=8"),
-], ids=["another_optimizer", "no_step_left", "decay_before_its_step"])
+], ids=["no_such_step", "another_optimizer", "no_step_left", "decay_before_its_step"])
 def test_a_branch_that_cannot_continue_is_one_line_and_writes_nothing(
     tok_dir, stable_run, tmp_path, train, message):
   c = run_config(tok_dir, **{"num_steps": 8, **train}, restore_from=str(stable_run),

@@ -52,6 +52,16 @@ def test_resume_records_safe_changes_and_refuses_others(tok_dir, tmp_path):
   assert report["config_history"][1].startswith("step 4: train.allow_config_changes False")
 
 
+def test_a_field_set_to_the_value_its_unset_default_means_is_no_change():
+  saved = {"train": {"seed": 3}, "data": {"seed": None},
+           "model": {"num_heads": 4, "num_kv_heads": None}}
+  same = {"train": {"seed": 3}, "data": {"seed": 3}, "model": {"num_heads": 4, "num_kv_heads": 4}}
+  assert workdir_lib.config_changes(saved, same) == []
+  other = {"train": {"seed": 3}, "data": {"seed": 0}, "model": {"num_heads": 4, "num_kv_heads": 2}}
+  assert workdir_lib.config_changes(saved, other) == [("data.seed", None, 0),
+                                                      ("model.num_kv_heads", None, 2)]
+
+
 def test_absurd_batch_is_refused_before_compiling(tok_dir, tmp_path):
   c = _config(tok_dir, batch_size=1_000_000)
   start = time.monotonic()

@@ -75,6 +75,25 @@ def test_seeds_make_runs_named_and_seeded_per_variant(tmp_path):
     sweep_lib.load_sweep(write_sweep(tmp_path, "SEEDS = 0\n" + TWO_VARIANTS, "bad.py"))
 
 
+def test_a_root_keeps_to_seeds_or_to_none(tmp_path):
+  """A root run with --seeds 3 refuses a run without seeds, and the other way
+  round; more seeds extend it."""
+  seeded, single = tmp_path / "seeded", tmp_path / "single"
+  for root, seeds in ((seeded, 3), (single, None)):
+    root.mkdir()
+    (root / "sweep.json").write_text(json.dumps({"seeds": seeds, "variants": []}))
+  sweep_lib.check_seeds(str(seeded), 5)
+  sweep_lib.check_seeds(str(single), None)
+  sweep_lib.check_seeds(str(tmp_path / "new"), 3)
+  with pytest.raises(UserError, match=f"--root {seeded} was run with --seeds 3; give --seeds 3 "
+                     r"\(or more\) to resume or extend it, or a new --root for one run per "
+                     "variant"):
+    sweep_lib.check_seeds(str(seeded), None)
+  with pytest.raises(UserError, match=f"--root {single} was run without seeds \\(one run per "
+                     "variant\\); give a new --root for --seeds 2"):
+    sweep_lib.check_seeds(str(single), 2)
+
+
 def expected_steps(budget: float, d: int, d_ff: int) -> int:
   """configs/base.py's decoder (vocab 1024, 2 layers, 4 heads, SwiGLU, RMSNorm
   pre-norm, RoPE, tied embeddings, no biases) at width d: N = V d (embedding =

@@ -43,7 +43,6 @@ import math
 import os
 import re
 
-import jax
 import matplotlib
 import numpy as np
 import sacrebleu
@@ -55,12 +54,11 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
-import tokenizer as tokenizer_lib  # pylint: disable=wrong-import-position
 from training import classify_report, compile_cache, lengths  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
-from training.steps import abstract_state, jit_eval_step  # pylint: disable=wrong-import-position
+from training.steps import jit_eval_step  # pylint: disable=wrong-import-position
 
 EMBEDDED = ("stdlib", "pydoc", "embedded")
 

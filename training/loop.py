@@ -37,7 +37,7 @@ from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import compile_cache, hardware, startup
 from training import workdir as workdir_lib
-from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true
+from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resolve_step
 from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, evaluate
@@ -419,8 +419,8 @@ class Source(NamedTuple):
 def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:
   """What to start from: train.restore_from, another run's workdir.
 
-  The parameters of its newest intact checkpoint (a damaged newer one is
-  skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
+  The parameters of its checkpoint of train.restore_step, or of its newest
+  intact one (a damaged newer one is skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
   the parameters of `this_abstract` (this run's train state: its
   model.param_dtype), so a float32 run can be fine-tuned in bfloat16 and back.
   The tokenizer they were trained with (`_source_tokenizer`). With
@@ -440,10 +440,17 @@ def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:
   if config.train.restore_branch:
     _check_branch_state(config, source_config, where, abstract, this_abstract)
   checkpointer = Checkpointer(source, asynchronous=False, read_only=True)
+  sharded = with_shardings(abstract, train_state_shardings(abstract, mesh, rules))
   try:
-    restored = checkpointer.restore_newest_intact(
-        with_shardings(abstract, train_state_shardings(abstract, mesh, rules)),
-        move_aside=False, where=where)
+    if config.train.restore_step is None:
+      restored = checkpointer.restore_newest_intact(sharded, move_aside=False, where=where)
+    else:
+      step = resolve_step(checkpointer, config.train.restore_step, where)
+      try:
+        restored = (step, *checkpointer.restore(step, sharded))
+      except DamagedCheckpoint as e:
+        raise UserError(f"{where}: {e}; name another train.restore_step, or unset it for "
+                        "the newest intact one") from None
   finally:
     checkpointer.close()
   if restored is None:

@@ -38,7 +38,8 @@ RESUME_SAFE_FIELDS = (
     "train.num_steps", "train.log_every", "train.eval_every", "train.eval_steps",
     "train.checkpoint_every", "train.keep_checkpoints", "train.peer_timeout_s",
     "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
-    "train.restore_from", "train.restore_branch", "data.num_workers", "data.cache_dir",
+    "train.restore_from", "train.restore_branch", "train.restore_step",
+    "data.num_workers", "data.cache_dir",
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
     "model.scan_unroll",  # how the scan runs, not what it computes
 )
@@ -123,10 +124,16 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
   return out
 
 
+# Fields whose unset value (None) means another field's: set to that value,
+# they change nothing.
+UNSET_MEANS = {"data.seed": "train.seed", "model.num_kv_heads": "model.num_heads"}
+
+
 def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]]:
   """(field, old, new) of every field that differs, in field order.
 
-  Tuples and lists compare as equal sequences (JSON has only lists).
+  Tuples and lists compare as equal sequences (JSON has only lists); a field
+  of `UNSET_MEANS` compares by the value it stands for.
   """
   before, after = _flatten(saved), _flatten(config)
   out = []
@@ -134,6 +141,9 @@ def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]
     old, new = before.get(field), after.get(field)
     if isinstance(old, (list, tuple)) and isinstance(new, (list, tuple)):
       old, new = json.loads(json.dumps(old)), json.loads(json.dumps(new))
+    if field in UNSET_MEANS:
+      old = before.get(UNSET_MEANS[field]) if old is None else old
+      new = after.get(UNSET_MEANS[field]) if new is None else new
     if old != new:
       out.append((field, before.get(field), after.get(field)))
   return out
