@@ -1,11 +1,14 @@
 """eval.py --seq_len: loss by position at 4x the training length, RoPE
 scaling set at evaluation time, the refusal past a learned table, and the
 sweep report's column per evaluated length."""
+import csv
 import json
+import os
 import pathlib
 
 import numpy as np
 import pytest
+from scipy import stats as scipy_stats
 
 from configs.errors import UserError
 from sweeps import lengths as sweep_lengths
@@ -102,3 +105,31 @@ def test_sweep_report_has_a_column_per_evaluated_length(tmp_path):
   titles, rows = sweep_lengths.length_columns([str(tmp_path / "a"), str(tmp_path / "b")])
   assert titles == ["loss@32", "loss@64", "loss@64_yarn4"]
   assert rows == [[3.0, 3.5, ""], ["", "", 3.25]]
+
+
+def test_sweep_report_aggregates_the_seeds_of_each_length(tmp_path):
+  """With seeds, each variant's losses at a length: mean and Student-t
+  interval over the seeds evaluated there, beside the runs one by one."""
+  losses = {"rope,seed=0": (3.0, 3.4), "rope,seed=1": (3.2, 3.6), "rope,seed=2": (3.1, ""),
+            "none,seed=0": (3.5, 3.9)}
+  for name, (at_32, at_64) in losses.items():
+    (tmp_path / name).mkdir()
+    lengths.record(str(tmp_path / name), "32", {"seq_len": 32, "loss": at_32})
+    if at_64 != "":
+      lengths.record(str(tmp_path / name), "64", {"seq_len": 64, "loss": at_64})
+  names = list(losses)
+  section, files = sweep_lengths.write_length_table(
+      str(tmp_path), names, [str(tmp_path / n) for n in names], ["rope"] * 3 + ["none"])
+  assert [os.path.basename(f) for f in files] == ["report_lengths.csv",
+                                                  "report_lengths_summary.csv"]
+  half_32 = scipy_stats.t.ppf(0.975, 2) * 0.1 / 3 ** 0.5  # sd of 3.0, 3.2, 3.1 is 0.1
+  half_64 = scipy_stats.t.ppf(0.975, 1) * 0.02 ** 0.5 / 2 ** 0.5  # sd of 3.4, 3.6
+  assert (f"| rope | 3.1000 [{3.1 - half_32:.4f}, {3.1 + half_32:.4f}] (n=3) | "
+          f"3.5000 [{3.5 - half_64:.4f}, {3.5 + half_64:.4f}] (n=2) |") in section
+  assert "| none | 3.5000 (n=1) | 3.9000 (n=1) |" in section
+  assert "| rope,seed=2 | 3.1000 |  |" in section
+  with open(files[1], encoding="utf-8") as f:
+    rope = next(csv.DictReader(f))
+  assert rope["variant"] == "rope" and rope["loss@32_n"] == "3"
+  assert abs(float(rope["loss@64_ci_high"]) - (3.5 + half_64)) < 1e-9
+
