@@ -4,7 +4,10 @@ at, read from each variant's eval_lengths.json (`training/lengths.py`). A
 section of report.md and its own report_lengths.csv, so that the main table
 stays as it is."""
 import csv
+import math
 import os
+
+from matplotlib.figure import Figure
 
 from sweeps import stats
 from training.lengths import read_lengths
@@ -21,14 +24,18 @@ def length_columns(workdirs: list[str]) -> tuple[list[str], list[list]]:
 
 
 def write_length_table(root: str, names: list[str], workdirs: list[str],
-                       groups: list[str] | None = None) -> tuple[str, list[str]]:
+                       groups: list[str] | None = None,
+                       train_lens: list[int] | None = None) -> tuple[str, list[str]]:
   """(the markdown section, its CSV files) of the runs' losses per evaluated
   length; ("", []) when no run was evaluated at another length.
 
   report_lengths.csv has a row per run. With `groups` (each run's variant)
   naming a variant more than once (seeds), the section also has a table of
   each variant's mean and 95% interval per length over its runs evaluated
-  there (`sweeps/stats.py`), and report_lengths_summary.csv its numbers."""
+  there (`sweeps/stats.py`), and report_lengths_summary.csv its numbers.
+  `loss_by_position.png`: a panel per evaluated length, each variant's loss
+  against position (the mean over its runs), the training lengths
+  (`train_lens`, each run's) dashed."""
   titles, rows = length_columns(workdirs)
   if not titles:
     return "", []
@@ -58,7 +65,48 @@ def write_length_table(root: str, names: list[str], workdirs: list[str],
   lines += ["| run | " + " | ".join(titles) + " |", "|---|" + "---:|" * len(titles)]
   for name, row in zip(names, rows):
     lines.append(f"| {name} | " + " | ".join(v if v == "" else f"{v:.4f}" for v in row) + " |")
+  plot = os.path.join(root, "loss_by_position.png")
+  _plot_by_position(plot, workdirs, groups or names, sorted(set(train_lens or [])))
+  files.append(plot)
+  lines += ["", "![loss_by_position.png](loss_by_position.png)"]
   return "\n".join(lines) + "\n", files
+
+
+def _plot_by_position(path: str, workdirs: list[str], groups: list[str],
+                      train_lens: list[int]) -> None:
+  """A panel per evaluated length: each variant's loss per position bucket,
+  the mean over its runs evaluated there, at the buckets' middles."""
+  entries = [read_lengths(w) for w in workdirs]
+  labels = sorted({label for e in entries for label in e},
+                  key=lambda label: (int(label.split("_")[0]), label))
+  variants = list(dict.fromkeys(groups))
+  rows_of_legend = math.ceil(len(variants) / 4)
+  fig = Figure(figsize=(5 * len(labels), 4 + 0.2 * rows_of_legend))
+  axes = fig.subplots(1, len(labels), sharey=True, squeeze=False)[0]
+  lines = {}
+  for ax, label in zip(axes, labels):
+    for i, group in enumerate(variants):
+      tables = [e[label]["loss_by_position"] for e, g in zip(entries, groups)
+                if g == group and label in e]
+      if not tables:
+        continue
+      buckets = tables[0]["buckets"]
+      losses = [[t["buckets"][i]["loss"] for t in tables if t["buckets"][i]["loss"] is not None]
+                for i in range(len(buckets))]
+      points = [((b["start"] + b["end"] - 1) / 2, sum(v) / len(v))
+                for b, v in zip(buckets, losses) if v]
+      lines[group], = ax.plot(*zip(*points), marker=".", color=f"C{i % 10}")
+    for train_len in train_lens:
+      ax.axvline(train_len, color="gray", linestyle="--")
+    ax.set_title(f"evaluated at {label}" + (f" (training length {', '.join(map(str, train_lens))}"
+                                            " dashed)" if train_lens else ""), fontsize=9)
+    ax.set_xlabel("position in the row")
+    ax.grid(alpha=0.3)
+  axes[0].set_ylabel("validation loss (nats per token)")
+  fig.legend([lines[g] for g in variants if g in lines], [g for g in variants if g in lines],
+             loc="lower center", ncol=4, fontsize=7)
+  fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
+  fig.savefig(path, dpi=100)
 
 
 def _summaries(titles: list[str], rows: list[list], groups: list[str]) -> dict:

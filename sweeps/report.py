@@ -73,7 +73,8 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
               for row, group_runs in summary])
   md_path = os.path.join(root, "report.md")
   length_section, length_files = write_length_table(
-      root, [v.name for v in runs], [v.workdir for v in runs], [v.group for v in runs])
+      root, [v.name for v in runs], [v.workdir for v in runs], [v.group for v in runs],
+      [v.config["train"]["seq_len"] for v in runs if v.config])
   with open(md_path, "w", encoding="utf-8") as f:
     summary_rows = [row for row, _ in summary]
     f.write(_markdown(manifest, fields, runs, rows, files, root, histories,

@@ -114,14 +114,20 @@ def test_sweep_report_aggregates_the_seeds_of_each_length(tmp_path):
             "none,seed=0": (3.5, 3.9)}
   for name, (at_32, at_64) in losses.items():
     (tmp_path / name).mkdir()
-    lengths.record(str(tmp_path / name), "32", {"seq_len": 32, "loss": at_32})
-    if at_64 != "":
-      lengths.record(str(tmp_path / name), "64", {"seq_len": 64, "loss": at_64})
+    for label, loss in (("32", at_32), ("64", at_64)):
+      if loss != "":
+        table = {"bucket_width": int(label) // 2, "buckets": [
+            {"start": 0, "end": int(label) // 2, "loss": loss - 0.1, "targets": 10},
+            {"start": int(label) // 2, "end": int(label), "loss": loss + 0.1, "targets": 10}]}
+        lengths.record(str(tmp_path / name), label, {"seq_len": int(label), "loss": loss,
+                                                     "loss_by_position": table})
   names = list(losses)
   section, files = sweep_lengths.write_length_table(
-      str(tmp_path), names, [str(tmp_path / n) for n in names], ["rope"] * 3 + ["none"])
+      str(tmp_path), names, [str(tmp_path / n) for n in names], ["rope"] * 3 + ["none"], [16])
   assert [os.path.basename(f) for f in files] == ["report_lengths.csv",
-                                                  "report_lengths_summary.csv"]
+                                                  "report_lengths_summary.csv",
+                                                  "loss_by_position.png"]
+  assert os.path.getsize(files[2]) > 0
   half_32 = scipy_stats.t.ppf(0.975, 2) * 0.1 / 3 ** 0.5  # sd of 3.0, 3.2, 3.1 is 0.1
   half_64 = scipy_stats.t.ppf(0.975, 1) * 0.02 ** 0.5 / 2 ** 0.5  # sd of 3.4, 3.6
   assert (f"| rope | 3.1000 [{3.1 - half_32:.4f}, {3.1 + half_32:.4f}] (n=3) | "
