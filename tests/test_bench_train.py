@@ -5,9 +5,12 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_train_throughput_runs_and_writes_json(tmp_path):
   out = tmp_path / "train_throughput.json"
   cmd = [sys.executable, "-m", "bench.train_throughput", "--config",

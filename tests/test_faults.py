@@ -323,6 +323,7 @@ def chaos(c, workdir, kills: int, seed: int) -> dict:
       counts["damaged"] += 1
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores: make test-slow
 def test_chaos_two_kills_end_identical(tok_dir, reference, tmp_path):
   """The fast variant: one kill inside a save, one during training."""
   run = tmp_path / "run"

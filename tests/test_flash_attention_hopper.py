@@ -6,6 +6,10 @@ memory, TMA copies and barriers simulated; wgmma replaced by a dot, see
 Mosaic GPU lowering for CUDA is built (not compiled). On a Hopper GPU the
 same cases run the compiled kernels.
 
+In the interpreter these take 30 to 110 s each on 2 CPU cores, so
+`make test` runs two of the cases (head_dim 128 unmasked, and the fused
+backward, causal, MQA) and `make test-slow` the rest.
+
 Tolerance, as max |kernel - oracle| / max(max |oracle|, 1) against the float32
 reference on the same rounded inputs: 1e-2 for float16, 3e-2 for bfloat16
 (P and dS are fed to the matmuls in the input dtype, as FlashAttention does).
@@ -39,8 +43,9 @@ def _segments(B, L, seed):
     # GQA, causal, packed segments with empty rows, lengths off the tile grid
     # (padded queries, masked keys); warpgroups taking turns; the dQ kernel
     # on key tiles of its own size.
-    (1, 130, 200, 2, 1, 64, True, True, jnp.float16,
-     hopper.HopperBlocks(128, 64, 2, pingpong=True, block_k_dq=64)),
+    pytest.param(1, 130, 200, 2, 1, 64, True, True, jnp.float16,
+                 hopper.HopperBlocks(128, 64, 2, pingpong=True, block_k_dq=64),
+                 marks=pytest.mark.slow),
     # head_dim 128, four key tiles through a two-slot ring, two KV heads,
     # warpgroups not taking turns.
     (1, 128, 256, 2, 2, 128, False, False, jnp.bfloat16,
@@ -48,26 +53,28 @@ def _segments(B, L, seed):
     # T > S causal: whole query tiles past the keys, unmasked and masked key
     # tiles, warpgroups that skip steps their neighbour needs, MQA over three
     # query heads.
-    (1, 256, 128, 3, 1, 64, True, False, jnp.bfloat16,
-     hopper.HopperBlocks(64, 64, 2)),
+    pytest.param(1, 256, 128, 3, 1, 64, True, False, jnp.bfloat16,
+                 hopper.HopperBlocks(64, 64, 2), marks=pytest.mark.slow),
     # The fused backward (dQ added by the dK/dV kernel): GQA, causal, packed
     # segments with empty rows, ragged lengths, turns, head_dim 128 (two
     # 64-column dQ products per tile pair).
-    (1, 130, 200, 4, 2, 128, True, True, jnp.bfloat16,
-     hopper.HopperBlocks(64, 64, 2, pingpong=True, fused_dq=True)),
+    pytest.param(1, 130, 200, 4, 2, 128, True, True, jnp.bfloat16,
+                 hopper.HopperBlocks(64, 64, 2, pingpong=True, fused_dq=True),
+                 marks=pytest.mark.slow),
     # The fused backward, causal without segment ids (every tile masked),
     # T > S, MQA over three query heads, no turns.
     (1, 256, 128, 3, 1, 64, True, False, jnp.float16,
      hopper.HopperBlocks(64, 64, 2, pingpong=False, fused_dq=True)),
     # One key tile, shorter than the ring: the pipelined forward's first
     # and last steps are its only ones.
-    (1, 64, 48, 2, 1, 64, True, False, jnp.bfloat16,
-     hopper.HopperBlocks(64, 64, 2, pingpong=True)),
+    pytest.param(1, 64, 48, 2, 1, 64, True, False, jnp.bfloat16,
+                 hopper.HopperBlocks(64, 64, 2, pingpong=True), marks=pytest.mark.slow),
 ])
 def test_matches_reference(B, T, S, H, K, D, causal, segments, dtype, blocks):
   _check_against_reference(B, T, S, H, K, D, causal, segments, dtype, blocks, D ** -0.5)
 
 
+@pytest.mark.slow
 def test_scale_not_positive_matches_reference():
   """A scale <= 0 takes the other branch of `_base2` (scores scaled before
   the mask), in the forward and both backward kernels."""
@@ -75,6 +82,7 @@ def test_scale_not_positive_matches_reference():
                            hopper.HopperBlocks(128, 64, 2, pingpong=False), -0.2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal,blocks", [
     (True, hopper.HopperBlocks(64, 64, 2, pingpong=True)),
     (False, hopper.HopperBlocks(64, 64, 2, pingpong=False)),

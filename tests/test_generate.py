@@ -14,7 +14,8 @@ from tests.helpers import small_cfg
 PROMPTS = [[1, 2, 3, 4, 5, 6], [7, 8], [9], [10, 11, 12]]
 
 
-@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("family", [
+    "decoder", pytest.param("encoder_decoder", marks=pytest.mark.slow)])  # beam: test_seq2seq
 def test_batched_generation_equals_one_by_one(family):
   cfg = small_cfg(family=family, pos_emb="learned" if family == "decoder" else "rope",
                   tie_embeddings=False)

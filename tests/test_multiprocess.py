@@ -62,6 +62,7 @@ def _tokenised(out: str) -> int:
   return int(re.search(r"shards: tokenised (\d+)", line).group(1))
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores: make test-slow
 def test_two_processes_train_checkpoint_and_resume(tok_dir, tmp_path):
   c = small_config(tok_dir, cache_dir=str(tmp_path / "cache"))
   num_shards = _corpus_of_files(tmp_path / "corpus", 20)

@@ -62,7 +62,8 @@ def test_encoder_padding_does_not_change_real_positions():
   assert not np.allclose(unmasked[0, :4], alone[0], atol=1e-3)
 
 
-@pytest.mark.parametrize("pos_emb,num_decoder_layers", [("sinusoidal", None), ("rope", 1)])
+@pytest.mark.parametrize("pos_emb,num_decoder_layers", [
+    pytest.param("sinusoidal", None, marks=pytest.mark.slow), ("rope", 1)])
 def test_encoder_decoder_source_padding_is_masked_in_encoder_and_cross_attention(
     pos_emb, num_decoder_layers):
   cfg = small_cfg(family="encoder_decoder", pos_emb=pos_emb,
@@ -153,7 +154,8 @@ def test_beam_one_is_greedy(family):
           == _generate_both(model, cfg, PROMPTS, **kwargs))
 
 
-@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("family", [
+    pytest.param("decoder", marks=pytest.mark.slow), "encoder_decoder"])
 def test_batched_beam_search_equals_one_by_one(family):
   cfg = small_cfg(family=family, tie_embeddings=False)
   model = build_model(cfg, nnx.Rngs(1))
@@ -343,7 +345,8 @@ def test_task_batches_resume_exactly(tmp_path, family, keys):
   assert pipeline.tokenizer_texts(c.data, c.tokenizer.train_bytes)[:2] == list(tasks.load_pairs(c.data, "train")[0])
 
 
-@pytest.mark.parametrize("family", ["decoder", "encoder_decoder"])
+@pytest.mark.parametrize("family", [
+    pytest.param("decoder", marks=pytest.mark.slow), "encoder_decoder"])
 def test_train_and_eval_report(tmp_path, family):
   from training import loop  # pylint: disable=import-outside-toplevel
   c = task_config(tmp_path, model__family=family, train__seq_len=20)

@@ -14,6 +14,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 from training.metrics import read_metrics
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -106,6 +108,7 @@ def train_losses(workdir: str) -> list[float]:
   return [r["loss"] for r in read_metrics(workdir) if r["split"] == "train"]
 
 
+@pytest.mark.slow  # over a minute on 2 CPU cores: make test-slow
 def test_sharded_training_matches_one_device_and_evaluates_on_one(tok_dir, tmp_path):
   workdirs = {name: str(tmp_path / name) for name in ("one", "222", "181")}
   args = {"tok": tok_dir, "steps": STEPS, "workdirs": workdirs, "up": UP,

@@ -172,6 +172,7 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
     assert (root / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
 
 
+@pytest.mark.slow  # make test-slurm runs submitit jobs on a real cluster
 def test_a_variant_runs_to_completion_as_a_submitit_job(tmp_path, monkeypatch):
   monkeypatch.chdir(ROOT)  # the job imports sweeps from its working directory
   path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.pos_emb': 'learned'}]\n")
