@@ -90,7 +90,9 @@ def _plot_by_position(path: str, workdirs: list[str], groups: list[str],
                 if g == group and label in e]
       if not tables:
         continue
-      buckets = tables[0]["buckets"]
+      buckets = tables[0]["buckets"]  # runs evaluated with other --position_buckets: left out
+      tables = [t for t in tables if [b["start"] for b in t["buckets"]] ==
+                [b["start"] for b in buckets]]
       losses = [[t["buckets"][i]["loss"] for t in tables if t["buckets"][i]["loss"] is not None]
                 for i in range(len(buckets))]
       points = [((b["start"] + b["end"] - 1) / 2, sum(v) / len(v))
