@@ -40,6 +40,7 @@ RESUME_SAFE_FIELDS = (
     "train.peak_tflops", "train.allow_config_changes", "train.skip_memory_check",
     "train.restore_from", "train.restore_branch", "train.restore_step",
     "data.num_workers", "data.cache_dir",
+    "data.tokenize_workers", "data.verify_cache", "train.compilation_cache_dir",
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
     "model.scan_unroll",  # how the scan runs, not what it computes
 )
