@@ -37,8 +37,8 @@ One module per job:
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
 from sweeps.report import write_report
 from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
-from sweeps.state import (State, changed_fields, check_seeds, read_manifest, set_aside, status_lines,
-                          unfinished, variant_state, write_manifest)
+from sweeps.state import (State, changed_fields, check_seeds, read_manifest, set_aside,
+                          status_lines, unfinished, variant_state, write_manifest)
 from sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
                                         with_default_config)
 from sweeps.variants import Variant, describe, few_points, load_config, make_variants

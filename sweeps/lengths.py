@@ -16,11 +16,20 @@ from training.lengths import read_lengths
 def length_columns(workdirs: list[str]) -> tuple[list[str], list[list]]:
   """(titles "loss@<label>", one row of losses per workdir, "" where missing),
   the labels ordered by length, then name."""
-  entries = [read_lengths(w) for w in workdirs]
-  labels = sorted({label for e in entries for label in e},
-                  key=lambda label: (int(label.split("_")[0]), label))
+  return _columns([read_lengths(w) for w in workdirs])
+
+
+def _columns(entries: list[dict]) -> tuple[list[str], list[list]]:
+  """`length_columns` of the runs' eval_lengths.json entries."""
+  labels = _labels(entries)
   rows = [[e[label]["loss"] if label in e else "" for label in labels] for e in entries]
   return [f"loss@{label}" for label in labels], rows
+
+
+def _labels(entries: list[dict]) -> list[str]:
+  """Every evaluated label of the runs, ordered by length, then name."""
+  return sorted({label for e in entries for label in e},
+                key=lambda label: (int(label.split("_")[0]), label))
 
 
 def write_length_table(root: str, names: list[str], workdirs: list[str],
@@ -36,7 +45,8 @@ def write_length_table(root: str, names: list[str], workdirs: list[str],
   `loss_by_position.png`: a panel per evaluated length, each variant's loss
   against position (the mean over its runs), the training lengths
   (`train_lens`, each run's) dashed."""
-  titles, rows = length_columns(workdirs)
+  entries = [read_lengths(w) for w in workdirs]
+  titles, rows = _columns(entries)
   if not titles:
     return "", []
   path = os.path.join(root, "report_lengths.csv")
@@ -66,19 +76,18 @@ def write_length_table(root: str, names: list[str], workdirs: list[str],
   for name, row in zip(names, rows):
     lines.append(f"| {name} | " + " | ".join(v if v == "" else f"{v:.4f}" for v in row) + " |")
   plot = os.path.join(root, "loss_by_position.png")
-  _plot_by_position(plot, workdirs, groups or names, sorted(set(train_lens or [])))
+  _plot_by_position(plot, entries, groups or names, sorted(set(train_lens or [])))
   files.append(plot)
   lines += ["", "![loss_by_position.png](loss_by_position.png)"]
   return "\n".join(lines) + "\n", files
 
 
-def _plot_by_position(path: str, workdirs: list[str], groups: list[str],
+def _plot_by_position(path: str, entries: list[dict], groups: list[str],
                       train_lens: list[int]) -> None:
   """A panel per evaluated length: each variant's loss per position bucket,
-  the mean over its runs evaluated there, at the buckets' middles."""
-  entries = [read_lengths(w) for w in workdirs]
-  labels = sorted({label for e in entries for label in e},
-                  key=lambda label: (int(label.split("_")[0]), label))
+  the mean over its runs evaluated there (`entries`: each run's
+  eval_lengths.json), at the buckets' middles."""
+  labels = _labels(entries)
   variants = list(dict.fromkeys(groups))
   rows_of_legend = math.ceil(len(variants) / 4)
   fig = Figure(figsize=(5 * len(labels), 4 + 0.2 * rows_of_legend))

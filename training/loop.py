@@ -420,9 +420,10 @@ def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:
   """What to start from: train.restore_from, another run's workdir.
 
   The parameters of its checkpoint of train.restore_step, or of its newest
-  intact one (a damaged newer one is skipped, with a note, and left in place), on `mesh`, cast to the dtypes of
-  the parameters of `this_abstract` (this run's train state: its
-  model.param_dtype), so a float32 run can be fine-tuned in bfloat16 and back.
+  intact one (a damaged newer one is skipped, with a note, and left in
+  place), on `mesh`, cast to the dtypes of the parameters of `this_abstract`
+  (this run's train state: its model.param_dtype), so a float32 run can be
+  fine-tuned in bfloat16 and back.
   The tokenizer they were trained with (`_source_tokenizer`). With
   train.restore_branch the whole train state too (`_check_branch_state`,
   `_check_branch_step`).
