@@ -136,8 +136,10 @@ class _Stack(nnx.Module):
     kwargs["bias"] = self.self_bias(bias_positions_BT, bias_positions_BT)
 
     def block(layer, h_BTM):
-      if self.remat:
-        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs))(layer, h_BTM)
+      if self.remat:  # inside a scan, the loop already keeps XLA from merging the
+        # recomputation into the forward pass, so no barrier is needed (JAX's advice)
+        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs), prevent_cse=not self.scan)(
+            layer, h_BTM)
       else:
         h_BTM = layer(h_BTM, **kwargs)
       return _batch_split(h_BTM)
