@@ -135,11 +135,14 @@ class _Stack(nnx.Module):
     the positions the relative bias is computed at, once for all blocks."""
     kwargs["bias"] = self.self_bias(bias_positions_BT, bias_positions_BT)
 
+    # A scan of one block per iteration already keeps XLA from merging the
+    # recomputation into the forward pass, so remat's barrier only costs memory
+    # there (JAX's advice); with several blocks per iteration it keeps them apart.
+    barrier = not self.scan or self.scan_unroll > 1
+
     def block(layer, h_BTM):
-      if self.remat:  # inside a scan, the loop already keeps XLA from merging the
-        # recomputation into the forward pass, so no barrier is needed (JAX's advice)
-        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs), prevent_cse=not self.scan)(
-            layer, h_BTM)
+      if self.remat:
+        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs), prevent_cse=barrier)(layer, h_BTM)
       else:
         h_BTM = layer(h_BTM, **kwargs)
       return _batch_split(h_BTM)
