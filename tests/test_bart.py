@@ -285,7 +285,9 @@ def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
 
   run_command("eval.py", "--workdir", workdir, "--data", pairs, "--max_examples", 2,
               "--beam_size", 2)
-  report = json.loads((workdir / "eval_report.json").read_text())
+  # another data file's report goes to a folder of its own, not the top-level copy
+  report = json.loads((workdir / "eval" / "step_0_data-pairs.tsv" / "eval_report.json")
+                      .read_text())
   assert (report["step"], report["data"], report["examples"]) == (0, "task=pairs", 2)
   run_command("train.py", f"--config=configs/from_run.py:{workdir}",
       f"--config.train.restore_from={workdir}", "--workdir", tmp_path / "ft",
@@ -297,5 +299,4 @@ def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
   _, _, model, step = load_run(str(tmp_path / "ft"))
   assert step == 2
   _, src, mask, tgt = _inputs(tok)
-  assert_close(_hf_logits(exported, tok),
-               np.asarray(model(src, tgt, src_padding_mask=mask))[..., :tok.vocab_size])
+  assert_close(_hf_logits(exported, tok), model(src, tgt, src_padding_mask=mask))
