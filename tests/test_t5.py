@@ -368,7 +368,8 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", pairs, "--max_examples", "4",
       "--beam_size", "2", "--max_new_tokens", "4")
-  report = json.loads((tmp_path / "run" / "eval_report.json").read_text())
+  other_data = tmp_path / "run" / "eval" / "step_0_data-pairs.tsv"  # a folder of its own
+  report = json.loads((other_data / "eval_report.json").read_text())
   assert (report["step"], report["data"]) == (0, "task=pairs")
   run_command("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",
       f"--config.train.restore_from={tmp_path / 'run'}", "--workdir", tmp_path / "ft",
