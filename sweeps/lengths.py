@@ -13,14 +13,9 @@ from sweeps import stats
 from training.lengths import read_lengths
 
 
-def length_columns(workdirs: list[str]) -> tuple[list[str], list[list]]:
-  """(titles "loss@<label>", one row of losses per workdir, "" where missing),
-  the labels ordered by length, then name."""
-  return _columns([read_lengths(w) for w in workdirs])
-
-
-def _columns(entries: list[dict]) -> tuple[list[str], list[list]]:
-  """`length_columns` of the runs' eval_lengths.json entries."""
+def length_columns(entries: list[dict]) -> tuple[list[str], list[list]]:
+  """(titles "loss@<label>", one row of losses per run, "" where missing) of
+  the runs' eval_lengths.json `entries`, the labels ordered by length, then name."""
   labels = _labels(entries)
   rows = [[e[label]["loss"] if label in e else "" for label in labels] for e in entries]
   return [f"loss@{label}" for label in labels], rows
@@ -46,7 +41,7 @@ def write_length_table(root: str, names: list[str], workdirs: list[str],
   against position (the mean over its runs), the training lengths
   (`train_lens`, each run's) dashed."""
   entries = [read_lengths(w) for w in workdirs]
-  titles, rows = _columns(entries)
+  titles, rows = length_columns(entries)
   if not titles:
     return "", []
   path = os.path.join(root, "report_lengths.csv")

@@ -102,7 +102,8 @@ def test_sweep_report_has_a_column_per_evaluated_length(tmp_path):
     for label, loss in entries.items():
       lengths.record(str(tmp_path / name), label, {"seq_len": int(label.split("_")[0]),
                                                    "loss": loss})
-  titles, rows = sweep_lengths.length_columns([str(tmp_path / "a"), str(tmp_path / "b")])
+  titles, rows = sweep_lengths.length_columns(
+      [lengths.read_lengths(str(tmp_path / name)) for name in ("a", "b")])
   assert titles == ["loss@32", "loss@64", "loss@64_yarn4"]
   assert rows == [[3.0, 3.5, ""], ["", "", 3.25]]
 
