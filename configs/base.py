@@ -25,11 +25,13 @@ def get_config() -> config_dict.ConfigDict:
   m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
   m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for the gated swiglu, geglu)
   m.max_len = 256  # longest sequence (size of a learned position table)
-  m.pos_emb = "rope"  # none | sinusoidal | learned | rope | relative (T5's bias on the scores)
+  m.pos_emb = "rope"  # position scheme: a model/positions.py POSITIONS entry (every choice of
+  #   a registered field, with a line each: docs/models.md, "Choices")
+  m.attention_score = "softmax"  # scores to weights: a model/scores.py SCORES entry
   m.relative_buckets = 32  # relative: buckets of key - query offsets (T5's num_buckets)
   m.relative_max_distance = 128  # relative: offsets at least this far share the last bucket
   m.rope_theta = 10000.0  # RoPE base: theta_i = rope_theta^(-2i/d_k)
-  m.rope_scaling = "none"  # none | linear | ntk | yarn | llama3 (context extension)
+  m.rope_scaling = "none"  # context extension: a model/embeddings.py ROPE_SCALINGS entry
   m.rope_scaling_factor = 1.0  # how many times longer than rope_original_max_len
   m.rope_original_max_len = 256  # context the RoPE model was trained at (yarn, llama3)
   m.rope_beta_fast = 32.0  # yarn: pairs turning more often than this over the context are kept
@@ -39,10 +41,10 @@ def get_config() -> config_dict.ConfigDict:
   m.rope_truncate = True  # yarn: round the ramp's ends to whole pair indices (gpt-oss: False)
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths over original/low are divided by the factor
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths under original/high are kept
-  m.norm = "rmsnorm"  # layernorm | rmsnorm
+  m.norm = "rmsnorm"  # a model/norms.py NORMS entry
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
-  m.mlp = "swiglu"  # gelu (erf) | gelu_tanh | relu | swiglu | geglu (erf) | geglu_tanh
+  m.mlp = "swiglu"  # a model/mlp.py MLPS entry (gated ones have a third matrix, d_ff about 8/3 d)
   m.use_bias = False  # biases in the attention and MLP projections (all or none)
   m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
   m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
@@ -87,7 +89,8 @@ def get_config() -> config_dict.ConfigDict:
   m.scan_unroll = 2  # scanned stacks: blocks per iteration of the scan (jax.lax.scan's unroll);
   #   the loop's own cost is paid num_layers / scan_unroll times, and the program holds
   #   scan_unroll blocks (1: the smallest program; num_layers: as fast as the Python loop)
-  m.attention_impl = "auto"  # reference | xla | cudnn | pallas | auto
+  m.attention_impl = "auto"  # a model/attention.py IMPLEMENTATIONS entry (reference, xla, cudnn,
+  #   pallas: our kernels, auto: chosen per device and inputs)
   m.pallas_lowering = "auto"  # our kernel for pallas: auto (Mosaic GPU on H100/H200 for
   #   16-bit, head_dim 64/128; Mosaic TPU on TPUs; Triton elsewhere) | triton | mosaic_gpu |
   #   mosaic_tpu (interpreted on CPU)

@@ -6,8 +6,10 @@ model.summary) and `build_model` runs `validate_model` (through
 one line names the field, the value and what is allowed. The meaning of the
 optional model fields (`head_dim`, `num_kv_heads`, `num_decoder_layers`) is
 defined here; what an attention kernel takes is checked by the model where
-the implementation is chosen (`model.attention.check_kernel_support`), since
-configs never import the model.
+the implementation is chosen (`model.attention.check_support`), since
+configs never import the model. The `model.` choices of `CHOICES` are the
+names of the model's registries (`model/registry.py`; a test holds them
+equal): a new choice is its registry entry plus its name here.
 """
 from ml_collections import config_dict
 
@@ -16,6 +18,7 @@ from configs.errors import UserError
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
+    "model.attention_score": ("softmax", "sigmoid"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm"),
     "model.decoder_start": ("bos", "pad", "eos"),
@@ -145,12 +148,6 @@ def scan_layers(m) -> bool:
   return bool(m.scan_layers)
 
 
-def scale_embeddings(m) -> bool:
-  """Whether token embeddings are multiplied by sqrt(d_model) (None means only
-  for pos_emb=sinusoidal, as the original transformer)."""
-  return m.pos_emb == "sinusoidal" if m.scale_embeddings is None else m.scale_embeddings
-
-
 def attention_scale(m) -> float:
   """The factor on Q K^T (None means 1/sqrt(head_dim))."""
   return head_dim(m) ** -0.5 if m.attention_scale is None else m.attention_scale
@@ -205,11 +202,9 @@ def eval_points(t) -> int:
 def validate_model(m: config_dict.ConfigDict) -> None:
   """Checks the `model` section; every rule has a test of its message."""
   p = "model."
-  for field in ("model.family", "model.pos_emb", "model.rope_scaling", "model.norm",
-                "model.norm_position", "model.mlp", "model.attention_impl",
-                "model.pallas_lowering", "model.dtype", "model.param_dtype",
-                "model.decoder_start", "model.pooling"):
-    _check_choice(m, field, p)
+  for field in CHOICES:
+    if field.startswith(p):
+      _check_choice(m, field, p)
   for field in ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_len",
                 "relative_buckets", "relative_max_distance"):
     _check_positive(m, p + field, p)

@@ -42,7 +42,9 @@ from configs.errors import UserError
 from model import build_model
 from model.attention import model_implementation
 from model.config import ModelConfig
-from model.mlp import is_gated
+from model.mlp import MLPS
+from model.norms import NORMS
+from model.positions import POSITIONS
 
 # The attribute of a `Block` that owns a parameter -> its component.
 _COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
@@ -132,26 +134,22 @@ def _attention_params(m) -> int:
 
 
 def _mlp_params(m) -> int:
-  """Two matrices d x d_ff (gelu, gelu_tanh, relu) or three (the gated
-  swiglu, geglu, geglu_tanh), and their biases (mlp_bias)."""
-  matrices = 3 if is_gated(m.mlp) else 2
-  biases = (matrices - 1) * m.d_ff + m.d_model if m.mlp_bias else 0
-  return matrices * m.d_model * m.d_ff + biases
+  """The `model.mlp` entry's count: two matrices d x d_ff (gelu, gelu_tanh,
+  relu) or three (the gated swiglu, geglu, geglu_tanh), and their biases
+  (mlp_bias)."""
+  return MLPS[m.mlp].params(m.d_model, m.d_ff, m.mlp_bias)
 
 
 def _norm_params(m) -> int:
-  """gamma (RMSNorm), or gamma and beta (LayerNorm)."""
-  return m.d_model * (2 if m.norm == "layernorm" else 1)
+  """The `model.norm` entry's count at width d_model: gamma (RMSNorm), or
+  gamma and beta (LayerNorm)."""
+  return NORMS[m.norm].params(m.d_model)
 
 
 def _position_table_params(m) -> int:
-  """A stack's learned positions: the max_len x d table (learned) or T5's
-  relative bias table, relative_buckets x h (relative)."""
-  if m.pos_emb == "learned":
-    return m.max_len * m.d_model
-  if m.pos_emb == "relative":
-    return m.relative_buckets * m.num_heads
-  return 0
+  """The `model.pos_emb` entry's parameters per stack: the max_len x d table
+  (learned) or T5's relative bias table, relative_buckets x h (relative)."""
+  return POSITIONS[m.pos_emb].params(m)
 
 
 def _stack_embedding_params(m) -> int:
@@ -271,7 +269,7 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
   scores = h * seq_len if materialised else 0
   qk_norm_inputs = h * dk + g * dk if m.qk_norm else 0
   attention = d + 2 * h * dk + 2 * g * dk + scores + qk_norm_inputs
-  mlp = d + (4 if is_gated(m.mlp) else 2) * f
+  mlp = d + 2 * (MLPS[m.mlp].matrices - 1) * f
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
 

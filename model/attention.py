@@ -32,10 +32,22 @@ scores s by c tanh(s / c), before the bias and the mask, so no score leaves
 (-c, c). `reference` and `pallas` (all three of our kernels) take it;
 `xla` with a soft-cap computes the reference's einsums (XLA compiles them;
 `jax.nn.dot_product_attention` has no soft-cap), and `cudnn` refuses it.
+
+Every option travels as one `AttentionOptions` value, from `Attention` to the
+dispatcher and into the implementation, prefill and decode alike. Each
+implementation is an `IMPLEMENTATIONS` entry that declares the optional
+features it takes (`takes`); `Implementation.refusal` is the one check behind
+the start-up refusal (`check_support`), the trace-time refusal (`attention`),
+`auto` (`auto_implementation`) and the memory estimate
+(`model_implementation`). An option an implementation does not declare is
+refused in one line naming it, never dropped.
 """
+import dataclasses
 import functools
 import logging
 import math
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +56,72 @@ from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
 from model.embeddings import apply_rope
-from model.kernels import MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
+from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
 from model.layers import Dense
 from model.norms import RMSNorm
+from model.positions import POSITIONS
+from model.registry import Registry
+from model.scores import SCORES
 
-IMPLEMENTATIONS = ("reference", "xla", "cudnn", "pallas", "auto")
+# The optional features of an attention call (`AttentionOptions.features`), in
+# the order refusals name them, with the words a message uses. Causal and
+# segment-id masks are not optional: every implementation takes them.
+FEATURES = {"mask": "dense mask (option `mask`)",
+            "window": "sliding window (option `window`)",
+            "bias": "additive bias (option `bias`)",
+            "softcap": "soft-cap (option `softcap`)"}
+
+
+def score_feature(score: str) -> str:
+  """The feature of attention score `score` (an `SCORES` name)."""
+  return f"score:{score}"
+
+
+def _feature_words(feature: str) -> str:
+  if feature.startswith("score:"):
+    return f"attention score {feature[len('score:'):]!r} (option `score`)"
+  return FEATURES[feature]
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """What an attention call computes beyond q, k and v: the masks (`causal`,
+  `mask`, `segment_ids`, `window`), the `scale` on Q K^T (None: 1/sqrt(D)),
+  the additive `bias`, the `softcap` and the `score` function (an `SCORES`
+  name). See the module docstring for each."""
+  causal: bool = False
+  mask: Any = None
+  segment_ids: Any = None
+  scale: float | None = None
+  window: int | None = None
+  bias: Any = None
+  softcap: float | None = None
+  score: str = "softmax"
+
+  def features(self) -> tuple[str, ...]:
+    """The optional features this call uses (`FEATURES`, and its score's). A
+    window without the causal mask also counts as a dense mask (cuDNN takes a
+    window only on top of the causal mask)."""
+    used = {"mask": self.mask is not None or (self.window is not None and not self.causal),
+            "window": self.window is not None, "bias": self.bias is not None,
+            "softcap": self.softcap is not None}
+    return tuple(f for f in FEATURES if used[f]) + (score_feature(self.score),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+  """A `model.attention_impl` choice: `run(q, k, v, options, lowering)` and
+  the optional features it `takes` (`AttentionOptions.features`); `auto` has
+  no `run` (it resolves to another entry)."""
+  name: str
+  doc: str
+  run: Callable | None
+  takes: frozenset
+  reads: tuple[str, ...] = ()
+
+  def refusal(self, features) -> str | None:
+    """The first of `features` this implementation does not take, or None."""
+    return next((f for f in features if f not in self.takes), None)
 
 
 def _split_segment_ids(segment_ids):
@@ -87,68 +160,65 @@ def soft_cap(scores, cap: float | None):
   return scores if cap is None else cap * jnp.tanh(scores / cap)
 
 
-def attention_weights(q_BTHD, k_BSKD, *, causal=False, mask=None, segment_ids=None,
-                      scale=None, window=None, bias=None, softcap=None):
-  """softmax(softcap(Q K^T * scale) + bias + M) in float32, [B, K, G, T, S]
-  (H = K * G heads).
+def _options(options, fields) -> AttentionOptions:
+  """`options` (None: the defaults) with `fields` replaced."""
+  options = AttentionOptions() if options is None else options
+  return dataclasses.replace(options, **fields) if fields else options
+
+
+def attention_weights(q_BTHD, k_BSKD, options: AttentionOptions | None = None, **fields):
+  """score(softcap(Q K^T * scale) + bias, M) in float32, [B, K, G, T, S]
+  (H = K * G heads), with the score function of `options.score` (softmax by
+  default); `fields` replace those of `options`.
 
   Fully masked rows are all zeros.
   """
+  o = _options(options, fields)
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  scale = D ** -0.5 if scale is None else scale
+  scale = D ** -0.5 if o.scale is None else o.scale
   q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
                       preferred_element_type=jnp.float32) * scale
-  scores = soft_cap(scores, softcap)
-  if bias is not None:
-    scores = scores + bias.astype(jnp.float32).reshape(bias.shape[0], K, H // K, T, S)
-  valid = combined_mask(T, S, causal=causal, mask=mask, segment_ids=segment_ids, window=window)
-  if valid is None:
-    return jax.nn.softmax(scores, axis=-1)
-  valid_B11TS = valid[:, None, None]
-  scores = jnp.where(valid_B11TS, scores, jnp.finfo(jnp.float32).min)
-  return jnp.where(valid_B11TS, jax.nn.softmax(scores, axis=-1), 0.0)
+  scores = soft_cap(scores, o.softcap)
+  if o.bias is not None:
+    scores = scores + o.bias.astype(jnp.float32).reshape(o.bias.shape[0], K, H // K, T, S)
+  valid = combined_mask(T, S, causal=o.causal, mask=o.mask, segment_ids=o.segment_ids,
+                        window=o.window)
+  return SCORES[o.score].weights(scores, None if valid is None else valid[:, None, None])
 
 
-def reference_attention(q_BTHD, k_BSKD, v_BSKD, *, causal=False, mask=None,
-                        segment_ids=None, scale=None, window=None, bias=None, softcap=None):
+def reference_attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None,
+                        **fields):
   """The lesson's math: weights from `attention_weights`, times V."""
   B, T, H, D = q_BTHD.shape
-  weights = attention_weights(q_BTHD, k_BSKD, causal=causal, mask=mask,
-                              segment_ids=segment_ids, scale=scale, window=window, bias=bias,
-                              softcap=softcap)
+  weights = attention_weights(q_BTHD, k_BSKD, _options(options, fields))
   out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
 
 
-def _jax_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window, bias,
-                   softcap, implementation):
+def _jax_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: str):
   """`jax.nn.dot_product_attention`, with fully masked rows set to zero.
 
   The window goes in as its `local_window_size` (window - 1 keys to the left;
   to the right too unless causal). The bias goes in in q's dtype (cuDNN
-  takes no other). It takes no soft-cap: `xla` with one runs the reference
-  einsums, `cudnn` refuses it.
+  takes no other). It has no soft-cap and only the softmax score: `xla` with
+  either runs the reference einsums (which XLA compiles); `cudnn` declares
+  neither, so the dispatcher refuses them before this runs.
   """
-  if softcap is not None:
-    if implementation == "cudnn":
-      raise UserError("attention_impl=cudnn takes no soft-cap (model.attn_softcap); use "
-                      "attention_impl xla, pallas or auto")
-    return reference_attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, mask=mask,
-                               segment_ids=segment_ids, scale=scale, window=window, bias=bias,
-                               softcap=softcap)
+  if o.softcap is not None or o.score != "softmax":
+    return reference_attention(q_BTHD, k_BSKD, v_BSKD, o)
   T, S = q_BTHD.shape[1], k_BSKD.shape[1]
-  valid = combined_mask(T, S, mask=mask, segment_ids=segment_ids)
-  local = None if window is None else (window - 1, 0 if causal else window - 1)
+  valid = combined_mask(T, S, mask=o.mask, segment_ids=o.segment_ids)
+  local = None if o.window is None else (o.window - 1, 0 if o.causal else o.window - 1)
   out = jax.nn.dot_product_attention(
       q_BTHD, k_BSKD, v_BSKD, mask=None if valid is None else valid[:, None],
-      bias=None if bias is None else bias.astype(q_BTHD.dtype), scale=scale, is_causal=causal,
-      local_window_size=local, implementation=implementation)
+      bias=None if o.bias is None else o.bias.astype(q_BTHD.dtype), scale=o.scale,
+      is_causal=o.causal, local_window_size=local, implementation=implementation)
   if valid is None:
     return out
-  causal_and_window = combined_mask(T, S, causal=causal, window=window)
+  causal_and_window = combined_mask(T, S, causal=o.causal, window=o.window)
   if causal_and_window is not None:
     valid = valid & causal_and_window
   row_valid_BT11 = valid.any(-1)[:, :, None, None]
@@ -232,25 +302,58 @@ def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None
                            q_BTHD, k_BSKD, v_BSKD, *segments)
 
 
-def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, *, causal, mask, segment_ids, scale, window,
-                      bias, softcap, lowering):
+def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, lowering: str):
   """Our kernels (`model/kernels/router.py`) for `compile_device()`, one per
-  device of the mesh (`sharded_kernel`)."""
-  if bias is not None:
-    raise UserError("attention_impl=pallas: our kernels take no additive bias "
-                    "(pos_emb=relative); use attention_impl xla, cudnn or auto")
-  if mask is not None or window is not None:
-    raise ValueError("implementation='pallas' takes causal and segment_ids masks, "
-                     "not a dense mask or a window; use 'xla' or 'auto' for those")
+  device of the mesh (`sharded_kernel`). The dispatcher has checked that `o`
+  uses only what the kernels declare (`model.kernels.KERNEL_TAKES`)."""
   from model.kernels.router import flash_attention  # pylint: disable=import-outside-toplevel
   device = compile_device()
 
   def kernel(q, k, v, q_seg, kv_seg):
-    return flash_attention(q, k, v, causal=causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                           scale=scale, softcap=softcap, lowering=None if lowering == "auto" else lowering,
-                           device=device)
+    return flash_attention(q, k, v, causal=o.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                           scale=o.scale, softcap=o.softcap,
+                           lowering=None if lowering == "auto" else lowering, device=device)
 
-  return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(segment_ids))
+  return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids))
+
+
+def _reference_run(q, k, v, o, lowering):
+  del lowering
+  return reference_attention(q, k, v, o)
+
+
+_EVERY_SCORE = frozenset(score_feature(name) for name in SCORES)
+
+IMPLEMENTATIONS = Registry("model.attention_impl", [
+    Implementation("reference", "the lesson's math in float32 einsums; the tests' oracle",
+                   _reference_run, frozenset(FEATURES) | _EVERY_SCORE),
+    Implementation("xla", "jax.nn.dot_product_attention (XLA); the reference einsums for a "
+                   "soft-cap or another score", lambda q, k, v, o, _: _jax_attention(
+                       q, k, v, o, "xla"), frozenset(FEATURES) | _EVERY_SCORE),
+    Implementation("cudnn", "jax.nn.dot_product_attention's cuDNN fused attention (GPU)",
+                   lambda q, k, v, o, _: _jax_attention(q, k, v, o, "cudnn"),
+                   frozenset({"mask", "window", "bias", score_feature("softmax")})),
+    Implementation("pallas", "our FlashAttention kernels (model/kernels/)", _pallas_attention,
+                   frozenset(KERNEL_TAKES), reads=("pallas_lowering",)),
+    Implementation("auto", "the fastest implementation that takes the inputs, per device",
+                   None, frozenset()),
+])
+
+
+def refusal_message(implementation: str, feature: str, source: str | None = None) -> str:
+  """One line: `implementation` takes no `feature`, and which do; `source`
+  names the config field that asked for it."""
+  takers = [n for n, e in IMPLEMENTATIONS.items() if e.run is None or feature in e.takes]
+  prefix = "" if source is None else f"config field {source}: "
+  return (f"{prefix}attention_impl={implementation} takes no {_feature_words(feature)}; use "
+          f"attention_impl {', '.join(takers[:-1])} or {takers[-1]}")
+
+
+def check_options(implementation: str, o: AttentionOptions) -> None:
+  """Raises `UserError` when `implementation` does not take a feature `o` uses."""
+  refused = IMPLEMENTATIONS[implementation].refusal(o.features())
+  if refused is not None:
+    raise UserError(refusal_message(implementation, refused))
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,15 +361,16 @@ def _log_choice(message: str) -> None:
   logging.info(message)
 
 
-def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: bool,
-                        has_softcap: bool = False, has_window: bool = False) -> str:
-  """The `auto` rule.
+def auto_implementation(*, backend: str, dtype, head_dim: int,
+                        features: tuple[str, ...] = ()) -> str:
+  """The `auto` rule, for calls that use `features` (`AttentionOptions.features`).
 
-  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128,
-  no dense mask and no soft-cap (cuDNN's fused flash attention, the fastest
-  measured in docs/benchmarks.md), otherwise `xla`.
+  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
+  and no feature but a causal window (cuDNN's fused flash attention, the
+  fastest measured in docs/benchmarks.md; no dense mask, bias or soft-cap),
+  otherwise `xla`.
 
-  On a TPU: `pallas` (our Mosaic TPU kernel) where it takes the inputs (no
+  On a TPU: `pallas` (our Mosaic TPU kernel) where it takes the features (no
   dense mask or bias, no sliding window), otherwise `xla`. Memory decides
   this: the kernel keeps O(T) per row for the backward pass where XLA's
   attention keeps every layer's [heads, T, S] scores, so llama2_7b at 4,096
@@ -274,61 +378,67 @@ def auto_implementation(*, backend: str, dtype, head_dim: int, has_dense_mask: b
   and not with XLA (108 GiB; docs/compiling.md). Its speed against XLA and
   JAX's splash attention is untimed until `bench/attention.py` runs on a TPU.
 
-  On a CPU: `xla`.
+  On a CPU: `xla`. Where `xla` does not take a feature either, `reference`.
   """
-  if (backend == "gpu" and not has_dense_mask and not has_softcap
+  fused = {"window", score_feature("softmax")}
+  if (backend == "gpu" and set(features) <= fused
       and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
       and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
-  if backend == "tpu" and not has_dense_mask and not has_window:
+  if backend == "tpu" and IMPLEMENTATIONS["pallas"].refusal(features) is None:
     return "pallas"
-  return "xla"
+  return "xla" if IMPLEMENTATIONS["xla"].refusal(features) is None else "reference"
 
 
-def choose_implementation(q_BTHD, *, has_dense_mask: bool, has_softcap: bool = False,
-                          has_window: bool = False) -> str:
+def choose_implementation(q_BTHD, features: tuple[str, ...]) -> str:
   """`auto_implementation` for these queries on the platform of `compile_device()`
   (logged once)."""
   D = q_BTHD.shape[-1]
   backend = compile_device().platform
   choice = auto_implementation(backend=backend, dtype=q_BTHD.dtype, head_dim=D,
-                               has_dense_mask=has_dense_mask, has_softcap=has_softcap,
-                               has_window=has_window)
+                               features=features)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
-              f"dtype={q_BTHD.dtype}, dense_mask={has_dense_mask}, softcap={has_softcap}, "
-              f"window={has_window} on {backend}")
+              f"dtype={q_BTHD.dtype}, features={', '.join(features)} on {backend}")
   return choice
 
 
+def config_features(cfg) -> dict[str, str]:
+  """The optional features the model's training attention uses -> the config
+  field (with its value) that asks for each: the position scheme's bias,
+  the sliding window (causal), the soft-cap and the score function."""
+  out = {}
+  if POSITIONS[cfg.pos_emb].bias is not None:
+    out["bias"] = f"model.pos_emb={cfg.pos_emb!r}"
+  if cfg.sliding_window is not None:
+    out["window"] = f"model.sliding_window={cfg.sliding_window}"
+  if cfg.attn_softcap is not None:
+    out["softcap"] = f"model.attn_softcap={cfg.attn_softcap}"
+  out[score_feature(cfg.attention_score)] = f"model.attention_score={cfg.attention_score!r}"
+  return out
+
+
 def model_implementation(cfg, backend: str | None = None) -> str:
-  """The implementation the model's training attention runs (causal and
-  segment masks; T5's relative bias counts as a dense mask):
+  """The implementation the model's training attention runs:
   `cfg.attention_impl`, with `auto` resolved for `backend` (default: JAX's
-  default backend)."""
-  if cfg.attention_impl != "auto":
+  default backend) over `config_features`."""
+  if IMPLEMENTATIONS[cfg.attention_impl].run is not None:
     return cfg.attention_impl
   return auto_implementation(backend=backend or jax.default_backend(), dtype=cfg.dtype,
-                             head_dim=cfg.head_dim, has_dense_mask=cfg.pos_emb == "relative",
-                             has_softcap=cfg.attn_softcap is not None,
-                             has_window=cfg.sliding_window is not None)
+                             head_dim=cfg.head_dim, features=tuple(config_features(cfg)))
 
 
-def check_kernel_support(cfg) -> None:
-  """Raises `UserError` when `cfg.pallas_lowering` names a kernel that does not
-  take the config's dtype or head dim (the kernel package declares what each
-  takes; `flash_attention` checks the arrays again at trace time), or when
-  `attention_impl=pallas` meets a sliding window (not in our kernels yet) or
-  T5's relative position bias (our kernels take no additive bias), or when
-  `attn_softcap` meets cudnn, which takes no soft-cap."""
-  if cfg.attn_softcap is not None and cfg.attention_impl == "cudnn":
-    raise UserError(f"config field model.attn_softcap={cfg.attn_softcap}: attention_impl=cudnn "
-                    "takes no soft-cap; use attention_impl xla, pallas or auto")
-  if cfg.attention_impl == "pallas" and cfg.sliding_window is not None:
-    raise UserError(f"config field model.sliding_window={cfg.sliding_window}: our pallas "
-                    "kernels take no sliding window yet; use attention_impl xla, cudnn or auto")
-  if cfg.attention_impl == "pallas" and cfg.pos_emb == "relative":
-    raise UserError("config field model.pos_emb='relative': our pallas kernels take no "
-                    "additive bias; use attention_impl xla, cudnn or auto")
+def check_support(cfg) -> None:
+  """Raises `UserError` when `cfg.attention_impl` does not take a feature the
+  config asks for (`config_features`: one line naming the field), or when
+  `cfg.pallas_lowering` names a kernel that does not take the config's dtype
+  or head dim (the kernel package declares what each takes; `flash_attention`
+  checks the arrays again at trace time)."""
+  implementation = IMPLEMENTATIONS[cfg.attention_impl]
+  features = config_features(cfg)
+  if implementation.run is not None:
+    refused = implementation.refusal(features)
+    if refused is not None:
+      raise UserError(refusal_message(cfg.attention_impl, refused, features[refused]))
   if cfg.pallas_lowering != "mosaic_gpu":
     return
   field = f"config field model.pallas_lowering={cfg.pallas_lowering!r}"
@@ -342,36 +452,27 @@ def check_kernel_support(cfg) -> None:
                     "(or use triton)")
 
 
-def attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, mask=None,
-              segment_ids=None, scale: float | None = None, window: int | None = None,
-              bias=None, softcap: float | None = None, implementation: str = "reference",
-              pallas_lowering: str = "auto"):
+def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *,
+              implementation: str = "reference", pallas_lowering: str = "auto", **fields):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
   q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
-  returns [B, T, H, D] in q's dtype. See the module docstring for the masks,
-  the additive `bias` [1 or B, H, T, S] and the `softcap`.
+  returns [B, T, H, D] in q's dtype. `options` (an `AttentionOptions`; its
+  fields may also be given, or replaced, as keywords: `causal=True`, ...) says
+  what is computed: see the module docstring for the masks, the additive
+  `bias` [1 or B, H, T, S], the `softcap` and the `score`. An implementation
+  that does not take one of them refuses it in one line (`UserError`).
   `pallas_lowering` (auto, triton, mosaic_gpu, mosaic_tpu) picks our kernel when
   implementation is pallas.
   """
-  if implementation == "auto":
-    # cuDNN takes a window only on top of the causal mask.
-    # A bias counts as dense: `auto` leaves it to XLA.
-    bidirectional_window = window is not None and not causal
-    dense = mask is not None or bidirectional_window or bias is not None
-    implementation = choose_implementation(q_BTHD, has_dense_mask=dense,
-                                           has_softcap=softcap is not None,
-                                           has_window=window is not None)
-  kwargs = dict(causal=causal, mask=mask, segment_ids=segment_ids, scale=scale, window=window,
-                bias=bias, softcap=softcap)
-  if implementation == "reference":
-    return reference_attention(q_BTHD, k_BSKD, v_BSKD, **kwargs)
-  if implementation in ("xla", "cudnn"):
-    return _jax_attention(q_BTHD, k_BSKD, v_BSKD, implementation=implementation, **kwargs)
-  if implementation == "pallas":
-    return _pallas_attention(q_BTHD, k_BSKD, v_BSKD, lowering=pallas_lowering, **kwargs)
-  raise ValueError(f"attention implementation {implementation!r}: must be one of "
-                   f"{', '.join(IMPLEMENTATIONS)}")
+  o = _options(options, fields)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {implementation!r}: must be one of "
+                     f"{', '.join(IMPLEMENTATIONS)}")
+  if IMPLEMENTATIONS[implementation].run is None:
+    implementation = choose_implementation(q_BTHD, o.features())
+  check_options(implementation, o)
+  return IMPLEMENTATIONS[implementation].run(q_BTHD, k_BSKD, v_BSKD, o, pallas_lowering)
 
 
 class Attention(nnx.Module):
@@ -392,8 +493,9 @@ class Attention(nnx.Module):
     d, H, K, Dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     b, b_out = cfg.qkv_bias, cfg.out_bias
     self.rope = rope  # (inv_freq, attention_factor) or None
-    self.scale = cfg.attention_scale
-    self.softcap = cfg.attn_softcap
+    # The options every call of this layer shares; each call adds its masks and bias.
+    self.options = AttentionOptions(scale=cfg.attention_scale, softcap=cfg.attn_softcap,
+                                    score=cfg.attention_score)
     self.window = window  # self-attention only
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
@@ -443,9 +545,9 @@ class Attention(nnx.Module):
       q_BTHD = self.project_q(x_BTM, positions_BT)
       k_BSKD, v_BSKD = self.project_kv(x_BTM, positions_BT)
       window = self.window
-    out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, causal=causal, segment_ids=segment_ids,
-                         mask=mask, scale=self.scale, window=window, bias=bias,
-                         softcap=self.softcap, implementation=self.implementation,
+    options = dataclasses.replace(self.options, causal=causal, segment_ids=segment_ids,
+                                  mask=mask, window=window, bias=bias)
+    out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, options, implementation=self.implementation,
                          pallas_lowering=self.pallas_lowering)
     return self.o_proj(out_BTHD)
 
@@ -453,8 +555,8 @@ class Attention(nnx.Module):
     """Self-attention weights [B, h, T, T] (for plots)."""
     q_BTHD = self.project_q(x_BTM, positions_BT)
     k_BSKD, _ = self.project_kv(x_BTM, positions_BT)
-    w_BKGTS = attention_weights(q_BTHD, k_BSKD, causal=causal, scale=self.scale,
-                                window=self.window, bias=bias, softcap=self.softcap)
+    options = dataclasses.replace(self.options, causal=causal, window=self.window, bias=bias)
+    w_BKGTS = attention_weights(q_BTHD, k_BSKD, options)
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
@@ -466,9 +568,11 @@ class Attention(nnx.Module):
     slots 0..positions_BT[b, t] (the last `window` of them with a sliding
     window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
-    alone. The slot mask is dense, so `cudnn` and `pallas` (which take
-    causal and segment masks only) run this step with `xla`; a single
-    decoding query is memory-bound and gains nothing from a fused kernel.
+    alone. The slot mask is dense, so every implementation but `reference`
+    runs this step with `xla` (which takes every option `reference` does); a
+    single decoding query is memory-bound and gains nothing from a fused
+    kernel. The layer's options (scale, soft-cap, score) are the training
+    call's: the one `AttentionOptions` value serves both.
     `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).
     """
@@ -481,8 +585,8 @@ class Attention(nnx.Module):
     mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
     if self.window is not None:
       mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - self.window)
-    impl = self.implementation if self.implementation in ("reference", "xla") else "xla"
+    impl = "reference" if self.implementation == "reference" else "xla"
+    options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
-                         cache["v"].astype(q_BTHD.dtype), mask=mask_BTL, scale=self.scale,
-                         bias=bias, softcap=self.softcap, implementation=impl)
+                         cache["v"].astype(q_BTHD.dtype), options, implementation=impl)
     return self.o_proj(out_BTHD), cache

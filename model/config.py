@@ -5,8 +5,10 @@
 `num_kv_heads`, `num_decoder_layers`, `real_vocab_size`, the
 per-projection and classifier biases, the layers with the sliding window, the
 layout of the layers (`scan_layers`),
-`scale_embeddings`, `attention_scale`), resolves the dtypes to jnp dtypes and
-checks that the chosen attention kernel takes them (`model.attention`).
+`scale_embeddings`, `attention_scale`), looks every option up in its
+registry (`REGISTRIES`), resolves the dtypes to jnp dtypes and checks that
+the chosen attention implementation takes what the config asks of it
+(`model.attention.check_support`).
 Every module, the accounting and the attention dispatcher read this frozen
 dataclass; nothing below `build_model` sees the ConfigDict.
 """
@@ -14,24 +16,25 @@ import dataclasses
 from typing import Any
 
 from configs import validation
-from model.attention import check_kernel_support
+from model.attention import IMPLEMENTATIONS, check_support
+from model.embeddings import ROPE_SCALINGS
 from model.layers import DTYPES
+from model.mlp import MLPS
+from model.norms import NORMS
+from model.positions import POSITIONS
+from model.scores import SCORES
 
 
 # Fields that say how the model is computed or initialised, not what it computes.
 _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias",
         "scan_layers", "scan_unroll")
-# RoPE scaling parameters, and those each `rope_scaling` type reads.
-_ROPE_FIELDS = ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
-                "rope_beta_slow", "rope_attention_factor", "rope_truncate",
-                "rope_low_freq_factor", "rope_high_freq_factor")
-_ROPE_SCALING_READS = {
-    "none": (), "linear": ("rope_scaling_factor",), "ntk": ("rope_scaling_factor",),
-    "yarn": ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
-             "rope_beta_slow", "rope_attention_factor", "rope_truncate"),
-    "llama3": ("rope_scaling_factor", "rope_original_max_len", "rope_low_freq_factor",
-               "rope_high_freq_factor"),
-}
+
+# Every option axis the model implements: its field -> its registry. Resolving
+# a config looks each chosen name up, so a name in CHOICES without an entry is
+# one line at start-up; `forward_fields` drops the fields that only unchosen
+# entries read.
+REGISTRIES = {r.field: r for r in (NORMS, POSITIONS, MLPS, SCORES, IMPLEMENTATIONS,
+                                   ROPE_SCALINGS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ModelConfig:
   d_ff: int
   max_len: int
   pos_emb: str
+  attention_score: str
   relative_buckets: int
   relative_max_distance: int
   rope_theta: float
@@ -106,20 +110,19 @@ class ModelConfig:
     Left out: how it is computed (`attention_impl`, `pallas_lowering`,
     `dtype`, `param_dtype`, `scan_layers`), how it is initialised (`init_std`), `use_bias`
     (the three per-projection biases resolve it), and the fields the others
-    leave unused: RoPE's without `pos_emb=rope` (and the scaling parameters
-    the scaling type does not read), the relative bias's without
-    `pos_emb=relative`, the decoder's without `family=encoder_decoder`, the
+    leave unused: those that only unchosen registry entries read (RoPE's
+    without `pos_emb=rope`, the scaling parameters the scaling type does not
+    read, the relative bias's without `pos_emb=relative`: each entry's
+    `reads`), the decoder's without `family=encoder_decoder`, the
     LM head's with a classifier (`num_labels` > 0) and the classifier's
     without one. Two
     configs with equal forward fields and equal weights give the same logits.
     """
     fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
               if f.name not in _HOW}
-    unused = set(_ROPE_FIELDS) - set(_ROPE_SCALING_READS[self.rope_scaling])
-    if self.pos_emb != "rope":
-      unused |= set(_ROPE_FIELDS) | {"rope_theta", "rope_scaling"}
-    if self.pos_emb != "relative":
-      unused |= {"relative_buckets", "relative_max_distance"}
+    unused = set()
+    for field, registry in REGISTRIES.items():
+      unused |= registry.reads(getattr(self, field.split(".")[1]))
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
     if self.num_labels:
@@ -135,6 +138,8 @@ class ModelConfig:
     if isinstance(section, cls):
       return section
     validation.validate_model(section)
+    for field, registry in REGISTRIES.items():
+      registry[section[field.split(".")[1]]]  # pylint: disable=pointless-statement
     values = {field.name: section[field.name] for field in dataclasses.fields(cls)}
     values.update(num_kv_heads=validation.num_kv_heads(section),
                   head_dim=validation.head_dim(section),
@@ -146,11 +151,13 @@ class ModelConfig:
                   out_bias=validation.projection_bias(section, "out_bias"),
                   mlp_bias=validation.projection_bias(section, "mlp_bias"),
                   classifier_bias=validation.classifier_bias(section),
-                  scale_embeddings=validation.scale_embeddings(section),
+                  scale_embeddings=(POSITIONS[section.pos_emb].scales_embeddings
+                                    if section.scale_embeddings is None
+                                    else section.scale_embeddings),
                   attention_scale=validation.attention_scale(section),
                   dtype=DTYPES[section.dtype], param_dtype=DTYPES[section.param_dtype])
     cfg = cls(**values)
-    check_kernel_support(cfg)
+    check_support(cfg)
     return cfg
 
   def layer_window(self, layer: int) -> int | None:

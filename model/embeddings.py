@@ -13,13 +13,16 @@
   (Llama 3.1's wavelength bands); `yarn` and `llama3` are exactly
   transformers' definitions.
 """
+import dataclasses
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from model.layers import dense_init, param
+from model.registry import Registry
 
 
 class Embed(nnx.Module):
@@ -47,6 +50,17 @@ def sinusoidal(positions_BT, d: int):
       *positions_BT.shape, d)
 
 
+class SinusoidalPositions(nnx.Module):
+  """`sinusoidal` as a module of the stack (no parameters), in model.dtype."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    del rngs  # no parameters
+    self.d_model, self.dtype = cfg.d_model, cfg.dtype
+
+  def __call__(self, positions_BT):
+    return sinusoidal(positions_BT, self.d_model).astype(self.dtype)
+
+
 class LearnedPositions(nnx.Module):
   """BERT/GPT-2 style: a learned [max_len, d] position table."""
 
@@ -72,6 +86,51 @@ class TokenTypes(nnx.Module):
     return jnp.take(self.table[...], token_types_BT, axis=0).astype(self.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A `model.rope_scaling` choice: `frequencies(inv_freq, **p)` rescales the
+  per-pair frequencies and returns them with the factor on cos and sin; `p`
+  holds the head dim, theta and every scaling parameter of `rope_frequencies`,
+  of which the entry reads the config fields in `reads`."""
+  name: str
+  doc: str
+  frequencies: Callable
+  reads: tuple[str, ...] = ()
+
+
+def _ntk(inv_freq, *, head_dim, theta, factor, **_):
+  exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+  return (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents, 1.0
+
+
+def _yarn(inv_freq, *, theta, factor, original_max_len, beta_fast, beta_slow, attention_factor,
+          truncate, **_):
+  return yarn_frequencies(inv_freq, theta, factor, original_max_len, beta_fast=beta_fast,
+                          beta_slow=beta_slow, attention_factor=attention_factor,
+                          truncate=truncate)
+
+
+def _llama3(inv_freq, *, factor, original_max_len, low_freq_factor, high_freq_factor, **_):
+  return llama3_frequencies(inv_freq, factor, original_max_len, low_freq_factor=low_freq_factor,
+                            high_freq_factor=high_freq_factor), 1.0
+
+
+ROPE_SCALINGS = Registry("model.rope_scaling", [
+    RopeScaling("none", "the frequencies as trained", lambda inv_freq, **_: (inv_freq, 1.0)),
+    RopeScaling("linear", "position interpolation: every frequency divided by the factor",
+                lambda inv_freq, *, factor, **_: (inv_freq / factor, 1.0),
+                ("rope_scaling_factor",)),
+    RopeScaling("ntk", "NTK-aware: the base raised to base s^(d/(d-2))", _ntk,
+                ("rope_scaling_factor",)),
+    RopeScaling("yarn", "YaRN: a per-pair ramp and an attention factor (transformers' yarn)",
+                _yarn, ("rope_scaling_factor", "rope_original_max_len", "rope_beta_fast",
+                        "rope_beta_slow", "rope_attention_factor", "rope_truncate")),
+    RopeScaling("llama3", "Llama 3.1's wavelength bands (transformers' llama3)", _llama3,
+                ("rope_scaling_factor", "rope_original_max_len", "rope_low_freq_factor",
+                 "rope_high_freq_factor")),
+])
+
+
 def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: str = "none",
                      factor: float = 1.0, original_max_len: int = 2048, *,
                      beta_fast: float = 32.0, beta_slow: float = 1.0,
@@ -80,25 +139,17 @@ def rope_frequencies(head_dim: int, theta: float = 10000.0, scaling: str = "none
   """Per-pair angular frequencies theta_i [head_dim // 2] and the attention factor.
 
   Returns (inv_freq as a tuple of floats, attention_factor), the factor that
-  multiplies cos and sin (so the attention logits by its square). `linear`
-  divides every frequency by the factor, `ntk` raises the base; `yarn` and
-  `llama3` are `yarn_frequencies` and `llama3_frequencies`.
+  multiplies cos and sin (so the attention logits by its square), as the
+  `ROPE_SCALINGS` entry `scaling` rescales them: `linear` divides every
+  frequency by the factor, `ntk` raises the base; `yarn` and `llama3` are
+  `yarn_frequencies` and `llama3_frequencies`.
   """
   exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-  inv_freq = theta ** -exponents
-  cos_sin_factor = 1.0
-  if scaling == "linear":
-    inv_freq = inv_freq / factor
-  elif scaling == "ntk":
-    inv_freq = (theta * factor ** (head_dim / (head_dim - 2))) ** -exponents
-  elif scaling == "yarn":
-    inv_freq, cos_sin_factor = yarn_frequencies(
-        inv_freq, theta, factor, original_max_len, beta_fast=beta_fast, beta_slow=beta_slow,
-        attention_factor=attention_factor, truncate=truncate)
-  elif scaling == "llama3":
-    inv_freq = llama3_frequencies(inv_freq, factor, original_max_len,
-                                  low_freq_factor=low_freq_factor,
-                                  high_freq_factor=high_freq_factor)
+  inv_freq, cos_sin_factor = ROPE_SCALINGS[scaling].frequencies(
+      theta ** -exponents, head_dim=head_dim, theta=theta, factor=factor,
+      original_max_len=original_max_len, beta_fast=beta_fast, beta_slow=beta_slow,
+      attention_factor=attention_factor, truncate=truncate, low_freq_factor=low_freq_factor,
+      high_freq_factor=high_freq_factor)
   return tuple(float(f) for f in inv_freq), cos_sin_factor
 
 

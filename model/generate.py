@@ -35,6 +35,7 @@ import numpy as np
 from flax import nnx
 
 from configs.errors import UserError
+from model.positions import POSITIONS
 
 
 def sample_logits(logits_BV, rng, *, temperature: float = 0.0, top_k: int = 0,
@@ -72,7 +73,7 @@ def _pad_prompts(prompts: list[list[int]], pad_id: int, width: int | None = None
 
 
 def _check_length(model_cfg, total: int) -> None:
-  if model_cfg.pos_emb == "learned" and total > model_cfg.max_len:
+  if POSITIONS[model_cfg.pos_emb].bounded and total > model_cfg.max_len:
     raise UserError(f"prompt plus max_new_tokens = {total} exceeds the learned position "
                     f"table (model.max_len={model_cfg.max_len}); generate fewer tokens")
 

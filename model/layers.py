@@ -18,8 +18,14 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...],
           dtype) -> nnx.Param:
-  """A parameter of `shape`, initialised by `init`, annotated with `axes`."""
-  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes,
+  """A parameter of `shape`, initialised by `init`, annotated with `axes`.
+
+  A learned scalar (shape (), axes ()) carries no annotation (None): Flax's
+  scan and vmap add the `layers` axis to a non-empty annotation only, and
+  would fail to remove it from an empty one; unannotated, it is replicated
+  on every device, which is what a scalar needs.
+  """
+  return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes or None,
                    eager_sharding=False)
 
 

@@ -1,15 +1,19 @@
-"""Step 5 of the lesson: LayerNorm and RMSNorm, statistics in float32.
+"""Step 5 of the lesson: the norms, one `NORMS` entry per `model.norm`.
 
 LN(x) = gamma * (x - mean) / sqrt(var + eps) + beta;
 RMSNorm(x) = gamma * x / sqrt(mean(x^2) + eps) (no mean, no beta).
-The statistics are computed in float32 whatever the compute dtype (the
-lesson's low-precision pitfall); the result is cast back.
+The statistics are computed in float32 whatever the compute
+dtype (the lesson's low-precision pitfall); the result is cast back.
 """
+import dataclasses
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from model.layers import param
+from model.registry import Registry
 
 
 class LayerNorm(nnx.Module):
@@ -42,6 +46,25 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class Norm:
+  """A `model.norm` choice: its module `(dim, cfg=, rngs=)` and its
+  parameters for a width `dim`."""
+  name: str
+  doc: str
+  module: Callable
+  params: Callable[[int], int]
+  reads: tuple[str, ...] = ()
+
+
+NORMS = Registry("model.norm", [
+    Norm("layernorm", "LayerNorm: mean and variance, gamma and beta (the original, BERT, GPT-2)",
+         LayerNorm, lambda dim: 2 * dim),
+    Norm("rmsnorm", "RMSNorm: root mean square, gamma only (LLaMA, T5)", RMSNorm,
+         lambda dim: dim),
+])
+
+
 def make_norm(dim: int, *, cfg, rngs: nnx.Rngs) -> nnx.Module:
-  """`model.norm`: layernorm | rmsnorm."""
-  return {"layernorm": LayerNorm, "rmsnorm": RMSNorm}[cfg.norm](dim, cfg=cfg, rngs=rngs)
+  """The `model.norm` entry's module over the last axis, of width `dim`."""
+  return NORMS[cfg.norm].module(dim, cfg=cfg, rngs=rngs)

@@ -10,10 +10,12 @@
   `m.encode(src_BS, src_padding_mask=None)`,
   `m.decode(tgt_BT, encoded, src_padding_mask=None)`, `m(src, tgt)`.
 
-Embedding (tokens, positions, optional token types, optional norm) -> L
-blocks (a loop over L blocks, or with `model.scan_layers` one block scanned
-over parameters stacked on a leading `layers` axis; with `pos_emb=relative`, T5's relative position bias, computed once
-per stack and added to every block's self-attention scores) -> final norm
+Embedding (tokens, the position scheme's embedding, optional token types,
+optional norm) -> L blocks (a loop over L blocks, or with
+`model.scan_layers` one block scanned over parameters stacked on a leading
+`layers` axis; with a position scheme that biases the scores, such as T5's
+relative bias, the bias is computed once per stack and added to every
+block's self-attention scores: `model/positions.py`) -> final norm
 (pre-norm only; a post-norm block already ends in a norm) -> head: an
 optional transform (BERT's masked-LM head: dense, activation, norm), the
 final hidden states times d_model^-0.5 when `scale_head_input` (T5 v1.0),
@@ -37,11 +39,12 @@ from jax.sharding import PartitionSpec as P
 from model.attention import soft_cap
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
-from model.embeddings import Embed, LearnedPositions, TokenTypes, rope_from_config, sinusoidal
+from model.embeddings import Embed, TokenTypes, rope_from_config
 from model.layers import LAYERS_AXIS, Dense, param
-from model.mlp import KINDS
+from model.mlp import MLPS
 from model.norms import make_norm
-from model.relative_bias import RelativeBias, positions_row
+from model.positions import POSITIONS
+from model.relative_bias import positions_row
 
 
 # The logit of a padded vocabulary row (past `model.real_vocab_size`): finite,
@@ -77,19 +80,19 @@ class _Stack(nnx.Module):
 
   def __init__(self, cfg, *, num_layers: int, cross: bool, causal: bool, embed: Embed | None,
                rngs: nnx.Rngs, remat: bool = False):
-    self.cfg_pos = cfg.pos_emb
     self.d_model = cfg.d_model
+    self.dtype = cfg.dtype  # the KV cache's (model/generate.py)
     self.scale_embeddings = cfg.scale_embeddings
-    self.dtype = cfg.dtype
     self.remat = remat
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
-    self.positions = LearnedPositions(cfg, rngs=rngs) if cfg.pos_emb == "learned" else None
+    scheme = POSITIONS[cfg.pos_emb]
+    self.positions = scheme.embedding(cfg, rngs=rngs) if scheme.embedding else None
     self.token_types = TokenTypes(cfg, rngs=rngs) if cfg.type_vocab_size else None
     self.embedding_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                            if cfg.embedding_norm else None)
-    rope = rope_from_config(cfg) if cfg.pos_emb == "rope" else None
-    self.relative_bias = (RelativeBias(cfg, bidirectional=not causal, rngs=rngs)
-                          if cfg.pos_emb == "relative" else None)
+    rope = rope_from_config(cfg) if scheme.rotary else None
+    self.relative_bias = (scheme.bias(cfg, bidirectional=not causal, rngs=rngs)
+                          if scheme.bias else None)
     self.scan = cfg.scan_layers
     self.scan_unroll = cfg.scan_unroll
     if self.scan:
@@ -106,14 +109,12 @@ class _Stack(nnx.Module):
 
   def embed_tokens(self, tokens_BT, positions_BT, token_types_BT=None):
     """Token embeddings (times sqrt(d_model) when `scale_embeddings`) plus
-    the sinusoidal or learned positions, plus the token-type embeddings
-    (type 0 where `token_types_BT` is None), then the embedding norm."""
+    the position scheme's embedding (sinusoidal, learned), plus the token-type
+    embeddings (type 0 where `token_types_BT` is None), then the embedding norm."""
     x_BTM = self.embed(tokens_BT)
     if self.scale_embeddings:
       x_BTM = x_BTM * math.sqrt(self.d_model)
-    if self.cfg_pos == "sinusoidal":
-      x_BTM = x_BTM + sinusoidal(positions_BT, self.d_model).astype(self.dtype)
-    elif self.positions is not None:
+    if self.positions is not None:
       x_BTM = x_BTM + self.positions(positions_BT)
     if self.token_types is not None:
       if token_types_BT is None:
@@ -124,8 +125,8 @@ class _Stack(nnx.Module):
     return x_BTM
 
   def self_bias(self, q_positions_BT, k_positions_BS):
-    """The relative position bias [B or 1, H, T, S] of this stack's
-    self-attention, or None without `pos_emb=relative`."""
+    """The position scheme's bias [B or 1, H, T, S] on this stack's
+    self-attention scores (T5's relative bias), or None for a scheme without."""
     if self.relative_bias is None:
       return None
     return self.relative_bias(q_positions_BT, k_positions_BS)
@@ -271,7 +272,7 @@ class HeadTransform(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     self.dense = Dense(cfg.d_model, (cfg.d_model,), ("embed", None), use_bias=True, cfg=cfg,
                        rngs=rngs)
-    self.activation = KINDS[cfg.mlp][0]
+    self.activation = MLPS[cfg.mlp].activation
     self.norm = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
 
   def __call__(self, x_BTM):

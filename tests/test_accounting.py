@@ -260,5 +260,5 @@ def test_activations_follow_the_dispatchers_choice_for_auto():
   # With no backend given, the estimate is for this machine: what the real
   # dispatcher picks for gpt2_small's queries here.
   q = jnp.zeros((1, 1, 12, 64), jnp.bfloat16)
-  here = choose_implementation(q, has_dense_mask=False)
+  here = choose_implementation(q, ("score:softmax",))
   assert activations("auto", "bfloat16") == activations(here, "bfloat16")

@@ -79,7 +79,7 @@ KERNEL_CASES = [
     (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
      "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
     (dict(attention_impl="pallas", sliding_window=8),
-     "model.sliding_window=8: our pallas kernels take no sliding window yet"),
+     "model.sliding_window=8: attention_impl=pallas takes no sliding window (option `window`)"),
 ]
 
 

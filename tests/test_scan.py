@@ -185,3 +185,21 @@ def test_compilation_cache_off_by_config_or_environment(monkeypatch, tmp_path):
   assert compile_cache.cache_dir(compile_cache.OFF) is None
   monkeypatch.setenv(compile_cache.ENV_VAR, compile_cache.OFF)
   assert compile_cache.cache_dir("") is None
+
+
+def test_a_learned_scalar_stacks_and_scans():
+  """A 0-d parameter (DyT's alpha) gets the `layers` axis in a scanned stack
+  and loses it again per layer (Flax adds the axis only to a non-empty
+  annotation: `model/layers.param` leaves a scalar's unannotated)."""
+  from model.layers import param  # pylint: disable=import-outside-toplevel
+  from model.transformer import _scan_layers, _stacked_blocks  # pylint: disable=import-outside-toplevel
+
+  class Scaled(nnx.Module):
+
+    def __init__(self, rngs):
+      self.alpha = param(rngs, jax.nn.initializers.constant(0.5), (), (), jnp.float32)
+
+  stacked = _stacked_blocks(Scaled, 3, nnx.Rngs(0))
+  assert stacked.alpha.shape == (3,)
+  out, _ = _scan_layers(lambda layer, h, _: (h * layer.alpha[...], None), stacked, jnp.ones(()))
+  assert float(out) == 0.125

@@ -211,9 +211,9 @@ def test_cudnn_refuses_a_softcap_in_one_line():
 
 
 def test_auto_does_not_pick_cudnn_for_a_softcap():
-  gpu = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64, has_dense_mask=False)
-  assert auto_implementation(**gpu) == "cudnn"
-  assert auto_implementation(**gpu, has_softcap=True) == "xla"
+  gpu = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64)
+  assert auto_implementation(**gpu, features=("score:softmax",)) == "cudnn"
+  assert auto_implementation(**gpu, features=("softcap", "score:softmax")) == "xla"
   cfg = ModelConfig.resolve(small_cfg(attention_impl="pallas", pallas_lowering="mosaic_gpu",
                                       dtype="bfloat16", head_dim=64, attn_softcap=50.0))
   assert cfg.attn_softcap == 50.0
@@ -222,11 +222,14 @@ def test_auto_does_not_pick_cudnn_for_a_softcap():
 def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
   """Memory decides on TPUs (model/attention.py, auto_implementation): our
   kernel, soft-cap included, but XLA for a dense mask or bias or a window."""
-  tpu = dict(backend="tpu", dtype=jnp.bfloat16, head_dim=128, has_dense_mask=False)
-  assert auto_implementation(**tpu) == auto_implementation(**tpu, has_softcap=True) == "pallas"
-  assert auto_implementation(**dict(tpu, has_dense_mask=True)) == "xla"
-  assert auto_implementation(**tpu, has_window=True) == "xla"
-  assert auto_implementation(**dict(tpu, backend="cpu")) == "xla"
+  tpu = dict(backend="tpu", dtype=jnp.bfloat16, head_dim=128)
+  plain, capped = ("score:softmax",), ("softcap", "score:softmax")
+  assert auto_implementation(**tpu, features=plain) == "pallas"
+  assert auto_implementation(**tpu, features=capped) == "pallas"
+  assert auto_implementation(**tpu, features=("mask",) + plain) == "xla"
+  assert auto_implementation(**tpu, features=("bias",) + plain) == "xla"
+  assert auto_implementation(**tpu, features=("window",) + plain) == "xla"
+  assert auto_implementation(**dict(tpu, backend="cpu"), features=plain) == "xla"
 
 
 @pytest.mark.parametrize("field,value,message", [

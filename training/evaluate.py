@@ -54,6 +54,7 @@ import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
+from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import classify_report, compile_cache, lengths  # pylint: disable=wrong-import-position
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
@@ -401,7 +402,7 @@ def predict(model, config, tok, rows, count: int, *, beam_size: int, alpha: floa
   else:
     budget = t.tgt_seq_len or t.seq_len
     kwargs = {"source_width": max(max(len(s) for s in sources), 1)}
-  if config.model.pos_emb == "learned":
+  if POSITIONS[config.model.pos_emb].bounded:
     budget = min(budget, config.model.max_len - prompt_width)
   outs = []
   for start in range(0, count, _GENERATION_BATCH):

@@ -29,6 +29,7 @@ from matplotlib.figure import Figure
 from configs import validation
 from configs.errors import UserError
 from model import build_model
+from model.positions import POSITIONS
 from training.objectives import next_token_logits, token_losses
 
 LENGTHS_FILE = "eval_lengths.json"
@@ -40,7 +41,7 @@ def apply_rope_scaling(config, scaling: str, factor: float | None) -> dict:
   length; returns the override for the report. A UserError for a run without
   RoPE, a missing factor or a bad value."""
   m = config.model
-  if m.pos_emb != "rope":
+  if not POSITIONS[m.pos_emb].rotary:
     raise UserError(f"--rope_scaling {scaling}: needs a pos_emb=rope run (this run has "
                     f"model.pos_emb={m.pos_emb})")
   if factor is None:
@@ -68,10 +69,10 @@ def apply_seq_len(config, seq_len: int) -> None:
                     f"runs (this one is {config.train.objective})")
   if seq_len < 1:
     raise UserError(f"--seq_len {seq_len}: must be a positive number of tokens")
-  if config.model.pos_emb == "learned" and seq_len > config.model.max_len:
+  if POSITIONS[config.model.pos_emb].bounded and seq_len > config.model.max_len:
     raise UserError(f"--seq_len {seq_len}: a learned position table has no rows past "
                     f"model.max_len={config.model.max_len}; evaluate at most that length "
-                    "(sinusoidal, rope and none take any length)")
+                    "(the unbounded position schemes take any length)")
   config.train.seq_len = seq_len
 
 

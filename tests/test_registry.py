@@ -1,0 +1,150 @@
+"""The option registries (`model/registry.py`): their names are `CHOICES`, a bad
+or unregistered choice is one line, and every entry is walked through the
+checks a new variant must pass (parameter count, causality, KV-cache decoding,
+scanned layers, the Hugging Face export refusal), so that adding an entry is
+what tests it. Also the attention options each implementation declares."""
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import base, validation
+from configs.errors import UserError
+from hf import convert as hf_convert
+from model import accounting, build_model
+from model.attention import FEATURES, IMPLEMENTATIONS, AttentionOptions, attention
+from model.choices import choices_markdown
+from model.config import REGISTRIES, ModelConfig
+from tests.test_scan import loop_and_scanned, model_cfg
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+# What an entry needs of the other fields to be built (a registry entry may add
+# its own fields' values here).
+NEEDS = {
+    ("model.pos_emb", "relative"): dict(relative_buckets=8, relative_max_distance=16),
+    **{("model.rope_scaling", name): dict(pos_emb="rope", rope_scaling_factor=2.0,
+                                          rope_original_max_len=16)
+       for name in REGISTRIES["model.rope_scaling"]},
+}
+
+# The axes whose every entry builds a model (an attention implementation is
+# checked against its kernels elsewhere: tests/test_flash_attention*.py).
+WALKED = ("model.norm", "model.pos_emb", "model.mlp", "model.attention_score",
+          "model.rope_scaling")
+ENTRIES = [(field, name) for field in WALKED for name in REGISTRIES[field]]
+
+
+def entry_overrides(field, name):
+  return {field.split(".")[1]: name, **NEEDS.get((field, name), {})}
+
+
+def test_registries_are_the_choices():
+  for field, registry in REGISTRIES.items():
+    assert tuple(registry) == validation.CHOICES[field], field
+
+
+def test_docs_list_every_choice():
+  """docs/models.md's table is `python -m model.choices`'s."""
+  page = (ROOT / "docs" / "models.md").read_text()
+  table = page.split("<!-- choices:start -->\n")[1].split("\n<!-- choices:end -->")[0]
+  assert table == choices_markdown(), "rerun python -m model.choices into docs/models.md"
+
+
+@pytest.mark.parametrize("field", [f for f in validation.CHOICES if f.startswith("model.")])
+def test_a_typo_in_any_model_choice_is_one_line(field):
+  m = base.get_config().model
+  m[field.split(".")[1]] = "typo"
+  with pytest.raises(UserError, match=rf"^config field {field}='typo': must be one of") as err:
+    validation.validate_model(m)
+  assert "\n" not in str(err.value)
+
+
+def test_a_choice_without_an_entry_is_one_line(monkeypatch):
+  monkeypatch.setitem(validation.CHOICES, "model.norm",
+                      validation.CHOICES["model.norm"] + ("unregistered",))
+  m = base.get_config().model
+  m.norm = "unregistered"
+  with pytest.raises(UserError, match=r"^config field model.norm='unregistered': no registered "
+                                      r"entry of that name \(registered: ") as err:
+    ModelConfig.resolve(m)
+  assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("field,name", ENTRIES)
+def test_measured_parameters_equal_the_formula(field, name):
+  for family in ("decoder", "encoder_decoder"):
+    m = model_cfg(False, family=family, **entry_overrides(field, name))
+    assert accounting.measured_params(m) == accounting.formula_params(m), family
+
+
+@pytest.mark.parametrize("field,name", ENTRIES)
+def test_causal_cached_and_scanned_agree(field, name):
+  """The decoder's logits do not see later tokens, KV-cache decoding token by
+  token gives the full forward pass's logits, and the scanned stack gives the
+  loop's."""
+  looped, scanned = loop_and_scanned(**entry_overrides(field, name))
+  tokens = jax.random.randint(jax.random.key(0), (2, 12), 0, 64)
+  logits = looped(tokens)
+  np.testing.assert_allclose(scanned(tokens), logits, atol=1e-5, rtol=1e-5)
+  changed = tokens.at[:, 8:].set((tokens[:, 8:] + 1) % 64)
+  np.testing.assert_allclose(looped(changed)[:, :8], logits[:, :8], atol=1e-5, rtol=1e-5)
+  cache = looped.init_cache(2, 12)
+  for t in range(12):
+    step_logits, cache = looped.decode_step(tokens[:, t:t + 1], jnp.full((2, 1), t), cache)
+    np.testing.assert_allclose(step_logits[:, 0], logits[:, t], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("field,name", ENTRIES)
+def test_export_maps_or_names_the_choice(field, name):
+  """A choice either exports to a Hugging Face architecture that brings it
+  back, or the export check names it (the LLaMA mapping's reason)."""
+  cfg = ModelConfig.resolve(model_cfg(False, **entry_overrides(field, name)))
+  try:
+    arch = hf_convert.export_architecture(cfg)
+  except UserError as err:
+    assert f"llama: model.{field.split('.')[1]}={name!r}" in str(err)
+  else:
+    assert not hf_convert.round_trip_mismatch(arch, cfg)
+
+
+def _options_using(feature):
+  """AttentionOptions of a [1, 4, 2, 8] call that use `feature`."""
+  if feature.startswith("score:"):
+    return AttentionOptions(score=feature.split(":")[1])
+  values = dict(mask=jnp.eye(4, dtype=bool)[None] | jnp.eye(4, k=-2, dtype=bool)[None], window=2, bias=jnp.zeros((1, 2, 4, 4)),
+                softcap=5.0)
+  return AttentionOptions(causal=True, **{feature: values[feature]})
+
+
+ALL_FEATURES = tuple(FEATURES) + tuple(f"score:{s}" for s in REGISTRIES["model.attention_score"])
+
+
+@pytest.mark.parametrize("impl,feature", [
+    (name, feature) for name, entry in IMPLEMENTATIONS.items() if entry.run is not None
+    for feature in ALL_FEATURES if feature not in entry.takes])
+def test_an_undeclared_option_is_refused_by_name(impl, feature):
+  q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
+  option = feature.split(":")[0]
+  with pytest.raises(UserError, match=rf"^attention_impl={impl} takes no .*\(option `{option}`\)"):
+    attention(q, q, q, _options_using(feature), implementation=impl)
+
+
+@pytest.mark.parametrize("feature", ALL_FEATURES)
+def test_every_declared_option_changes_what_xla_computes(feature):
+  """Each option xla declares reaches it (never dropped): xla equals the
+  reference with it, and differs from the call without it."""
+  q, k, v = (jax.random.normal(jax.random.key(i), (1, 4, 2, 8)) for i in range(3))
+  options = _options_using(feature)
+  if options.bias is not None:
+    options = AttentionOptions(causal=True, bias=jax.random.normal(jax.random.key(4), (1, 2, 4, 4)))
+  if options.softcap is not None:
+    options = AttentionOptions(causal=True, softcap=0.5)
+  got = attention(q, k, v, options, implementation="xla")
+  np.testing.assert_allclose(got, attention(q, k, v, options), atol=1e-5)
+  if feature != "score:softmax":
+    plain = attention(q, k, v, AttentionOptions(causal=options.causal))
+    assert np.abs(np.asarray(got - plain)).max() > 1e-3
