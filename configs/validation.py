@@ -20,7 +20,7 @@ CHOICES = {
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
     "model.attention_score": ("softmax", "sigmoid"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
-    "model.norm": ("layernorm", "rmsnorm"),
+    "model.norm": ("layernorm", "rmsnorm", "dyt"),
     "model.decoder_start": ("bos", "pad", "eos"),
     "model.pooling": ("cls", "mean", "last"),
     "model.norm_position": ("pre", "post"),

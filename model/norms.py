@@ -1,8 +1,11 @@
 """Step 5 of the lesson: the norms, one `NORMS` entry per `model.norm`.
 
 LN(x) = gamma * (x - mean) / sqrt(var + eps) + beta;
-RMSNorm(x) = gamma * x / sqrt(mean(x^2) + eps) (no mean, no beta).
-The statistics are computed in float32 whatever the compute
+RMSNorm(x) = gamma * x / sqrt(mean(x^2) + eps) (no mean, no beta);
+DyT(x) = gamma * tanh(alpha * x) + beta (Zhu et al. 2025, "Transformers
+without Normalization": no statistics at all, one learned scalar alpha per
+norm, initialised to 0.5).
+The statistics (and DyT's tanh) are computed in float32 whatever the compute
 dtype (the lesson's low-precision pitfall); the result is cast back.
 """
 import dataclasses
@@ -46,6 +49,23 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+class DyT(nnx.Module):
+  """Dynamic Tanh: gamma * tanh(alpha * x) + beta, alpha a learned scalar."""
+
+  ALPHA_INIT = 0.5  # the paper's default for non-LLM models; see docs/models.md
+
+  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
+    pdt = cfg.param_dtype
+    self.alpha = param(rngs, jax.nn.initializers.constant(self.ALPHA_INIT), (), (), pdt)
+    self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), pdt)
+    self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), pdt)
+
+  def __call__(self, x):
+    y = jnp.tanh(self.alpha[...].astype(jnp.float32) * x.astype(jnp.float32))
+    y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class Norm:
   """A `model.norm` choice: its module `(dim, cfg=, rngs=)` and its
@@ -62,6 +82,8 @@ NORMS = Registry("model.norm", [
          LayerNorm, lambda dim: 2 * dim),
     Norm("rmsnorm", "RMSNorm: root mean square, gamma only (LLaMA, T5)", RMSNorm,
          lambda dim: dim),
+    Norm("dyt", "Dynamic Tanh, gamma tanh(alpha x) + beta, no statistics (Zhu et al. 2025)",
+         DyT, lambda dim: 2 * dim + 1),
 ])
 
 
