@@ -17,7 +17,7 @@ from configs.errors import UserError
 
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
-    "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative"),
+    "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative", "alibi"),
     "model.attention_score": ("softmax", "sigmoid"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm", "dyt"),

@@ -9,7 +9,7 @@ its entry declares:
   attention (RoPE, `model/embeddings.py`);
 - `bias`: a module of the stack, `(q_positions_BT, k_positions_BS) -> [B or 1,
   H, T, S]` float32, computed once per forward pass and added to the scores
-  of every self-attention layer (T5's relative bias), which needs an
+  of every self-attention layer (T5's relative bias, ALiBi), which needs an
   attention implementation that takes an additive bias.
 
 The stacks (`model/transformer.py`), the accounting (`params`, per stack),
@@ -19,6 +19,7 @@ attention dispatcher's start-up check (`bias`) read the entry.
 import dataclasses
 from collections.abc import Callable
 
+from model.alibi import AlibiBias
 from model.embeddings import LearnedPositions, SinusoidalPositions
 from model.registry import Registry
 from model.relative_bias import RelativeBias
@@ -62,4 +63,6 @@ POSITIONS = Registry("model.pos_emb", [
     PositionScheme("relative", "T5's learned relative bias on the scores, bucketed offsets",
                    bias=RelativeBias, params=lambda cfg: cfg.relative_buckets * cfg.num_heads,
                    reads=("relative_buckets", "relative_max_distance")),
+    PositionScheme("alibi", "a fixed linear distance penalty per head on the scores (Press et "
+                   "al. 2022; BLOOM), any length", bias=AlibiBias),
 ])
