@@ -10,7 +10,7 @@ from configs.validation import validate, validate_model
 
 CASES = [
     (dict(family="gpt"), "model.family='gpt': must be one of decoder, encoder, encoder_decoder"),
-    (dict(pos_emb="alibi"), "model.pos_emb='alibi': must be one of none, sinusoidal, learned"),
+    (dict(pos_emb="xpos"), "model.pos_emb='xpos': must be one of none, sinusoidal, learned"),
     (dict(rope_scaling="dynamic"), "model.rope_scaling='dynamic': must be one of none, linear"),
     (dict(norm="batchnorm"), "model.norm='batchnorm': must be one of layernorm, rmsnorm"),
     (dict(norm_position="sandwich"), "model.norm_position='sandwich': must be one of pre, post"),

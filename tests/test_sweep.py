@@ -59,7 +59,7 @@ def get_sweep():
     ('{"model.pos_emb": []}', "grid field model.pos_emb needs a non-empty list of values"),
     ('["rope"]', "each variant must be a dict of field -> value"),
     ('[{"model.num_kv_heads": None}]', "a value must be a str, int, float or bool"),
-    ('{"model.pos_emb": ["alibi"]}', "variant pos_emb=alibi: config field model.pos_emb='alibi': "
+    ('{"model.pos_emb": ["xpos"]}', "variant pos_emb=xpos: config field model.pos_emb='xpos': "
      "must be one of none, sinusoidal, learned, rope"),
     ('{"model.num_layers": ["two"]}', "variant num_layers=two: flag --config.model.num_layers=two"),
     ('{"train.num_steps": [5]}', "train.num_steps is set both by sweep"),

@@ -109,7 +109,7 @@ def test_leftover_temporary_checkpoint_is_ignored(tok_dir, tmp_path):
 
 @pytest.mark.parametrize("flags,fragments", [
     (["--config.model.colour=red"], ["colour"]),
-    (["--config.model.pos_emb=alibi"], ["model.pos_emb='alibi'", "must be one of"]),
+    (["--config.model.pos_emb=xpos"], ["model.pos_emb='xpos'", "must be one of"]),
     (["--config.data.source=files", "--config.data.paths=/nonexistent/*.txt"],
      ["/nonexistent/*.txt", "no file matches"]),
     (["--config.model.pos_emb=learned", "--config.train.seq_len=100"],
