@@ -107,7 +107,8 @@ def _lower_train(config, mesh):
   batch = abstract_batch(config, mesh)
   step = jit_train_step(graphdef, make_optimizer(tc), learning_rate_schedule(tc), tc.objective,
                         tc.grad_accum_steps, state_sharding=shardings,
-                        batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss)
+                        batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss,
+                        context_strategy=config.mesh.context_strategy)
   held = {"parameters": _shard_bytes(state["params"]),
           "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
   return step.lower(state, batch), held
@@ -123,7 +124,8 @@ def _lower_eval(config, mesh):
   graphdef, params = _abstract_params(config, mesh)
   batch = abstract_batch(config, mesh)
   held = {"parameters": _shard_bytes(params), "optimizer_state": 0, "batch": _shard_bytes(batch)}
-  return jit_eval_step(graphdef, config.train.objective, mesh).lower(params, batch), held
+  return (jit_eval_step(graphdef, config.train.objective, mesh,
+                        config.mesh.context_strategy).lower(params, batch), held)
 
 
 def _lower_generate(config, mesh):

@@ -209,6 +209,10 @@ def get_config() -> config_dict.ConfigDict:
   me = c.mesh = config_dict.ConfigDict()
   me.data = -1  # data-parallel axis; -1: the devices left over
   me.fsdp = 1  # parameter/optimizer-state sharding axis
+  me.context = 1  # context-parallel axis: each row's sequence split over this many devices
+  #   (decoders; docs/context_parallel.md)
+  me.context_strategy = "auto"  # ring (K/V blocks passed round the devices) | all_gather (K/V
+  #   gathered once per layer) | auto (all_gather where num_kv_heads x context <= num_heads)
   me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
   me.rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
               ("mlp", "tensor"), ("head_dim", None), ("norm", None),

@@ -39,6 +39,7 @@ CHOICES = {
     "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
     "train.optimizer": ("adamw", "adafactor", "lion", "muon"),
     "train.schedule": ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
+    "mesh.context_strategy": ("ring", "all_gather", "auto"),
 }
 
 # Each optimizer's own fields (train.<name>), with the value None stands for.
@@ -354,10 +355,30 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("train.z_loss", config.train.z_loss, "must be >= 0 (0: no z-loss)")
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
-  for axis in ("data", "fsdp", "tensor"):
+  for axis in ("data", "fsdp", "context", "tensor"):
     value = config.mesh[axis]
     if not isinstance(value, int) or (value < 1 and value != -1):
       _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")
+  _validate_context(config)
+
+
+def _validate_context(config) -> None:
+  """mesh.context > 1: a decoder's rows split over the context axis, in 2 x
+  context chunks (the zig-zag layout), attended by the ring or all-gather.
+  What the attention takes there is checked by the model
+  (`model.attention.check_context`)."""
+  _check_choice(config, "mesh.context_strategy")
+  n, m, t = config.mesh.context, config.model, config.train
+  if n == 1:
+    return
+  if n == -1:
+    _fail("mesh.context", n, "must be a positive integer (the devices each row is split over)")
+  if m.family != "decoder":
+    _fail("mesh.context", n, f"splits the sequence of a decoder's rows; model.family={m.family} "
+          "is not supported yet (use mesh.context=1)")
+  if t.seq_len % (2 * n):
+    _fail("train.seq_len", t.seq_len, f"must be a multiple of 2 x mesh.context = {2 * n} "
+          "(the zig-zag layout gives each device two chunks of every row)")
 
 
 def _validate_budget(t: config_dict.ConfigDict) -> None:

@@ -56,6 +56,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
 from model.embeddings import apply_rope
+from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
 from model.layers import Dense
 from model.norms import RMSNorm
@@ -259,16 +260,19 @@ def kernel_head_split(num_heads: int, num_kv_heads: int, tensor: int) -> str:
                   "it; choose num_kv_heads dividing or divisible by mesh.tensor")
 
 
-def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None):
+def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *,
+                   sequence: str | None = None):
   """`kernel(q, k, v, q_seg, kv_seg)` under `jax.shard_map` over the abstract mesh.
 
   XLA cannot partition a Mosaic kernel (it refuses) nor a Triton one (it runs
   it on the whole batch on every device), so each device runs the kernel on
   its own rows and heads: the batch split over the batch axes (data, fsdp)
   with the segment ids of those rows, the heads over `tensor` as
-  `kernel_head_split` says; the sequence stays whole per device. The
-  kernel's custom VJP runs inside, on the same shards. Without a mesh (or on
-  a mesh of one device) the kernel runs as it is.
+  `kernel_head_split` says; the sequence stays whole per device, or is split
+  over the mesh axis `sequence` (context parallelism: the kernel is then the
+  ring or the all-gather, which talk over that axis). The kernel's custom VJP
+  runs inside, on the same shards. Without a mesh (or on a mesh of one
+  device) the kernel runs as it is.
   """
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
@@ -284,9 +288,9 @@ def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None
   tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
   split = kernel_head_split(H, K, tensor)
   heads = None if split == "whole" else "tensor"
-  q_spec = P(batch, None, heads, None)
-  kv_spec = P(batch, None, "tensor" if split == "both" else None, None)
-  seg_spec = P(batch, None)
+  q_spec = P(batch, sequence, heads, None)
+  kv_spec = P(batch, sequence, "tensor" if split == "both" else None, None)
+  seg_spec = P(batch, sequence)
 
   def local(q, k, v, *segments):
     if split == "query":  # the one KV head this device's query heads share
@@ -354,6 +358,61 @@ def check_options(implementation: str, o: AttentionOptions) -> None:
   refused = IMPLEMENTATIONS[implementation].refusal(o.features())
   if refused is not None:
     raise UserError(refusal_message(implementation, refused))
+
+
+_CONTEXT_IMPLEMENTATIONS = ("reference", "xla", "auto")
+
+
+def _context_refusal(implementation: str, features) -> tuple[str | None, str, str] | None:
+  """(the refused feature or None for the implementation, what, fix) where
+  context-parallel attention cannot run this call: an implementation other
+  than our JAX blocks, or a feature it does not take."""
+  if implementation not in _CONTEXT_IMPLEMENTATIONS:
+    return (None, f"attention_impl={implementation}", "the ring's blocks are our JAX "
+            "attention (reference, xla or auto); our Pallas kernels in the ring are not built "
+            "yet")
+  refused = next((f for f in features if f not in context_parallel.TAKES), None)
+  if refused is not None:
+    return (refused, _feature_words(refused), "context-parallel attention takes causal, "
+            "segment and causal-window masks, a soft-cap and the softmax score")
+  return None
+
+
+def check_context(cfg, n: int) -> None:
+  """Raises `UserError` when the model's attention cannot run split over
+  `n` devices of the context axis (`mesh.context`): one line naming the field."""
+  if n == 1:
+    return
+  features = config_features(cfg)
+  refusal = _context_refusal(cfg.attention_impl, features)
+  if refusal is None:
+    return
+  feature, what, fix = refusal
+  field = features[feature] if feature else f"model.attention_impl={cfg.attention_impl!r}"
+  raise UserError(f"config field {field}: mesh.context={n} takes no {what} ({fix}); use "
+                  "mesh.context=1")
+
+
+def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: str,
+                       n: int):
+  """Self-attention of rows split over the context axis (`mesh.context` = n):
+  the ring or the all-gather of `model/context_parallel.py` on each device's
+  block (batch and heads split as `sharded_kernel` splits them)."""
+  refusal = _context_refusal(implementation, o.features())
+  if refusal is not None:
+    raise UserError(f"mesh.context={n} takes no {refusal[1]} ({refusal[2]})")
+  strategy = context_parallel.choose_strategy(context_parallel.current_strategy(),
+                                              q_BTHD.shape[2], k_BSKD.shape[2], n)
+  layout = context_parallel.layout_for(o.causal)
+  fn = {"ring": context_parallel.ring_attention,
+        "all_gather": context_parallel.all_gather_attention}[strategy]
+  plain = dataclasses.replace(o, segment_ids=None)
+
+  def kernel(q, k, v, q_seg, kv_seg):
+    return fn(q, k, v, q_seg, kv_seg, options=plain, axis=context_parallel.AXIS, layout=layout)
+
+  return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids),
+                        sequence=context_parallel.AXIS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -469,6 +528,9 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"attention implementation {implementation!r}: must be one of "
                      f"{', '.join(IMPLEMENTATIONS)}")
+  n = context_parallel.context_size()
+  if n > 1:
+    return _context_attention(q_BTHD, k_BSKD, v_BSKD, o, implementation, n)
   if IMPLEMENTATIONS[implementation].run is None:
     implementation = choose_implementation(q_BTHD, o.features())
   check_options(implementation, o)

@@ -36,6 +36,7 @@ from flax import nnx
 from flax.nnx import spmd
 from jax.sharding import PartitionSpec as P
 
+from model import context_parallel
 from model.attention import soft_cap
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
@@ -54,7 +55,8 @@ PADDED_LOGIT = -1e9
 
 
 def _batch_split(x_BTM):
-  """x with its batch dimension split over the mesh's batch axes (data, fsdp).
+  """x with its batch dimension split over the mesh's batch axes (data, fsdp),
+  and its sequence over the context axis where the mesh splits rows.
 
   Without it XLA may gather a block's activations onto every device of an
   fsdp mesh (whose parameters are split along `embed`) rather than gather
@@ -65,7 +67,8 @@ def _batch_split(x_BTM):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
     return x_BTM
-  return jax.lax.with_sharding_constraint(x_BTM, P(("data", "fsdp")))
+  sequence = context_parallel.AXIS if context_parallel.context_size() > 1 else None
+  return jax.lax.with_sharding_constraint(x_BTM, P(("data", "fsdp"), sequence))
 
 
 def _padding_segments(padding_mask_BT, shape):
@@ -342,11 +345,21 @@ class Decoder(_WithHead):
     self._init_head(cfg, rngs)
 
   def hidden(self, tokens_BT, segment_ids=None, positions=None):
+    """Final hidden states [B, T, M]. On a mesh whose context axis splits
+    the rows (n devices), the tokens, positions and segment ids are laid out
+    zig-zag first (`model/context_parallel.py`: device i holds chunks i and
+    2n-1-i of every row, so each does the same causal work) and the hidden
+    states put back in row order at the end."""
     bias_positions = _bias_positions(tokens_BT, positions)
     positions = _default_positions(tokens_BT, positions)
+    n = context_parallel.context_size()
+    if n > 1:
+      lay = lambda x: None if x is None else context_parallel.to_layout(x, n, "zigzag")
+      tokens_BT, positions, segment_ids = lay(tokens_BT), lay(positions), lay(segment_ids)
     x_BTM = self.decoder.embed_tokens(tokens_BT, positions)
-    return self.decoder.run_blocks(x_BTM, bias_positions_BT=bias_positions,
-                                   positions_BT=positions, causal=True, segment_ids=segment_ids)
+    x_BTM = self.decoder.run_blocks(x_BTM, bias_positions_BT=bias_positions,
+                                    positions_BT=positions, causal=True, segment_ids=segment_ids)
+    return context_parallel.from_layout(x_BTM, n, "zigzag") if n > 1 else x_BTM
 
   def __call__(self, tokens_BT, segment_ids=None, positions=None):
     return self.logits(self.decoder, self.hidden(tokens_BT, segment_ids, positions))

@@ -309,8 +309,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
-                           z_loss=tc.z_loss)
-  eval_fn = jit_eval_step(graphdef, tc.objective, mesh)
+                           z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy)
+  eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
   writer = None  # opened after the first step: an interrupted start writes nothing
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)

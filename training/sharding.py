@@ -2,11 +2,15 @@
 
 Every parameter carries logical axis names (`model/layers.py`); `mesh.rules`
 in the config maps each name to one mesh axis or to None (replicated). The
-mesh has three axes:
+mesh has four axes:
 
 - `data`: batch split, parameters replicated (data parallelism).
 - `fsdp`: batch split and parameters (and so optimizer state) split along
   `embed` (fully sharded data parallelism, ZeRO-3 style).
+- `context`: each row's sequence split (context parallelism: a decoder's
+  activations are [B, T / context, ...] per device and attention runs as a
+  ring or an all-gather over the axis, `model/context_parallel.py`);
+  parameters replicated over it, like `data`.
 - `tensor`: heads, KV heads, MLP hidden and vocabulary split (tensor
   parallelism).
 
@@ -27,18 +31,19 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from configs.errors import UserError
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "context", "tensor")
 BATCH_AXES = ("data", "fsdp")
 # The logical names that parameters carry (model/layers.py).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A ("data", "fsdp", "tensor") mesh over `devices` (default: all devices).
+  """A ("data", "fsdp", "context", "tensor") mesh over `devices` (default: all
+  devices).
 
   Args:
     mesh_cfg: the `mesh` config section; at most one of data, fsdp, tensor
-      may be -1, meaning the devices left over by the other two.
+      may be -1, meaning the devices left over by the others.
     devices: the devices to lay out; None means `jax.devices()` (every
       device of every process).
 
@@ -50,8 +55,9 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   """
   devices = jax.devices() if devices is None else list(devices)
   n = len(devices)
-  sizes = {axis: mesh_cfg[axis] for axis in MESH_AXES}
-  fields = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items())
+  sizes = {axis: mesh_cfg.get(axis, 1) for axis in MESH_AXES}
+  fields = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items()
+                      if axis != "context" or size != 1)
   rest = [axis for axis, size in sizes.items() if size == -1]
   if len(rest) > 1:
     raise UserError(f"{fields}: at most one mesh axis may be -1 (the devices left over)")

@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from model import build_model
+from model import build_model, context_parallel
+from model.attention import check_context
+from model.config import ModelConfig
 from training.objectives import batch_loss, training_loss_sum
 from training.optim import make_optimizer
 
@@ -41,7 +43,10 @@ def abstract_state(config, remat: bool = False):
 
   The restore target for a checkpoint saved with `config`; with `remat` the
   graphdef recomputes block activations in the backward pass (train.remat).
+  A model whose attention cannot run split over `mesh.context` devices is
+  refused here, in one line, before anything is written.
   """
+  check_context(ModelConfig.resolve(config.model), config.mesh.context)
   graphdef, params = nnx.split(nnx.eval_shape(
       lambda: build_model(config.model, nnx.Rngs(0), remat=remat)))
   tx = make_optimizer(config.train)
@@ -126,29 +131,32 @@ def eval_step(params, batch, *, graphdef, objective: str):
   return _loss_sums(graphdef, params, batch, objective)
 
 
-def traced_on(mesh, fn):
+def traced_on(mesh, fn, context_strategy: str = "auto"):
   """`fn` traced with `mesh` as the abstract mesh, so that the model's sharding
-  constraints on activations (model/transformer.py) name its axes."""
+  constraints on activations (model/transformer.py) name its axes, and with
+  `context_strategy` (mesh.context_strategy) for attention over rows split
+  by its context axis."""
 
   def run(*args):
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh), \
+        context_parallel.use_strategy(context_strategy):
       return fn(*args)
 
   return run
 
 
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
-                   batch_sharding=None, z_loss: float = 0.0):
+                   batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto"):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                          objective=objective, accum_steps=accum_steps, z_loss=z_loss)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])
-  return jax.jit(traced_on(batch_sharding.mesh, fn), donate_argnums=(0,),
+  return jax.jit(traced_on(batch_sharding.mesh, fn, context_strategy), donate_argnums=(0,),
                  in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None))
 
 
-def jit_eval_step(graphdef, objective, mesh=None):
+def jit_eval_step(graphdef, objective, mesh=None, context_strategy: str = "auto"):
   fn = functools.partial(eval_step, graphdef=graphdef, objective=objective)
-  return jax.jit(fn if mesh is None else traced_on(mesh, fn))
+  return jax.jit(fn if mesh is None else traced_on(mesh, fn, context_strategy))

@@ -1,0 +1,424 @@
+"""Attention over a sequence split across devices (context parallelism).
+
+The lesson's cost section is why long context is hard: attention is O(n^2) in
+time and, computed tile by tile with the online softmax, O(n) in memory, but
+on one device. Here the sequence of q, k and v is split over a mesh axis of N
+devices (`axis`, "context" in the model's mesh); each device holds T / N
+queries, keys and values, and sees every key either way:
+
+- `ring`: K/V blocks travel around the ring (`jax.lax.ppermute`), one hop per
+  step; at each of the N steps a device attends its queries to the block it
+  holds and merges the partial result into its running (output, log-sum-exp)
+  with the online-softmax rule of the lesson: lse = logaddexp(lse_1, lse_2),
+  o = o_1 e^(lse_1 - lse) + o_2 e^(lse_2 - lse). The next block's transfer is
+  issued before the current block's compute, so the two may overlap. The
+  backward pass (a custom VJP) recomputes each block's probabilities from the
+  saved log-sum-exp, keeps dQ at home and sends dK/dV around the ring with
+  their block, so after N hops they arrive home complete. Memory per device:
+  its own blocks, one travelling block and its dK/dV, never the T x T scores.
+- `all_gather`: K/V gathered once (`jax.lax.all_gather`), then the local
+  queries attend to all of them (its transpose, a reduce-scatter, gives dK/dV).
+  One collective per layer instead of N hops; cheap where K/V are small
+  (GQA, MQA), as Llama 3 chose.
+
+Both take the causal and segment-id masks (packing and padding; the ids
+travel with their keys), a causal sliding window and a soft-cap, with the
+softmax score; masks are computed from each token's index in the whole row
+(`token_index`), not from its position in the local block.
+
+Causal load balance (`zigzag`): with a contiguous split device 0's queries see
+almost no key and device N-1's see almost all. The zig-zag layout cuts the
+row into 2N chunks and gives device i chunks i and 2N-1-i, so every device
+does the same causal work (`causal_work`). The ring then skips, per pair of
+chunks, the fully masked ones (`jax.lax.cond`: not computed at all).
+"""
+import contextlib
+import contextvars
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+STRATEGIES = ("ring", "all_gather")
+LAYOUTS = ("zigzag", "contiguous")
+AXIS = "context"
+
+# What context-parallel attention takes beyond the causal and segment masks
+# (`model.attention.AttentionOptions.features`).
+TAKES = frozenset({"window", "softcap", "score:softmax"})
+
+# mesh.context_strategy while a step is traced (`use_strategy`).
+_STRATEGY = contextvars.ContextVar("context_strategy", default="auto")
+
+
+@contextlib.contextmanager
+def use_strategy(strategy: str):
+  """Traces inside run context-parallel attention by `strategy` (ring,
+  all_gather or auto); the jitted steps set `mesh.context_strategy`."""
+  token = _STRATEGY.set(strategy)
+  try:
+    yield
+  finally:
+    _STRATEGY.reset(token)
+
+
+def current_strategy() -> str:
+  """The strategy `use_strategy` set (auto without one)."""
+  return _STRATEGY.get()
+
+
+def context_size() -> int:
+  """Devices each row is split over: the abstract mesh's `context` axis (1
+  without a mesh or without the axis)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or AXIS not in mesh.axis_names:
+    return 1
+  return mesh.shape[AXIS]
+
+
+def choose_strategy(strategy: str, num_heads: int, num_kv_heads: int, n: int) -> str:
+  """`strategy`, with `auto` resolved: `all_gather` where the whole row's K/V
+  (2 T K D per row) is no larger than this device's queries and output (2 T H
+  D / n), that is K n <= H (GQA and MQA with few devices: Llama 3's choice,
+  one collective per layer and no more memory than the activations already
+  hold); `ring` otherwise (MHA, or many devices), which holds one travelling
+  block at a time. A memory rule: neither has been timed on a device here."""
+  if strategy != "auto":
+    return strategy
+  return "all_gather" if num_kv_heads * n <= num_heads else "ring"
+
+
+def layout_for(causal: bool) -> str:
+  """The layout of a stack's rows: zig-zag for causal attention (balanced
+  work), contiguous otherwise (every device's work is equal already)."""
+  return "zigzag" if causal else "contiguous"
+
+
+def chunks_per_device(layout: str) -> int:
+  """How many chunks of the row each device holds: 2 zig-zag, 1 contiguous."""
+  return 2 if layout == "zigzag" else 1
+
+
+def device_chunks(device, n: int, layout: str):
+  """The chunk ids (of `n * chunks_per_device(layout)` chunks of the row)
+  device `device` holds, in its local order; `device` may be traced."""
+  if layout == "zigzag":
+    return (device, 2 * n - 1 - device)
+  return (device,)
+
+
+def row_order(length: int, n: int, layout: str) -> np.ndarray:
+  """[length] the token index of the row at each place of the laid-out row:
+  device i's block is places i * length / n to (i + 1) * length / n."""
+  c = n * chunks_per_device(layout)
+  if length % c:
+    raise ValueError(f"a row of {length} tokens does not split into {c} chunks")
+  chunk = length // c
+  ids = [cid for d in range(n) for cid in device_chunks(d, n, layout)]
+  return np.concatenate([np.arange(cid * chunk, (cid + 1) * chunk) for cid in ids])
+
+
+def to_layout(x, n: int, layout: str, axis: int = 1):
+  """`x` with its sequence `axis` reordered into `layout` (`row_order`): for
+  zig-zag, the 2n chunks as (0, 2n-1, 1, 2n-2, ...), written as a reshape, a
+  reverse and a stack, which XLA moves between devices without gathering the
+  row; the identity for contiguous."""
+  if layout == "contiguous":
+    return x
+  x = jnp.moveaxis(x, axis, 0)
+  chunks = x.reshape(2 * n, x.shape[0] // (2 * n), *x.shape[1:])
+  pairs = jnp.stack([chunks[:n], chunks[n:][::-1]], axis=1)
+  return jnp.moveaxis(pairs.reshape(x.shape), 0, axis)
+
+
+def from_layout(x, n: int, layout: str, axis: int = 1):
+  """The inverse of `to_layout`."""
+  if layout == "contiguous":
+    return x
+  x = jnp.moveaxis(x, axis, 0)
+  pairs = x.reshape(n, 2, x.shape[0] // (2 * n), *x.shape[1:])
+  chunks = jnp.concatenate([pairs[:, 0], pairs[:, 1][::-1]], axis=0)
+  return jnp.moveaxis(chunks.reshape(x.shape), 0, axis)
+
+
+def causal_work(length: int, n: int, layout: str) -> np.ndarray:
+  """[n] (query, key) pairs each device computes under the causal mask with
+  this layout, counting every pair the ring does not skip (a chunk pair is
+  skipped when its keys all follow its queries; a pair on the diagonal is
+  computed whole, masked)."""
+  c = n * chunks_per_device(layout)
+  chunk = length // c
+  work = np.zeros(n, np.int64)
+  for d in range(n):
+    for qc in device_chunks(d, n, layout):
+      work[d] += sum(chunk * chunk for kc in range(c) if kc <= qc)
+  return work
+
+
+def token_index(device, n: int, layout: str, block: int):
+  """[block] the index in the whole row of each token of device `device`'s
+  block of `block` tokens (`device` may be traced)."""
+  chunk = block // chunks_per_device(layout)
+  return jnp.concatenate([cid * chunk + jnp.arange(chunk)
+                          for cid in device_chunks(device, n, layout)])
+
+
+def _block_scores(q_BTKGD, k_BSKD, q_idx_T, k_idx_S, q_seg_BT, k_seg_BS, o):
+  """Float32 scores [B, K, G, T, S] after the scale and soft-cap, the raw
+  tanh argument's derivative factor (1 where no soft-cap), and the boolean
+  mask [B, 1, 1, T, S]."""
+  s = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
+                 preferred_element_type=jnp.float32) * o.scale
+  dcap = None
+  if o.softcap is not None:
+    t = jnp.tanh(s / o.softcap)
+    s, dcap = o.softcap * t, 1 - t * t
+  valid = jnp.ones((1, 1, 1, q_idx_T.shape[0], k_idx_S.shape[0]), bool)
+  offset_TS = q_idx_T[:, None] - k_idx_S[None, :]
+  if o.causal:
+    valid = valid & (offset_TS >= 0)
+  if o.window is not None:
+    valid = valid & (offset_TS < o.window)
+  if q_seg_BT is not None:
+    same = (q_seg_BT[:, :, None] == k_seg_BS[:, None, :]) & (k_seg_BS[:, None, :] != 0)
+    valid = valid & same[:, None, None]
+  return s, dcap, valid
+
+
+def _block_forward(q, k, v, q_idx, k_idx, q_seg, k_seg, o):
+  """One block's normalised output [B, T, K, G, D] (float32) and log-sum-exp
+  [B, K, G, T] (-inf for a query that sees no key of the block)."""
+  s, _, valid = _block_scores(q, k, q_idx, k_idx, q_seg, k_seg, o)
+  s = jnp.where(valid, s, -jnp.inf)
+  m = jnp.max(s, axis=-1)
+  m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+  p = jnp.exp(s - m_safe[..., None])
+  l = p.sum(-1)
+  lse = jnp.where(l > 0, m_safe + jnp.log(jnp.where(l > 0, l, 1.0)), -jnp.inf)
+  out = jnp.einsum("bkgts,bskd->btkgd", p, v.astype(jnp.float32))
+  out = out / jnp.where(l > 0, l, 1.0).transpose(0, 3, 1, 2)[..., None]
+  return out, lse
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+  """The online-softmax merge of two partial results over disjoint keys."""
+  lse = jnp.logaddexp(lse_a, lse_b)
+  safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  w_a = jnp.where(jnp.isfinite(lse_a), jnp.exp(lse_a - safe), 0.0)
+  w_b = jnp.where(jnp.isfinite(lse_b), jnp.exp(lse_b - safe), 0.0)
+  weight = lambda w: w.transpose(0, 3, 1, 2)[..., None]  # [B, K, G, T] -> [B, T, K, G, 1]
+  return out_a * weight(w_a) + out_b * weight(w_b), lse
+
+
+def _block_backward(q, k, v, out, lse, dout, q_idx, k_idx, q_seg, k_seg, o):
+  """dQ, dK, dV (float32) of one block, from the whole row's `out` and `lse`
+  (the probabilities recomputed as exp(s - lse))."""
+  s, dcap, valid = _block_scores(q, k, q_idx, k_idx, q_seg, k_seg, o)
+  lse_safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  p = jnp.where(valid, jnp.exp(s - lse_safe[..., None]), 0.0)
+  dv = jnp.einsum("bkgts,btkgd->bskd", p, dout)
+  dp = jnp.einsum("btkgd,bskd->bkgts", dout, v.astype(jnp.float32))
+  delta = jnp.einsum("btkgd,btkgd->bkgt", dout, out)
+  ds = p * (dp - delta[..., None])
+  if dcap is not None:
+    ds = ds * dcap
+  ds = ds * o.scale
+  dq = jnp.einsum("bkgts,bskd->btkgd", ds, k.astype(jnp.float32))
+  dk = jnp.einsum("bkgts,btkgd->bskd", ds, q.astype(jnp.float32))
+  return dq, dk, dv
+
+
+def _chunk(x, i: int, parts: int, axis: int):
+  size = x.shape[axis] // parts
+  return jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
+
+
+def _pairs(q_ids, k_ids, o, visit, carry):
+  """`visit(carry, qi, ki)` for every chunk pair (qi of the queries, ki of the
+  keys) that the causal mask does not fully hide (`jax.lax.cond`: a hidden
+  pair is not computed). `q_ids`, `k_ids`: the chunks' ids (traced)."""
+  for qi, q_chunk in enumerate(q_ids):
+    for ki, k_chunk in enumerate(k_ids):
+      if o.causal:
+        carry = jax.lax.cond(q_chunk >= k_chunk, lambda c, qi=qi, ki=ki: visit(c, qi, ki),
+                             lambda c: c, carry)
+      else:
+        carry = visit(carry, qi, ki)
+  return carry
+
+
+def _ring_forward(q, k, v, q_seg, k_seg, *, o, axis, n, layout):
+  """(out [B, T, K, G, D] float32, lse [B, K, G, T]) of the local queries
+  against the whole row, the K/V blocks passed around the ring."""
+  me = jax.lax.axis_index(axis)
+  parts = chunks_per_device(layout)
+  B, T, K, G, _ = q.shape
+  q_ids = device_chunks(me, n, layout)
+  chunk = T // parts
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  out = jnp.zeros(q.shape, jnp.float32)
+  lse = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
+
+  def step(s, carry):
+    out, lse, k, v, k_seg = carry
+    holder = (me - s) % n
+    k_ids = device_chunks(holder, n, layout)
+    # Issued before this block's compute, so the transfer may overlap it.
+    nxt = jax.lax.ppermute((k, v, k_seg), axis, perm)
+
+    def visit(acc, qi, ki):
+      out, lse = acc
+      q_idx = q_ids[qi] * chunk + jnp.arange(chunk)
+      k_idx = k_ids[ki] * chunk + jnp.arange(chunk)
+      qs = None if q_seg is None else _chunk(q_seg, qi, parts, 1)
+      ks = None if k_seg is None else _chunk(k_seg, ki, parts, 1)
+      o_blk, lse_blk = _block_forward(_chunk(q, qi, parts, 1), _chunk(k, ki, parts, 1),
+                                      _chunk(v, ki, parts, 1), q_idx, k_idx, qs, ks, o)
+      o_old, lse_old = _chunk(out, qi, parts, 1), _chunk(lse, qi, parts, 3)
+      o_new, lse_new = _merge(o_old, lse_old, o_blk, lse_blk)
+      out = jax.lax.dynamic_update_slice_in_dim(out, o_new, qi * chunk, axis=1)
+      lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_new, qi * chunk, axis=3)
+      return out, lse
+
+    out, lse = _pairs(q_ids, k_ids, o, visit, (out, lse))
+    return (out, lse, *nxt)
+
+  out, lse, *_ = jax.lax.fori_loop(0, n, step, (out, lse, k, v, k_seg))
+  return out, lse
+
+
+def _ring_backward(q, k, v, q_seg, k_seg, out, lse, dout, *, o, axis, n, layout):
+  """dQ, dK, dV (float32): dQ accumulated at home, dK and dV travelling with
+  their block and home again after n hops."""
+  me = jax.lax.axis_index(axis)
+  parts = chunks_per_device(layout)
+  T = q.shape[1]
+  q_ids = device_chunks(me, n, layout)
+  chunk = T // parts
+  perm = [(i, (i + 1) % n) for i in range(n)]
+  dq = jnp.zeros(q.shape, jnp.float32)
+  dk = jnp.zeros(k.shape, jnp.float32)
+  dv = jnp.zeros(v.shape, jnp.float32)
+
+  def step(s, carry):
+    dq, k, v, k_seg, dk, dv = carry
+    holder = (me - s) % n
+    k_ids = device_chunks(holder, n, layout)
+
+    def visit(acc, qi, ki):
+      dq, dk, dv = acc
+      q_idx = q_ids[qi] * chunk + jnp.arange(chunk)
+      k_idx = k_ids[ki] * chunk + jnp.arange(chunk)
+      qs = None if q_seg is None else _chunk(q_seg, qi, parts, 1)
+      ks = None if k_seg is None else _chunk(k_seg, ki, parts, 1)
+      g = _block_backward(_chunk(q, qi, parts, 1), _chunk(k, ki, parts, 1),
+                          _chunk(v, ki, parts, 1), _chunk(out, qi, parts, 1),
+                          _chunk(lse, qi, parts, 3), _chunk(dout, qi, parts, 1), q_idx, k_idx,
+                          qs, ks, o)
+      add = lambda acc, x, i: jax.lax.dynamic_update_slice_in_dim(
+          acc, _chunk(acc, i, parts, 1) + x, i * chunk, axis=1)
+      return add(dq, g[0], qi), add(dk, g[1], ki), add(dv, g[2], ki)
+
+    dq, dk, dv = _pairs(q_ids, k_ids, o, visit, (dq, dk, dv))
+    return (dq, *jax.lax.ppermute((k, v, k_seg, dk, dv), axis, perm))
+
+  dq, _, _, _, dk, dv = jax.lax.fori_loop(0, n, step, (dq, k, v, k_seg, dk, dv))
+  return dq, dk, dv
+
+
+def _split_heads(q_BTHD, K: int):
+  B, T, H, D = q_BTHD.shape
+  return q_BTHD.reshape(B, T, K, H // K, D)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _ring(q, k, v, q_seg, k_seg, o, axis, n, layout):
+  out, _ = _ring_forward(_split_heads(q, k.shape[2]), k, v, q_seg, k_seg, o=o, axis=axis, n=n,
+                         layout=layout)
+  return out.reshape(q.shape).astype(q.dtype)
+
+
+def _ring_fwd(q, k, v, q_seg, k_seg, o, axis, n, layout):
+  out, lse = _ring_forward(_split_heads(q, k.shape[2]), k, v, q_seg, k_seg, o=o, axis=axis,
+                           n=n, layout=layout)
+  result = out.reshape(q.shape).astype(q.dtype)
+  return result, (q, k, v, q_seg, k_seg, out, lse)
+
+
+def _ring_bwd(o, axis, n, layout, residuals, dout):
+  q, k, v, q_seg, k_seg, out, lse = residuals
+  K = k.shape[2]
+  dq, dk, dv = _ring_backward(_split_heads(q, K), k, v, q_seg, k_seg, out, lse,
+                              _split_heads(dout.astype(jnp.float32), K), o=o, axis=axis, n=n,
+                              layout=layout)
+  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None, None)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+def ring_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *, options, axis: str,
+                   layout: str = "zigzag"):
+  """Ring attention of this device's block, inside `shard_map` over `axis`.
+
+  q [B, T, H, D], k and v [B, T, K, D] and the segment ids [B, T] are this
+  device's blocks of rows laid out by `layout`; `options` an
+  `AttentionOptions` (its causal mask, window, soft-cap and scale; no dense
+  mask or bias, the softmax score) whose masks apply to the indices in the
+  whole row. Returns this device's output block [B, T, H, D] in q's dtype.
+  """
+  n = jax.lax.axis_size(axis)
+  o = _static(options, q_BTHD.shape[-1])
+  return _ring(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o, axis, n, layout)
+
+
+def all_gather_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *, options,
+                         axis: str, layout: str = "zigzag"):
+  """All-gather attention of this device's block, inside `shard_map` over
+  `axis`: the whole row's K/V (and their segment ids) gathered, the local
+  queries attending to them with masks from the row indices. Arguments as
+  `ring_attention`'s; differentiated by JAX (the gather's transpose sums dK/dV
+  back to their devices)."""
+  n = jax.lax.axis_size(axis)
+  me = jax.lax.axis_index(axis)
+  o = _static(options, q_BTHD.shape[-1])
+  T = q_BTHD.shape[1]
+  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  k, v = gather(k_BSKD), gather(v_BSKD)
+  k_seg = None if kv_seg_BS is None else gather(kv_seg_BS)
+  k_idx = jnp.concatenate([token_index(d, n, layout, T) for d in range(n)])
+  q_idx = token_index(me, n, layout, T)
+  q = _split_heads(q_BTHD, k.shape[2])
+  s, _, valid = _block_scores(q, k, q_idx, k_idx, q_seg_BT, k_seg, o)
+  s = jnp.where(valid, s, jnp.finfo(jnp.float32).min)
+  p = jnp.where(valid, jax.nn.softmax(s, axis=-1), 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+  return out.reshape(q_BTHD.shape).astype(q_BTHD.dtype)
+
+
+def _static(options, head_dim: int):
+  """`options` checked for what context parallelism takes, with its scale
+  resolved (1/sqrt(head_dim) for None)."""
+  if options.mask is not None or options.bias is not None or options.score != "softmax":
+    what = ("a dense mask" if options.mask is not None else "an additive bias"
+            if options.bias is not None else f"the {options.score!r} score")
+    raise ValueError(f"context-parallel attention takes causal, segment and window masks, a "
+                     f"soft-cap and the softmax score, not {what}")
+  if options.window is not None and not options.causal:
+    raise ValueError("context-parallel attention takes a sliding window with the causal mask "
+                     "only")
+  scale = head_dim ** -0.5 if options.scale is None else options.scale
+  return _Static(options.causal, float(scale), options.softcap, options.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """The static options the ring and the all-gather compute with."""
+  causal: bool
+  scale: float
+  softcap: float | None
+  window: int | None
