@@ -77,9 +77,14 @@ _KERNEL_RE = re.compile(r"%([\w.-]+) = (.*?) custom-call\(.*custom_call_target=\
 
 
 def abstract_batch(config, mesh) -> dict:
-  """ShapeDtypeStructs of one global batch of the run, split over data x fsdp."""
+  """ShapeDtypeStructs of one global batch of the run, split over data x fsdp
+  (a batch that does not split: a UserError naming train.batch_size)."""
   t, m = config.train, config.model
   sharding = batch_sharding(mesh)
+  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  if t.batch_size % split:
+    raise UserError(f"config field train.batch_size={t.batch_size}: does not split over "
+                    f"mesh.data x mesh.fsdp = {split} devices; make it a multiple of {split}")
 
   def spec(length, dtype=jnp.int32):
     return jax.ShapeDtypeStruct((t.batch_size, length), dtype, sharding=sharding)
@@ -133,6 +138,9 @@ def _lower_generate(config, mesh):
   if config.model.family != "decoder":
     raise UserError(f"--step=generate compiles a decoder's KV-cache step; model.family="
                     f"{config.model.family!r} is not a decoder")
+  if config.mesh.context > 1:
+    raise UserError(f"config field mesh.context={config.mesh.context}: splits the rows of "
+                    "training and evaluation steps; compile --step=generate with mesh.context=1")
   graphdef, params = _abstract_params(config, mesh)
   B, L = config.train.batch_size, config.train.seq_len
 
