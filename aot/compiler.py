@@ -323,11 +323,11 @@ def _cost(compiled) -> dict:
 def _accounting(config, mesh, step: str, platform: str) -> dict:
   """model.accounting's estimate per device: parameters and optimizer state split
   over fsdp x tensor (the axes parameters shard over), activations over the batch
-  axes data x fsdp (attention_impl=auto resolved for `platform`); a generation
-  step holds parameters and the KV cache."""
+  axes data x fsdp and the sequence over context (attention_impl=auto resolved
+  for `platform`); a generation step holds parameters and the KV cache."""
   m, t = config.model, config.train
   param_split = mesh.shape["fsdp"] * mesh.shape["tensor"]
-  batch_split = mesh.shape["data"] * mesh.shape["fsdp"]
+  batch_split = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"]
   memory = accounting.training_memory_bytes(config, backend=platform)
   if step == "train":
     estimate = {"parameters": memory["parameters"] / param_split,

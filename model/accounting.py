@@ -262,10 +262,11 @@ def with_budget(config):
   return config
 
 
-def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None) -> int:
+def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None,
+                               context: int = 1) -> int:
   """Elements one layer keeps per token for the backward pass (no remat)."""
   d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
-  materialised = model_implementation(m, backend) in _MATERIALISED_SCORES
+  materialised = context == 1 and model_implementation(m, backend) in _MATERIALISED_SCORES
   scores = h * seq_len if materialised else 0
   qk_norm_inputs = h * dk + g * dk if m.qk_norm else 0
   attention = d + 2 * h * dk + 2 * g * dk + scores + qk_norm_inputs
@@ -275,7 +276,7 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
 
 
 def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
-                               backend: str | None = None) -> int:
+                               backend: str | None = None, context: int = 1) -> int:
   """Activation memory per token of a training step, after Korthikanti et al.
 
   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -288,7 +289,8 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                + 2 g d_k (K, V) + h S (probabilities; only for the
                reference and xla implementations, fused kernels recompute;
                `auto` as the dispatcher resolves it on `backend`, default
-               JAX's default backend: cudnn for 16-bit on a GPU, else xla)
+               JAX's default backend: cudnn for 16-bit on a GPU, else xla;
+               none with `context` > 1, whose ring recomputes its tiles)
                + h d_k + g d_k (the inputs of the qk_norm RMSNorms)
     mlp        d (input) + 2 d_ff (plain: the activation's input and output)
                          or 4 d_ff (gated: gate, act(gate), up, product)
@@ -308,7 +310,7 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   """
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
-  per_layer = [(num, _layer_activation_elements(m, seq_len, cross, backend))
+  per_layer = [(num, _layer_activation_elements(m, seq_len, cross, backend, context))
                for _, num, cross in stacks]
   if remat:
     layer_elements = (sum(num for num, _ in per_layer) * m.d_model
@@ -345,6 +347,7 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   memory = dict(parameters=n * _itemsize(m.param_dtype),
                 gradients=n * _itemsize(m.param_dtype),
                 optimizer_state=_moments(t, params) * 4,
-                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend))
+                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend,
+                                                                config.mesh.context))
   memory["total"] = sum(memory.values())
   return memory
