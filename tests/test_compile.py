@@ -119,7 +119,8 @@ def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
                        "--config.mesh.fsdp=2", "--config.model.scan_layers=False", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
-  assert (report["devices"], report["mesh"]) == (4, {"data": 2, "fsdp": 2, "tensor": 1})
+  assert (report["devices"], report["mesh"]) == (4, {"data": 2, "fsdp": 2, "context": 1,
+                                                  "tensor": 1})
   memory = report["memory_per_device"]
   # float32 parameters split over fsdp=2 (the norms' gains replicated), and AdamW's two
   # float32 moments twice that.
