@@ -215,3 +215,16 @@ def test_training_on_eight_context_devices_equals_one_device():
     if not name.endswith("_collectives"):
       assert max(errors) < 1e-5, (name, errors)
 
+
+
+def test_summary_prints_attention_flops_per_device():
+  """`python -m model.summary` with mesh.context: every device's attention
+  FLOPs equal under the zig-zag layout; the contiguous split's busiest
+  device does 2n / (n + 1) times the mean."""
+  from model import summary  # pylint: disable=import-outside-toplevel
+  c = _config(context=4)
+  flops = summary.summarize(c, "tpu")["context_attention_flops"]
+  assert len(set(flops["zigzag"])) == 1
+  contiguous = flops["contiguous"]
+  assert max(contiguous) * 4 / sum(contiguous) == pytest.approx(2 * 4 / 5)
+  assert "Attention FLOPs per device" in summary.format_table(c, summary.summarize(c, "tpu"))
