@@ -468,7 +468,21 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
       "mfu_bound": formula / (bound * chip.peak_flops) if compiled and bound > 0 else None,
       "chip": {"peak_flops": chip.peak_flops, "hbm_bandwidth": chip.hbm_bandwidth,
                "interconnect_bandwidth": chip.interconnect_bandwidth, "source": chip.source},
+      "context_attention_flops_per_device": _context_attention(config, mesh, step),
   }
+
+
+def _context_attention(config, mesh, step: str) -> dict | None:
+  """With mesh.context > 1, a train step's causal attention FLOPs on each
+  device of the context axis (its rows' share, `accounting.context_attention_flops`),
+  zig-zag as the model lays rows out and, for comparison, the contiguous
+  split; None otherwise."""
+  n = mesh.shape["context"]
+  if n == 1 or step != "train":
+    return None
+  rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])
+  per_row = accounting.context_attention_flops(config.model, config.train.seq_len, n)
+  return {layout: [rows * f for f in flops] for layout, flops in per_row.items()}
 
 
 def _size(n: float) -> str:
@@ -514,6 +528,14 @@ def format_report(report: dict) -> str:
                "each loop body once, so the roofline uses the formula and no HBM term)"
                if report["loop_bodies_once"] else ""),
             "collectives per device per step:"]
+  context = report["context_attention_flops_per_device"]
+  if context:
+    zigzag, contiguous = context["zigzag"], context["contiguous"]
+    lines[-1:-1] = [f"attention FLOPs per device of the context axis (causal): "
+                    f"{max(zigzag):.4g} on each with the zig-zag layout (max/mean "
+                    f"{max(zigzag) * len(zigzag) / sum(zigzag):.3f}); a contiguous split's "
+                    f"busiest {max(contiguous):.4g} (max/mean "
+                    f"{max(contiguous) * len(contiguous) / sum(contiguous):.3f})"]
   if not report["collectives"]:
     lines.append("  none")
   for kind, c in report["collectives"].items():

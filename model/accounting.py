@@ -40,6 +40,7 @@ from flax import nnx
 from configs import validation
 from configs.errors import UserError
 from model import build_model
+from model import context_parallel
 from model.attention import model_implementation
 from model.config import ModelConfig
 from model.mlp import MLPS
@@ -351,3 +352,17 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
                                                                 config.mesh.context))
   memory["total"] = sum(memory.values())
   return memory
+
+
+def context_attention_flops(model_cfg, seq_len: int, n: int) -> dict:
+  """Training attention FLOPs of one row per step on each of the `n` devices
+  of the context axis (`model/context_parallel.py`): the (query, key) pairs a
+  device computes (`causal_work`: hidden chunk pairs skipped) x 4 head_dim
+  (Q K^T and P V, 2 FLOPs a multiply-add) x heads x layers x 3 (forward and
+  backward), with the zig-zag layout the model uses and, for comparison,
+  the contiguous split."""
+  m = ModelConfig.resolve(model_cfg)
+  per_pair = 4 * m.head_dim * m.num_heads * m.num_layers * 3
+  return {layout: [int(pairs) * per_pair for pairs in context_parallel.causal_work(seq_len, n,
+                                                                                   layout)]
+          for layout in ("zigzag", "contiguous")}

@@ -26,7 +26,7 @@ from configs.cli import parse_flags
 from configs.errors import UserError
 from configs import validation
 from configs.validation import validate
-from model import accounting, context_parallel
+from model import accounting
 from model.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
@@ -53,22 +53,9 @@ def summarize(config, backend: str = "gpu") -> dict:
       train_tokens=config.train.num_steps * accounting.tokens_per_step(config.train),
       train_flops=config.train.num_steps * accounting.flops_per_step(config))
   if config.mesh.context > 1:
-    report["context_attention_flops"] = context_attention_flops(m, config.train.seq_len,
-                                                                config.mesh.context)
+    report["context_attention_flops"] = accounting.context_attention_flops(
+        m, config.train.seq_len, config.mesh.context)
   return report
-
-
-def context_attention_flops(m, seq_len: int, n: int) -> dict:
-  """Training attention FLOPs of one row per step on each of the `n` devices
-  of the context axis (`model/context_parallel.py`): the (query, key) pairs a
-  device computes (`causal_work`: hidden chunk pairs skipped) x 4 head_dim
-  (Q K^T and P V, 2 FLOPs a multiply-add) x heads x layers x 3 (forward and
-  backward), with the zig-zag layout the model uses and, for comparison,
-  the contiguous split."""
-  per_pair = 4 * m.head_dim * m.num_heads * m.num_layers * 3
-  return {layout: [int(pairs) * per_pair for pairs in context_parallel.causal_work(seq_len, n,
-                                                                                   layout)]
-          for layout in ("zigzag", "contiguous")}
 
 
 def _count(n: int) -> str:

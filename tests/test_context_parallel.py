@@ -228,3 +228,22 @@ def test_summary_prints_attention_flops_per_device():
   contiguous = flops["contiguous"]
   assert max(contiguous) * 4 / sum(contiguous) == pytest.approx(2 * 4 / 5)
   assert "Attention FLOPs per device" in summary.format_table(c, summary.summarize(c, "tpu"))
+
+
+def test_compile_for_a_v5e_slice_with_the_context_axis():
+  """compile.py for 4 v5e chips, mesh.context=4: the ring's collective-permutes
+  and no all-gather (the K/V stay split), and every device's attention FLOPs
+  equal under the zig-zag layout."""
+  import json  # pylint: disable=import-outside-toplevel
+  from tests.test_compile import compile_cli  # pylint: disable=import-outside-toplevel
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.mesh.context=4", "--config.mesh.data=1",
+                       "--config.mesh.context_strategy=ring",
+                       "--config.model.attention_impl=xla", "--json")
+  assert result.returncode == 0, result.stderr
+  report = json.loads(result.stdout)
+  assert report["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+  assert report["collectives"]["collective-permute"]["count"] > 0
+  assert "all-gather" not in report["collectives"]
+  flops = report["context_attention_flops_per_device"]
+  assert len(set(flops["zigzag"])) == 1 and len(set(flops["contiguous"])) == 4
