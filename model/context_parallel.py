@@ -29,8 +29,8 @@ softmax score; masks are computed from each token's index in the whole row
 Causal load balance (`zigzag`): with a contiguous split device 0's queries see
 almost no key and device N-1's see almost all. The zig-zag layout cuts the
 row into 2N chunks and gives device i chunks i and 2N-1-i, so every device
-does the same causal work (`causal_work`). The ring then skips, per pair of
-chunks, the fully masked ones (`jax.lax.cond`: not computed at all).
+does the same causal work (`causal_work`). The blocks then skip, per pair of
+tiles, the fully masked ones (`jax.lax.cond`: not computed at all).
 """
 import contextlib
 import contextvars
@@ -148,9 +148,9 @@ def from_layout(x, n: int, layout: str, axis: int = 1):
 
 def causal_work(length: int, n: int, layout: str) -> np.ndarray:
   """[n] (query, key) pairs each device computes under the causal mask with
-  this layout, counting every pair the ring does not skip (a chunk pair is
-  skipped when its keys all follow its queries; a pair on the diagonal is
-  computed whole, masked)."""
+  this layout, counted by chunk pairs: a pair whose keys all follow its
+  queries is skipped, a pair on the diagonal counted whole (the blocks' tiles
+  skip finer still inside it, by the same amount on every device)."""
   c = n * chunks_per_device(layout)
   chunk = length // c
   work = np.zeros(n, np.int64)
@@ -321,25 +321,6 @@ def _block_backward(q, k, v, out, lse, dout, q_idx, k_idx, q_seg, k_seg, o, tile
   return _untiled(dq, 1), _untiled(dk, 1), _untiled(dv, 1)
 
 
-def _chunk(x, i: int, parts: int, axis: int):
-  size = x.shape[axis] // parts
-  return jax.lax.slice_in_dim(x, i * size, (i + 1) * size, axis=axis)
-
-
-def _pairs(q_ids, k_ids, o, visit, carry):
-  """`visit(carry, qi, ki)` for every chunk pair (qi of the queries, ki of the
-  keys) that the causal mask does not fully hide (`jax.lax.cond`: a hidden
-  pair is not computed). `q_ids`, `k_ids`: the chunks' ids (traced)."""
-  for qi, q_chunk in enumerate(q_ids):
-    for ki, k_chunk in enumerate(k_ids):
-      if o.causal:
-        carry = jax.lax.cond(q_chunk >= k_chunk, lambda c, qi=qi, ki=ki: visit(c, qi, ki),
-                             lambda c: c, carry)
-      else:
-        carry = visit(carry, qi, ki)
-  return carry
-
-
 def _loop(n: int, step, carry):
   """`step(i, carry)` for i in 0..n-1, as a `jax.lax.while_loop`.
 
@@ -356,43 +337,31 @@ def _loop(n: int, step, carry):
   return jax.lax.while_loop(lambda state: state[0] < n, body, (0, carry))[1]
 
 
+def _tile(n: int, layout: str, block: int) -> int:
+  """The tile side of a device's block of `block` tokens: at most `TILE`, and
+  never straddling two chunks of the layout (a tile's row indices run on,
+  which the causal skip of `_visible` reads)."""
+  return math.gcd(block // chunks_per_device(layout), TILE)
+
+
 def _ring_forward(q, k, v, q_seg, k_seg, *, o, axis, n, layout):
   """(out [B, T, K, G, D] float32, lse [B, K, G, T]) of the local queries
   against the whole row, the K/V blocks passed around the ring."""
   me = jax.lax.axis_index(axis)
-  parts = chunks_per_device(layout)
   B, T, K, G, _ = q.shape
-  q_ids = device_chunks(me, n, layout)
-  chunk = T // parts
+  q_idx, tile = token_index(me, n, layout, T), _tile(n, layout, T)
   perm = [(i, (i + 1) % n) for i in range(n)]
-  out = jnp.zeros(q.shape, jnp.float32)
-  lse = jnp.full((B, K, G, T), -jnp.inf, jnp.float32)
 
   def step(s, carry):
     out, lse, k, v, k_seg = carry
-    holder = (me - s) % n
-    k_ids = device_chunks(holder, n, layout)
     # Issued before this block's compute, so the transfer may overlap it.
     nxt = jax.lax.ppermute((k, v, k_seg), axis, perm)
+    k_idx = token_index((me - s) % n, n, layout, T)
+    block = _block_forward(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile)
+    return (*_merge(out, lse, *block), *nxt)
 
-    def visit(acc, qi, ki):
-      out, lse = acc
-      q_idx = q_ids[qi] * chunk + jnp.arange(chunk)
-      k_idx = k_ids[ki] * chunk + jnp.arange(chunk)
-      qs = None if q_seg is None else _chunk(q_seg, qi, parts, 1)
-      ks = None if k_seg is None else _chunk(k_seg, ki, parts, 1)
-      o_blk, lse_blk = _block_forward(_chunk(q, qi, parts, 1), _chunk(k, ki, parts, 1),
-                                      _chunk(v, ki, parts, 1), q_idx, k_idx, qs, ks, o)
-      o_old, lse_old = _chunk(out, qi, parts, 1), _chunk(lse, qi, parts, 3)
-      o_new, lse_new = _merge(o_old, lse_old, o_blk, lse_blk)
-      out = jax.lax.dynamic_update_slice_in_dim(out, o_new, qi * chunk, axis=1)
-      lse = jax.lax.dynamic_update_slice_in_dim(lse, lse_new, qi * chunk, axis=3)
-      return out, lse
-
-    out, lse = _pairs(q_ids, k_ids, o, visit, (out, lse))
-    return (out, lse, *nxt)
-
-  out, lse, *_ = _loop(n, step, (out, lse, k, v, k_seg))
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, K, G, T), -jnp.inf, jnp.float32))
+  out, lse, *_ = _loop(n, step, (*init, k, v, k_seg))
   return out, lse
 
 
@@ -400,38 +369,18 @@ def _ring_backward(q, k, v, q_seg, k_seg, out, lse, dout, *, o, axis, n, layout)
   """dQ, dK, dV (float32): dQ accumulated at home, dK and dV travelling with
   their block and home again after n hops."""
   me = jax.lax.axis_index(axis)
-  parts = chunks_per_device(layout)
   T = q.shape[1]
-  q_ids = device_chunks(me, n, layout)
-  chunk = T // parts
+  q_idx, tile = token_index(me, n, layout, T), _tile(n, layout, T)
   perm = [(i, (i + 1) % n) for i in range(n)]
-  dq = jnp.zeros(q.shape, jnp.float32)
-  dk = jnp.zeros(k.shape, jnp.float32)
-  dv = jnp.zeros(v.shape, jnp.float32)
 
   def step(s, carry):
     dq, k, v, k_seg, dk, dv = carry
-    holder = (me - s) % n
-    k_ids = device_chunks(holder, n, layout)
+    k_idx = token_index((me - s) % n, n, layout, T)
+    g = _block_backward(q, k, v, out, lse, dout, q_idx, k_idx, q_seg, k_seg, o, tile)
+    return (dq + g[0], *jax.lax.ppermute((k, v, k_seg, dk + g[1], dv + g[2]), axis, perm))
 
-    def visit(acc, qi, ki):
-      dq, dk, dv = acc
-      q_idx = q_ids[qi] * chunk + jnp.arange(chunk)
-      k_idx = k_ids[ki] * chunk + jnp.arange(chunk)
-      qs = None if q_seg is None else _chunk(q_seg, qi, parts, 1)
-      ks = None if k_seg is None else _chunk(k_seg, ki, parts, 1)
-      g = _block_backward(_chunk(q, qi, parts, 1), _chunk(k, ki, parts, 1),
-                          _chunk(v, ki, parts, 1), _chunk(out, qi, parts, 1),
-                          _chunk(lse, qi, parts, 3), _chunk(dout, qi, parts, 1), q_idx, k_idx,
-                          qs, ks, o)
-      add = lambda acc, x, i: jax.lax.dynamic_update_slice_in_dim(
-          acc, _chunk(acc, i, parts, 1) + x, i * chunk, axis=1)
-      return add(dq, g[0], qi), add(dk, g[1], ki), add(dv, g[2], ki)
-
-    dq, dk, dv = _pairs(q_ids, k_ids, o, visit, (dq, dk, dv))
-    return (dq, *jax.lax.ppermute((k, v, k_seg, dk, dv), axis, perm))
-
-  dq, _, _, _, dk, dv = _loop(n, step, (dq, k, v, k_seg, dk, dv))
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, _, _, _, dk, dv = _loop(n, step, (zeros(q), k, v, k_seg, zeros(k), zeros(v)))
   return dq, dk, dv
 
 
@@ -442,9 +391,7 @@ def _split_heads(q_BTHD, K: int):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
 def _ring(q, k, v, q_seg, k_seg, o, axis, n, layout):
-  out, _ = _ring_forward(_split_heads(q, k.shape[2]), k, v, q_seg, k_seg, o=o, axis=axis, n=n,
-                         layout=layout)
-  return out.reshape(q.shape).astype(q.dtype)
+  return _ring_fwd(q, k, v, q_seg, k_seg, o, axis, n, layout)[0]
 
 
 def _ring_fwd(q, k, v, q_seg, k_seg, o, axis, n, layout):
@@ -484,8 +431,7 @@ def ring_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *, opt
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _gathered(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile):
-  out, _ = _block_forward(_split_heads(q, k.shape[2]), k, v, q_idx, k_idx, q_seg, k_seg, o, tile)
-  return out.reshape(q.shape).astype(q.dtype)
+  return _gathered_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile)[0]
 
 
 def _gathered_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile):
@@ -523,8 +469,8 @@ def all_gather_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, 
   k, v = gather(k_BSKD), gather(v_BSKD)
   k_seg = None if kv_seg_BS is None else gather(kv_seg_BS)
   k_idx = jnp.concatenate([token_index(d, n, layout, T) for d in range(n)])
-  tile = math.gcd(T // chunks_per_device(layout), TILE)
-  return _gathered(q_BTHD, k, v, token_index(me, n, layout, T), k_idx, q_seg_BT, k_seg, o, tile)
+  return _gathered(q_BTHD, k, v, token_index(me, n, layout, T), k_idx, q_seg_BT, k_seg, o,
+                   _tile(n, layout, T))
 
 
 def _static(options, head_dim: int):
