@@ -360,21 +360,32 @@ def check_options(implementation: str, o: AttentionOptions) -> None:
     raise UserError(refusal_message(implementation, refused))
 
 
-_CONTEXT_IMPLEMENTATIONS = ("reference", "xla", "auto")
+_CONTEXT_IMPLEMENTATIONS = ("reference", "xla", "pallas", "auto")
+
+
+def _context_takes(implementation: str) -> frozenset:
+  """What context-parallel attention takes with `implementation`'s blocks:
+  the JAX blocks take `context_parallel.TAKES`, our kernels what they take
+  too (no sliding window)."""
+  if implementation == "pallas":
+    return context_parallel.TAKES & KERNEL_TAKES
+  return context_parallel.TAKES
 
 
 def _context_refusal(implementation: str, features) -> tuple[str | None, str, str] | None:
   """(the refused feature or None for the implementation, what, fix) where
-  context-parallel attention cannot run this call: an implementation other
-  than our JAX blocks, or a feature it does not take."""
+  context-parallel attention cannot run this call: an implementation whose
+  blocks cannot return their log-sum-exp (cudnn), or a feature the blocks do
+  not take."""
   if implementation not in _CONTEXT_IMPLEMENTATIONS:
     return (None, f"attention_impl={implementation}", "the ring's blocks are our JAX "
-            "attention (reference, xla or auto); our Pallas kernels in the ring are not built "
-            "yet")
-  refused = next((f for f in features if f not in context_parallel.TAKES), None)
+            "attention or our Pallas kernels: attention_impl reference, xla, pallas or auto")
+  takes = _context_takes(implementation)
+  refused = next((f for f in features if f not in takes), None)
   if refused is not None:
+    kernels = " (attention_impl=pallas: no window; use xla)" if implementation == "pallas" else ""
     return (refused, _feature_words(refused), "context-parallel attention takes causal, "
-            "segment and causal-window masks, a soft-cap and the softmax score")
+            f"segment and causal-window masks, a soft-cap and the softmax score{kernels}")
   return None
 
 
@@ -394,10 +405,14 @@ def check_context(cfg, n: int) -> None:
 
 
 def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: str,
-                       n: int):
+                       lowering: str, n: int):
   """Self-attention of rows split over the context axis (`mesh.context` = n):
   the ring or the all-gather of `model/context_parallel.py` on each device's
-  block (batch and heads split as `sharded_kernel` splits them)."""
+  block (batch and heads split as `sharded_kernel` splits them), its blocks
+  our Pallas kernels for `pallas` (and for `auto` where it chooses them),
+  the JAX blocks otherwise."""
+  if implementation == "auto":
+    implementation = "pallas" if choose_implementation(q_BTHD, o.features()) == "pallas" else "xla"
   refusal = _context_refusal(implementation, o.features())
   if refusal is not None:
     raise UserError(f"mesh.context={n} takes no {refusal[1]} ({refusal[2]})")
@@ -407,11 +422,14 @@ def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementati
   fn = {"ring": context_parallel.ring_attention,
         "all_gather": context_parallel.all_gather_attention}[strategy]
   plain = dataclasses.replace(o, segment_ids=None)
+  kernel = None if implementation != "pallas" else dict(
+      lowering=None if lowering == "auto" else lowering, device=compile_device())
 
-  def kernel(q, k, v, q_seg, kv_seg):
-    return fn(q, k, v, q_seg, kv_seg, options=plain, axis=context_parallel.AXIS, layout=layout)
+  def run(q, k, v, q_seg, kv_seg):
+    return fn(q, k, v, q_seg, kv_seg, options=plain, axis=context_parallel.AXIS, layout=layout,
+              kernel=kernel)
 
-  return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids),
+  return sharded_kernel(run, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids),
                         sequence=context_parallel.AXIS)
 
 
@@ -530,7 +548,7 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
                      f"{', '.join(IMPLEMENTATIONS)}")
   n = context_parallel.context_size()
   if n > 1:
-    return _context_attention(q_BTHD, k_BSKD, v_BSKD, o, implementation, n)
+    return _context_attention(q_BTHD, k_BSKD, v_BSKD, o, implementation, pallas_lowering, n)
   if IMPLEMENTATIONS[implementation].run is None:
     implementation = choose_implementation(q_BTHD, o.features())
   check_options(implementation, o)

@@ -344,39 +344,170 @@ def _tile(n: int, layout: str, block: int) -> int:
   return math.gcd(block // chunks_per_device(layout), TILE)
 
 
-def _ring_forward(q, k, v, q_seg, k_seg, *, o, axis, n, layout):
-  """(out [B, T, K, G, D] float32, lse [B, K, G, T]) of the local queries
-  against the whole row, the K/V blocks passed around the ring."""
-  me = jax.lax.axis_index(axis)
-  B, T, K, G, _ = q.shape
-  q_idx, tile = token_index(me, n, layout, T), _tile(n, layout, T)
+@dataclasses.dataclass(frozen=True)
+class JaxBlocks:
+  """The ring's blocks as JAX ops: `_block_forward` / `_block_backward`, tile
+  pair by tile pair with masks from the row indices (`token_index`), so they
+  take the sliding window too (`TAKES`). Every block method takes this
+  device's queries and one device's keys: q [B, T, H, D], k and v
+  [B, T, K, D], segment ids [B, T] or None, `me` this device and `src` the
+  keys' device (traced), and works in float32: forward -> (out [B, T, H, D],
+  lse [B, H, T]); backward(..., out, lse, do) -> (dq, dk, dv)."""
+  o: "_Static"
+  n: int
+  layout: str
+
+  def _indices(self, me, src, T: int):
+    return (token_index(me, self.n, self.layout, T), token_index(src, self.n, self.layout, T),
+            _tile(self.n, self.layout, T))
+
+  def forward(self, q, k, v, q_seg, k_seg, me, src):
+    B, T, H, _ = q.shape
+    q_idx, k_idx, tile = self._indices(me, src, T)
+    out, lse = _block_forward(_split_heads(q, k.shape[2]), k, v, q_idx, k_idx, q_seg, k_seg,
+                              self.o, tile)
+    return out.reshape(q.shape), lse.reshape(B, H, T)
+
+  def backward(self, q, k, v, q_seg, k_seg, out, lse, do, me, src):
+    B, T, H, _ = q.shape
+    K = k.shape[2]
+    q_idx, k_idx, tile = self._indices(me, src, T)
+    split = lambda x: _split_heads(x.astype(jnp.float32), K)
+    dq, dk, dv = _block_backward(_split_heads(q, K), k, v, split(out),
+                                 lse.reshape(B, K, H // K, T), split(do), q_idx, k_idx, q_seg,
+                                 k_seg, self.o, tile)
+    return dq.reshape(q.shape), dk, dv
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBlocks:
+  """The ring's blocks as our Pallas kernels (`model.kernels.router.
+  flash_attention_parts`: the forward returning its log-sum-exp, the backward
+  from the merged row's (out, lse)), the methods as `JaxBlocks`'.
+
+  The kernels' causal mask is top-left aligned on local positions, which the
+  zig-zag layout makes exact: a device's block is chunks (i, 2n-1-i) and a
+  key block from device j is chunks (j, 2n-1-j), so per chunk pair the keys
+  are all before the queries, all after, or the same chunk. Hence three
+  kernel calls, chosen per step by `lax.switch`, none with a wasted tile:
+
+  - j = i (the first step): one causal call on the whole block (chunk i
+    cannot see 2n-1-i, chunk 2n-1-i sees all of i: the local causal mask);
+  - j < i: every query sees the key block's first chunk (j) whole and
+    nothing of its second (2n-1-j > 2n-1-i): a non-causal call on half the keys;
+  - j > i: only the second query chunk (2n-1-i) sees the keys, all of them:
+    a non-causal call on half the queries, the first half's lse -inf.
+
+  So every step computes T^2 / 2 (query, key) pairs and the first T^2 / 2
+  with the diagonal's mask: the balanced work of `causal_work`. Without the
+  causal mask (the contiguous layout) every step is one non-causal call. The
+  kernels take no sliding window, whose mask the local positions cannot
+  express here."""
+  o: "_Static"
+  n: int
+  layout: str
+  dtype: str
+  lowering: str | None
+  device: object
+
+  def _parts(self, q, k, causal: bool, segments: bool):
+    from model.kernels.router import flash_attention_parts  # pylint: disable=import-outside-toplevel
+    return flash_attention_parts(
+        jax.ShapeDtypeStruct(q.shape, self.dtype), jax.ShapeDtypeStruct(k.shape, self.dtype),
+        segments=segments, causal=causal, scale=self.o.scale, softcap=self.o.softcap,
+        lowering=self.lowering, device=self.device)
+
+  def _case(self, me, src):
+    """0: the diagonal step, 1: keys before (j < i), 2: keys after."""
+    if not self.o.causal:
+      return 0
+    return jnp.where(src == me, 0, jnp.where(src < me, 1, 2))
+
+  def forward(self, q, k, v, q_seg, k_seg, me, src):
+    B, T, H, D = q.shape
+    h, segments = T // 2, q_seg is not None
+    cast = lambda o, l: (o.astype(jnp.float32), l)
+    half = lambda x: None if x is None else x[:, :h]
+    later = lambda x: None if x is None else x[:, h:]
+
+    def diagonal(q, k, v, q_seg, k_seg):
+      return cast(*self._parts(q, k, self.o.causal, segments).forward(q, k, v, q_seg, k_seg))
+
+    def keys_before(q, k, v, q_seg, k_seg):
+      parts = self._parts(q, half(k), False, segments)
+      return cast(*parts.forward(q, half(k), half(v), q_seg, half(k_seg)))
+
+    def keys_after(q, k, v, q_seg, k_seg):
+      out, lse = cast(*self._parts(later(q), k, False, segments).forward(
+          later(q), k, v, later(q_seg), k_seg))
+      return (jnp.concatenate([jnp.zeros((B, h, H, D), jnp.float32), out], 1),
+              jnp.concatenate([jnp.full((B, H, h), -jnp.inf, jnp.float32), lse], 2))
+
+    cases = [diagonal, keys_before, keys_after] if self.o.causal else [diagonal]
+    return jax.lax.switch(self._case(me, src), cases, q, k, v, q_seg, k_seg)
+
+  def backward(self, q, k, v, q_seg, k_seg, out, lse, do, me, src):
+    T = q.shape[1]
+    h, segments = T // 2, q_seg is not None
+    out, do = out.astype(q.dtype), do.astype(q.dtype)
+    f32 = lambda *grads: tuple(g.astype(jnp.float32) for g in grads)
+    half = lambda x: None if x is None else x[:, :h]
+    later = lambda x: None if x is None else x[:, h:]
+    zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+
+    def diagonal(q, k, v, q_seg, k_seg, out, lse, do):
+      return f32(*self._parts(q, k, self.o.causal, segments).backward(
+          q, k, v, q_seg, k_seg, out, lse, do))
+
+    def keys_before(q, k, v, q_seg, k_seg, out, lse, do):
+      dq, dk, dv = f32(*self._parts(q, half(k), False, segments).backward(
+          q, half(k), half(v), q_seg, half(k_seg), out, lse, do))
+      return (dq, jnp.concatenate([dk, zeros(dk)], 1), jnp.concatenate([dv, zeros(dv)], 1))
+
+    def keys_after(q, k, v, q_seg, k_seg, out, lse, do):
+      dq, dk, dv = f32(*self._parts(later(q), k, False, segments).backward(
+          later(q), k, v, later(q_seg), k_seg, later(out), lse[:, :, h:], later(do)))
+      return jnp.concatenate([zeros(dq), dq], 1), dk, dv
+
+    cases = [diagonal, keys_before, keys_after] if self.o.causal else [diagonal]
+    return jax.lax.switch(self._case(me, src), cases, q, k, v, q_seg, k_seg, out, lse, do)
+
+
+def _merge_heads(out_a, lse_a, out_b, lse_b):
+  """`_merge` of results [B, T, H, D] with their lse [B, H, T]."""
+  out, lse = _merge(out_a[:, :, :, None], lse_a[:, :, None], out_b[:, :, :, None],
+                    lse_b[:, :, None])
+  return out[:, :, :, 0], lse[:, :, 0]
+
+
+def _ring_forward(blocks, q, k, v, q_seg, k_seg, *, axis):
+  """(out [B, T, H, D] float32, lse [B, H, T]) of the local queries against
+  the whole row, the K/V blocks passed around the ring."""
+  n, me = blocks.n, jax.lax.axis_index(axis)
+  B, T, H, _ = q.shape
   perm = [(i, (i + 1) % n) for i in range(n)]
 
   def step(s, carry):
     out, lse, k, v, k_seg = carry
     # Issued before this block's compute, so the transfer may overlap it.
     nxt = jax.lax.ppermute((k, v, k_seg), axis, perm)
-    k_idx = token_index((me - s) % n, n, layout, T)
-    block = _block_forward(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile)
-    return (*_merge(out, lse, *block), *nxt)
+    block = blocks.forward(q, k, v, q_seg, k_seg, me, (me - s) % n)
+    return (*_merge_heads(out, lse, *block), *nxt)
 
-  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, K, G, T), -jnp.inf, jnp.float32))
+  init = (jnp.zeros(q.shape, jnp.float32), jnp.full((B, H, T), -jnp.inf, jnp.float32))
   out, lse, *_ = _loop(n, step, (*init, k, v, k_seg))
   return out, lse
 
 
-def _ring_backward(q, k, v, q_seg, k_seg, out, lse, dout, *, o, axis, n, layout):
+def _ring_backward(blocks, q, k, v, q_seg, k_seg, out, lse, dout, *, axis):
   """dQ, dK, dV (float32): dQ accumulated at home, dK and dV travelling with
   their block and home again after n hops."""
-  me = jax.lax.axis_index(axis)
-  T = q.shape[1]
-  q_idx, tile = token_index(me, n, layout, T), _tile(n, layout, T)
+  n, me = blocks.n, jax.lax.axis_index(axis)
   perm = [(i, (i + 1) % n) for i in range(n)]
 
   def step(s, carry):
     dq, k, v, k_seg, dk, dv = carry
-    k_idx = token_index((me - s) % n, n, layout, T)
-    g = _block_backward(q, k, v, out, lse, dout, q_idx, k_idx, q_seg, k_seg, o, tile)
+    g = blocks.backward(q, k, v, q_seg, k_seg, out, lse, dout, me, (me - s) % n)
     return (dq + g[0], *jax.lax.ppermute((k, v, k_seg, dk + g[1], dv + g[2]), axis, perm))
 
   zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
@@ -389,88 +520,112 @@ def _split_heads(q_BTHD, K: int):
   return q_BTHD.reshape(B, T, K, H // K, D)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _ring(q, k, v, q_seg, k_seg, o, axis, n, layout):
-  return _ring_fwd(q, k, v, q_seg, k_seg, o, axis, n, layout)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _ring(q, k, v, q_seg, k_seg, blocks, axis):
+  return _ring_fwd(q, k, v, q_seg, k_seg, blocks, axis)[0]
 
 
-def _ring_fwd(q, k, v, q_seg, k_seg, o, axis, n, layout):
-  out, lse = _ring_forward(_split_heads(q, k.shape[2]), k, v, q_seg, k_seg, o=o, axis=axis,
-                           n=n, layout=layout)
-  result = out.reshape(q.shape).astype(q.dtype)
+def _ring_fwd(q, k, v, q_seg, k_seg, blocks, axis):
+  out, lse = _ring_forward(blocks, q, k, v, q_seg, k_seg, axis=axis)
+  result = out.astype(q.dtype)
   return result, (q, k, v, q_seg, k_seg, out, lse)
 
 
-def _ring_bwd(o, axis, n, layout, residuals, dout):
+def _ring_bwd(blocks, axis, residuals, dout):
   q, k, v, q_seg, k_seg, out, lse = residuals
-  K = k.shape[2]
-  dq, dk, dv = _ring_backward(_split_heads(q, K), k, v, q_seg, k_seg, out, lse,
-                              _split_heads(dout.astype(jnp.float32), K), o=o, axis=axis, n=n,
-                              layout=layout)
-  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None)
+  dq, dk, dv = _ring_backward(blocks, q, k, v, q_seg, k_seg, out, lse, dout, axis=axis)
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
+def _blocks(options, q_BTHD, n: int, layout: str, kernel):
+  """The blocks a strategy computes with: `JaxBlocks`, or with `kernel` (a
+  dict of the kernels' `lowering` and `device`) `KernelBlocks`."""
+  o = _static(options, q_BTHD.shape[-1])
+  if kernel is None:
+    return JaxBlocks(o, n, layout)
+  if o.window is not None:
+    raise ValueError("context-parallel attention with our Pallas kernels takes no sliding "
+                     "window; use attention_impl xla")
+  return KernelBlocks(o, n, layout, jnp.dtype(q_BTHD.dtype).name, **kernel)
+
+
 def ring_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *, options, axis: str,
-                   layout: str = "zigzag"):
+                   layout: str = "zigzag", kernel=None):
   """Ring attention of this device's block, inside `shard_map` over `axis`.
 
   q [B, T, H, D], k and v [B, T, K, D] and the segment ids [B, T] are this
   device's blocks of rows laid out by `layout`; `options` an
   `AttentionOptions` (its causal mask, window, soft-cap and scale; no dense
   mask or bias, the softmax score) whose masks apply to the indices in the
-  whole row. Returns this device's output block [B, T, H, D] in q's dtype.
+  whole row. `kernel`: None for the JAX blocks (`JaxBlocks`), or the
+  lowering and device of our Pallas kernels (`KernelBlocks`, a dict with
+  `lowering`, None for the device's choice, and `device`). Returns this
+  device's output block [B, T, H, D] in q's dtype.
   """
   n = jax.lax.axis_size(axis)
-  o = _static(options, q_BTHD.shape[-1])
-  return _ring(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o, axis, n, layout)
+  blocks = _blocks(options, q_BTHD, n, layout, kernel)
+  return _ring(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, blocks, axis)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _gathered(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile):
-  return _gathered_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gathered(q, k, v, q_seg, k_seg, blocks, axis):
+  return _gathered_fwd(q, k, v, q_seg, k_seg, blocks, axis)[0]
 
 
-def _gathered_fwd(q, k, v, q_idx, k_idx, q_seg, k_seg, o, tile):
-  out, lse = _block_forward(_split_heads(q, k.shape[2]), k, v, q_idx, k_idx, q_seg, k_seg, o,
-                            tile)
-  return out.reshape(q.shape).astype(q.dtype), (q, k, v, q_idx, k_idx, q_seg, k_seg, out, lse)
+def _source(x, src, T: int):
+  """Device `src`'s block of T tokens of a gathered row (or None)."""
+  return None if x is None else jax.lax.dynamic_slice_in_dim(x, src * T, T, axis=1)
 
 
-def _gathered_bwd(o, tile, residuals, dout):
-  q, k, v, q_idx, k_idx, q_seg, k_seg, out, lse = residuals
-  K = k.shape[2]
-  dq, dk, dv = _block_backward(_split_heads(q, K), k, v, out, lse,
-                               _split_heads(dout.astype(jnp.float32), K), q_idx, k_idx, q_seg,
-                               k_seg, o, tile)
-  return (dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None, None, None)
+def _gathered_fwd(q, k, v, q_seg, k_seg, blocks, axis):
+  me = jax.lax.axis_index(axis)
+  B, T, H, _ = q.shape
+
+  def step(src, carry):
+    block = blocks.forward(q, _source(k, src, T), _source(v, src, T), q_seg,
+                           _source(k_seg, src, T), me, src)
+    return _merge_heads(*carry, *block)
+
+  out, lse = _loop(blocks.n, step, (jnp.zeros(q.shape, jnp.float32),
+                                    jnp.full((B, H, T), -jnp.inf, jnp.float32)))
+  return out.astype(q.dtype), (q, k, v, q_seg, k_seg, out, lse)
+
+
+def _gathered_bwd(blocks, axis, residuals, dout):
+  q, k, v, q_seg, k_seg, out, lse = residuals
+  me, T = jax.lax.axis_index(axis), q.shape[1]
+
+  def step(src, carry):
+    dq, dk, dv = carry
+    g = blocks.backward(q, _source(k, src, T), _source(v, src, T), q_seg,
+                        _source(k_seg, src, T), out, lse, dout, me, src)
+    add = lambda acc, x: jax.lax.dynamic_update_slice_in_dim(
+        acc, _source(acc, src, T) + x, src * T, axis=1)
+    return dq + g[0], add(dk, g[1]), add(dv, g[2])
+
+  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
+  dq, dk, dv = _loop(blocks.n, step, (zeros(q), zeros(k), zeros(v)))
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _gathered.defvjp(_gathered_fwd, _gathered_bwd)
 
 
 def all_gather_attention(q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None, *, options,
-                         axis: str, layout: str = "zigzag"):
+                         axis: str, layout: str = "zigzag", kernel=None):
   """All-gather attention of this device's block, inside `shard_map` over
-  `axis`: the whole row's K/V (and their segment ids) gathered, the local
-  queries attending to them tile by tile with masks from the row indices
-  (the same tiled blocks and custom VJP as the ring's; the gather's
-  transpose, a reduce-scatter, sums dK/dV back to their devices). Arguments
-  as `ring_attention`'s."""
+  `axis`: the whole row's K/V (and their segment ids) gathered, then the
+  local queries attend to each device's block in turn with the ring's blocks
+  and merge (no more hops; the gather's transpose, a reduce-scatter, sums
+  dK/dV back to their devices). Arguments as `ring_attention`'s."""
   n = jax.lax.axis_size(axis)
-  me = jax.lax.axis_index(axis)
-  o = _static(options, q_BTHD.shape[-1])
-  T = q_BTHD.shape[1]
-  gather = lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True)
-  k, v = gather(k_BSKD), gather(v_BSKD)
-  k_seg = None if kv_seg_BS is None else gather(kv_seg_BS)
-  k_idx = jnp.concatenate([token_index(d, n, layout, T) for d in range(n)])
-  return _gathered(q_BTHD, k, v, token_index(me, n, layout, T), k_idx, q_seg_BT, k_seg, o,
-                   _tile(n, layout, T))
+  blocks = _blocks(options, q_BTHD, n, layout, kernel)
+  gather = lambda x: None if x is None else jax.lax.all_gather(x, axis, axis=1, tiled=True)
+  return _gathered(q_BTHD, gather(k_BSKD), gather(v_BSKD), q_seg_BT, gather(kv_seg_BS), blocks,
+                   axis)
 
 
 def _static(options, head_dim: int):

@@ -75,8 +75,8 @@ def test_bad_combinations_are_one_line(overrides, message):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (dict(attention_impl="pallas"),
-     "model.attention_impl='pallas': mesh.context=4 takes no attention_impl=pallas"),
+    (dict(attention_impl="cudnn", dtype="bfloat16"),
+     "model.attention_impl='cudnn': mesh.context=4 takes no attention_impl=cudnn"),
     (dict(pos_emb="alibi"), "model.pos_emb='alibi': mesh.context=4 takes no additive bias"),
     (dict(attention_score="sigmoid"),
      "model.attention_score='sigmoid': mesh.context=4 takes no attention score 'sigmoid'"),
@@ -102,24 +102,23 @@ q = jax.random.normal(ks[0], (B, T, H, D))
 k, v = (jax.random.normal(x, (B, T, K, D)) for x in ks[1:3])
 do = jax.random.normal(ks[3], q.shape)
 seg = jnp.concatenate([jnp.full((B, 20), 1), jnp.full((B, 30), 2), jnp.zeros((B, 14), int)], 1)
+CASES = CASE_LIST
 out = {}
-for name, n, layout, strategy, opts in [
-    ("ring_zigzag", 4, "zigzag", "ring", dict(causal=True, segment_ids=seg)),
-    ("ring_8_window_softcap", 8, "zigzag", "ring",
-     dict(causal=True, segment_ids=seg, window=7, softcap=2.0)),
-    ("ring_bidirectional", 4, "contiguous", "ring", dict(segment_ids=seg)),
-    ("all_gather", 4, "zigzag", "all_gather", dict(causal=True, segment_ids=seg, softcap=2.0)),
-]:
+for name, n, layout, strategy, opts, kernel in CASES:
   mesh = Mesh(np.array(jax.devices()[:n]), ("context",))
   fn = {"ring": cp.ring_attention, "all_gather": cp.all_gather_attention}[strategy]
   plain = AttentionOptions(**{k: v for k, v in opts.items() if k != "segment_ids"})
   lay = lambda x: cp.to_layout(x, n, layout)
   spec = P(None, "context")
 
+  segs = (lay(seg),) if "segment_ids" in opts else ()
+
   def ours(q, k, v):
-    local = lambda q, k, v, s: fn(q, k, v, s, s, options=plain, axis="context", layout=layout)
-    run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 4, out_specs=spec, check_vma=False)
-    return cp.from_layout(run(lay(q), lay(k), lay(v), lay(seg)), n, layout)
+    local = lambda q, k, v, *s: fn(q, k, v, *s, *s, options=plain, axis="context",
+                                   layout=layout, kernel=kernel)
+    run = jax.shard_map(local, mesh=mesh, in_specs=(spec,) * (3 + len(segs)), out_specs=spec,
+                        check_vma=False)
+    return cp.from_layout(run(lay(q), lay(k), lay(v), *segs), n, layout)
 
   reference = lambda q, k, v: attention(q, k, v, AttentionOptions(**opts))
   got, got_vjp = jax.vjp(jax.jit(ours), q, k, v)
@@ -130,12 +129,42 @@ print(json.dumps(out))
 """
 
 
+JAX_CASES = """[
+    ("ring_zigzag", 4, "zigzag", "ring", dict(causal=True, segment_ids=seg), None),
+    ("ring_8_window_softcap", 8, "zigzag", "ring",
+     dict(causal=True, segment_ids=seg, window=7, softcap=2.0), None),
+    ("ring_bidirectional", 4, "contiguous", "ring", dict(segment_ids=seg), None),
+    ("all_gather", 4, "zigzag", "all_gather", dict(causal=True, segment_ids=seg, softcap=2.0),
+     None),
+]"""
+
+KERNEL = 'dict(lowering=LOWERING, device=jax.devices()[0])'
+KERNEL_CASES = f"""[
+    ("ring_zigzag", 4, "zigzag", "ring", dict(causal=True, segment_ids=seg, softcap=2.0),
+     {KERNEL}),
+    ("ring_8", 8, "zigzag", "ring", dict(causal=True), {KERNEL}),
+    ("ring_bidirectional", 4, "contiguous", "ring", dict(segment_ids=seg), {KERNEL}),
+    ("all_gather", 4, "zigzag", "all_gather", dict(causal=True, segment_ids=seg), {KERNEL}),
+]"""
+
+
 def test_ring_and_all_gather_equal_the_reference():
   """Output and dQ, dK, dV of each strategy within 1e-5 (relative to the
   largest) of the reference on the whole row: GQA, packed segments with
   padding, causal (zig-zag, 4 and 8 devices) and bidirectional (contiguous),
   a sliding window and a soft-cap; chunks cut into several tiles."""
-  out = run_on_8_devices(ATTENTION)
+  out = run_on_8_devices(ATTENTION.replace("CASE_LIST", JAX_CASES))
+  for name, errors in out.items():
+    assert max(errors) < 1e-5, (name, errors)
+
+
+@pytest.mark.parametrize("lowering", ["triton", "mosaic_tpu"])
+def test_ring_and_all_gather_of_our_kernels_equal_the_reference(lowering):
+  """The same with our Pallas kernels as the blocks (`KernelBlocks`, in their
+  interpreters): the three zig-zag cases (diagonal, keys before, keys after)
+  with segments and a soft-cap, 8 devices, bidirectional, the all-gather."""
+  cases = KERNEL_CASES.replace("LOWERING", repr(lowering))
+  out = run_on_8_devices(ATTENTION.replace("CASE_LIST", cases))
   for name, errors in out.items():
     assert max(errors) < 1e-5, (name, errors)
 
@@ -146,10 +175,10 @@ from training import steps
 
 cp.TILE = 32  # several tiles per chunk
 
-def config(seq_len, **mesh):
+def config(seq_len, impl="xla", **mesh):
   c = base.get_config()
   c.model.update(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                 d_ff=128, max_len=seq_len, attention_impl="xla")
+                 d_ff=128, max_len=seq_len, attention_impl=impl)
   c.train.seq_len = seq_len
   c.mesh.update(**mesh)
   return c
@@ -172,11 +201,11 @@ grads = lambda p, b: steps._grads(graphdef, p, b, "next_token", 1)
 want_g, want_sums = jax.jit(grads)(params, batch)
 out = {}
 for mesh, strategy in MESHES:
-  c = config(T, **mesh)
+  c = config(T, IMPL, **mesh)
   m = sharding.make_mesh(c.mesh)
   step = jax.jit(steps.traced_on(m, grads, strategy))
   g, sums = step(params, jax.device_put(batch, sharding.batch_sharding(m)))
-  name = "_".join(f"{k}{v}" for k, v in mesh.items()) + "_" + strategy
+  name = "_".join(f"{k}{v}" for k, v in mesh.items()) + "_" + strategy + "_" + IMPL
   out[name] = [abs(float(sums[0]) / float(want_sums[0]) - 1)] + [
       float(jnp.abs(a - b).max() / jnp.abs(b).max())
       for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g))]
@@ -187,18 +216,21 @@ print(json.dumps(out))
 """
 
 
-def _train_check(seq_len, meshes):
-  code = TRAINING.replace("SEQ_LEN", str(seq_len)).replace("MESHES", repr(meshes))
+def _train_check(seq_len, meshes, impl="xla"):
+  code = TRAINING.replace("SEQ_LEN", str(seq_len)).replace("MESHES", repr(meshes)).replace(
+      "IMPL", repr(impl))
   return run_on_8_devices(code)
 
 
-def test_training_on_context_and_fsdp_equals_one_device():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_training_on_context_and_fsdp_equals_one_device(impl):
   """configs/tiny.py-like GQA with packed documents at seq_len 1024: the loss
-  and every gradient under mesh.context=4 x fsdp=2 (ring and all-gather)
-  within 1e-5 relative of one device's; the ring's step moves K/V by
-  collective-permutes and gathers no K/V."""
+  and every gradient under mesh.context=4 x fsdp=2 (ring and all-gather;
+  JAX blocks and our kernels in the interpreter) within 1e-5 relative of one
+  device's (xla); the ring's step moves K/V by collective-permutes and
+  gathers no K/V."""
   out = _train_check(1024, [(dict(data=1, fsdp=2, context=4), "ring"),
-                            (dict(data=1, fsdp=2, context=4), "all_gather")])
+                            (dict(data=1, fsdp=2, context=4), "all_gather")], impl)
   for name, errors in out.items():
     if name.endswith("_collectives"):
       assert errors[0] > 0 and errors[1] == 0, (name, errors)
@@ -207,10 +239,11 @@ def test_training_on_context_and_fsdp_equals_one_device():
 
 
 @pytest.mark.slow
-def test_training_on_eight_context_devices_equals_one_device():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_training_on_eight_context_devices_equals_one_device(impl):
   out = _train_check(1024, [(dict(data=1, fsdp=1, context=8), "ring"),
                             (dict(data=1, fsdp=1, context=8), "all_gather"),
-                            (dict(data=1, fsdp=2, context=2, tensor=2), "ring")])
+                            (dict(data=1, fsdp=2, context=2, tensor=2), "ring")], impl)
   for name, errors in out.items():
     if not name.endswith("_collectives"):
       assert max(errors) < 1e-5, (name, errors)
@@ -230,16 +263,19 @@ def test_summary_prints_attention_flops_per_device():
   assert "Attention FLOPs per device" in summary.format_table(c, summary.summarize(c, "tpu"))
 
 
-def test_compile_for_a_v5e_slice_with_the_context_axis():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_compile_for_a_v5e_slice_with_the_context_axis(impl):
   """compile.py for 4 v5e chips, mesh.context=4: the ring's collective-permutes
   and no all-gather (the K/V stay split), and every device's attention FLOPs
-  equal under the zig-zag layout."""
+  equal under the zig-zag layout; with pallas, Mosaic TPU kernels whose
+  queries are the device's quarter of the row (32 of 128 tokens, 16 for the
+  half-block steps) in the kernels' [rows, heads, T, D] layout."""
   import json  # pylint: disable=import-outside-toplevel
   from tests.test_compile import compile_cli  # pylint: disable=import-outside-toplevel
   result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
                        "--config.mesh.context=4", "--config.mesh.data=1",
                        "--config.mesh.context_strategy=ring",
-                       "--config.model.attention_impl=xla", "--json")
+                       f"--config.model.attention_impl={impl}", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
   assert report["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
@@ -247,3 +283,34 @@ def test_compile_for_a_v5e_slice_with_the_context_axis():
   assert "all-gather" not in report["collectives"]
   flops = report["context_attention_flops_per_device"]
   assert len(set(flops["zigzag"])) == 1 and len(set(flops["contiguous"])) == 4
+  if impl == "pallas":
+    forward = report["kernels"]["flash_attention_tpu_forward"]
+    assert forward["lowering"] == "mosaic_tpu"
+    assert {"f32[16,4,32,64]", "f32[16,4,16,64]"} <= set(forward["results"])
+    assert {"flash_attention_tpu_dq", "flash_attention_tpu_dkdv"} <= set(report["kernels"])
+
+
+def test_bench_prints_memory_and_step_time_per_context(tmp_path):
+  """`python -m bench.context_parallel` on 4 CPU devices: a row per (seq_len,
+  context) with the compiler's memory, the ring's collective-permutes where
+  context > 1 (none at 1), and a step time; the JSON holds the same rows."""
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tests.test_sharding import ROOT  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "cp.json"
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+  result = subprocess.run(
+      [sys.executable, "-m", "bench.context_parallel", "--config", "configs/tiny.py",
+       "--config.model.num_layers=1", "--seq_lens", "128", "--contexts", "1,4", "--steps", "1",
+       "--strategy", "ring", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
+      text=True, timeout=300, check=False)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert "| seq_len | context |" in result.stdout
+  rows = json.loads(out.read_text())["rows"]
+  assert [(r["seq_len"], r["context"]) for r in rows] == [(128, 1), (128, 4)]
+  assert "collective-permute" not in rows[0]["collectives"]
+  assert rows[1]["collectives"]["collective-permute"] > 0
+  assert all(r["peak_bytes"] > 0 and r["step_seconds"] > 0 for r in rows)

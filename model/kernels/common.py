@@ -20,8 +20,10 @@ them it must visit, and which it may visit without the mask, is
 tile streaming query tiles) without segment ids; with them, a block-sparse
 plan (`block_sparse.py`).
 """
+import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -156,6 +158,22 @@ def pad_segment_ids(segment_ids, size: int):
   return pad_to(segment_ids.astype(jnp.int32), 1, size)
 
 
+def padded_inputs(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, *, T_pad: int,
+                  S_pad: int, D_pad: int):
+  """(q, k, v, q_seg, kv_seg) zero-padded: query rows to `T_pad`, keys to
+  `S_pad`, the head dim to `D_pad`, the segment ids with 0 (padding)."""
+  pad = lambda x, L: pad_to(pad_to(x, 1, L), 3, D_pad)
+  return (pad(q_BTHD, T_pad), pad(k_BSKD, S_pad), pad(v_BSKD, S_pad),
+          pad_segment_ids(q_segment_ids, T_pad), pad_segment_ids(kv_segment_ids, S_pad))
+
+
+def _padding(q_BTHD, k_BSKD, q_multiple: int, kv_multiple: int, head_dim: int | None):
+  """(T_pad, S_pad, D_pad) of `padded_inputs` for these tile multiples."""
+  return dict(T_pad=round_up(q_BTHD.shape[1], q_multiple),
+              S_pad=round_up(k_BSKD.shape[1], kv_multiple),
+              D_pad=head_dim or q_BTHD.shape[3])
+
+
 def padded_call(flash, q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, *,
                 q_multiple: int, kv_multiple: int, head_dim: int | None = None):
   """flash(q, k, v, q_seg, kv_seg) on inputs zero-padded to whole tiles,
@@ -167,12 +185,64 @@ def padded_call(flash, q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, *,
   are cut off, so they get no gradient.
   """
   T, D = q_BTHD.shape[1], q_BTHD.shape[3]
-  T_pad = round_up(T, q_multiple)
-  S_pad = round_up(k_BSKD.shape[1], kv_multiple)
-  D_pad = head_dim or D
-  q = pad_to(pad_to(q_BTHD, 1, T_pad), 3, D_pad)
-  k = pad_to(pad_to(k_BSKD, 1, S_pad), 3, D_pad)
-  v = pad_to(pad_to(v_BSKD, 1, S_pad), 3, D_pad)
-  out = flash(q, k, v, pad_segment_ids(q_segment_ids, T_pad),
-              pad_segment_ids(kv_segment_ids, S_pad))
+  out = flash(*padded_inputs(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
+                             **_padding(q_BTHD, k_BSKD, q_multiple, kv_multiple, head_dim)))
   return out[:, :T, :, :D]
+
+
+def lse_to_natural(lse, *, base2: bool):
+  """A kernel's log-sum-exp (base 2 or natural, +inf for a query that sees
+  no key, which makes its backward's P exactly 0) as the natural log with
+  -inf there: the form in which partial results over disjoint keys merge
+  (`model/context_parallel.py`)."""
+  lse = lse * (1.0 / LOG2_E) if base2 else lse
+  return jnp.where(lse == jnp.inf, -jnp.inf, lse)
+
+
+def lse_from_natural(lse, *, base2: bool):
+  """The inverse of `lse_to_natural`."""
+  lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+  return lse * LOG2_E if base2 else lse
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+  """A kernel configured for one call, as its two passes, for a caller that
+  merges partial results itself (the context-parallel ring) instead of
+  differentiating the kernel whole. On [B, T, H, D] inputs of any length:
+
+  - forward(q, k, v, q_seg, kv_seg) -> (out [B, T, H, D] in q's dtype,
+    lse [B, H, T] float32, the natural log, -inf where a query sees no key);
+  - backward(q, k, v, q_seg, kv_seg, out, lse, do) -> (dq, dk, dv) from an
+    (out, lse) that may be the merged result over more keys than these: the
+    probabilities exp(s - lse) and delta = rowsum(dO * O) then are those of
+    the whole row, so the gradients are these keys' share of it.
+  """
+  forward: Callable
+  backward: Callable
+
+
+def padded_parts(forward, backward, q_BTHD, k_BSKD, *, q_multiple: int, kv_multiple: int,
+                 head_dim: int | None = None) -> Parts:
+  """`Parts` of a kernel in the [B, T, H, D] layout with a base-2 lse [B, H, T]
+  (the Triton and Mosaic GPU kernels): forward(q, k, v, q_seg, kv_seg) and
+  backward(q, k, v, q_seg, kv_seg, out, lse, do) on inputs padded as
+  `padded_call` pads them."""
+  T, D = q_BTHD.shape[1], q_BTHD.shape[3]
+  sizes = _padding(q_BTHD, k_BSKD, q_multiple, kv_multiple, head_dim)
+  rows = lambda x: pad_to(pad_to(x, 1, sizes["T_pad"]), 3, sizes["D_pad"])
+  cut = lambda x: x[:, :T, :, :D]
+
+  def parts_forward(q, k, v, q_seg, kv_seg):
+    out, lse = forward(*padded_inputs(q, k, v, q_seg, kv_seg, **sizes))
+    return cut(out), lse_to_natural(lse[:, :, :T], base2=True)
+
+  def parts_backward(q, k, v, q_seg, kv_seg, out, lse, do):
+    inputs = padded_inputs(q, k, v, q_seg, kv_seg, **sizes)
+    lse = jnp.pad(lse_from_natural(lse, base2=True), ((0, 0), (0, 0), (0, sizes["T_pad"] - T)),
+                  constant_values=jnp.inf)
+    dq, dk, dv = backward(*inputs, rows(out), lse, rows(do))
+    S = k.shape[1]
+    return cut(dq), dk[:, :S, :, :D], dv[:, :S, :, :D]
+
+  return Parts(parts_forward, parts_backward)

@@ -1099,6 +1099,19 @@ def _fused_backward(gmem: _Operands, cfg: _Config):
 _flash = common.flash_vjp(_forward, _backward)
 
 
+def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, segments: bool,
+           blocks: HopperBlocks | None, interpret: bool, softcap: float | None):
+  """The call's `_Config` and `common.padded_call`'s padding (query and key
+  lengths to whole tiles)."""
+  _, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
+  _check_shared_memory(D, q_BTHD.dtype, blocks, segments)
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, segments=segments, q_len=T,
+                kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
+  return cfg, dict(q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple)
+
+
 def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                            q_segment_ids=None, kv_segment_ids=None,
                            blocks: HopperBlocks | None = None, interpret: bool,
@@ -1111,15 +1124,18 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
   [B, S] (both or neither); a query that sees no key gets zeros. The same
   semantics as `flash_attention`; `softcap` its soft-cap.
   """
-  _, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
-  segments = q_segment_ids is not None
-  _check_shared_memory(D, q_BTHD.dtype, blocks, segments)
-  cfg = _Config(scale=scale, causal=causal, softcap=softcap, segments=segments, q_len=T,
-                kv_len=S,
-                group=H // K, blocks=blocks, interpret=interpret)
+  cfg, padding = _setup(q_BTHD, k_BSKD, causal=causal, scale=scale,
+                        segments=q_segment_ids is not None, blocks=blocks,
+                        interpret=interpret, softcap=softcap)
   return common.padded_call(
       lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),
-      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
-      q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple)
+      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, **padding)
+
+
+def hopper_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
+  """The Hopper kernels' forward (with its lse) and backward for inputs shaped
+  like q and k; `options` (causal, scale, segments, blocks, interpret,
+  softcap) as `_setup`'s."""
+  cfg, padding = _setup(q_BTHD, k_BSKD, **options)
+  return common.padded_parts(lambda *a: _forward(*a, cfg), lambda *a: _backward(*a, cfg),
+                             q_BTHD, k_BSKD, **padding)

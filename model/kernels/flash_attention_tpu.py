@@ -451,30 +451,81 @@ def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_s
 _flash = common.flash_vjp(_forward, _backward)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """How [B, T, H, D] inputs become the kernels' operands: lengths padded to
+  whole tiles, the head dim to a multiple of 64, transposed to [B, heads,
+  length, D]; segment ids as [B, T, 1] and [B, 1, S] (without them, one
+  segment over the true lengths, [1, ...])."""
+  T: int
+  S: int
+  D: int
+  T_pad: int
+  S_pad: int
+  D_pad: int
+
+  @classmethod
+  def of(cls, q_BTHD, k_BSKD, blocks: TpuBlocks):
+    T, D, S = q_BTHD.shape[1], q_BTHD.shape[3], k_BSKD.shape[1]
+    return cls(T, S, D, common.round_up(T, max(blocks.block_q, blocks.block_q_dkv)),
+               common.round_up(S, max(blocks.block_k, blocks.block_k_dkv)),
+               common.round_up(D, _HEAD_DIM_MULTIPLE))
+
+  def heads_first(self, x_BLHD, length: int):
+    return common.pad_to(common.pad_to(x_BLHD, 1, length), 3, self.D_pad).transpose(0, 2, 1, 3)
+
+  def operands(self, q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids):
+    if q_segment_ids is None:
+      q_segment_ids, kv_segment_ids = jnp.ones((1, self.T), jnp.int32), jnp.ones(
+          (1, self.S), jnp.int32)
+    q_seg = common.pad_segment_ids(q_segment_ids, self.T_pad)
+    kv_seg = common.pad_segment_ids(kv_segment_ids, self.S_pad)
+    return (self.heads_first(q_BTHD, self.T_pad), self.heads_first(k_BSKD, self.S_pad),
+            self.heads_first(v_BSKD, self.S_pad), q_seg[:, :, None], kv_seg[:, None, :])
+
+  def back(self, x_BHLD, length: int):
+    """[B, L, heads, D] cut to the true `length` and head dim."""
+    return x_BHLD.transpose(0, 2, 1, 3)[:, :length, :, :self.D]
+
+
+def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, segments: bool, blocks: TpuBlocks,
+           interpret: bool, softcap: float | None):
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, num_kv_heads=k_BSKD.shape[2],
+                blocks=blocks, interpret=interpret, per_batch_plan=segments)
+  return cfg, _Layout.of(q_BTHD, k_BSKD, blocks)
+
+
 def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                         q_segment_ids, kv_segment_ids, blocks: TpuBlocks,
                         interpret: bool, softcap: float | None = None):
   """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k, v
-  [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`.
+  [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`. The
+  operands are laid out as `_Layout` says."""
+  cfg, layout = _setup(q_BTHD, k_BSKD, causal=causal, scale=scale,
+                       segments=q_segment_ids is not None, blocks=blocks, interpret=interpret,
+                       softcap=softcap)
+  out_BHTD = _flash(*layout.operands(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids),
+                    cfg)
+  return layout.back(out_BHTD, layout.T)
 
-  Pads the lengths to whole tiles and the head dim to a multiple of 64,
-  builds the segment ids the plans and masks read ([B, T, 1] and [B, 1, S];
-  without segment ids, one segment over the true lengths, [1, ...]), and
-  transposes to the kernels' [B, heads, length, D] layout."""
-  B, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  T_pad = common.round_up(T, max(blocks.block_q, blocks.block_q_dkv))
-  S_pad = common.round_up(S, max(blocks.block_k, blocks.block_k_dkv))
-  D_pad = common.round_up(D, _HEAD_DIM_MULTIPLE)
-  if q_segment_ids is None:
-    q_seg = common.pad_segment_ids(jnp.ones((1, T), jnp.int32), T_pad)
-    kv_seg = common.pad_segment_ids(jnp.ones((1, S), jnp.int32), S_pad)
-  else:
-    q_seg = common.pad_segment_ids(q_segment_ids, T_pad)
-    kv_seg = common.pad_segment_ids(kv_segment_ids, S_pad)
-  layout = lambda x, L: common.pad_to(common.pad_to(x, 1, L), 3, D_pad).transpose(0, 2, 1, 3)
-  cfg = _Config(scale=scale, causal=causal, softcap=softcap, num_kv_heads=K, blocks=blocks,
-                interpret=interpret, per_batch_plan=q_segment_ids is not None)
-  out_BHTD = _flash(layout(q_BTHD, T_pad), layout(k_BSKD, S_pad), layout(v_BSKD, S_pad),
-                    q_seg[:, :, None], kv_seg[:, None, :], cfg)
-  return out_BHTD.transpose(0, 2, 1, 3)[:, :T, :, :D]
+
+def tpu_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
+  """The TPU kernels' forward (with its lse) and backward for inputs shaped
+  like q and k; `options` (causal, scale, segments, blocks, interpret,
+  softcap) as `_setup`'s."""
+  cfg, layout = _setup(q_BTHD, k_BSKD, **options)
+  T = layout.T
+
+  def forward(q, k, v, q_seg, kv_seg):
+    out, lse = _forward(*layout.operands(q, k, v, q_seg, kv_seg), cfg)
+    return layout.back(out, T), common.lse_to_natural(lse[:, :, :T, 0], base2=False)
+
+  def backward(q, k, v, q_seg, kv_seg, out, lse, do):
+    lse = jnp.pad(common.lse_from_natural(lse, base2=False),
+                  ((0, 0), (0, 0), (0, layout.T_pad - T)), constant_values=jnp.inf)
+    dq, dk, dv = _backward(*layout.operands(q, k, v, q_seg, kv_seg),
+                           layout.heads_first(out, layout.T_pad), lse[..., None],
+                           layout.heads_first(do, layout.T_pad), cfg)
+    return layout.back(dq, T), layout.back(dk, layout.S), layout.back(dv, layout.S)
+
+  return common.Parts(forward, backward)

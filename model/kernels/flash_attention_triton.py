@@ -480,13 +480,13 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
 _flash = common.flash_vjp(_forward, _backward)
 
 
-def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
-                           q_segment_ids, kv_segment_ids, block_q: int | None,
-                           block_k: int | None, interpret: bool, device,
-                           softcap: float | None = None):
-  """The portable kernels on [B, T, H, D] inputs, tiles chosen for `device`
-  (`choose_block_sizes`) unless `block_q` / `block_k` are given."""
-  B, T, H, D = q_BTHD.shape
+def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, block_q: int | None,
+           block_k: int | None, interpret: bool, device, softcap: float | None):
+  """The call's `_Config` and `common.padded_call`'s padding (tiles chosen for
+  `device` by `choose_block_sizes` unless `block_q` / `block_k` are given;
+  the head dim zero-padded to a power of two >= 16, the lengths to whole
+  tiles)."""
+  T, D = q_BTHD.shape[1], q_BTHD.shape[3]
   S = k_BSKD.shape[1]
   blocks = choose_block_sizes(T, S, D, backend=device.platform,
                               device_kind=device.device_kind)
@@ -498,10 +498,23 @@ def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
                                  block_k_dq=block_k)
   cfg = _Config(scale=scale, causal=causal, softcap=softcap, q_len=T, kv_len=S, blocks=blocks,
                 interpret=interpret)
-  # Tile alignment: the head dim zero-padded to a power of two >= 16, the
-  # lengths to whole tiles.
+  return cfg, dict(q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple,
+                   head_dim=max(MIN_BLOCK, pl.next_power_of_2(D)))
+
+
+def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, q_segment_ids, kv_segment_ids,
+                           **options):
+  """The portable kernels on [B, T, H, D] inputs; `options` (causal, scale,
+  block_q, block_k, interpret, device, softcap) as `_setup`'s."""
+  cfg, padding = _setup(q_BTHD, k_BSKD, **options)
   return common.padded_call(
       lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),
-      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
-      q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple,
-      head_dim=max(MIN_BLOCK, pl.next_power_of_2(D)))
+      q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, **padding)
+
+
+def triton_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
+  """The portable kernels' forward (with its lse) and backward for inputs
+  shaped like q and k; `options` as `triton_flash_attention`'s."""
+  cfg, padding = _setup(q_BTHD, k_BSKD, **options)
+  return common.padded_parts(lambda *a: _forward(*a, cfg), lambda *a: _backward(*a, cfg),
+                             q_BTHD, k_BSKD, **padding)

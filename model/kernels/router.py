@@ -73,6 +73,34 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   Returns:
     [B, T, H, D] in q's dtype; rows with no visible key are zeros.
   """
+  if (q_segment_ids is None) != (kv_segment_ids is None):
+    raise ValueError("flash_attention: give both q_segment_ids and "
+                     "kv_segment_ids, or neither")
+  lowering, options = _configure(q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+                                 softcap=softcap, block_q=block_q, block_k=block_k,
+                                 interpret=interpret, lowering=lowering, device=device)
+  return _WHOLE[lowering](q_BTHD, k_BSKD, v_BSKD, q_segment_ids=q_segment_ids,
+                          kv_segment_ids=kv_segment_ids, **options)
+
+
+def flash_attention_parts(q_BTHD, k_BSKD, *, segments: bool = False, **options):
+  """The kernel `flash_attention` would run for inputs shaped like q and k
+  (arrays or `jax.ShapeDtypeStruct`s), as its forward with the log-sum-exp
+  and its backward from a given (out, lse) (`common.Parts`): the blocks of
+  the context-parallel ring (`model/context_parallel.py`), which merges
+  partial results and differentiates them itself. `segments`: whether the
+  calls pass segment ids; `options` (causal, scale, softcap, block_q,
+  block_k, interpret, lowering, device) as `flash_attention`'s."""
+  lowering, options = _configure(q_BTHD, k_BSKD, k_BSKD, **options)
+  return _PARTS[lowering](q_BTHD, k_BSKD, segments=segments, **options)
+
+
+def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | None = None,
+               softcap: float | None = None, block_q: int | None = None,
+               block_k: int | None = None, interpret: bool | None = None,
+               lowering: str | None = None, device=None):
+  """Checks the call and chooses its kernel: (lowering, that kernel's options
+  but the segment ids)."""
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   if k_BSKD.shape != (B, S, K, D) or v_BSKD.shape != k_BSKD.shape:
@@ -82,9 +110,6 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
   if H % K:
     raise ValueError(f"flash_attention: {H} query heads is not a multiple of "
                      f"{K} KV heads")
-  if (q_segment_ids is None) != (kv_segment_ids is None):
-    raise ValueError("flash_attention: give both q_segment_ids and "
-                     "kv_segment_ids, or neither")
   for name, block in (("block_q", block_q), ("block_k", block_k)):
     if block is not None and (block < triton.MIN_BLOCK or block & (block - 1)):
       raise ValueError(f"flash_attention: {name}={block} must be a power of "
@@ -106,10 +131,8 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     blocks = dataclasses.replace(
         blocks, **({} if block_q is None else dict(block_q=block_q, block_q_dkv=block_q)),
         **({} if block_k is None else dict(block_k=block_k, block_k_dkv=block_k)))
-    return tpu.tpu_flash_attention(
-        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        blocks=blocks, interpret=interpret, softcap=softcap)
+    return lowering, dict(causal=causal, scale=scale, blocks=blocks, interpret=interpret,
+                          softcap=softcap)
   if lowering == "mosaic_gpu":
     reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:
@@ -124,14 +147,18 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     blocks = hopper.choose_hopper_blocks(D, S, interpret=interpret)
     if block_k is not None:
       blocks = dataclasses.replace(blocks, block_k=block_k)
-    return hopper.hopper_flash_attention(
-        q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
-        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
-        blocks=blocks, interpret=interpret, softcap=softcap)
+    return lowering, dict(causal=causal, scale=scale, blocks=blocks, interpret=interpret,
+                          softcap=softcap)
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")
-  return triton.triton_flash_attention(
-      q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale, q_segment_ids=q_segment_ids,
-      kv_segment_ids=kv_segment_ids, block_q=block_q, block_k=block_k,
-      interpret=interpret, device=device, softcap=softcap)
+  return lowering, dict(causal=causal, scale=scale, block_q=block_q, block_k=block_k,
+                        interpret=interpret, device=device, softcap=softcap)
+
+
+# Each lowering's differentiable whole and its `common.Parts`, on the options
+# `_configure` chose.
+_WHOLE = {"mosaic_tpu": tpu.tpu_flash_attention, "mosaic_gpu": hopper.hopper_flash_attention,
+          "triton": triton.triton_flash_attention}
+_PARTS = {"mosaic_tpu": tpu.tpu_parts, "mosaic_gpu": hopper.hopper_parts,
+          "triton": lambda q, k, segments, **options: triton.triton_parts(q, k, **options)}
