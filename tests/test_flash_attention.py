@@ -277,3 +277,56 @@ def test_training_with_hopper_kernel_matches_reference():
   want = _train_losses(T=128, attention_impl="reference", **fields)
   got = _train_losses(T=128, attention_impl="pallas", pallas_lowering="mosaic_gpu", **fields)
   np.testing.assert_allclose(got, want, rtol=2e-3)
+
+
+@pytest.mark.parametrize("lowering,dtype,causal", [
+    ("triton", jnp.float32, True), ("mosaic_tpu", jnp.float32, False),
+    ("mosaic_gpu", jnp.bfloat16, True)])
+def test_parts_give_the_lse_and_the_gradients_of_a_merged_row(lowering, dtype, causal):
+  """`flash_attention_parts`, the ring's blocks: the forward's lse is the
+  row's log-sum-exp of the (soft-capped, masked) scores, -inf for a query
+  that sees no key; and attention over keys split in two halves, merged by
+  the online-softmax rule and differentiated through each half's backward
+  from the merged (out, lse), equals the kernel over all keys, forward and
+  backward (the ring's custom VJP in miniature)."""
+  from model.kernels.router import flash_attention_parts  # pylint: disable=import-outside-toplevel
+  B, T, S, H, K, D = 2, 96, 128, 4, 2, 64
+  ks = jax.random.split(jax.random.key(1), 4)
+  q = jax.random.normal(ks[0], (B, T, H, D), dtype)
+  k, v = (jax.random.normal(x, (B, S, K, D), dtype) for x in ks[1:3])
+  do = jax.random.normal(ks[3], q.shape, dtype)
+  q_seg = jnp.concatenate([jnp.full((B, 40), 1), jnp.full((B, 40), 2), jnp.zeros((B, 16), int)], 1)
+  kv_seg = jnp.concatenate([jnp.full((B, 40), 1), jnp.full((B, 88), 2)], 1)
+  options = dict(causal=causal, softcap=5.0, lowering=lowering)
+
+  whole = flash_attention_parts(q, k, segments=True, **options)
+  out, lse = whole.forward(q, k, v, q_seg, kv_seg)
+  s = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32),
+                 jnp.repeat(k, H // K, 2).astype(jnp.float32)) * D ** -0.5
+  s = 5.0 * jnp.tanh(s / 5.0)
+  visible = (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+  if causal:
+    visible &= jnp.tril(jnp.ones((T, S), bool))
+  want_lse = jax.nn.logsumexp(jnp.where(visible, s, -jnp.inf), -1)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(want_lse)[finite],
+                             atol=1e-2 if dtype == jnp.bfloat16 else 1e-5)
+
+  if causal:  # split keys under a causal mask: the ring's test (tests/test_context_parallel.py)
+    return
+  # Keys [0, 64) and [64, 128) as two blocks, merged.
+  halves = [slice(0, 64), slice(64, 128)]
+  parts = flash_attention_parts(q, k[:, :64], segments=True, **options)
+  blocks = [parts.forward(q, k[:, h], v[:, h], q_seg, kv_seg[:, h]) for h in halves]
+  merged_lse = jnp.logaddexp(blocks[0][1], blocks[1][1])
+  weight = lambda l: jnp.where(jnp.isfinite(l), jnp.exp(l - jnp.where(
+      jnp.isfinite(merged_lse), merged_lse, 0)), 0).transpose(0, 2, 1)[..., None]
+  merged = sum(o.astype(jnp.float32) * weight(l) for o, l in blocks)
+  np.testing.assert_allclose(merged, out.astype(jnp.float32), atol=1e-5)
+  grads = [parts.backward(q, k[:, h], v[:, h], q_seg, kv_seg[:, h], out, merged_lse, do)
+           for h in halves]
+  dq, dk, dv = whole.backward(q, k, v, q_seg, kv_seg, out, lse, do)
+  np.testing.assert_allclose(grads[0][0] + grads[1][0], dq, atol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([grads[0][1], grads[1][1]], 1), dk, atol=1e-4)
+  np.testing.assert_allclose(jnp.concatenate([grads[0][2], grads[1][2]], 1), dv, atol=1e-4)
