@@ -264,6 +264,43 @@ def collectives(hlo_text: str) -> dict[str, dict]:
   return out
 
 
+_ASYNC_RE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = .*?\s(" + "|".join(COLLECTIVES)
+                       + r")-(start|done)\((%[\w.\-]+)?")
+_OPCODE_RE = re.compile(r"^\s*(?:ROOT )?%[\w.\-]+ = .*?\s([a-z][a-z\-]*)\(")
+# Instructions that compute (a kernel, a fused loop of ops, a loop or branch of them).
+_COMPUTE_OPS = frozenset({"fusion", "custom-call", "while", "conditional", "call", "dot",
+                          "convolution"})
+
+
+def async_overlap(hlo_text: str) -> dict[str, dict]:
+  """Per collective kind compiled asynchronous (a `-start` / `-done` pair):
+  how many pairs run per step, and how many of those have compute scheduled
+  between start and done (`_COMPUTE_OPS`, in the scheduled program's order),
+  which is where the compiler overlaps the transfer with work."""
+  computations, _ = _computations(hlo_text)
+  runs = multiplicities(hlo_text)
+  out = {}
+  for name, lines in computations.items():
+    started = {}
+    for i, line in enumerate(lines):
+      match = _ASYNC_RE.match(line)
+      if not match:
+        continue
+      instruction, kind, phase, operand = match.groups()
+      if phase == "start":
+        started[instruction] = i
+        continue
+      begin = started.get((operand or "%")[1:])
+      if begin is None:
+        continue
+      between = (_OPCODE_RE.match(l) for l in lines[begin + 1:i])
+      entry = out.setdefault(kind, {"async": 0, "overlapped": 0})
+      entry["async"] += runs.get(name, 1)
+      if any(m and m.group(1) in _COMPUTE_OPS for m in between):
+        entry["overlapped"] += runs.get(name, 1)
+  return out
+
+
 def _unique_shapes(text: str) -> list[str]:
   """The array shapes named in `text` ("f32[4,2,128,64]"), each once, in order."""
   return list(dict.fromkeys(f"{dtype}[{dims}]" for dtype, dims in _ARRAY_RE.findall(text)))
@@ -463,6 +500,7 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
       "loop_bodies_once": ({"flops": cost.get("flops"),
                             "bytes_accessed": cost.get("bytes accessed")} if looped else None),
       "collectives": found,
+      "async_overlap": async_overlap(hlo_text),
       "kernels": kernels(hlo_text),
       "roofline_seconds": times, "step_seconds_bound": bound,
       "mfu_bound": formula / (bound * chip.peak_flops) if compiled and bound > 0 else None,
@@ -539,8 +577,11 @@ def format_report(report: dict) -> str:
   if not report["collectives"]:
     lines.append("  none")
   for kind, c in report["collectives"].items():
+    overlap = report["async_overlap"].get(kind)
     lines.append(f"  {kind:<20} {c['count']:5d} x, {_size(c['bytes'])} results, "
-                 f"{_size(c['traffic_bytes'])} through the links")
+                 f"{_size(c['traffic_bytes'])} through the links"
+                 + (f"; {overlap['async']} asynchronous, {overlap['overlapped']} of them "
+                    "with compute between start and done" if overlap else ""))
   lines.append("Pallas kernels in the compiled program (per-device shapes, operands -> "
                "results):")
   if not report["compiled"]:

@@ -9,7 +9,9 @@ devices, `--rows` rows per step, and the table gives:
   outputs + temporaries - donated; temporaries alone), and its verdict
   against the chip's HBM where the target is a slice;
 - the collectives of the compiled step (collective-permutes: the ring's
-  hops; all-gathers: the all-gather strategy's K/V, and fsdp's parameters);
+  hops, and in brackets those compiled asynchronous with compute scheduled
+  between start and done, `aot.compiler.async_overlap`; all-gathers: the
+  all-gather strategy's K/V, and fsdp's parameters);
 - on the devices this process has (no `--target`), the step time: the
   median of `--steps` timed steps after one untimed, each ended by
   `block_until_ready`, on a state of zeros (parameters and optimizer
@@ -120,14 +122,17 @@ def run_case(config, devices, chip, steps: int | None) -> dict:
   compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   memory = compiler._memory(compiled, held)  # pylint: disable=protected-access
-  found = compiler.collectives(compiled.as_text())
+  hlo_text = compiled.as_text()
+  found = compiler.collectives(hlo_text)
+  overlap = compiler.async_overlap(hlo_text).get("collective-permute", {})
   t = config.train
   row = {"seq_len": t.seq_len, "context": config.mesh.context, "rows": t.batch_size,
          "mesh": dict(mesh.shape), "strategy": config.mesh.context_strategy,
          "attention_impl": config.model.attention_impl, "compile_seconds": round(compile_s, 2),
          "peak_bytes": memory["peak"], "temporaries_bytes": memory["temporaries"],
          "fits": None if chip is None else memory["peak"] <= chip.hbm_bytes,
-         "collectives": {name: c["count"] for name, c in found.items()}}
+         "collectives": {name: c["count"] for name, c in found.items()},
+         "permutes_overlapped": overlap.get("overlapped", 0)}
   if steps:
     seconds = time_step(compiled, lowered, config, mesh, steps)
     row.update(step_seconds=seconds, tokens_per_second=t.batch_size * t.seq_len / seconds)
@@ -136,7 +141,7 @@ def run_case(config, devices, chip, steps: int | None) -> dict:
 
 def table(rows: list[dict]) -> str:
   lines = ["| seq_len | context | mesh (fsdp x context) | peak / device | temporaries | "
-           "permutes | all-gathers | step | tokens/s |",
+           "permutes (overlapped) | all-gathers | step | tokens/s |",
            "|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
   for r in rows:
     c = r["collectives"]
@@ -145,7 +150,8 @@ def table(rows: list[dict]) -> str:
     lines.append(
         f"| {r['seq_len']:,} | {r['context']} | {r['mesh']['fsdp']} x {r['mesh']['context']} | "
         f"{r['peak_bytes'] / 2**20:,.1f} MiB{'' if r['fits'] is not False else ' (no fit)'} | "
-        f"{r['temporaries_bytes'] / 2**20:,.1f} MiB | {c.get('collective-permute', 0)} | "
+        f"{r['temporaries_bytes'] / 2**20:,.1f} MiB | {c.get('collective-permute', 0)} "
+        f"({r['permutes_overlapped']}) | "
         f"{c.get('all-gather', 0)} | "
         f"{step} | {rate} |")
   return "\n".join(lines)

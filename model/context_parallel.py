@@ -501,17 +501,29 @@ def _ring_forward(blocks, q, k, v, q_seg, k_seg, *, axis):
 
 def _ring_backward(blocks, q, k, v, q_seg, k_seg, out, lse, dout, *, axis):
   """dQ, dK, dV (float32): dQ accumulated at home, dK and dV travelling with
-  their block and home again after n hops."""
+  their block and home again after n hops.
+
+  Software-pipelined so that every transfer can overlap a block's compute:
+  at step s a device sends on the K/V it holds (for step s + 1) and the dK/dV
+  sums it finished at step s - 1, while it computes its share of the block
+  it holds; the sum for that block arrives meanwhile and the share is added
+  to it. After the last step one more hop takes each block's sum home."""
   n, me = blocks.n, jax.lax.axis_index(axis)
   perm = [(i, (i + 1) % n) for i in range(n)]
+  grads = lambda s, k, v, k_seg: blocks.backward(q, k, v, q_seg, k_seg, out, lse, dout, me,
+                                                 (me - s) % n)
+  nxt = jax.lax.ppermute((k, v, k_seg), axis, perm)
+  dq, dk, dv = grads(0, k, v, k_seg)
 
   def step(s, carry):
     dq, k, v, k_seg, dk, dv = carry
-    g = blocks.backward(q, k, v, q_seg, k_seg, out, lse, dout, me, (me - s) % n)
-    return (dq + g[0], *jax.lax.ppermute((k, v, k_seg, dk + g[1], dv + g[2]), axis, perm))
+    nxt = jax.lax.ppermute((k, v, k_seg), axis, perm)
+    dk_in, dv_in = jax.lax.ppermute((dk, dv), axis, perm)
+    g = grads(s, k, v, k_seg)
+    return dq + g[0], *nxt, dk_in + g[1], dv_in + g[2]
 
-  zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
-  dq, _, _, _, dk, dv = _loop(n, step, (zeros(q), k, v, k_seg, zeros(k), zeros(v)))
+  dq, _, _, _, dk, dv = _loop(n - 1, lambda i, c: step(i + 1, c), (dq, *nxt, dk, dv))
+  dk, dv = jax.lax.ppermute((dk, dv), axis, perm)
   return dq, dk, dv
 
 
