@@ -315,7 +315,7 @@ def _pallas_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, lowering: str
 
   def kernel(q, k, v, q_seg, kv_seg):
     return flash_attention(q, k, v, causal=o.causal, q_segment_ids=q_seg, kv_segment_ids=kv_seg,
-                           scale=o.scale, softcap=o.softcap,
+                           scale=o.scale, softcap=o.softcap, window=o.window,
                            lowering=None if lowering == "auto" else lowering, device=device)
 
   return sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids))
@@ -365,10 +365,10 @@ _CONTEXT_IMPLEMENTATIONS = ("reference", "xla", "pallas", "auto")
 
 def _context_takes(implementation: str) -> frozenset:
   """What context-parallel attention takes with `implementation`'s blocks:
-  the JAX blocks take `context_parallel.TAKES`, our kernels what they take
-  too (no sliding window)."""
+  `context_parallel.TAKES` for the JAX blocks, `KERNEL_BLOCK_TAKES` (no
+  sliding window) for our kernels'."""
   if implementation == "pallas":
-    return context_parallel.TAKES & KERNEL_TAKES
+    return context_parallel.KERNEL_BLOCK_TAKES
   return context_parallel.TAKES
 
 
@@ -448,7 +448,7 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
   otherwise `xla`.
 
   On a TPU: `pallas` (our Mosaic TPU kernel) where it takes the features (no
-  dense mask or bias, no sliding window), otherwise `xla`. Memory decides
+  dense mask or bias), otherwise `xla`. Memory decides
   this: the kernel keeps O(T) per row for the backward pass where XLA's
   attention keeps every layer's [heads, T, S] scores, so llama2_7b at 4,096
   tokens per chip on a v5p-64 fits without remat with it (41 GiB per chip)

@@ -51,6 +51,8 @@ AXIS = "context"
 # What context-parallel attention takes beyond the causal and segment masks
 # (`model.attention.AttentionOptions.features`).
 TAKES = frozenset({"window", "softcap", "score:softmax"})
+# What it takes with our Pallas kernels as the blocks (`KernelBlocks`): no window.
+KERNEL_BLOCK_TAKES = TAKES - {"window"}
 
 # mesh.context_strategy while a step is traced (`use_strategy`).
 _STRATEGY = contextvars.ContextVar("context_strategy", default="auto")

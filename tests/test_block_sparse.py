@@ -14,10 +14,10 @@ from model.kernels import flash_attention_hopper as hopper
 from tests.segments import DOCUMENTS_KV, DOCUMENTS_Q, documents
 
 
-def _config(causal: bool, q_len: int, block_q_dkv: int = 64):
-  return hopper._Config(scale=1.0, causal=causal, softcap=None, segments=True, q_len=q_len, kv_len=q_len,
-                        group=1, blocks=hopper.HopperBlocks(64, block_q_dkv, 2),
-                        interpret=True)
+def _config(causal: bool, q_len: int, block_q_dkv: int = 64, window: int | None = None):
+  return hopper._Config(scale=1.0, causal=causal, softcap=None, segments=True, window=window,
+                        q_len=q_len, kv_len=q_len, group=1,
+                        blocks=hopper.HopperBlocks(64, block_q_dkv, 2), interpret=True)
 
 
 def _plans(causal: bool):
@@ -87,16 +87,21 @@ def _check_plan(tiles, bounds, visible_BRX, col_tile: int):
 @hypothesis.settings(deadline=None, max_examples=6)
 @hypothesis.given(seed=st.integers(0, 2**16), B=st.integers(1, 2), ctas_q=st.integers(1, 3),
                   ctas_k=st.integers(1, 3), block=st.sampled_from([64, 128]),
-                  causal=st.booleans(), mode=st.sampled_from(["packed", "blocks", "random"]))
-def test_plans_cover_what_is_visible(seed, B, ctas_q, ctas_k, block, causal, mode):
+                  causal=st.booleans(), mode=st.sampled_from(["packed", "blocks", "random"]),
+                  window=st.sampled_from([None, 1, 50, 200]))
+def test_plans_cover_what_is_visible(seed, B, ctas_q, ctas_k, block, causal, mode, window):
   rng = np.random.RandomState(seed)
   T, S = 128 * ctas_q, 128 * ctas_k
   q_seg = _random_segments(rng, B, T, mode)
   kv_seg = q_seg[:, :S] if S <= T and rng.rand() < 0.5 else _random_segments(rng, B, S, mode)
   visible = (q_seg[:, :, None] == kv_seg[:, None, :]) & (kv_seg[:, None, :] != 0)
+  window = window if causal else None
+  offset = np.arange(T)[None, :, None] - np.arange(S)[None, None, :]
   if causal:
-    visible &= np.arange(S)[None, None, :] <= np.arange(T)[None, :, None]
-  cfg = _config(causal, T, block_q_dkv=block)
+    visible &= offset >= 0
+  if window is not None:
+    visible &= offset < window
+  cfg = _config(causal, T, block_q_dkv=block, window=window)
   tiles, bounds = (np.asarray(x) for x in hopper._query_plan(q_seg, kv_seg, block, cfg))
   _check_plan(tiles, bounds, visible, block)
   tiles, bounds = (np.asarray(x) for x in hopper._key_plan(q_seg, kv_seg, cfg))
@@ -145,3 +150,14 @@ def test_plan_of_the_packed_bench_row():
   assert np.asarray(bounds)[:, :, 0, 2].sum(axis=1).tolist() == [18, 21, 21, 22, 22, 19, 22, 21]
   assert np.asarray(key_bounds)[:, :, 0, 2].sum(axis=1).tolist() == [
       34, 39, 42, 40, 40, 35, 37, 39]
+
+
+def test_a_sliding_window_plan_visits_only_its_band():
+  """One document of 1,024 tokens, a 100-key window, 64-row tiles: each
+  query tile's plan lists the key tiles of its band (its own, and the one
+  or two before it that the window reaches), not the causal triangle."""
+  seg = np.ones((1, 1024), np.int32)
+  cfg = _config(True, 1024, window=100)
+  tiles, bounds = (np.asarray(x) for x in hopper._query_plan(seg, seg, 64, cfg))
+  counts = bounds[0, :, :, 2].max(axis=1)  # per CTA of two 64-row query tiles
+  assert counts.max() <= 4 and counts[-1] == 4  # causal alone: up to 16

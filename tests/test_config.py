@@ -78,8 +78,8 @@ KERNEL_CASES = [
      "model.pallas_lowering='mosaic_gpu': needs model.dtype bfloat16 or float16, not float32"),
     (dict(pallas_lowering="mosaic_gpu", dtype="bfloat16"),
      "model.pallas_lowering='mosaic_gpu': needs a head_dim of 64 or 128, not 32"),
-    (dict(attention_impl="pallas", sliding_window=8),
-     "model.sliding_window=8: attention_impl=pallas takes no sliding window (option `window`)"),
+    (dict(attention_impl="pallas", pos_emb="alibi"),
+     "model.pos_emb='alibi': attention_impl=pallas takes no additive bias (option `bias`)"),
 ]
 
 

@@ -16,7 +16,7 @@ MOSAIC_GPU_HEAD_DIMS = (64, 128)
 
 # The optional attention features (`model.attention.AttentionOptions.features`)
 # every kernel takes, forward and backward, beside the causal and segment-id
-# masks: the soft-cap, and the softmax score. No dense mask, sliding window,
-# additive bias or other score function: `attention_impl=pallas` refuses those
-# by name.
-KERNEL_TAKES = frozenset({"softcap", "score:softmax"})
+# masks: the causal sliding window, the soft-cap, and the softmax score. No
+# dense mask, additive bias or other score function: `attention_impl=pallas`
+# refuses those by name.
+KERNEL_TAKES = frozenset({"window", "softcap", "score:softmax"})

@@ -43,12 +43,14 @@ def tile_ranges(segment_ids_BL, tile: int):
   return lo, hi, real.all(axis=-1) & (lo == hi)
 
 
-def pair_visibility(q_seg_BT, kv_seg_BS, q_tile: int, k_tile: int, causal: bool):
+def pair_visibility(q_seg_BT, kv_seg_BS, q_tile: int, k_tile: int, causal: bool,
+                    window: int | None = None):
   """(visible, whole), each [B, T / q_tile, S / k_tile]: whether a query tile
   may see any key of a key tile (their id ranges overlap, and not all keys
   are after all queries when causal), and whether every query sees every
   key (one id on both sides, every key at or before every query when
-  causal). `visible` may be true of a pair that sees nothing (ranges
+  causal, and within the sliding `window` of every query, which comes with
+  the causal mask). `visible` may be true of a pair that sees nothing (ranges
   overlap without a shared id); such a pair is visited with the mask."""
   q_lo, q_hi, q_uniform = (x[:, :, None] for x in tile_ranges(q_seg_BT, q_tile))
   k_lo, k_hi, k_uniform = (x[:, None, :] for x in tile_ranges(kv_seg_BS, k_tile))
@@ -59,6 +61,9 @@ def pair_visibility(q_seg_BT, kv_seg_BS, q_tile: int, k_tile: int, causal: bool)
     k_first = jnp.arange(kv_seg_BS.shape[1] // k_tile)[None, :] * k_tile
     visible &= k_first <= q_first + q_tile - 1
     whole &= k_first + k_tile - 1 <= q_first
+    if window is not None:  # the nearest pair within the window; the farthest
+      visible &= q_first - (k_first + k_tile - 1) < window
+      whole &= q_first + q_tile - 1 - k_first < window
   return visible, whole
 
 
@@ -92,22 +97,22 @@ def schedule(visible_BCWJ, whole_BCWJ):
 
 
 def plan_over_keys(q_seg_BT, kv_seg_BS, *, q_tile: int, k_tile: int, causal: bool,
-                   per_cta: int = 1):
+                   per_cta: int = 1, window: int | None = None):
   """The plan of a kernel whose CTAs own `per_cta` query tiles of `q_tile`
   rows each and stream key tiles of `k_tile` (forward, dQ): `schedule` of
   [B, T / (q_tile * per_cta), per_cta, S / k_tile]."""
-  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal)
+  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal, window)
   B, tiles_q, tiles_k = visible.shape
   shape = (B, tiles_q // per_cta, per_cta, tiles_k)
   return schedule(visible.reshape(shape), whole.reshape(shape))
 
 
 def plan_over_queries(q_seg_BT, kv_seg_BS, *, q_tile: int, k_tile: int, causal: bool,
-                      per_cta: int = 1):
+                      per_cta: int = 1, window: int | None = None):
   """The plan of a kernel whose CTAs own `per_cta` key tiles of `k_tile`
   each and stream query tiles of `q_tile` (dK/dV): `schedule` of
   [B, S / (k_tile * per_cta), per_cta, T / q_tile]."""
-  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal)
+  visible, whole = pair_visibility(q_seg_BT, kv_seg_BS, q_tile, k_tile, causal, window)
   B, tiles_q, tiles_k = visible.shape
   shape = (B, tiles_k // per_cta, per_cta, tiles_q)
   return schedule(visible.transpose(0, 2, 1).reshape(shape),

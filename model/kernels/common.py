@@ -9,7 +9,8 @@ scaled scores, the backward recomputes the capped tile and multiplies dS by
 the cap's derivative (`soft_cap_grad`) before dQ and dK.
 
 Mask semantics, the same in every kernel: query i sees key j iff j <= i when
-causal (top-left aligned), j is below the true key length (the arrays may be
+causal (top-left aligned), i - j < window with a sliding window (causal
+only), j is below the true key length (the arrays may be
 padded past it), and, with segment ids, the ids of i and j are equal and the
 key's is not 0 (the padding id). A query that sees no key gets a zero output
 and zero gradients.
@@ -77,13 +78,14 @@ def delta(o_BTHD, do_BTHD):
 
 
 def visible(q_pos, k_pos, *, along_q, along_k, causal: bool, kv_len: int | None = None,
-            q_seg=None, kv_seg=None):
+            q_seg=None, kv_seg=None, window: int | None = None):
   """Which (query, key) pairs of a tile may attend (the module's mask
   semantics), a boolean tile, or None when nothing is masked.
 
   q_pos, k_pos: the tile's query and key positions (vectors); kv_len: the
   true key length where the tile may hold padded keys, else None; q_seg,
-  kv_seg: the tile's segment ids (vectors), or None. along_q(vector) and
+  kv_seg: the tile's segment ids (vectors), or None; window: with `causal`,
+  Mistral's sliding window (query i sees keys i - window < j <= i), or None. along_q(vector) and
   along_k(vector) spread a vector of the query or key side over the tile
   (each kernel lays its tiles out its own way).
   """
@@ -96,6 +98,8 @@ def visible(q_pos, k_pos, *, along_q, along_k, causal: bool, kv_len: int | None 
     k_pos = along_k(k_pos)
   if causal:
     terms.append(k_pos <= along_q(q_pos))
+  if window is not None:
+    terms.append(along_q(q_pos) - k_pos < window)
   if kv_len is not None:
     terms.append(k_pos < kv_len)
   if kv_seg is not None:
@@ -174,17 +178,30 @@ def _padding(q_BTHD, k_BSKD, q_multiple: int, kv_multiple: int, head_dim: int | 
               D_pad=head_dim or q_BTHD.shape[3])
 
 
+def one_segment(q_BTHD, k_BSKD, q_segment_ids, kv_segment_ids):
+  """The segment ids, or where none are given one segment over each row: a
+  kernel visits a sliding window's tiles by the block-sparse plan
+  (`block_sparse.py`), which it builds from segment ids."""
+  if q_segment_ids is not None:
+    return q_segment_ids, kv_segment_ids
+  return (jnp.ones(q_BTHD.shape[:2], jnp.int32), jnp.ones(k_BSKD.shape[:2], jnp.int32))
+
+
 def padded_call(flash, q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, *,
-                q_multiple: int, kv_multiple: int, head_dim: int | None = None):
+                q_multiple: int, kv_multiple: int, head_dim: int | None = None,
+                segments: bool = False):
   """flash(q, k, v, q_seg, kv_seg) on inputs zero-padded to whole tiles,
   cut back to [B, T, H, D].
 
   Query lengths are padded to a multiple of `q_multiple`, key lengths to one
   of `kv_multiple`, the head dim to `head_dim` if given. Padded keys must be
   masked by the kernel (the true length, or segment id 0); padded query rows
-  are cut off, so they get no gradient.
+  are cut off, so they get no gradient. `segments`: the kernel needs segment
+  ids (`one_segment` where none are given).
   """
   T, D = q_BTHD.shape[1], q_BTHD.shape[3]
+  if segments:
+    q_segment_ids, kv_segment_ids = one_segment(q_BTHD, k_BSKD, q_segment_ids, kv_segment_ids)
   out = flash(*padded_inputs(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids,
                              **_padding(q_BTHD, k_BSKD, q_multiple, kv_multiple, head_dim)))
   return out[:, :T, :, :D]
@@ -223,25 +240,29 @@ class Parts:
 
 
 def padded_parts(forward, backward, q_BTHD, k_BSKD, *, q_multiple: int, kv_multiple: int,
-                 head_dim: int | None = None) -> Parts:
+                 head_dim: int | None = None, segments: bool = False) -> Parts:
   """`Parts` of a kernel in the [B, T, H, D] layout with a base-2 lse [B, H, T]
   (the Triton and Mosaic GPU kernels): forward(q, k, v, q_seg, kv_seg) and
   backward(q, k, v, q_seg, kv_seg, out, lse, do) on inputs padded as
-  `padded_call` pads them."""
+  `padded_call` pads them (`segments` as its)."""
   T, D = q_BTHD.shape[1], q_BTHD.shape[3]
   sizes = _padding(q_BTHD, k_BSKD, q_multiple, kv_multiple, head_dim)
   rows = lambda x: pad_to(pad_to(x, 1, sizes["T_pad"]), 3, sizes["D_pad"])
   cut = lambda x: x[:, :T, :, :D]
 
+  def inputs(q, k, v, q_seg, kv_seg):
+    if segments:
+      q_seg, kv_seg = one_segment(q, k, q_seg, kv_seg)
+    return padded_inputs(q, k, v, q_seg, kv_seg, **sizes)
+
   def parts_forward(q, k, v, q_seg, kv_seg):
-    out, lse = forward(*padded_inputs(q, k, v, q_seg, kv_seg, **sizes))
+    out, lse = forward(*inputs(q, k, v, q_seg, kv_seg))
     return cut(out), lse_to_natural(lse[:, :, :T], base2=True)
 
   def parts_backward(q, k, v, q_seg, kv_seg, out, lse, do):
-    inputs = padded_inputs(q, k, v, q_seg, kv_seg, **sizes)
     lse = jnp.pad(lse_from_natural(lse, base2=True), ((0, 0), (0, 0), (0, sizes["T_pad"] - T)),
                   constant_values=jnp.inf)
-    dq, dk, dv = backward(*inputs, rows(out), lse, rows(do))
+    dq, dk, dv = backward(*inputs(q, k, v, q_seg, kv_seg), rows(out), lse, rows(do))
     S = k.shape[1]
     return cut(dq), dk[:, :S, :, :D], dv[:, :S, :, :D]
 

@@ -269,6 +269,7 @@ class _Config:
   causal: bool
   softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
   segments: bool  # segment ids given: mask by them, rows may be empty
+  window: int | None  # the causal sliding window, or None; with one, `segments` (its plan)
   q_len: int  # true query length (the arrays are padded past it)
   kv_len: int  # true key length (the arrays are padded past it)
   group: int  # query heads per KV head
@@ -377,7 +378,8 @@ def _mask(s, q_start, k_start, ops: _Ops, cfg: _Config, *, transposed: bool,
       along_q=lambda x: lax.broadcast_in_dim(x, s.shape, [q_axis]),
       along_k=lambda x: lax.broadcast_in_dim(x, s.shape, [k_axis]),
       causal=cfg.causal, kv_len=cfg.kv_len if cfg.ragged else None,
-      q_seg=q_seg if cfg.segments else None, kv_seg=kv_seg if cfg.segments else None)
+      q_seg=q_seg if cfg.segments else None, kv_seg=kv_seg if cfg.segments else None,
+      window=cfg.window)
   return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -1020,7 +1022,8 @@ def _query_plan(q_seg_BT, kv_seg_BS, block_k: int, cfg: _Config):
   if not cfg.segments:
     return None
   return block_sparse.plan_over_keys(q_seg_BT, kv_seg_BS, q_tile=ROWS, k_tile=block_k,
-                                     causal=cfg.causal, per_cta=COMPUTE_WGS)
+                                     causal=cfg.causal, per_cta=COMPUTE_WGS,
+                                     window=cfg.window)
 
 
 def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
@@ -1029,7 +1032,8 @@ def _key_plan(q_seg_BT, kv_seg_BS, cfg: _Config):
   if not cfg.segments:
     return None
   return block_sparse.plan_over_queries(q_seg_BT, kv_seg_BS, q_tile=cfg.blocks.block_q_dkv,
-                                        k_tile=ROWS, causal=cfg.causal, per_cta=COMPUTE_WGS)
+                                        k_tile=ROWS, causal=cfg.causal, per_cta=COMPUTE_WGS,
+                                        window=cfg.window)
 
 
 def _kernel(name: str, body, out_type, scratch, grid, names, cfg: _Config):
@@ -1100,33 +1104,37 @@ _flash = common.flash_vjp(_forward, _backward)
 
 
 def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, segments: bool,
-           blocks: HopperBlocks | None, interpret: bool, softcap: float | None):
+           blocks: HopperBlocks | None, interpret: bool, softcap: float | None,
+           window: int | None = None):
   """The call's `_Config` and `common.padded_call`'s padding (query and key
-  lengths to whole tiles)."""
+  lengths to whole tiles; with a sliding `window`, the plan's segment ids)."""
   _, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   blocks = blocks or choose_hopper_blocks(D, S, interpret=interpret)
+  segments = segments or window is not None
   _check_shared_memory(D, q_BTHD.dtype, blocks, segments)
-  cfg = _Config(scale=scale, causal=causal, softcap=softcap, segments=segments, q_len=T,
-                kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
-  return cfg, dict(q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple)
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, segments=segments, window=window,
+                q_len=T, kv_len=S, group=H // K, blocks=blocks, interpret=interpret)
+  return cfg, dict(q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple,
+                   segments=window is not None)
 
 
 def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                            q_segment_ids=None, kv_segment_ids=None,
                            blocks: HopperBlocks | None = None, interpret: bool,
-                           softcap: float | None = None):
+                           softcap: float | None = None, window: int | None = None):
   """Attention [B, T, H, D] for inputs `supports` accepts.
 
   Query and key lengths are zero-padded to whole tiles (padded keys are
   masked, padded query rows cut off), so any T and S work. The mask
   semantics of `common.py`: causal top-left aligned; segment ids [B, T] and
   [B, S] (both or neither); a query that sees no key gets zeros. The same
-  semantics as `flash_attention`; `softcap` its soft-cap.
+  semantics as `flash_attention`; `softcap` its soft-cap, `window` its
+  sliding window.
   """
   cfg, padding = _setup(q_BTHD, k_BSKD, causal=causal, scale=scale,
                         segments=q_segment_ids is not None, blocks=blocks,
-                        interpret=interpret, softcap=softcap)
+                        interpret=interpret, softcap=softcap, window=window)
   return common.padded_call(
       lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),
       q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids, **padding)
@@ -1135,7 +1143,7 @@ def hopper_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float
 def hopper_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
   """The Hopper kernels' forward (with its lse) and backward for inputs shaped
   like q and k; `options` (causal, scale, segments, blocks, interpret,
-  softcap) as `_setup`'s."""
+  softcap, window) as `_setup`'s."""
   cfg, padding = _setup(q_BTHD, k_BSKD, **options)
   return common.padded_parts(lambda *a: _forward(*a, cfg), lambda *a: _backward(*a, cfg),
                              q_BTHD, k_BSKD, **padding)

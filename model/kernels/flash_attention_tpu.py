@@ -137,6 +137,7 @@ class _Config:
   scale: float
   causal: bool
   softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
+  window: int | None  # the causal sliding window, or None
   num_kv_heads: int
   blocks: TpuBlocks
   interpret: bool
@@ -153,7 +154,8 @@ def _scores(q_TD, k_SD, q_start, k_start, q_seg_T1, kv_seg_1S, *, cfg: _Config,
             masked: bool):
   """Scaled scores of a tile [block_q, block_k] float32, soft-capped with
   `cfg.softcap`; with `masked`, -inf where the key is after the query
-  (causal) or in another segment or padding (id 0). Returns them and the
+  (causal), outside the sliding window, or in another segment or padding
+  (id 0). Returns them and the
   cap's tanh tile (None without a cap) for the backward."""
   s_TS, tanh_TS = common.soft_cap_tile(_dot(q_TD, k_SD, 1, 1) * cfg.scale, cfg.softcap)
   if not masked:
@@ -163,16 +165,19 @@ def _scores(q_TD, k_SD, q_start, k_start, q_seg_T1, kv_seg_1S, *, cfg: _Config,
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 0)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, s_TS.shape, 1)
     visible &= k_pos <= q_pos
+    if cfg.window is not None:
+      visible &= q_pos - k_pos < cfg.window
   return jnp.where(visible, s_TS, -jnp.inf), tanh_TS
 
 
 def _plan(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,
-          causal: bool):
+          causal: bool, window: int | None):
   """The block-sparse plan, flattened for SMEM: (tiles [P * N], bounds
   [P * 2] of (split, count)) over the P = B' x C program tiles, and N, the
   length of each tile list."""
   make = block_sparse.plan_over_keys if over_keys else block_sparse.plan_over_queries
-  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal)
+  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal,
+                       window=window)
   N = tiles.shape[2]
   return tiles.reshape(-1), bounds[:, :, 0, 1:].reshape(-1), N
 
@@ -312,7 +317,8 @@ def _launch_plan(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, over_keys: bool, block_
   streamed(b, tile, n, tiles_ref, bounds_ref) the tile that program (b, tile)
   streams at step n, for the index maps."""
   tiles, bounds, N = _plan(q_seg_BT1[..., 0], kv_seg_B1S[:, 0], over_keys=over_keys,
-                           q_tile=block_q, k_tile=block_k, causal=cfg.causal)
+                           q_tile=block_q, k_tile=block_k, causal=cfg.causal,
+                           window=cfg.window)
   seg_b = (lambda b: b) if cfg.per_batch_plan else (lambda b: 0)
 
   def streamed(b, tile, n, tiles_ref, bounds_ref):
@@ -489,21 +495,23 @@ class _Layout:
 
 
 def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, segments: bool, blocks: TpuBlocks,
-           interpret: bool, softcap: float | None):
-  cfg = _Config(scale=scale, causal=causal, softcap=softcap, num_kv_heads=k_BSKD.shape[2],
+           interpret: bool, softcap: float | None, window: int | None = None):
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, window=window,
+                num_kv_heads=k_BSKD.shape[2],
                 blocks=blocks, interpret=interpret, per_batch_plan=segments)
   return cfg, _Layout.of(q_BTHD, k_BSKD, blocks)
 
 
 def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                         q_segment_ids, kv_segment_ids, blocks: TpuBlocks,
-                        interpret: bool, softcap: float | None = None):
+                        interpret: bool, softcap: float | None = None,
+                        window: int | None = None):
   """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k, v
   [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`. The
   operands are laid out as `_Layout` says."""
   cfg, layout = _setup(q_BTHD, k_BSKD, causal=causal, scale=scale,
                        segments=q_segment_ids is not None, blocks=blocks, interpret=interpret,
-                       softcap=softcap)
+                       softcap=softcap, window=window)
   out_BHTD = _flash(*layout.operands(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids),
                     cfg)
   return layout.back(out_BHTD, layout.T)
@@ -512,7 +520,7 @@ def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
 def tpu_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
   """The TPU kernels' forward (with its lse) and backward for inputs shaped
   like q and k; `options` (causal, scale, segments, blocks, interpret,
-  softcap) as `_setup`'s."""
+  softcap, window) as `_setup`'s."""
   cfg, layout = _setup(q_BTHD, k_BSKD, **options)
   T = layout.T
 

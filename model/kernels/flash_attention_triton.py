@@ -169,6 +169,7 @@ class _Config:
   scale: float
   causal: bool
   softcap: float | None  # c of c tanh(s / c) on the scaled scores; None: no cap
+  window: int | None  # the causal sliding window, or None; with one, segment ids are given
   q_len: int  # true query length (the arrays are padded past it)
   kv_len: int  # true key length (the arrays are padded past it)
   blocks: BlockSizes
@@ -189,6 +190,7 @@ def _mask(q_start, k_start, block_q: int, block_k: int, cfg: _Config, *,
                         k_start + jnp.arange(block_k, dtype=jnp.int32),
                         along_q=lambda x: x[:, None], along_k=lambda x: x[None, :],
                         causal=cfg.causal, kv_len=cfg.kv_len if ragged else None,
+                        window=cfg.window,
                         q_seg=q_seg_T, kv_seg=kv_seg_S)
 
 
@@ -360,7 +362,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref,
 
 
 def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int,
-               causal: bool):
+               causal: bool, window: int | None):
   """With segment ids, the block-sparse plan of a kernel
   (`block_sparse.plan_over_keys` for the forward and dQ kernels, whose
   programs own a query tile; `plan_over_queries` for dK/dV) and its
@@ -370,7 +372,8 @@ def _plan_args(q_seg_BT, kv_seg_BS, *, over_keys: bool, q_tile: int, k_tile: int
   if q_seg_BT is None:
     return (None, None), (None, None)
   make = block_sparse.plan_over_keys if over_keys else block_sparse.plan_over_queries
-  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal)
+  tiles, bounds = make(q_seg_BT, kv_seg_BS, q_tile=q_tile, k_tile=k_tile, causal=causal,
+                       window=window)
   tiles = common.pad_to(tiles, 2, pl.next_power_of_2(tiles.shape[2]))
   bounds = common.pad_to(bounds[:, :, 0], 2, 4)
   specs = (pl.BlockSpec((None, None, tiles.shape[2]), lambda i, b, h: (b, i, 0)),
@@ -389,7 +392,8 @@ def _forward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, cfg: _Config):
   q_spec = pl.BlockSpec((None, block_q, None, D), lambda t, b, h: (b, t, h, 0))
   has_seg = q_seg_BT is not None
   plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=True, q_tile=block_q,
-                                k_tile=cfg.blocks.block_k, causal=cfg.causal)
+                                k_tile=cfg.blocks.block_k, causal=cfg.causal,
+                                window=cfg.window)
   in_specs = [
       q_spec, kv_spec, kv_spec,
       pl.BlockSpec((None, block_q), lambda t, b, h: (b, t)) if has_seg else None,
@@ -431,7 +435,8 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   kv_tile_spec = pl.BlockSpec((None, block_k, None, D),
                               lambda s, b, g: (b, s, g, 0))
   plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=False,
-                                q_tile=blocks.block_q_dkv, k_tile=block_k, causal=cfg.causal)
+                                q_tile=blocks.block_q_dkv, k_tile=block_k, causal=cfg.causal,
+                                window=cfg.window)
   dk_BSKD, dv_BSKD = pl.pallas_call(
       functools.partial(_dkdv_kernel, cfg=cfg),
       grid=(S // block_k, B, K),
@@ -458,7 +463,8 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
   kv_spec = pl.BlockSpec((None, S, None, D),
                          lambda t, b, h: (b, 0, lax.div(h, group), 0))
   plan, plan_specs = _plan_args(q_seg_BT, kv_seg_BS, over_keys=True, q_tile=block_q,
-                                k_tile=blocks.block_k_dq, causal=cfg.causal)
+                                k_tile=blocks.block_k_dq, causal=cfg.causal,
+                                window=cfg.window)
   dq_BTHD = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg),
       grid=(T // block_q, B, H),
@@ -481,11 +487,12 @@ _flash = common.flash_vjp(_forward, _backward)
 
 
 def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, block_q: int | None,
-           block_k: int | None, interpret: bool, device, softcap: float | None):
+           block_k: int | None, interpret: bool, device, softcap: float | None,
+           window: int | None = None):
   """The call's `_Config` and `common.padded_call`'s padding (tiles chosen for
   `device` by `choose_block_sizes` unless `block_q` / `block_k` are given;
   the head dim zero-padded to a power of two >= 16, the lengths to whole
-  tiles)."""
+  tiles; with a sliding `window`, the plan's segment ids)."""
   T, D = q_BTHD.shape[1], q_BTHD.shape[3]
   S = k_BSKD.shape[1]
   blocks = choose_block_sizes(T, S, D, backend=device.platform,
@@ -496,16 +503,17 @@ def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, block_q: int | None,
   if block_k is not None:
     blocks = dataclasses.replace(blocks, block_k=block_k, block_k_dkv=block_k,
                                  block_k_dq=block_k)
-  cfg = _Config(scale=scale, causal=causal, softcap=softcap, q_len=T, kv_len=S, blocks=blocks,
-                interpret=interpret)
+  cfg = _Config(scale=scale, causal=causal, softcap=softcap, window=window, q_len=T, kv_len=S,
+                blocks=blocks, interpret=interpret)
   return cfg, dict(q_multiple=blocks.q_multiple, kv_multiple=blocks.kv_multiple,
-                   head_dim=max(MIN_BLOCK, pl.next_power_of_2(D)))
+                   head_dim=max(MIN_BLOCK, pl.next_power_of_2(D)),
+                   segments=window is not None)
 
 
 def triton_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, q_segment_ids, kv_segment_ids,
                            **options):
   """The portable kernels on [B, T, H, D] inputs; `options` (causal, scale,
-  block_q, block_k, interpret, device, softcap) as `_setup`'s."""
+  block_q, block_k, interpret, device, softcap, window) as `_setup`'s."""
   cfg, padding = _setup(q_BTHD, k_BSKD, **options)
   return common.padded_call(
       lambda q, k, v, q_seg, kv_seg: _flash(q, k, v, q_seg, kv_seg, cfg),

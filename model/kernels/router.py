@@ -34,10 +34,12 @@ def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "causal", "scale", "softcap", "block_q", "block_k", "interpret", "lowering", "device"))
+    "causal", "scale", "softcap", "window", "block_q", "block_k", "interpret", "lowering",
+    "device"))
 def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                     q_segment_ids=None, kv_segment_ids=None,
                     scale: float | None = None, softcap: float | None = None,
+                    window: int | None = None,
                     block_q: int | None = None,
                     block_k: int | None = None, interpret: bool | None = None,
                     lowering: str | None = None, device=None):
@@ -52,6 +54,9 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     scale: score multiplier, default 1 / sqrt(D).
     softcap: c of Gemma-2's soft-cap c tanh(s / c) on the scaled scores
       (every kernel); None: none.
+    window: with `causal`, Mistral's sliding window: query i sees keys
+      i - window < j <= i (every kernel; the tiles wholly outside it are
+      neither fetched nor computed, by the block-sparse plan); None: none.
     block_q, block_k: query and key tile (powers of two >= 16) of every
       kernel, forward and backward; default `choose_block_sizes`.
     interpret: run the Pallas interpreter; default: when `device` is not the
@@ -77,8 +82,9 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     raise ValueError("flash_attention: give both q_segment_ids and "
                      "kv_segment_ids, or neither")
   lowering, options = _configure(q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
-                                 softcap=softcap, block_q=block_q, block_k=block_k,
-                                 interpret=interpret, lowering=lowering, device=device)
+                                 softcap=softcap, window=window, block_q=block_q,
+                                 block_k=block_k, interpret=interpret, lowering=lowering,
+                                 device=device)
   return _WHOLE[lowering](q_BTHD, k_BSKD, v_BSKD, q_segment_ids=q_segment_ids,
                           kv_segment_ids=kv_segment_ids, **options)
 
@@ -89,14 +95,15 @@ def flash_attention_parts(q_BTHD, k_BSKD, *, segments: bool = False, **options):
   and its backward from a given (out, lse) (`common.Parts`): the blocks of
   the context-parallel ring (`model/context_parallel.py`), which merges
   partial results and differentiates them itself. `segments`: whether the
-  calls pass segment ids; `options` (causal, scale, softcap, block_q,
-  block_k, interpret, lowering, device) as `flash_attention`'s."""
+  calls pass segment ids; `options` (causal, scale, softcap, window,
+  block_q, block_k, interpret, lowering, device) as `flash_attention`'s."""
   lowering, options = _configure(q_BTHD, k_BSKD, k_BSKD, **options)
   return _PARTS[lowering](q_BTHD, k_BSKD, segments=segments, **options)
 
 
 def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | None = None,
-               softcap: float | None = None, block_q: int | None = None,
+               softcap: float | None = None, window: int | None = None,
+               block_q: int | None = None,
                block_k: int | None = None, interpret: bool | None = None,
                lowering: str | None = None, device=None):
   """Checks the call and chooses its kernel: (lowering, that kernel's options
@@ -110,6 +117,9 @@ def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | N
   if H % K:
     raise ValueError(f"flash_attention: {H} query heads is not a multiple of "
                      f"{K} KV heads")
+  if window is not None and (not causal or window < 1):
+    raise ValueError(f"flash_attention: window={window} must be >= 1 and come with "
+                     "causal=True")
   for name, block in (("block_q", block_q), ("block_k", block_k)):
     if block is not None and (block < triton.MIN_BLOCK or block & (block - 1)):
       raise ValueError(f"flash_attention: {name}={block} must be a power of "
@@ -132,7 +142,7 @@ def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | N
         blocks, **({} if block_q is None else dict(block_q=block_q, block_q_dkv=block_q)),
         **({} if block_k is None else dict(block_k=block_k, block_k_dkv=block_k)))
     return lowering, dict(causal=causal, scale=scale, blocks=blocks, interpret=interpret,
-                          softcap=softcap)
+                          softcap=softcap, window=window)
   if lowering == "mosaic_gpu":
     reason = hopper.supports(q_BTHD, k_BSKD)
     if reason is not None:
@@ -148,12 +158,12 @@ def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | N
     if block_k is not None:
       blocks = dataclasses.replace(blocks, block_k=block_k)
     return lowering, dict(causal=causal, scale=scale, blocks=blocks, interpret=interpret,
-                          softcap=softcap)
+                          softcap=softcap, window=window)
   if lowering != "triton":
     raise ValueError(f"flash_attention: lowering={lowering!r}; choose one of "
                      f"{LOWERINGS}")
   return lowering, dict(causal=causal, scale=scale, block_q=block_q, block_k=block_k,
-                        interpret=interpret, device=device, softcap=softcap)
+                        interpret=interpret, device=device, softcap=softcap, window=window)
 
 
 # Each lowering's differentiable whole and its `common.Parts`, on the options
