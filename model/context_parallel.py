@@ -14,23 +14,28 @@ queries, keys and values, and sees every key either way:
   issued before the current block's compute, so the two may overlap. The
   backward pass (a custom VJP) recomputes each block's probabilities from the
   saved log-sum-exp, keeps dQ at home and sends dK/dV around the ring with
-  their block, so after N hops they arrive home complete. Memory per device:
-  its own blocks, one travelling block and its dK/dV, never the T x T scores.
+  their block, so after N hops they arrive home complete (software-pipelined:
+  `_ring_backward`). Memory per device: its own blocks, the travelling
+  blocks and their dK/dV, never the T x T scores.
 - `all_gather`: K/V gathered once (`jax.lax.all_gather`), then the local
   queries attend to all of them (its transpose, a reduce-scatter, gives dK/dV).
   One collective per layer instead of N hops; cheap where K/V are small
   (GQA, MQA), as Llama 3 chose.
 
+Both compute with blocks of one of two kinds: `JaxBlocks` (our JAX
+attention, tile by tile) or `KernelBlocks` (our Pallas kernels, through
+their forward with the log-sum-exp and their backward from the merged row's).
 Both take the causal and segment-id masks (packing and padding; the ids
-travel with their keys), a causal sliding window and a soft-cap, with the
-softmax score; masks are computed from each token's index in the whole row
-(`token_index`), not from its position in the local block.
+travel with their keys), a soft-cap and the softmax score; the JAX blocks a
+causal sliding window too, their masks computed from each token's index in
+the whole row (`token_index`), not from its position in the local block.
 
 Causal load balance (`zigzag`): with a contiguous split device 0's queries see
 almost no key and device N-1's see almost all. The zig-zag layout cuts the
 row into 2N chunks and gives device i chunks i and 2N-1-i, so every device
-does the same causal work (`causal_work`). The blocks then skip, per pair of
-tiles, the fully masked ones (`jax.lax.cond`: not computed at all).
+does the same causal work (`causal_work`). The blocks then skip the fully
+masked pairs (the JAX blocks per pair of tiles, by `jax.lax.cond`; the
+kernel blocks per pair of chunks, by which of three calls they make).
 """
 import contextlib
 import contextvars
