@@ -59,7 +59,8 @@ from aot.targets import Target, target_devices
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import (BATCH_AXES, batch_sharding, make_mesh, state_shardings,
                                train_state_shardings, with_shardings)
-from training.steps import abstract_state, jit_eval_step, jit_train_step, traced_on
+from training.steps import (abstract_state, jit_eval_step, jit_train_step, router_losses,
+                            traced_on)
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
@@ -113,7 +114,8 @@ def _lower_train(config, mesh):
   step = jit_train_step(graphdef, make_optimizer(tc), learning_rate_schedule(tc), tc.objective,
                         tc.grad_accum_steps, state_sharding=shardings,
                         batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss,
-                        context_strategy=config.mesh.context_strategy)
+                        context_strategy=config.mesh.context_strategy,
+                        router_losses=router_losses(config))
   held = {"parameters": _shard_bytes(state["params"]),
           "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
   return step.lower(state, batch), held

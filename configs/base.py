@@ -45,6 +45,13 @@ def get_config() -> config_dict.ConfigDict:
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
   m.mlp = "swiglu"  # a model/mlp.py MLPS entry (gated ones have a third matrix, d_ff about 8/3 d)
+  m.num_experts = 0  # mixture of experts (model/moe.py): experts per MoE layer; 0: dense MLPs
+  m.experts_per_token = 2  # MoE: experts each token is routed to (top-k)
+  m.moe_d_ff = config_dict.placeholder(int)  # MoE: each expert's hidden width; None: d_ff
+  m.num_shared_experts = 0  # MoE: always-on experts (DeepSeek), one MLP of this many x moe_d_ff
+  m.moe_router = "softmax_topk_norm"  # MoE: a model/moe.py ROUTERS entry
+  m.moe_layers = config_dict.placeholder(tuple)  # MoE: the layers (0-based) with experts, the
+  #   others dense (DeepSeek's first dense layers: (1, 2, ...)); None: every layer
   m.use_bias = False  # biases in the attention and MLP projections (all or none)
   m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
   m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
@@ -180,6 +187,8 @@ def get_config() -> config_dict.ConfigDict:
   #   AdamW's learning_rate and weight_decay carry over (Moonlight); 0: Keller Jordan's
   #   sqrt(max(1, fan_out / fan_in)) (with muon_lr about 0.02); None: 0.2
   tr.z_loss = 0.0  # weight of the z-loss, mean log^2 Z of the softmax normaliser (PaLM: 1e-4)
+  tr.moe_aux_loss = 0.0  # mixture of experts: weight of the load-balancing loss (Mixtral: 0.02)
+  tr.router_z_loss = 0.0  # mixture of experts: weight of the router z-loss (ST-MoE: 1e-3)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same

@@ -25,6 +25,7 @@ CHOICES = {
     "model.pooling": ("cls", "mean", "last"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
+    "model.moe_router": ("softmax_topk_norm", "softmax_topk"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -134,18 +135,36 @@ def sliding_window_layers(m) -> tuple[int, ...]:
   return tuple(sorted(m.sliding_window_layers))
 
 
+def moe_layers(m) -> tuple[int, ...]:
+  """The layers whose MLP is a mixture of experts, sorted (None means every
+  layer; a dense model: none)."""
+  if not m.num_experts:
+    return ()
+  if m.moe_layers is None:
+    return tuple(range(m.num_layers))
+  return tuple(sorted(m.moe_layers))
+
+
+def moe_d_ff(m) -> int:
+  """Each expert's hidden width (None means d_ff)."""
+  return m.d_ff if m.moe_d_ff is None else m.moe_d_ff
+
+
 def scan_layers(m) -> bool:
   """Whether each stack runs its blocks under one scan: `model.scan_layers`,
-  None meaning yes unless some layers only have the sliding window (a scan
-  runs the same block, with the same static window, at every layer)."""
-  uniform = len(sliding_window_layers(m)) in (0, m.num_layers)
+  None meaning yes unless the layers differ: some only have the sliding
+  window or only some have experts (a scan runs the same block at every
+  layer)."""
+  mixed = [(f"model.{field}", m[field]) for field, layers in (
+      ("sliding_window_layers", sliding_window_layers(m)), ("moe_layers", moe_layers(m)))
+           if len(layers) not in (0, m.num_layers)]
   if m.scan_layers is None:
-    return uniform
-  if m.scan_layers and not uniform:
+    return not mixed
+  if m.scan_layers and mixed:
+    field, value = mixed[0]
     _fail("model.scan_layers", m.scan_layers,
-          f"runs one block at every layer, but model.sliding_window_layers="
-          f"{m.sliding_window_layers} gives only some layers the window; set "
-          "model.scan_layers=False (or None: scan where the layers allow)")
+          f"runs one block at every layer, but {field}={value} makes only some layers "
+          "differ; set model.scan_layers=False (or None: scan where the layers allow)")
   return bool(m.scan_layers)
 
 
@@ -248,6 +267,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.sliding_window", m.sliding_window,
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   _validate_window_layers(m)
+  _validate_moe(m)
   scan_layers(m)
   if isinstance(m.scan_unroll, bool) or not isinstance(m.scan_unroll, int) or m.scan_unroll < 1:
     _fail("model.scan_unroll", m.scan_unroll, "must be a positive integer (blocks per iteration)")
@@ -283,14 +303,45 @@ def _validate_window_layers(m: config_dict.ConfigDict) -> None:
   if m.sliding_window is None:
     _fail("model.sliding_window_layers", layers,
           "needs model.sliding_window (the window those layers use); set it or unset this")
+  _validate_layer_tuple(m, "sliding_window_layers")
+
+
+def _validate_layer_tuple(m: config_dict.ConfigDict, field: str) -> None:
+  """`model.<field>`: a non-empty tuple of distinct layer indices (or None)."""
+  layers = m[field]
   if (not isinstance(layers, (tuple, list)) or not layers
       or any(not isinstance(i, int) or isinstance(i, bool) for i in layers)):
-    _fail("model.sliding_window_layers", layers,
+    _fail(f"model.{field}", layers,
           "must be a non-empty tuple of layer indices, e.g. (1, 2) (None: every layer)")
   if len(set(layers)) != len(layers) or not all(0 <= i < m.num_layers for i in layers):
-    _fail("model.sliding_window_layers", layers,
+    _fail(f"model.{field}", layers,
           f"must name distinct layers in 0..{m.num_layers - 1} (model.num_layers="
           f"{m.num_layers})")
+
+
+def _validate_moe(m: config_dict.ConfigDict) -> None:
+  """The mixture-of-experts fields (model/moe.py)."""
+  _check_positive(m, "model.num_experts", "model.", allow_zero=True)
+  _check_positive(m, "model.num_shared_experts", "model.", allow_zero=True)
+  if not m.num_experts:
+    for field in ("moe_layers", "moe_d_ff"):
+      if m[field] is not None:
+        _fail(f"model.{field}", m[field], "needs model.num_experts > 0 (a mixture of experts); "
+              "unset it")
+    if m.num_shared_experts:
+      _fail("model.num_shared_experts", m.num_shared_experts,
+            "needs model.num_experts > 0 (a mixture of experts); set it to 0")
+    return
+  if m.family != "decoder":
+    _fail("model.num_experts", m.num_experts,
+          f"mixtures of experts are built for decoders (model.family=decoder, not {m.family})")
+  _check_positive(m, "model.experts_per_token", "model.")
+  if m.experts_per_token > m.num_experts:
+    _fail("model.experts_per_token", m.experts_per_token,
+          f"must be <= model.num_experts={m.num_experts} (each token's top k of them)")
+  _check_positive(m, "model.moe_d_ff", "model.", allow_none=True)
+  if m.moe_layers is not None:
+    _validate_layer_tuple(m, "moe_layers")
 
 
 def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:
@@ -353,6 +404,13 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("data.tokenize_wait_s", config.data.tokenize_wait_s, "must be positive")
   if not config.train.z_loss >= 0:
     _fail("train.z_loss", config.train.z_loss, "must be >= 0 (0: no z-loss)")
+  for field in ("moe_aux_loss", "router_z_loss"):
+    if not config.train[field] >= 0:
+      _fail(f"train.{field}", config.train[field], "must be >= 0 (0: none)")
+    if config.train[field] and not config.model.num_experts:
+      _fail(f"train.{field}", config.train[field],
+            "weighs a mixture of experts' router loss, but model.num_experts=0 (a dense "
+            "model); set it to 0")
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "context", "tensor"):

@@ -154,23 +154,28 @@ def _flat(tree) -> dict:
 
 
 _LAYER_PATH = re.compile(r"^(.*/layers)/(\d+)/(.*)$")
+_EXPERT_PATH = re.compile(r"^(.*)\[(\d+)\]$")
 
 
-def _locate(path: str, flat: dict) -> tuple[str, int | None]:
-  """(our parameter path, layer or None) of a tensor-table path: a scanned
-  stack holds "decoder/layers/{i}/attn/q_proj/kernel" as slice i of its
-  stacked "decoder/layers/attn/q_proj/kernel"."""
+def _locate(path: str, flat: dict) -> tuple[str, tuple[int, ...]]:
+  """(our parameter path, the index of the slice it names) of a tensor-table
+  path: a scanned stack holds "decoder/layers/{i}/attn/q_proj/kernel" as
+  slice (i,) of its stacked "decoder/layers/attn/q_proj/kernel"; a path
+  ending in "[j]" names expert j of a mixture's stacked weight (HF files
+  keep one tensor per expert), after the layer where it is stacked."""
+  expert = _EXPERT_PATH.match(path)
+  path, index = (expert[1], (int(expert[2]),)) if expert else (path, ())
   match = _LAYER_PATH.match(path)
   if path in flat or match is None:
-    return path, None
-  return f"{match[1]}/{match[3]}", int(match[2])
+    return path, index
+  return f"{match[1]}/{match[3]}", (int(match[2]), *index)
 
 
 def _shape(path: str, flat: dict) -> tuple:
-  """The shape of the parameter a tensor-table path names (one layer's)."""
-  stacked, layer = _locate(path, flat)
-  shape = tuple(flat[stacked].shape)
-  return shape if layer is None else shape[1:]
+  """The shape of the parameter a tensor-table path names (one layer's, one
+  expert's)."""
+  stacked, index = _locate(path, flat)
+  return tuple(flat[stacked].shape)[len(index):]
 
 
 def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
@@ -227,20 +232,20 @@ def _padded(piece, tensor, shape: tuple):
   return np.pad(piece, widths)
 
 
-def _set_layer(stacked, layer: int, piece, abstract, sharding):
+def _set_layer(stacked, index: tuple[int, ...], piece, abstract, sharding):
   """`stacked` (zeros of `abstract` in `sharding` when None) with slice
-  `layer` set to `piece`, in place on the devices: the host holds one
-  layer's tensor at a time."""
+  `index` (a layer, an expert, or both) set to `piece`, in place on the
+  devices: the host holds one layer's (expert's) tensor at a time."""
   if stacked is None:
     stacked = jax.jit(lambda: jnp.zeros(abstract.shape, abstract.dtype),
                       out_shardings=sharding)()
-  return _layer_setter(sharding)(stacked, layer, piece)
+  return _layer_setter(sharding)(stacked, index, piece)
 
 
 @functools.lru_cache(maxsize=None)
 def _layer_setter(sharding):
-  """`stacked.at[layer].set(piece)`, the stacked array donated and kept in `sharding`."""
-  return jax.jit(lambda stacked, layer, piece: stacked.at[layer].set(piece),
+  """`stacked.at[index].set(piece)`, the stacked array donated and kept in `sharding`."""
+  return jax.jit(lambda stacked, index, piece: stacked.at[index].set(piece),
                  donate_argnums=0, out_shardings=sharding)
 
 
@@ -303,14 +308,14 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
       with _open(files[full]) as f:
         pieces = tensor.to_ours(f.get_tensor(full))
     for path, piece in zip(tensor.paths, pieces):
-      stacked, layer = _locate(path, abstract_params)
+      stacked, index = _locate(path, abstract_params)
       dtype = abstract_params[stacked].dtype
       piece = _padded(np.asarray(piece).astype(dtype, copy=False), tensor,
                       _shape(path, abstract_params))
-      if layer is None:
+      if not index:
         params[path] = jax.device_put(piece, shardings[path])
       else:
-        params[stacked] = _set_layer(params.get(stacked), layer, piece,
+        params[stacked] = _set_layer(params.get(stacked), index, piece,
                                      abstract_params[stacked], shardings[stacked])
     del pieces
   leaves = [params[path] for path in _flat(abstract["params"])]
@@ -345,8 +350,8 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
 
 def _array(params: dict, path: str) -> np.ndarray:
   """The host array of a tensor-table path (a layer's slice of a stacked one)."""
-  stacked, layer = _locate(path, params)
-  array = params[stacked] if layer is None else params[stacked][layer]
+  stacked, index = _locate(path, params)
+  array = params[stacked][index] if index else params[stacked]
   return np.asarray(jax.device_get(array))
 
 

@@ -1,8 +1,10 @@
-"""LLaMA, Mistral, Qwen2 and Qwen3: one tensor table, four config mappings
-(rope scaling types, Mistral's window, Qwen2's per-layer window, Qwen3's
-QK-norm: Qwen2's layout without q/k/v biases, with an RMSNorm of each head's
-queries and keys before RoPE, `model.qk_norm`; its head_dim may differ from
-hidden_size / num_attention_heads). Both RoPE layouts rotate pairs (x[i],
+"""LLaMA, Mistral, Qwen2, Qwen3 and their mixtures of experts (Mixtral,
+Qwen3-MoE): one tensor table, six config mappings (rope scaling types,
+Mistral's window, Qwen2's per-layer window, Qwen3's QK-norm: Qwen2's layout
+without q/k/v biases, with an RMSNorm of each head's queries and keys before
+RoPE, `model.qk_norm`; its head_dim may differ from hidden_size /
+num_attention_heads; the experts of `model/moe.py`: a router and each
+expert's three matrices, `_expert_tensors`). Both RoPE layouts rotate pairs (x[i],
 x[i + D/2]), so no permutation is needed. LLaMA's and Qwen2's
 `*ForSequenceClassification`: the body and a `score` matrix without bias on
 the last real token (pooling=last), no LM head."""
@@ -145,6 +147,53 @@ def _qwen3_from_hf(hf: dict) -> dict:
   return dict(_llama_body(hf), qk_norm=True, **_qwen2_window(hf))
 
 
+_MOE_TRAINING = {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
+
+
+def _mixtral_from_hf(hf: dict) -> dict:
+  """Mixtral: Mistral whose every MLP is num_local_experts SwiGLU experts of
+  intermediate_size, softmax top-k renormalised (`moe_router=softmax_topk_norm`).
+  The router's training fields (aux loss weight, jitter) leave inference
+  unchanged."""
+  check_fields(hf, _LLAMA_FIELDS | {"sliding_window", "num_local_experts",
+                                     "num_experts_per_tok"} | _MOE_TRAINING,
+               {"hidden_act": "silu"}, "mixtral")
+  return dict(_llama_body(hf), sliding_window=hf.get("sliding_window"),
+              num_experts=hf.get("num_local_experts", 8),
+              experts_per_token=hf.get("num_experts_per_tok", 2),
+              moe_router="softmax_topk_norm")
+
+
+def _qwen3_moe_layers(hf: dict):
+  """The layers with experts as transformers builds Qwen3-MoE: layer i unless
+  it is in mlp_only_layers, and when (i + 1) % decoder_sparse_step == 0."""
+  step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
+  num_layers = hf.get("num_hidden_layers", 32)
+  layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+  if not layers:
+    raise UserError("Hugging Face config fields decoder_sparse_step, mlp_only_layers leave no "
+                    "layer with experts; import it as qwen3")
+  return None if len(layers) == num_layers else layers
+
+
+def _qwen3_moe_from_hf(hf: dict) -> dict:
+  """Qwen3-MoE: Qwen3 (QK-norm, no biases) with experts of
+  moe_intermediate_size in the layers `_qwen3_moe_layers` names (dense ones
+  of intermediate_size elsewhere), top-k renormalised when norm_topk_prob."""
+  check_fields(hf, _LLAMA_FIELDS | {"num_experts", "num_local_experts", "num_experts_per_tok",
+                                     "moe_intermediate_size", "decoder_sparse_step",
+                                     "mlp_only_layers", "norm_topk_prob", "sliding_window",
+                                     "max_window_layers"} | _MOE_TRAINING,
+               {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
+               "qwen3_moe")
+  return dict(_llama_body(hf), qk_norm=True,
+              num_experts=hf.get("num_experts", hf.get("num_local_experts", 128)),
+              experts_per_token=hf.get("num_experts_per_tok", 8),
+              moe_d_ff=hf.get("moe_intermediate_size", 768),
+              moe_router="softmax_topk_norm" if hf.get("norm_topk_prob") else "softmax_topk",
+              moe_layers=_qwen3_moe_layers(hf))
+
+
 def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
   return dict(vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -185,9 +234,46 @@ def _qwen3_to_hf(cfg, vocab_size: int) -> dict:
               **_qwen_window_to_hf(cfg))
 
 
-def _llama_tensors(cfg) -> list[Tensor]:
+def _mixtral_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["MixtralForCausalLM"], model_type="mixtral",
+              **_llama_body_to_hf(cfg, vocab_size) | dict(intermediate_size=cfg.moe_d_ff),
+              sliding_window=cfg.sliding_window, num_local_experts=cfg.num_experts,
+              num_experts_per_tok=cfg.experts_per_token)
+
+
+def _qwen3_moe_to_hf(cfg, vocab_size: int) -> dict:
+  moe = set(cfg.moe_layers)
+  return dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe",
+              **_llama_body_to_hf(cfg, vocab_size), attention_bias=False,
+              use_sliding_window=False, num_experts=cfg.num_experts,
+              num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_d_ff,
+              norm_topk_prob=cfg.moe_router == "softmax_topk_norm", decoder_sparse_step=1,
+              mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe])
+
+
+# Where a checkpoint keeps a mixture of experts: the block's name and each
+# expert's gate, up and down matrices.
+_QWEN_EXPERTS = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+_MIXTRAL_EXPERTS = ("block_sparse_moe.", ("w1", "w3", "w2"))
+
+
+def _expert_tensors(cfg, hf: str, ours: str, experts) -> list[Tensor]:
+  """A mixture of experts' tensors as the checkpoints hold them: the router
+  `<block>gate` and one tensor per matrix of each expert j (our `[j]` slice
+  of the stacked [E, ...] weight), named by `experts` (`_QWEN_EXPERTS`,
+  `_MIXTRAL_EXPERTS`)."""
+  block, names = experts
+  out = [transposed(hf + block + "gate.weight", ours + "mlp/router/kernel")]
+  for j in range(cfg.num_experts):
+    out += [transposed(hf + f"{block}experts.{j}.{theirs}.weight", ours + f"mlp/{mine}/kernel[{j}]")
+            for theirs, mine in zip(names, ("gate", "up", "down"))]
+  return out
+
+
+def _llama_tensors(cfg, experts=_QWEN_EXPERTS) -> list[Tensor]:
   """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias),
-  Qwen3's with the q/k norms (cfg.qk_norm)."""
+  Qwen3's with the q/k norms (cfg.qk_norm); Mixtral's and Qwen3-MoE's with
+  experts in the MoE layers (`_expert_tensors`)."""
   m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
          same("norm.weight", "decoder/final_norm/scale")]
@@ -200,10 +286,12 @@ def _llama_tensors(cfg) -> list[Tensor]:
         linear_in(hf + "self_attn.k_proj.weight", ours + "attn/k_proj/kernel", m, k, d),
         linear_in(hf + "self_attn.v_proj.weight", ours + "attn/v_proj/kernel", m, k, d),
         linear_out(hf + "self_attn.o_proj.weight", ours + "attn/o_proj/kernel", h, d, m),
-        transposed(hf + "mlp.gate_proj.weight", ours + "mlp/gate/kernel"),
-        transposed(hf + "mlp.up_proj.weight", ours + "mlp/up/kernel"),
-        transposed(hf + "mlp.down_proj.weight", ours + "mlp/down/kernel"),
     ]
+    if cfg.layer_is_moe(i):
+      out += _expert_tensors(cfg, hf, ours, experts)
+    else:
+      out += [transposed(hf + f"mlp.{p}_proj.weight", ours + f"mlp/{p}/kernel")
+              for p in ("gate", "up", "down")]
     if cfg.qkv_bias:
       out += [bias_in(hf + f"self_attn.{p}_proj.bias", ours + f"attn/{p}_proj/bias", heads, d)
               for p, heads in (("q", h), ("k", k), ("v", k))]
@@ -240,6 +328,11 @@ QWEN2 = Architecture("qwen2", "Qwen2ForCausalLM", "model.", _qwen2_from_hf, _qwe
                      _llama_tensors, skipped=ROTARY)
 QWEN3 = Architecture("qwen3", "Qwen3ForCausalLM", "model.", _qwen3_from_hf, _qwen3_to_hf,
                      _llama_tensors, skipped=ROTARY)
+MIXTRAL = Architecture("mixtral", "MixtralForCausalLM", "model.", _mixtral_from_hf,
+                       _mixtral_to_hf, lambda cfg: _llama_tensors(cfg, _MIXTRAL_EXPERTS),
+                       skipped=ROTARY)
+QWEN3_MOE = Architecture("qwen3_moe", "Qwen3MoeForCausalLM", "model.", _qwen3_moe_from_hf,
+                         _qwen3_moe_to_hf, _llama_tensors, skipped=ROTARY)
 LLAMA_CLASSIFIER = Architecture(
     "llama", "LlamaForSequenceClassification", "model.", *_classifier(
         _llama_from_hf, _llama_to_hf, "Llama"), _llama_tensors, skipped=ROTARY,

@@ -15,7 +15,11 @@ preset takes seconds on a CPU) and `formula_params` writes the closed form;
 the tests hold them equal. Both return the same dict:
 
 - `params_total`: every parameter once (a shared embedding counts once).
-- `params_per_layer`: one layer by component, `attention`, `cross_attention`
+- `params_active`: those one token uses: the total less, in each
+  mixture-of-experts layer, the E - k experts it is not routed to (the
+  total for a dense model; Mixtral-8x7B: 12.9B of 46.7B).
+- `params_per_layer`: layer 0 by component (an MoE layer's `mlp` is its
+  router, experts and shared experts), `attention`, `cross_attention`
   (decoder of an encoder-decoder), `mlp`, `norms` (every norm of the layer)
   and `total`; the decoder's layers, or the encoder's for family=encoder.
 - `params_per_encoder_layer`: the encoder's layers (encoder_decoder only).
@@ -70,8 +74,11 @@ def _layer_stacks(m) -> list[tuple[str, int, bool]]:
 
 
 def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
-  """The params dict from per-layer breakdowns keyed by stack name."""
+  """The params dict from per-layer breakdowns keyed by stack name, with
+  `params_active`: the total less the experts a token is not routed to
+  (`inactive_params`; the total for a dense model)."""
   out = dict(counts)
+  out["params_active"] = counts["params_total"] - inactive_params(m)
   if m.family == "encoder_decoder":
     out.update(params_per_layer=per_layer["decoder"], num_layers=m.num_decoder_layers,
                params_per_encoder_layer=per_layer["encoder"], num_encoder_layers=m.num_layers)
@@ -141,6 +148,27 @@ def _mlp_params(m) -> int:
   return MLPS[m.mlp].params(m.d_model, m.d_ff, m.mlp_bias)
 
 
+def _expert_params(m) -> int:
+  """One expert of a mixture (`model/moe.py`): the `model.mlp` matrices at
+  width moe_d_ff, without biases."""
+  return MLPS[m.mlp].params(m.d_model, m.moe_d_ff, False)
+
+
+def _moe_params(m) -> int:
+  """A mixture-of-experts MLP: the router d x E, E experts, and the shared
+  experts' one MLP of num_shared_experts x moe_d_ff (with mlp_bias)."""
+  shared = (MLPS[m.mlp].params(m.d_model, m.num_shared_experts * m.moe_d_ff, m.mlp_bias)
+            if m.num_shared_experts else 0)
+  return m.d_model * m.num_experts + m.num_experts * _expert_params(m) + shared
+
+
+def inactive_params(model_cfg) -> int:
+  """Parameters a token does not use: the experts it is not routed to,
+  (E - k) experts in each MoE layer (0 for a dense model)."""
+  m = ModelConfig.resolve(model_cfg)
+  return len(m.moe_layers) * (m.num_experts - m.experts_per_token) * _expert_params(m)
+
+
 def _norm_params(m) -> int:
   """The `model.norm` entry's count at width d_model: gamma (RMSNorm), or
   gamma and beta (LayerNorm)."""
@@ -170,11 +198,11 @@ def _head_params(m) -> int:
   return untied + transform + (m.vocab_size if m.output_bias else 0)
 
 
-def _layer_params(m, cross: bool) -> dict[str, int]:
+def _layer_params(m, cross: bool, moe: bool = False) -> dict[str, int]:
   layer = {"attention": _attention_params(m)}
   if cross:
     layer["cross_attention"] = _attention_params(m)
-  layer["mlp"] = _mlp_params(m)
+  layer["mlp"] = _moe_params(m) if moe else _mlp_params(m)
   layer["norms"] = (3 if cross else 2) * _norm_params(m)
   layer["total"] = sum(layer.values())
   return layer
@@ -184,12 +212,14 @@ def formula_params(model_cfg) -> dict:
   """The closed-form parameter counts, the same dict as `measured_params`."""
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
-  per_layer = {stack: _layer_params(m, cross) for stack, _, cross in stacks}
+  per_layer = {stack: _layer_params(m, cross, m.layer_is_moe(0)) for stack, _, cross in stacks}
   position_table = len(stacks) * _position_table_params(m)
   embedding = (m.vocab_size * m.d_model + position_table + _head_params(m)
                + len(stacks) * _stack_embedding_params(m))
   final_norms = len(stacks) * _norm_params(m) if m.norm_position == "pre" else 0
-  layers = sum(num * per_layer[stack]["total"] for stack, num, _ in stacks)
+  # Experts live in the decoder's `moe_layers` (decoders only); the others are dense.
+  layers = sum(num * _layer_params(m, cross)["total"] for _, num, cross in stacks) + len(
+      m.moe_layers) * (_moe_params(m) - _mlp_params(m))
   return _assemble(m, per_layer, params_total=layers + embedding + final_norms,
                    params_embedding=embedding, params_position_table=position_table,
                    params_final_norms=final_norms)
@@ -213,7 +243,8 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   """Matmul FLOPs per token, the PaLM convention (docs/benchmarks.md's MFU).
 
   Forward = 2 N + 4 L S d_attn, with N the parameters without the position
-  tables, S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =
+  tables (for a mixture of experts the active ones, `params_active`: a token
+  runs k experts, not E), S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =
   heads x head_dim; train = 3 x forward = 6 N + 12 L S d_attn. L counts
   attention sublayers: the layers of a decoder or encoder; for an
   encoder-decoder the encoder's self-attention plus the decoder's self- and
@@ -222,7 +253,7 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   """
   m = ModelConfig.resolve(model_cfg)
   params = formula_params(m)
-  n = params["params_total"] - params["params_position_table"]
+  n = params["params_active"] - params["params_position_table"]
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
   forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * m.head_dim
   return 3 * forward if train else forward
@@ -264,14 +295,19 @@ def with_budget(config):
 
 
 def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None,
-                               context: int = 1) -> int:
-  """Elements one layer keeps per token for the backward pass (no remat)."""
+                               context: int = 1, moe: bool = False) -> int:
+  """Elements one layer keeps per token for the backward pass (no remat);
+  `moe`: its MLP is a mixture of experts."""
   d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
   materialised = context == 1 and model_implementation(m, backend) in _MATERIALISED_SCORES
   scores = h * seq_len if materialised else 0
   qk_norm_inputs = h * dk + g * dk if m.qk_norm else 0
   attention = d + 2 * h * dk + 2 * g * dk + scores + qk_norm_inputs
   mlp = d + 2 * (MLPS[m.mlp].matrices - 1) * f
+  if moe:
+    k, hidden = m.experts_per_token, 2 * (MLPS[m.mlp].matrices - 1)
+    mlp = (d + 4 * m.num_experts + 2 * k * d + k * hidden * m.moe_d_ff
+           + hidden * m.num_shared_experts * m.moe_d_ff)
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
 
@@ -295,6 +331,11 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                + h d_k + g d_k (the inputs of the qk_norm RMSNorms)
     mlp        d (input) + 2 d_ff (plain: the activation's input and output)
                          or 4 d_ff (gated: gate, act(gate), up, product)
+    experts    (a mixture-of-experts layer's MLP, `model/moe.py`) d (input) +
+               4 E (the router's float32 logits and probabilities) + 2 k d
+               (each token's k rows sorted by expert, and their outputs) +
+               k times the MLP's hidden elements at moe_d_ff, and the shared
+               experts' at num_shared_experts x moe_d_ff
     norms      d per norm (its input)
 
   times the bytes of model.dtype; cross-attention counts like attention
@@ -311,11 +352,15 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   """
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
-  per_layer = [(num, _layer_activation_elements(m, seq_len, cross, backend, context))
+  n_moe = len(m.moe_layers)  # a decoder's (the one stack of a model with experts)
+  per_layer = [(num - n_moe, _layer_activation_elements(m, seq_len, cross, backend, context))
                for _, num, cross in stacks]
+  if n_moe:
+    per_layer.append((n_moe, _layer_activation_elements(m, seq_len, False, backend, context,
+                                                        moe=True)))
   if remat:
     layer_elements = (sum(num for num, _ in per_layer) * m.d_model
-                      + max(elements for _, elements in per_layer))
+                      + max(elements for num, elements in per_layer if num))
   else:
     layer_elements = sum(num * elements for num, elements in per_layer)
   outside = m.d_model * (1 + 3 * m.head_transform + len(stacks) * m.embedding_norm)

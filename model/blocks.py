@@ -3,25 +3,29 @@
 Pre-norm: x = x + Sublayer(Norm(x)) (an unnormalised residual stream).
 Post-norm (the original paper): x = Norm(x + Sublayer(x)).
 A block is self-attention, then cross-attention (decoder of an
-encoder-decoder only), then the MLP, each wrapped that way.
+encoder-decoder only), then the MLP (or a mixture of experts,
+`model/moe.py`), each wrapped that way.
 """
 from flax import nnx
 
 from model.attention import Attention
 from model.mlp import MLP
+from model.moe import MoE
 from model.norms import make_norm
 
 
 class Block(nnx.Module):
 
-  def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs, window: int | None = None):
-    """`window`: this layer's self-attention sliding window (None: none)."""
+  def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs, window: int | None = None,
+               moe: bool = False):
+    """`window`: this layer's self-attention sliding window (None: none);
+    `moe`: its MLP is a mixture of experts."""
     self.pre_norm = cfg.norm_position == "pre"
     self.attn = Attention(cfg, rope=rope, window=window, rngs=rngs)
     self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
     self.norm_cross = make_norm(cfg.d_model, cfg=cfg, rngs=rngs) if cross else None
-    self.mlp = MLP(cfg, rngs=rngs)
+    self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
     self.norm_mlp = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
 
   def _residual(self, x, norm, sublayer):
@@ -30,14 +34,25 @@ class Block(nnx.Module):
     return norm(x + sublayer(x))
 
   def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None):
+    """(x after cross-attention and the MLP, the experts' `MoEStats` or None)."""
     if self.cross_attn is not None:
       x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
           h, context_BSM=context_BSM, context_kv=context_kv, segment_ids=cross_segment_ids))
-    return self._residual(x, self.norm_mlp, self.mlp)
+    if not isinstance(self.mlp, MoE):
+      return self._residual(x, self.norm_mlp, self.mlp), None
+    stats = []
+
+    def experts(h):
+      out, layer_stats = self.mlp(h)
+      stats.append(layer_stats)
+      return out
+
+    return self._residual(x, self.norm_mlp, experts), stats[0]
 
   def __call__(self, x_BTM, *, positions_BT, causal, segment_ids=None, context_BSM=None,
                cross_segment_ids=None, bias=None):
-    """`bias`: the stack's relative position bias for self-attention, or None."""
+    """(the block's output, its experts' `MoEStats` or None for a dense MLP);
+    `bias`: the stack's relative position bias for self-attention, or None."""
     x_BTM = self._residual(x_BTM, self.norm_attn, lambda h: self.attn(
         h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids, bias=bias))
     return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids)
@@ -62,5 +77,5 @@ class Block(nnx.Module):
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)
-    return (self._cross_and_mlp(x_BTM, None, cross_segment_ids, context_kv),
+    return (self._cross_and_mlp(x_BTM, None, cross_segment_ids, context_kv)[0],
             new_cache["kv"])

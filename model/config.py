@@ -20,6 +20,7 @@ from model.attention import IMPLEMENTATIONS, check_support
 from model.embeddings import ROPE_SCALINGS
 from model.layers import DTYPES
 from model.mlp import MLPS
+from model.moe import ROUTERS
 from model.norms import NORMS
 from model.positions import POSITIONS
 from model.scores import SCORES
@@ -34,7 +35,7 @@ _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std",
 # one line at start-up; `forward_fields` drops the fields that only unchosen
 # entries read.
 REGISTRIES = {r.field: r for r in (NORMS, POSITIONS, MLPS, SCORES, IMPLEMENTATIONS,
-                                   ROPE_SCALINGS)}
+                                   ROPE_SCALINGS, ROUTERS)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +44,9 @@ class ModelConfig:
   optional ones filled in and `dtype`/`param_dtype` as jnp dtypes.
   `real_vocab_size` is vocab_size when the section leaves it None;
   `sliding_window_layers` is always the sorted tuple of the windowed layers
-  (every layer when the section leaves it None; none without a window);
+  (every layer when the section leaves it None; none without a window), and
+  `moe_layers` of the layers with experts (none for a dense model);
+  `moe_d_ff` is d_ff when the section leaves it None;
   `scan_layers` is resolved to a bool (`configs.validation.scan_layers`)."""
   family: str
   vocab_size: int
@@ -74,6 +77,12 @@ class ModelConfig:
   norm_position: str
   norm_eps: float
   mlp: str
+  num_experts: int
+  experts_per_token: int
+  moe_d_ff: int
+  num_shared_experts: int
+  moe_router: str
+  moe_layers: tuple[int, ...]
   use_bias: bool
   qkv_bias: bool
   out_bias: bool
@@ -113,7 +122,9 @@ class ModelConfig:
     leave unused: those that only unchosen registry entries read (RoPE's
     without `pos_emb=rope`, the scaling parameters the scaling type does not
     read, the relative bias's without `pos_emb=relative`: each entry's
-    `reads`), the decoder's without `family=encoder_decoder`, the
+    `reads`), the experts' without `num_experts` (`d_ff` with experts in
+    every layer), the decoder's without
+    `family=encoder_decoder`, the
     LM head's with a classifier (`num_labels` > 0) and the classifier's
     without one. Two
     configs with equal forward fields and equal weights give the same logits.
@@ -125,6 +136,10 @@ class ModelConfig:
       unused |= registry.reads(getattr(self, field.split(".")[1]))
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
+    if not self.num_experts:
+      unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router"}
+    elif len(self.moe_layers) == self.num_layers:
+      unused |= {"d_ff"}  # every MLP is a mixture of experts of moe_d_ff
     if self.num_labels:
       unused |= {"tie_embeddings", "scale_head_input", "head_transform", "output_bias"}
     else:
@@ -146,6 +161,8 @@ class ModelConfig:
                   num_decoder_layers=validation.num_decoder_layers(section),
                   real_vocab_size=validation.real_vocab_size(section),
                   sliding_window_layers=validation.sliding_window_layers(section),
+                  moe_layers=validation.moe_layers(section),
+                  moe_d_ff=validation.moe_d_ff(section),
                   scan_layers=validation.scan_layers(section),
                   qkv_bias=validation.projection_bias(section, "qkv_bias"),
                   out_bias=validation.projection_bias(section, "out_bias"),
@@ -159,6 +176,10 @@ class ModelConfig:
     cfg = cls(**values)
     check_support(cfg)
     return cfg
+
+  def layer_is_moe(self, layer: int) -> bool:
+    """Whether decoder layer `layer`'s MLP is a mixture of experts."""
+    return layer in self.moe_layers
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of decoder layer `layer`'s self-attention (None: it

@@ -86,8 +86,14 @@ def format_table(config, report: dict) -> str:
   """The summary as a readable table."""
   m, t = ModelConfig.resolve(config.model), config.train
   head = "tied head" if m.tie_embeddings else "untied head"
+  mlp = f"{m.mlp} d_ff={m.d_ff}"
+  if m.num_experts:
+    where = "every layer" if len(m.moe_layers) == m.num_layers else f"layers {m.moe_layers}"
+    shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
+    mlp = (f"{m.mlp} experts: {m.num_experts}{shared} of d_ff={m.moe_d_ff}, top "
+           f"{m.experts_per_token} ({m.moe_router}) in {where}")
   lines = [f"{m.family}: d={m.d_model}, {m.num_heads} heads ({m.num_kv_heads} KV) of "
-           f"{m.head_dim}, {m.mlp} d_ff={m.d_ff}, {m.norm} {m.norm_position}-norm, "
+           f"{m.head_dim}, {mlp}, {m.norm} {m.norm_position}-norm, "
            f"pos_emb={m.pos_emb}, V={m.vocab_size}, {head}", ""]
   params = []
   if "params_per_encoder_layer" in report:
@@ -96,16 +102,23 @@ def format_table(config, report: dict) -> str:
   name = "decoder layer" if m.family == "encoder_decoder" else "layer"
   params += _layer_rows(name, report["num_layers"], report["params_per_layer"])
   total = report["params_total"]
+  if m.num_experts and len(m.moe_layers) != m.num_layers:  # the layers differ: count them all
+    params[-1] = (f"{m.num_layers} layers ({len(m.moe_layers)} with experts; above: layer 0)",
+                  total - report["params_embedding"] - report["params_final_norms"], "")
   params += [("embedding + head + positions", report["params_embedding"], ""),
              ("final norms", report["params_final_norms"], ""),
              ("total", total, _count(total))]
+  if report["params_active"] != total:
+    active = report["params_active"]
+    params.append(("active per token", active, f"{_count(active)}: k of the E experts"))
   lines += _rows("Parameters", params) + [""]
   kv = [("per token", report["kv_cache_bytes_per_token"],
          f"bytes = {_bytes(report['kv_cache_bytes_per_token'])}"),
         (f"per sequence at max_len {m.max_len}", report["kv_cache_bytes_at_max_len"],
          f"bytes = {_bytes(report['kv_cache_bytes_at_max_len'])}")]
   lines += _rows(f"KV cache ({config.model.dtype})", kv) + [""]
-  flops = [("forward", report["flops_per_token_forward"], "2N + 4 L S d_attn"),
+  n = "2N" if report["params_active"] == total else "2N (N active)"
+  flops = [("forward", report["flops_per_token_forward"], f"{n} + 4 L S d_attn"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
   budget = validation.budget(t)

@@ -100,11 +100,13 @@ class _Stack(nnx.Module):
     self.scan_unroll = cfg.scan_unroll
     if self.scan:
       self.layers = _stacked_blocks(
-          lambda r: Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(0), rngs=r),
+          lambda r: Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(0), rngs=r,
+                          moe=cfg.layer_is_moe(0)),
           num_layers, rngs)
     else:
       self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
-                                    rngs=rngs) for i in range(num_layers)])
+                                    rngs=rngs, moe=cfg.layer_is_moe(i))
+                              for i in range(num_layers)])
     self.num_layers = num_layers
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
@@ -136,7 +138,9 @@ class _Stack(nnx.Module):
 
   def run_blocks(self, x_BTM, *, bias_positions_BT, **kwargs):
     """The blocks and the final norm; `bias_positions_BT` ([B or 1, T]) are
-    the positions the relative bias is computed at, once for all blocks."""
+    the positions the relative bias is computed at, once for all blocks.
+    With experts, their layers' `MoEStats` (each field [MoE layers]) are left
+    in `self.router_stats` (an `nnx.Intermediate`) for the training loss."""
     kwargs["bias"] = self.self_bias(bias_positions_BT, bias_positions_BT)
 
     # A scan of one block per iteration already keeps XLA from merging the
@@ -145,19 +149,24 @@ class _Stack(nnx.Module):
     barrier = not self.scan or self.scan_unroll > 1
 
     def block(layer, h_BTM):
+      run = lambda blk, h: blk(h, **kwargs)
       if self.remat:
-        h_BTM = nnx.remat(lambda blk, h: blk(h, **kwargs), prevent_cse=barrier)(layer, h_BTM)
-      else:
-        h_BTM = layer(h_BTM, **kwargs)
-      return _batch_split(h_BTM)
+        run = nnx.remat(run, prevent_cse=barrier)
+      h_BTM, stats = run(layer, h_BTM)
+      return _batch_split(h_BTM), stats
 
     x_BTM = _batch_split(x_BTM)
     if self.scan:
-      x_BTM, _ = _scan_layers(lambda layer, h, _: (block(layer, h), None), self.layers, x_BTM,
-                              unroll=self.scan_unroll)
+      x_BTM, stats = _scan_layers(lambda layer, h, _: block(layer, h), self.layers, x_BTM,
+                                  unroll=self.scan_unroll)
     else:
+      per_layer = []
       for layer in self.layers:
-        x_BTM = block(layer, x_BTM)
+        x_BTM, layer_stats = block(layer, x_BTM)
+        per_layer += [] if layer_stats is None else [layer_stats]
+      stats = jax.tree.map(lambda *s: jnp.stack(s), *per_layer) if per_layer else None
+    if stats is not None:
+      self.router_stats = nnx.Intermediate(stats)
     return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
@@ -215,7 +224,7 @@ class _Stack(nnx.Module):
     row = positions_row(tokens_BT.shape[1])
     bias = self.self_bias(row, row)
     for i in range(layer):
-      x_BTM = self.block(i)(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
+      x_BTM, _ = self.block(i)(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
     return self.block(layer).attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
                                                bias=bias)
 

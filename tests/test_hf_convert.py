@@ -353,7 +353,7 @@ _OTHER_VALUES = dict(
     tie_embeddings=False, scale_head_input=True, type_vocab_size=2, embedding_norm=True,
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
     sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
-    final_softcap=30.0, attention_score="sigmoid")
+    final_softcap=30.0, attention_score="sigmoid", num_experts=4, moe_layers=(1,))
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
@@ -372,12 +372,15 @@ def test_export_check_names_every_field_llama_does_not_map(field):
     config.model.rope_scaling_factor = 2.0
   if field == "sliding_window_layers":
     config.model.sliding_window, arch = 8, "mistral"
+  named = field
+  if field == "moe_layers":  # experts in layer 1 only: named by the experts, first
+    config.model.num_experts, named = 4, "num_experts"
   reason = hf_convert.round_trip_mismatch(hf_mappings.ARCHITECTURES[arch],
                                           ModelConfig.resolve(config.model))
   if field in _LLAMA_MAPS:
     assert reason == ""
   else:
-    assert reason.startswith(f"model.{field}={_OTHER_VALUES[field]!r} (needs "), reason
+    assert reason.startswith(f"model.{named}={config.model[named]!r} (needs "), reason
 
 
 def test_qwen3_in_and_out(tok, tmp_path):
@@ -403,6 +406,51 @@ def test_qwen3_with_attention_bias_is_refused_by_name():
   with pytest.raises(UserError, match="attention_bias=True is not supported by the qwen3 "
                                       "import"):
     hf_mappings.ARCHITECTURES["qwen3"].config_from_hf(hf)
+
+
+def _random_experts(hf_model):
+  """`hf_model` with its experts' and router's weights drawn wider, so that a
+  swapped gate and up, or a transposed expert, shows in the logits and the
+  routing is not a near tie."""
+  with torch.no_grad():
+    for name, parameter in hf_model.named_parameters():
+      if ".experts." in name or name.endswith("mlp.gate.weight"):
+        torch.nn.init.normal_(parameter, std=0.3)
+  return hf_model
+
+
+def test_mixtral_in_and_out(tok, tmp_path):
+  """MixtralForCausalLM: 4 experts of width 48, top 2 (renormalised): the
+  logits within 1e-4, greedy generation token for token, and the export
+  loaded back by transformers with the same logits."""
+  hf_model = _random_experts(tiny_llama(transformers.MixtralForCausalLM,
+                                        transformers.MixtralConfig, intermediate_size=48,
+                                        num_local_experts=4, num_experts_per_tok=2))
+  workdir = _check_import(hf_model, tok, tmp_path)
+  model_config = workdir_lib.load_config(str(workdir)).model
+  assert (model_config.num_experts, model_config.experts_per_token,
+          model_config.moe_router) == (4, 2, "softmax_topk_norm")
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert (exported["model_type"], exported["num_local_experts"]) == ("mixtral", 4)
+
+
+@pytest.mark.parametrize("norm_topk_prob", [False, True])
+def test_qwen3_moe_in_and_out(tok, tmp_path, norm_topk_prob):
+  """Qwen3MoeForCausalLM with a dense first layer (mlp_only_layers) and
+  experts in the others (3 layers: 4 experts of 16, top 2; the dense MLP of
+  64), QK-norm; both routers."""
+  hf_model = _random_experts(tiny_llama(
+      transformers.Qwen3MoeForCausalLM, transformers.Qwen3MoeConfig, head_dim=8,
+      num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+      mlp_only_layers=[0], norm_topk_prob=norm_topk_prob))
+  workdir = _check_import(hf_model, tok, tmp_path)
+  model_config = workdir_lib.load_config(str(workdir)).model
+  assert (tuple(model_config.moe_layers), model_config.moe_d_ff, model_config.moe_router) == (
+      (1, 2), 16, "softmax_topk_norm" if norm_topk_prob else "softmax_topk")
+  _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert (exported["model_type"], exported["mlp_only_layers"]) == ("qwen3_moe", [0])
 
 
 def test_bert_base_preset_exports_as_bert():

@@ -29,12 +29,14 @@ NEEDS = {
     **{("model.rope_scaling", name): dict(pos_emb="rope", rope_scaling_factor=2.0,
                                           rope_original_max_len=16)
        for name in REGISTRIES["model.rope_scaling"]},
+    **{("model.moe_router", name): dict(num_experts=4, experts_per_token=2, moe_d_ff=16)
+       for name in REGISTRIES["model.moe_router"]},
 }
 
 # The axes whose every entry builds a model (an attention implementation is
 # checked against its kernels elsewhere: tests/test_flash_attention*.py).
 WALKED = ("model.norm", "model.pos_emb", "model.mlp", "model.attention_score",
-          "model.rope_scaling")
+          "model.rope_scaling", "model.moe_router")
 ENTRIES = [(field, name) for field in WALKED for name in REGISTRIES[field]]
 
 
@@ -76,7 +78,8 @@ def test_a_choice_without_an_entry_is_one_line(monkeypatch):
 
 @pytest.mark.parametrize("field,name", ENTRIES)
 def test_measured_parameters_equal_the_formula(field, name):
-  for family in ("decoder", "encoder_decoder"):
+  experts = "num_experts" in entry_overrides(field, name)  # decoders only
+  for family in ("decoder",) if experts else ("decoder", "encoder_decoder"):
     m = model_cfg(False, family=family, **entry_overrides(field, name))
     assert accounting.measured_params(m) == accounting.formula_params(m), family
 
@@ -102,11 +105,12 @@ def test_causal_cached_and_scanned_agree(field, name):
 def test_export_maps_or_names_the_choice(field, name):
   """A choice either exports to a Hugging Face architecture that brings it
   back, or the export check names it (the LLaMA mapping's reason)."""
-  cfg = ModelConfig.resolve(model_cfg(False, **entry_overrides(field, name)))
+  overrides = entry_overrides(field, name)
+  cfg = ModelConfig.resolve(model_cfg(False, **overrides))
   try:
     arch = hf_convert.export_architecture(cfg)
-  except UserError as err:
-    assert f"llama: model.{field.split('.')[1]}={name!r}" in str(err)
+  except UserError as err:  # named: the choice, or a field it needs (model.num_experts)
+    assert any(f"llama: model.{key}={value!r}" in str(err) for key, value in overrides.items())
   else:
     assert not hf_convert.round_trip_mismatch(arch, cfg)
 

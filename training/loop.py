@@ -44,7 +44,8 @@ from training.metrics import MetricsWriter, evaluate
 from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
-from training.steps import abstract_state, init_state, jit_eval_step, jit_train_step
+from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
+                            router_losses)
 
 
 def peak_flops(config) -> float | None:
@@ -309,7 +310,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
-                           z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy)
+                           z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy,
+                           router_losses=router_losses(config))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
   writer = None  # opened after the first step: an interrupted start writes nothing
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
@@ -401,8 +403,9 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
          "grad_norm": float(window[-1]["grad_norm"]),
          "learning_rate": float(window[-1]["learning_rate"]),
          "tokens_per_second": tokens_per_second}
-  if "z_loss" in window[-1]:
-    out["z_loss"] = float(np.mean([m["z_loss"] for m in window]))
+  for name in ("z_loss", "moe_aux_loss", "router_z_loss", "expert_load"):
+    if name in window[-1]:
+      out[name] = float(np.mean([m[name] for m in window]))
   if peak is not None:
     out["mfu"] = tokens_per_second * flops_per_token / peak
   return out

@@ -144,9 +144,11 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
       f"devices     {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
       f"{jax.process_count()} process(es); mesh {mesh_shape}",
       f"parameters  {_count(total)} ({_count(total - params['params_embedding'])} "
-      "non-embedding)",
+      "non-embedding" + (f"; {_count(params['params_active'])} active per token"
+                         if params["params_active"] != total else "") + ")",
       f"step        {t.batch_size} x {t.seq_len} = {tokens:,} tokens, "
-      f"{_count(flops)} FLOPs (6N + attention)",
+      f"{_count(flops)} FLOPs (6N + attention"
+      + (", N active)" if params["params_active"] != total else ")"),
       *_budget_lines(config, tokens, flops),
       f"memory      about {format_bytes(estimate)} per device (estimate), "
       + (f"of {format_bytes(limit)} ({what})" if limit is not None else "no limit known"),

@@ -53,17 +53,46 @@ def abstract_state(config, remat: bool = False):
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
 
-def _loss_sums(graphdef, params, batch, objective):
-  return batch_loss(objective, nnx.merge(graphdef, params), batch)
+def _loss_sums(graphdef, params, batch, objective, router: bool = False):
+  """The objective's sums of a batch; with `router` (a mixture of experts),
+  also the router's terms, each summed as its mean over the MoE layers times
+  the batch's target count (`router_sums`)."""
+  model = nnx.merge(graphdef, params)
+  sums = batch_loss(objective, model, batch)
+  return (sums, router_sums(model, sums[1])) if router else sums
 
 
-def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0):
+def router_losses(config):
+  """(train.moe_aux_loss, train.router_z_loss) of a mixture of experts
+  (`model.num_experts` > 0): what `train_step` weighs its router losses by;
+  None for a dense model."""
+  if not config.model.num_experts:
+    return None
+  return (config.train.moe_aux_loss, config.train.router_z_loss)
+
+
+def router_sums(model, count) -> tuple:
+  """(load-balancing loss, router z-loss, load) of the model's MoE layers
+  (`model/moe.py`), each the mean over the layers times `count`, so that
+  micro-batches add up like the loss sums."""
+  stats = model.decoder.router_stats.get_value()
+  return tuple(jnp.mean(x) * count for x in stats)
+
+
+def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None):
   """Gradient of the summed training loss (cross-entropy plus `z_loss` x
-  (log Z)^2) and the sums, over accum_steps micro-batches."""
+  (log Z)^2, plus with `router_losses` = (aux weight, z weight) the MoE
+  router's losses) and the sums (with the router's sums when
+  `router_losses` is given), over accum_steps micro-batches."""
 
   def sum_loss(p, micro):
-    sums = _loss_sums(graphdef, p, micro, objective)
-    return training_loss_sum(sums, z_loss), sums
+    if router_losses is None:
+      sums = _loss_sums(graphdef, p, micro, objective)
+      return training_loss_sum(sums, z_loss), sums
+    sums, router = _loss_sums(graphdef, p, micro, objective, router=True)
+    total = training_loss_sum(sums, z_loss) + router_losses[0] * router[0] + (
+        router_losses[1] * router[1])
+    return total, (sums, router)
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
   if accum_steps == 1:
@@ -74,7 +103,9 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0):
     g, sums = grad_fn(params, mb)
     return jax.tree.map(jnp.add, carry, (g, sums)), None
 
-  zeros = (jax.tree.map(jnp.zeros_like, params), (0.0, 0.0, 0.0, 0.0))
+  zero_sums = (0.0, 0.0, 0.0, 0.0)
+  zeros = (jax.tree.map(jnp.zeros_like, params),
+           zero_sums if router_losses is None else (zero_sums, (0.0, 0.0, 0.0)))
   (grads, sums), _ = jax.lax.scan(body, zeros, micro)
   return grads, sums
 
@@ -94,12 +125,20 @@ def _sharded_grads(grads, grad_sharding):
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int,
-               grad_sharding=None, z_loss: float = 0.0):
+               grad_sharding=None, z_loss: float = 0.0, router_losses=None):
   """One optimizer step; `grad_sharding`: the parameters' shardings, to which
   the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
-  of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`."""
-  grads, (loss_sum, count, correct, log_z_sq_sum) = _grads(
-      graphdef, state["params"], batch, objective, accum_steps, z_loss)
+  of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
+  `router_losses`: for a mixture of experts, the weights (train.moe_aux_loss,
+  train.router_z_loss) of its router's losses, which are reported (unweighted)
+  as `moe_aux_loss`, `router_z_loss` and `expert_load` (the most tokens an
+  expert got over the mean, averaged over the MoE layers)."""
+  grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
+                       router_losses)
+  router = None
+  if router_losses is not None:
+    sums, router = sums
+  loss_sum, count, correct, log_z_sq_sum = sums
   if grad_sharding is not None:
     grads = _sharded_grads(grads, grad_sharding)
   count = jnp.maximum(count, 1.0)
@@ -123,6 +162,9 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
              "accuracy": correct / count, "targets": count}
   if z_loss:
     metrics["z_loss"] = z_term
+  if router is not None:
+    metrics.update(zip(("moe_aux_loss", "router_z_loss", "expert_load"),
+                       (r / count for r in router)))
   return new_state, metrics
 
 
@@ -146,9 +188,11 @@ def traced_on(mesh, fn, context_strategy: str = "auto"):
 
 
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
-                   batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto"):
+                   batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto",
+                   router_losses=None):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
-                         objective=objective, accum_steps=accum_steps, z_loss=z_loss)
+                         objective=objective, accum_steps=accum_steps, z_loss=z_loss,
+                         router_losses=router_losses)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])

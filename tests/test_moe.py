@@ -1,0 +1,152 @@
+"""Mixtures of experts (`model/moe.py`, `model.num_experts`): the dropless
+layer against a per-token loop over its chosen experts, the router's
+statistics and losses in a train step, the parameter accounting (Mixtral's
+counts as transformers gives them), and the one-line refusals."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import base, mixtral_8x7b, tiny_moe
+from configs.errors import UserError
+from configs.validation import validate
+from model import accounting, build_model
+from model.config import ModelConfig
+from model.mlp import MLPS
+from model.moe import MoE, ROUTERS
+from training import steps
+
+
+def _model_config(**fields):
+  c = base.get_config()
+  c.tokenizer.vocab_size = 64
+  c.model.update(vocab_size=64, d_model=32, num_heads=4, d_ff=48, num_experts=4,
+                 experts_per_token=2, moe_d_ff=24, **fields)
+  return c
+
+
+@pytest.mark.parametrize("router", list(ROUTERS))
+@pytest.mark.parametrize("mlp,shared", [("swiglu", 0), ("gelu", 1), ("geglu", 2)])
+def test_moe_layer_equals_a_loop_over_each_tokens_experts(router, mlp, shared):
+  """Every token's output is the weighted sum of its top-k experts' MLPs
+  (weights: the router's softmax, renormalised over the k or not) plus the
+  shared experts' MLP: the sorted, grouped (`ragged_dot`) computation equals
+  this loop, token by token, to float32 rounding."""
+  cfg = ModelConfig.resolve(_model_config(moe_router=router, mlp=mlp,
+                                          num_shared_experts=shared).model)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model))
+  got, stats = layer(x)
+
+  act = MLPS[mlp].activation
+  router_w, up, down = (np.asarray(w[...]) for w in (layer.router.kernel, layer.up.kernel,
+                                                     layer.down.kernel))
+  gate = None if layer.gate is None else np.asarray(layer.gate.kernel[...])
+  want = np.zeros(x.shape, np.float32)
+  for b in range(2):
+    for t in range(5):
+      x_m = np.asarray(x[b, t])
+      probs = np.asarray(jax.nn.softmax(x_m @ router_w))
+      chosen = np.argsort(-probs)[:cfg.experts_per_token]
+      weights = probs[chosen] / (probs[chosen].sum() if ROUTERS[router].normalize else 1.0)
+      for e, w in zip(chosen, weights):
+        hidden = np.asarray(act(x_m @ gate[e])) * (x_m @ up[e]) if gate is not None else (
+            np.asarray(act(x_m @ up[e])))
+        want[b, t] += w * (hidden @ down[e])
+  if shared:
+    want += np.asarray(layer.shared(x))
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  assert all(np.isfinite(float(v)) for v in stats)
+
+
+def test_router_statistics():
+  """The load-balancing loss is E sum_e f_e P_e with f_e the fraction of
+  tokens sent to e: k when routing is uniform; the load is the busiest
+  expert over the mean."""
+  from model.moe import router_stats  # pylint: disable=import-outside-toplevel
+  logits = jnp.zeros((8, 4))
+  stats = router_stats(logits, jax.nn.softmax(logits), jnp.array([4, 4, 4, 4]))
+  assert float(stats.aux_loss) == pytest.approx(2.0)  # k = 2: 16 assignments of 8 tokens
+  assert float(stats.z_loss) == pytest.approx(np.log(4) ** 2)
+  skewed = router_stats(logits, jax.nn.softmax(logits), jnp.array([10, 2, 2, 2]))
+  assert float(skewed.load) == pytest.approx(2.5)
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_train_step_weighs_and_reports_the_router_losses(scan):
+  """A train step of configs/tiny_moe.py: the router's losses are reported
+  (the load-balancing loss near k = 2 at initialisation), and their weights
+  change the router's gradient and nothing when zero."""
+  c = tiny_moe.get_config()
+  c.model.update(scan_layers=scan, vocab_size=128)
+  c.train.update(batch_size=2, seq_len=16)
+  graphdef, _ = steps.abstract_state(c)
+  params = nnx.state(build_model(c.model, nnx.Rngs(0)), nnx.Param)
+  tokens = np.random.default_rng(0).integers(1, 128, (2, 16)).astype(np.int32)
+  batch = dict(inputs=tokens, targets=np.roll(tokens, -1, 1), segment_ids=np.ones_like(tokens),
+               positions=np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+               loss_mask=np.ones((2, 16), np.float32))
+  grads = {}
+  for weights in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]:
+    g, (sums, router) = jax.jit(lambda p, b, w=weights: steps._grads(
+        graphdef, p, b, "next_token", 1, router_losses=w))(params, batch)
+    grads[weights] = g
+    aux, z, load = (float(r / sums[1]) for r in router)
+    assert 1.5 < aux < 2.5 and z > 0 and 1.0 <= load <= 4.0
+  router_grad = lambda w: jax.tree.leaves(nnx.state(
+      nnx.merge(graphdef, grads[w]).decoder.layers, nnx.Param))
+  for w in [(1.0, 0.0), (0.0, 1.0)]:
+    assert any(not np.allclose(a, b) for a, b in zip(router_grad(w), router_grad((0.0, 0.0))))
+
+
+def test_mixtral_counts_as_transformers():
+  """configs/mixtral_8x7b.py: 46,702,792,704 parameters, 12,879,925,248
+  active per token (MixtralForCausalLM's count; 2 of 8 experts), and the
+  training FLOPs per token from the active ones."""
+  params = accounting.formula_params(mixtral_8x7b.get_config().model)
+  assert params["params_total"] == 46_702_792_704
+  assert params["params_active"] == 12_879_925_248
+  flops = accounting.flops_per_token(mixtral_8x7b.get_config().model, 4096)
+  assert flops == 3 * (2 * 12_879_925_248 + 4 * 32 * 4096 * 32 * 128)
+
+
+@pytest.mark.parametrize("fields", [dict(), dict(num_shared_experts=1),
+                                    dict(moe_layers=(1,), scan_layers=None),
+                                    dict(mlp="gelu", use_bias=True, scan_layers=False)])
+def test_measured_parameters_equal_the_formula(fields):
+  m = _model_config(**fields).model
+  assert accounting.measured_params(m) == accounting.formula_params(m)
+
+
+@pytest.mark.parametrize("section,overrides,message", [
+    ("model", dict(experts_per_token=5),
+     "model.experts_per_token=5: must be <= model.num_experts=4 (each token's top k of them)"),
+    ("model", dict(num_experts=0, moe_d_ff=24),
+     "model.moe_d_ff=24: needs model.num_experts > 0"),
+    ("model", dict(family="encoder", pos_emb="learned"),
+     "model.num_experts=4: mixtures of experts are built for decoders"),
+    ("model", dict(moe_layers=(1,), scan_layers=True),
+     "model.scan_layers=True: runs one block at every layer, but model.moe_layers=(1,)"),
+    ("model", dict(moe_layers=(2,)), "model.moe_layers=(2,): must name distinct layers in 0..1"),
+    ("model", dict(moe_router="hash"), "model.moe_router='hash': must be one of"),
+    ("train", dict(moe_aux_loss=-1.0), "train.moe_aux_loss=-1.0: must be >= 0"),
+])
+def test_bad_moe_settings_are_one_line(section, overrides, message):
+  c = _model_config()
+  c[section].update(**overrides)
+  if section == "model" and overrides.get("family") == "encoder":
+    c.train.objective = "mlm"
+  with pytest.raises(UserError, match="^config field " + message.replace("(", r"\(").replace(
+      ")", r"\)")) as err:
+    validate(c)
+  assert "\n" not in str(err.value)
+
+
+def test_a_router_loss_on_a_dense_model_is_one_line():
+  c = base.get_config()
+  c.train.moe_aux_loss = 0.01
+  with pytest.raises(UserError, match=r"^config field train.moe_aux_loss=0.01: weighs a "
+                     r"mixture of experts' router loss, but model.num_experts=0") as err:
+    validate(c)
+  assert "\n" not in str(err.value)
