@@ -77,11 +77,6 @@ def route(logits_NE, k: int, normalize: bool):
   return weights_NK, experts_NK.astype(jnp.int32), probs_NE
 
 
-def router_stats(logits_NE, probs_NE, counts_E) -> MoEStats:
-  """The load-balancing loss, router z-loss and load of one layer's routing."""
-  return stats_of_sums(*_sums(logits_NE, probs_NE, counts_E))
-
-
 def _sums(logits_NE, probs_NE, counts_E):
   """What the statistics are made of, as sums over tokens (so that devices
   add them up): assignments per expert [E], router probabilities per expert
@@ -92,7 +87,8 @@ def _sums(logits_NE, probs_NE, counts_E):
 
 
 def stats_of_sums(counts_E, probs_E, z_sum, tokens) -> MoEStats:
-  """`MoEStats` from `_sums` (of one device or added over devices)."""
+  """The load-balancing loss, router z-loss and load (`MoEStats`) from
+  `_sums` (of one device, or added over devices)."""
   E = counts_E.shape[0]
   aux = E * jnp.sum((counts_E / tokens) * (probs_E / tokens))
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)

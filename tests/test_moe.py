@@ -64,12 +64,14 @@ def test_router_statistics():
   """The load-balancing loss is E sum_e f_e P_e with f_e the fraction of
   tokens sent to e: k when routing is uniform; the load is the busiest
   expert over the mean."""
-  from model.moe import router_stats  # pylint: disable=import-outside-toplevel
+  from model.moe import _sums, stats_of_sums  # pylint: disable=import-outside-toplevel
   logits = jnp.zeros((8, 4))
-  stats = router_stats(logits, jax.nn.softmax(logits), jnp.array([4, 4, 4, 4]))
+  stats = stats_of_sums(*_sums(logits, jax.nn.softmax(logits), jnp.array([4, 4, 4, 4])))
   assert float(stats.aux_loss) == pytest.approx(2.0)  # k = 2: 16 assignments of 8 tokens
   assert float(stats.z_loss) == pytest.approx(np.log(4) ** 2)
-  skewed = router_stats(logits, jax.nn.softmax(logits), jnp.array([10, 2, 2, 2]))
+  halves = [_sums(logits[:4], jax.nn.softmax(logits[:4]), jnp.array([4, 2, 1, 1])),
+            _sums(logits[4:], jax.nn.softmax(logits[4:]), jnp.array([6, 0, 1, 1]))]
+  skewed = stats_of_sums(*jax.tree.map(jnp.add, *halves))  # two devices' sums added
   assert float(skewed.load) == pytest.approx(2.5)
 
 
