@@ -158,6 +158,7 @@ def test_ring_and_all_gather_equal_the_reference():
     assert max(errors) < 1e-5, (name, errors)
 
 
+@pytest.mark.slow  # make test runs the kernels in the ring through training, below
 @pytest.mark.parametrize("lowering", ["triton", "mosaic_tpu"])
 def test_ring_and_all_gather_of_our_kernels_equal_the_reference(lowering):
   """The same with our Pallas kernels as the blocks (`KernelBlocks`, in their
@@ -294,6 +295,7 @@ def test_compile_for_a_v5e_slice_with_the_context_axis(impl):
     assert {"flash_attention_tpu_dq", "flash_attention_tpu_dkdv"} <= set(report["kernels"])
 
 
+@pytest.mark.slow
 def test_bench_prints_memory_and_step_time_per_context(tmp_path):
   """`python -m bench.context_parallel` on 4 CPU devices: a row per (seq_len,
   context) with the compiler's memory, the ring's collective-permutes where

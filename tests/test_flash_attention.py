@@ -281,7 +281,7 @@ def test_training_with_hopper_kernel_matches_reference():
 
 @pytest.mark.parametrize("lowering,dtype,causal", [
     ("triton", jnp.float32, True), ("mosaic_tpu", jnp.float32, False),
-    ("mosaic_gpu", jnp.bfloat16, True)])
+    pytest.param("mosaic_gpu", jnp.bfloat16, True, marks=pytest.mark.slow)])
 def test_parts_give_the_lse_and_the_gradients_of_a_merged_row(lowering, dtype, causal):
   """`flash_attention_parts`, the ring's blocks: the forward's lse is the
   row's log-sum-exp of the (soft-capped, masked) scores, -inf for a query

@@ -435,7 +435,7 @@ def test_mixtral_in_and_out(tok, tmp_path):
   assert (exported["model_type"], exported["num_local_experts"]) == ("mixtral", 4)
 
 
-@pytest.mark.parametrize("norm_topk_prob", [False, True])
+@pytest.mark.parametrize("norm_topk_prob", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_qwen3_moe_in_and_out(tok, tmp_path, norm_topk_prob):
   """Qwen3MoeForCausalLM with a dense first layer (mlp_only_layers) and
   experts in the others (3 layers: 4 experts of 16, top 2; the dense MLP of

@@ -75,7 +75,7 @@ def test_router_statistics():
   assert float(skewed.load) == pytest.approx(2.5)
 
 
-@pytest.mark.parametrize("scan", [True, False])
+@pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_train_step_weighs_and_reports_the_router_losses(scan):
   """A train step of configs/tiny_moe.py: the router's losses are reported
   (the load-balancing loss near k = 2 at initialisation), and their weights
@@ -189,7 +189,7 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", "gelu"])
+@pytest.mark.parametrize("mlp", ["swiglu", pytest.param("gelu", marks=pytest.mark.slow)])
 def test_training_on_eight_devices_equals_one_device(mlp):
   """configs/tiny_moe.py with a shared expert: the loss, the router's losses
   and load, and every gradient on 8 CPU devices (data 2 x fsdp 2 x tensor 2;

@@ -221,14 +221,15 @@ def test_auto_does_not_pick_cudnn_for_a_softcap():
 
 def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
   """Memory decides on TPUs (model/attention.py, auto_implementation): our
-  kernel, soft-cap included, but XLA for a dense mask or bias or a window."""
+  kernel, soft-cap and sliding window included, but XLA for a dense mask or
+  bias."""
   tpu = dict(backend="tpu", dtype=jnp.bfloat16, head_dim=128)
   plain, capped = ("score:softmax",), ("softcap", "score:softmax")
   assert auto_implementation(**tpu, features=plain) == "pallas"
   assert auto_implementation(**tpu, features=capped) == "pallas"
   assert auto_implementation(**tpu, features=("mask",) + plain) == "xla"
   assert auto_implementation(**tpu, features=("bias",) + plain) == "xla"
-  assert auto_implementation(**tpu, features=("window",) + plain) == "xla"
+  assert auto_implementation(**tpu, features=("window",) + plain) == "pallas"
   assert auto_implementation(**dict(tpu, backend="cpu"), features=plain) == "xla"
 
 
