@@ -386,6 +386,13 @@ class JaxBlocks:
     return dq.reshape(q.shape), dk, dv
 
 
+def _halves(h: int):
+  """(first, second): a block's first and second chunk of `h` tokens along
+  axis 1 (None stays None), as `KernelBlocks` cuts queries, keys and ids."""
+  return ((lambda x: None if x is None else x[:, :h]),
+          (lambda x: None if x is None else x[:, h:]))
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelBlocks:
   """The ring's blocks as our Pallas kernels (`model.kernels.router.
@@ -433,9 +440,8 @@ class KernelBlocks:
   def forward(self, q, k, v, q_seg, k_seg, me, src):
     B, T, H, D = q.shape
     h, segments = T // 2, q_seg is not None
+    half, later = _halves(h)
     cast = lambda o, l: (o.astype(jnp.float32), l)
-    half = lambda x: None if x is None else x[:, :h]
-    later = lambda x: None if x is None else x[:, h:]
 
     def diagonal(q, k, v, q_seg, k_seg):
       return cast(*self._parts(q, k, self.o.causal, segments).forward(q, k, v, q_seg, k_seg))
@@ -456,10 +462,9 @@ class KernelBlocks:
   def backward(self, q, k, v, q_seg, k_seg, out, lse, do, me, src):
     T = q.shape[1]
     h, segments = T // 2, q_seg is not None
+    half, later = _halves(h)
     out, do = out.astype(q.dtype), do.astype(q.dtype)
     f32 = lambda *grads: tuple(g.astype(jnp.float32) for g in grads)
-    half = lambda x: None if x is None else x[:, :h]
-    later = lambda x: None if x is None else x[:, h:]
     zeros = lambda x: jnp.zeros(x.shape, jnp.float32)
 
     def diagonal(q, k, v, q_seg, k_seg, out, lse, do):
