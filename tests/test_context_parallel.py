@@ -264,7 +264,7 @@ def test_summary_prints_attention_flops_per_device():
   assert "Attention FLOPs per device" in summary.format_table(c, summary.summarize(c, "tpu"))
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas"])
+@pytest.mark.parametrize("impl", [pytest.param("xla", marks=pytest.mark.slow), "pallas"])
 def test_compile_for_a_v5e_slice_with_the_context_axis(impl):
   """compile.py for 4 v5e chips, mesh.context=4: the ring's collective-permutes
   and no all-gather (the K/V stay split), and every device's attention FLOPs

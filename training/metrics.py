@@ -5,7 +5,6 @@ import math
 import os
 
 import jax
-from tensorboardX import SummaryWriter
 
 
 def evaluate(eval_fn, params, batches) -> dict:
@@ -25,6 +24,9 @@ class MetricsWriter:
   def __init__(self, workdir: str):
     self.enabled = jax.process_index() == 0
     if self.enabled:
+      # Imported here: tensorboardX imports torch where it is installed (over a
+      # second), which eval.py and a refused start need not pay.
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
       self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
