@@ -20,7 +20,10 @@ target's real compiler and reads back, per device:
 - the collectives of the compiled program, with their result bytes and the
   bytes a ring moves through each device for them (all-reduce 2 (n-1)/n x,
   all-gather and all-to-all (n-1)/n x, reduce-scatter (n-1) x its result,
-  collective-permute 1 x; n the group size). A collective inside a loop
+  collective-permute 1 x; n the group size; a ragged-all-to-all's result
+  is its receive buffer, sized for the worst routing, and its traffic
+  (n-1)/n x the smaller of what it sends and that buffer, as under balanced
+  routing). A collective inside a loop
   with a known trip count (scanned layers, gradient accumulation) counts
   once per iteration (`multiplicities`);
 - the Pallas kernels the compiled program calls (`kernels`), read from its
@@ -57,12 +60,15 @@ from configs.validation import validate
 from model import accounting
 from aot.targets import Target, target_devices
 from training.optim import learning_rate_schedule, make_optimizer
-from training.sharding import (BATCH_AXES, batch_sharding, make_mesh, state_shardings,
-                               train_state_shardings, with_shardings)
+from training.sharding import (BATCH_AXES, batch_sharding, batch_split, batch_split_fields,
+                               make_mesh, state_shardings, train_state_shardings,
+                               with_shardings)
+from training.startup import state_split
 from training.steps import (abstract_state, jit_eval_step, jit_train_step, router_losses,
                             traced_on)
 
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "ragged-all-to-all",
+               "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
                 "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8}
 _COLLECTIVE_RE = re.compile(r"=\s*(.*?)\s(" + "|".join(COLLECTIVES) + r")(-start)?\(")
@@ -79,13 +85,14 @@ _KERNEL_RE = re.compile(r"%([\w.-]+) = (.*?) custom-call\(.*custom_call_target=\
 
 def abstract_batch(config, mesh) -> dict:
   """ShapeDtypeStructs of one global batch of the run, split over data x fsdp
-  (a batch that does not split: a UserError naming train.batch_size)."""
+  x expert (a batch that does not split: a UserError naming train.batch_size)."""
   t, m = config.train, config.model
   sharding = batch_sharding(mesh)
-  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  split = batch_split(mesh)
   if t.batch_size % split:
     raise UserError(f"config field train.batch_size={t.batch_size}: does not split over "
-                    f"mesh.data x mesh.fsdp = {split} devices; make it a multiple of {split}")
+                    f"{batch_split_fields(mesh)} = {split} devices; make it a multiple of "
+                    f"{split}")
 
   def spec(length, dtype=jnp.int32):
     return jax.ShapeDtypeStruct((t.batch_size, length), dtype, sharding=sharding)
@@ -242,23 +249,37 @@ def has_loops(hlo_text: str) -> bool:
              for line in lines if " while(" in line)
 
 
+_DEFINITION_RE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+)", re.M)
+_RAGGED_OPERAND_RE = re.compile(r"ragged-all-to-all\(%([\w.\-]+)")
+
+
+def _array_bytes(shape: str) -> list[int]:
+  """The bytes of each array in an HLO shape ('f32[2,3]', or a tuple of them)."""
+  return [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
+          for dtype, dims in _ARRAY_RE.findall(shape)]
+
+
 def collectives(hlo_text: str) -> dict[str, dict]:
   """Per collective kind: count, result bytes and ring traffic bytes per device
   per step (a collective in a loop's body once per iteration)."""
   out = {}
+  shapes = None
   for line, runs in _lines_with_runs(hlo_text):
     match = _COLLECTIVE_RE.search(line)
     if not match:
       continue
     shape, kind, start = match.groups()
-    arrays = [math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES.get(dtype, 4)
-              for dtype, dims in _ARRAY_RE.findall(shape)]
     # An async start's tuple holds operands and results; its result is the largest.
-    size = max(arrays, default=0) if start and kind != "all-reduce" else sum(arrays)
+    size = max(_array_bytes(shape), default=0) if start and kind != "all-reduce" else sum(
+        _array_bytes(shape))
     n = _group_size(line)
     traffic = {"all-reduce": 2 * (n - 1) / n, "all-gather": (n - 1) / n,
-               "all-to-all": (n - 1) / n, "reduce-scatter": n - 1,
-               "collective-permute": 1}[kind] * size
+               "all-to-all": (n - 1) / n, "ragged-all-to-all": (n - 1) / n,
+               "reduce-scatter": n - 1, "collective-permute": 1}[kind] * size
+    if kind == "ragged-all-to-all":
+      shapes = shapes or dict(_DEFINITION_RE.findall(hlo_text))
+      operand = _RAGGED_OPERAND_RE.search(line).group(1)
+      traffic = min(traffic, (n - 1) / n * sum(_array_bytes(shapes.get(operand, ""))))
     entry = out.setdefault(kind, {"count": 0, "bytes": 0, "traffic_bytes": 0})
     entry["count"] += runs
     entry["bytes"] += runs * size
@@ -361,24 +382,25 @@ def _cost(compiled) -> dict:
 
 def _accounting(config, mesh, step: str, platform: str) -> dict:
   """model.accounting's estimate per device: parameters and optimizer state split
-  over fsdp x tensor (the axes parameters shard over), activations over the batch
-  axes data x fsdp and the sequence over context (attention_impl=auto resolved
-  for `platform`); a generation step holds parameters and the KV cache."""
+  over fsdp x tensor (the axes parameters shard over; routed experts over
+  expert too, `state_split`), activations over the batch axes data x fsdp x
+  expert and the sequence over context (attention_impl=auto resolved for
+  `platform`); a generation step holds parameters and the KV cache."""
   m, t = config.model, config.train
-  param_split = mesh.shape["fsdp"] * mesh.shape["tensor"]
-  batch_split = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["context"]
+  param_split = state_split(config, mesh)
+  rows_split = batch_split(mesh) * mesh.shape["context"]
   memory = accounting.training_memory_bytes(config, backend=platform)
   if step == "train":
     estimate = {"parameters": memory["parameters"] / param_split,
                 "optimizer_state": memory["optimizer_state"] / param_split,
                 "gradients": memory["gradients"] / param_split,
-                "activations": memory["activations"] / batch_split}
+                "activations": memory["activations"] / rows_split}
   elif step == "eval":
     estimate = {"parameters": memory["parameters"] / param_split}
   else:
     estimate = {"parameters": memory["parameters"] / param_split,
                 "kv_cache": accounting.kv_cache_bytes_per_token(m) * t.batch_size * t.seq_len
-                            / batch_split}
+                            / rows_split}
   estimate["total"] = sum(estimate.values())
   return {name: int(value) for name, value in estimate.items()}
 
@@ -520,7 +542,7 @@ def _context_attention(config, mesh, step: str) -> dict | None:
   n = mesh.shape["context"]
   if n == 1 or step != "train":
     return None
-  rows = config.train.batch_size // (mesh.shape["data"] * mesh.shape["fsdp"])
+  rows = config.train.batch_size // batch_split(mesh)
   per_row = accounting.context_attention_flops(config.model, config.train.seq_len, n)
   return {layout: [rows * f for f in flops] for layout, flops in per_row.items()}
 

@@ -52,6 +52,8 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_router = "softmax_topk_norm"  # MoE: a model/moe.py ROUTERS entry
   m.moe_layers = config_dict.placeholder(tuple)  # MoE: the layers (0-based) with experts, the
   #   others dense (DeepSeek's first dense layers: (1, 2, ...)); None: every layer
+  m.moe_capacity_factor = 0.0  # MoE: each expert takes at most ceil(this x tokens x k / E) of a
+  #   device's tokens, the rest dropped (Switch, GShard); 0: dropless
   m.use_bias = False  # biases in the attention and MLP projections (all or none)
   m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
   m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
@@ -218,13 +220,15 @@ def get_config() -> config_dict.ConfigDict:
   me = c.mesh = config_dict.ConfigDict()
   me.data = -1  # data-parallel axis; -1: the devices left over
   me.fsdp = 1  # parameter/optimizer-state sharding axis
+  me.expert = 1  # expert-parallel axis: a mixture of experts' experts split over this many
+  #   devices, tokens sent to them by all-to-all (the batch splits over it too)
   me.context = 1  # context-parallel axis: each row's sequence split over this many devices
   #   (decoders; docs/context_parallel.md)
   me.context_strategy = "auto"  # ring (K/V blocks passed round the devices) | all_gather (K/V
   #   gathered once per layer) | auto (all_gather where num_kv_heads x context <= num_heads)
   me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
   me.rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
-              ("mlp", "tensor"), ("head_dim", None), ("norm", None),
+              ("mlp", "tensor"), ("head_dim", None), ("norm", None), ("expert", "expert"),
               ("layers", None))  # logical -> mesh axis or None
   return c
 

@@ -324,6 +324,9 @@ def _validate_moe(m: config_dict.ConfigDict) -> None:
   _check_positive(m, "model.num_experts", "model.", allow_zero=True)
   _check_positive(m, "model.num_shared_experts", "model.", allow_zero=True)
   if not m.num_experts:
+    if m.moe_capacity_factor:
+      _fail("model.moe_capacity_factor", m.moe_capacity_factor,
+            "needs model.num_experts > 0 (a mixture of experts); set it to 0")
     for field in ("moe_layers", "moe_d_ff"):
       if m[field] is not None:
         _fail(f"model.{field}", m[field], "needs model.num_experts > 0 (a mixture of experts); "
@@ -340,6 +343,9 @@ def _validate_moe(m: config_dict.ConfigDict) -> None:
     _fail("model.experts_per_token", m.experts_per_token,
           f"must be <= model.num_experts={m.num_experts} (each token's top k of them)")
   _check_positive(m, "model.moe_d_ff", "model.", allow_none=True)
+  if not (isinstance(m.moe_capacity_factor, (int, float)) and m.moe_capacity_factor >= 0):
+    _fail("model.moe_capacity_factor", m.moe_capacity_factor,
+          "must be >= 0 (0: dropless; else each expert's capacity in tokens x k / E)")
   if m.moe_layers is not None:
     _validate_layer_tuple(m, "moe_layers")
 
@@ -417,7 +423,23 @@ def validate(config: config_dict.ConfigDict) -> None:
     value = config.mesh[axis]
     if not isinstance(value, int) or (value < 1 and value != -1):
       _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")
+  _validate_expert(config)
   _validate_context(config)
+
+
+def _validate_expert(config) -> None:
+  """mesh.expert > 1: the experts of a mixture split over that many devices."""
+  n, m = config.mesh.expert, config.model
+  if not isinstance(n, int) or n < 1:
+    _fail("mesh.expert", n, "must be a positive integer (the devices the experts split over)")
+  if n == 1:
+    return
+  if not m.num_experts:
+    _fail("mesh.expert", n, "splits a mixture of experts' experts, but model.num_experts=0 "
+          "(a dense model); use mesh.expert=1, or mesh.data for the batch")
+  if m.num_experts % n:
+    _fail("mesh.expert", n, f"must divide model.num_experts={m.num_experts} (each device "
+          "holds num_experts / expert of them)")
 
 
 def _validate_context(config) -> None:

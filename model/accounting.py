@@ -169,6 +169,13 @@ def inactive_params(model_cfg) -> int:
   return len(m.moe_layers) * (m.num_experts - m.experts_per_token) * _expert_params(m)
 
 
+def routed_expert_params(model_cfg) -> int:
+  """The routed experts' parameters, all E of every MoE layer: what
+  `mesh.expert` splits (0 for a dense model)."""
+  m = ModelConfig.resolve(model_cfg)
+  return len(m.moe_layers) * m.num_experts * _expert_params(m)
+
+
 def _norm_params(m) -> int:
   """The `model.norm` entry's count at width d_model: gamma (RMSNorm), or
   gamma and beta (LayerNorm)."""
@@ -295,9 +302,9 @@ def with_budget(config):
 
 
 def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None,
-                               context: int = 1, moe: bool = False) -> int:
+                               context: int = 1, moe: bool = False, expert: int = 1) -> int:
   """Elements one layer keeps per token for the backward pass (no remat);
-  `moe`: its MLP is a mixture of experts."""
+  `moe`: its MLP is a mixture of experts, over `expert` devices."""
   d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
   materialised = context == 1 and model_implementation(m, backend) in _MATERIALISED_SCORES
   scores = h * seq_len if materialised else 0
@@ -306,14 +313,20 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
   mlp = d + 2 * (MLPS[m.mlp].matrices - 1) * f
   if moe:
     k, hidden = m.experts_per_token, 2 * (MLPS[m.mlp].matrices - 1)
-    mlp = (d + 4 * m.num_experts + 2 * k * d + k * hidden * m.moe_d_ff
-           + hidden * m.num_shared_experts * m.moe_d_ff)
+    # Over expert devices a device's receive buffer holds X rows per row it
+    # sends (every peer may route all of its rows to it), or c at capacity c.
+    buffer = expert if expert == 1 or not m.moe_capacity_factor else max(
+        1.0, min(expert, m.moe_capacity_factor))
+    mlp = (d + 4 * m.num_experts + 2 * k * d + buffer * (2 * k * d if expert > 1 else 0)
+           + buffer * k * hidden * m.moe_d_ff + hidden * m.num_shared_experts * m.moe_d_ff)
+    mlp = math.ceil(mlp)
   norms = (3 if cross else 2) * d
   return (2 if cross else 1) * attention + mlp + norms
 
 
 def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
-                               backend: str | None = None, context: int = 1) -> int:
+                               backend: str | None = None, context: int = 1,
+                               expert: int = 1) -> int:
   """Activation memory per token of a training step, after Korthikanti et al.
 
   Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
@@ -335,7 +348,10 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                4 E (the router's float32 logits and probabilities) + 2 k d
                (each token's k rows sorted by expert, and their outputs) +
                k times the MLP's hidden elements at moe_d_ff, and the shared
-               experts' at num_shared_experts x moe_d_ff
+               experts' at num_shared_experts x moe_d_ff; over `expert` = X
+               devices the receive buffer's 2 k d rows in and out and the
+               hidden elements count X times (its worst-case size), or
+               min(X, c) times at capacity factor c
     norms      d per norm (its input)
 
   times the bytes of model.dtype; cross-attention counts like attention
@@ -357,7 +373,7 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                for _, num, cross in stacks]
   if n_moe:
     per_layer.append((n_moe, _layer_activation_elements(m, seq_len, False, backend, context,
-                                                        moe=True)))
+                                                        moe=True, expert=expert)))
   if remat:
     layer_elements = (sum(num for num, _ in per_layer) * m.d_model
                       + max(elements for num, elements in per_layer if num))
@@ -394,7 +410,8 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
                 gradients=n * _itemsize(m.param_dtype),
                 optimizer_state=_moments(t, params) * 4,
                 activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend,
-                                                                config.mesh.context))
+                                                                config.mesh.context,
+                                                                config.mesh.get("expert", 1)))
   memory["total"] = sum(memory.values())
   return memory
 

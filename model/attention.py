@@ -58,7 +58,7 @@ from configs.errors import UserError
 from model.embeddings import apply_rope
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
-from model.layers import Dense
+from model.layers import Dense, batch_axes
 from model.norms import RMSNorm
 from model.positions import POSITIONS
 from model.registry import Registry
@@ -279,7 +279,7 @@ def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None
     return kernel(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
   B, _, H, _ = q_BTHD.shape
   K = k_BSKD.shape[2]
-  batch = tuple(axis for axis in ("data", "fsdp") if axis in mesh.axis_names)
+  batch = batch_axes(mesh)
   rows = math.prod(mesh.shape[axis] for axis in batch)
   if B % rows:
     raise UserError(f"attention_impl=pallas: {B} rows (per micro-batch) do not split over "

@@ -83,6 +83,7 @@ class ModelConfig:
   num_shared_experts: int
   moe_router: str
   moe_layers: tuple[int, ...]
+  moe_capacity_factor: float
   use_bias: bool
   qkv_bias: bool
   out_bias: bool
@@ -137,7 +138,8 @@ class ModelConfig:
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
     if not self.num_experts:
-      unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router"}
+      unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router",
+                 "moe_capacity_factor"}
     elif len(self.moe_layers) == self.num_layers:
       unused |= {"d_ff"}  # every MLP is a mixture of experts of moe_d_ff
     if self.num_labels:

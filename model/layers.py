@@ -1,9 +1,10 @@
 """Parameter helpers shared by every module: dtypes and annotated weights.
 
 Each weight carries logical axis names (`vocab`, `embed`, `heads`,
-`kv_heads`, `head_dim`, `mlp`, `norm`, and `layers`, the leading axis of a
-scanned stack's parameters: `model/transformer.py`); `training/sharding.py`
-maps them onto a device mesh by the rules in the config.
+`kv_heads`, `head_dim`, `mlp`, `norm`, `expert`, and `layers`, the leading
+axis of a scanned stack's parameters: `model/transformer.py`);
+`training/sharding.py` maps them onto a device mesh by the rules in the
+config.
 """
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,16 @@ from flax import nnx
 # The logical axis of the layers of a scanned stack (its parameters' leading axis).
 LAYERS_AXIS = "layers"
 
+# The mesh axes that split the batch (`training/sharding.py`): activations
+# are [B / (data x fsdp x expert), ...] on each device.
+BATCH_AXES = ("data", "fsdp", "expert")
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def batch_axes(mesh) -> tuple[str, ...]:
+  """The batch axes (`BATCH_AXES`) that `mesh` has."""
+  return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...],

@@ -13,23 +13,34 @@ knowledge at the same compute (Switch, Mixtral, Qwen3-MoE, DeepSeek).
 `model.num_shared_experts` adds always-on experts (DeepSeek; Qwen2-MoE's
 shared expert without its gate), one MLP of that many times the width.
 
-Dropless: every (token, expert) assignment is computed. The N x k
-assignments are sorted by expert and run through grouped matmuls
+Dropless by default: every (token, expert) assignment is computed. The
+N x k assignments are sorted by expert and run through grouped matmuls
 (`jax.lax.ragged_dot`: one [rows of expert e] x [d, f] product per expert,
 over contiguous groups), then scattered back and summed with their weights.
-No capacity, no token dropped, so the layer is the same function whatever
-the batch.
+No token is dropped, so the layer is the same function whatever the batch.
+With `model.moe_capacity_factor` c > 0 each expert takes at most
+ceil(c N k / E) of a device's N tokens (Switch, GShard); an assignment past
+that is dropped (its expert's output counts as zero; the token keeps the
+residual and its other experts), earlier tokens first.
+
+Expert parallelism (`mesh.expert` = X > 1, `expert_parallel`): each device
+of the expert axis holds E / X of the experts. A device routes its own
+tokens, sends each sorted row to the device that holds its expert (an
+all-to-all), computes its experts on the rows it received, and sends the
+outputs back (the same all-to-all reversed).
 
 What researchers watch, per layer (`MoEStats`): the load-balancing loss of
 Switch and Mixtral, E sum_e (tokens routed to e / tokens) P_e with P_e the
 mean router probability of e (its minimum, k, when the load is uniform),
 the router z-loss of ST-MoE, the mean over tokens of (log sum_e exp
-logit_e)^2, and the load, the most assignments any expert got over the mean.
-Training adds `train.moe_aux_loss` x the first and `train.router_z_loss` x
-the second, averaged over the MoE layers.
+logit_e)^2, the load, the most assignments any expert got over the mean,
+and the fraction of assignments dropped (0 when dropless). Training adds
+`train.moe_aux_loss` x the first and `train.router_z_loss` x the second,
+averaged over the MoE layers.
 """
 import dataclasses
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -37,7 +48,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from model.layers import Dense, dense_init, param
+from configs.errors import UserError
+from model.attention import compile_device
+from model.layers import Dense, batch_axes, dense_init, param
 from model.mlp import MLP, MLPS
 from model.registry import Registry
 
@@ -61,10 +74,13 @@ ROUTERS = Registry("model.moe_router", [
 
 
 class MoEStats(NamedTuple):
-  """One layer's router statistics (float32 scalars; see the module docstring)."""
+  """One layer's router statistics (float32; see the module docstring): four
+  scalars and `share`, each expert's fraction of the assignments [E]."""
   aux_loss: jax.Array
   z_loss: jax.Array
   load: jax.Array
+  dropped: jax.Array
+  share: jax.Array
 
 
 def route(logits_NE, k: int, normalize: bool):
@@ -77,46 +93,137 @@ def route(logits_NE, k: int, normalize: bool):
   return weights_NK, experts_NK.astype(jnp.int32), probs_NE
 
 
-def _sums(logits_NE, probs_NE, counts_E):
+def _sums(logits_NE, probs_NE, counts_E, kept_E):
   """What the statistics are made of, as sums over tokens (so that devices
   add them up): assignments per expert [E], router probabilities per expert
-  [E], (log Z)^2 and the token count."""
+  [E], (log Z)^2, the token count and the assignments dropped."""
   lse_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
   return (counts_E.astype(jnp.float32), probs_NE.sum(axis=0), jnp.sum(jnp.square(lse_N)),
-          jnp.float32(probs_NE.shape[0]))
+          jnp.float32(probs_NE.shape[0]), jnp.sum(counts_E - kept_E).astype(jnp.float32))
 
 
-def stats_of_sums(counts_E, probs_E, z_sum, tokens) -> MoEStats:
-  """The load-balancing loss, router z-loss and load (`MoEStats`) from
-  `_sums` (of one device, or added over devices)."""
+def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped) -> MoEStats:
+  """The load-balancing loss, router z-loss, load and dropped fraction
+  (`MoEStats`) from `_sums` (of one device, or added over devices)."""
   E = counts_E.shape[0]
   aux = E * jnp.sum((counts_E / tokens) * (probs_E / tokens))
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
-  return MoEStats(aux, z_sum / tokens, load)
+  assignments = jnp.maximum(counts_E.sum(), 1.0)
+  return MoEStats(aux, z_sum / tokens, load, dropped / assignments, counts_E / assignments)
+
+
+def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int | None:
+  """The most assignments an expert takes from `tokens` tokens of one device:
+  ceil(factor x tokens x k / E); None when dropless (factor 0)."""
+  return math.ceil(factor * tokens * k / num_experts) if factor else None
+
+
+def sort_by_expert(experts_A, num_experts: int, cap: int | None):
+  """(order [A], kept [E]): the assignments' order sorted by expert (stable,
+  so earlier tokens first) and how many each expert keeps; with a capacity
+  `cap`, those past it are moved to the end, after every kept row."""
+  order_A = jnp.argsort(experts_A, stable=True)
+  counts_E = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
+  if cap is None:
+    return order_A, counts_E
+  sorted_A = experts_A[order_A]
+  rank_A = jnp.arange(experts_A.shape[0]) - (jnp.cumsum(counts_E) - counts_E)[sorted_A]
+  order_A = order_A[jnp.argsort(jnp.where(rank_A < cap, sorted_A, num_experts), stable=True)]
+  return order_A, jnp.minimum(counts_E, cap)
+
+
+def grouped_mlp(rows_RM, groups_E, up_EMF, gate_EMF, down_EFM, *, activation, dtype):
+  """Each expert's MLP on its contiguous group of rows (sizes `groups_E`;
+  rows past their sum give zeros): `jax.lax.ragged_dot`, in `dtype` (the
+  matmuls accumulate in float32 as XLA's dots do), float32 out."""
+  grouped = lambda rows, w: jax.lax.ragged_dot(rows.astype(dtype), w.astype(dtype), groups_E,
+                                               preferred_element_type=dtype)
+  if gate_EMF is not None:
+    h_RF = activation(grouped(rows_RM, gate_EMF)) * grouped(rows_RM, up_EMF)
+  else:
+    h_RF = activation(grouped(rows_RM, up_EMF))
+  return grouped(h_RF, down_EFM).astype(jnp.float32)
 
 
 def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize: bool,
-               activation, dtype):
+               activation, dtype, capacity_factor: float = 0.0, experts=None):
   """The experts' output for tokens [N, M] (float32) and their statistics'
-  `_sums`: route, sort the N k assignments by expert, run each expert's group
-  through its matrices (`jax.lax.ragged_dot`), scatter back and weigh."""
+  `_sums`: route, sort the N k assignments by expert (`sort_by_expert`), run
+  each expert's group through its matrices, scatter back and weigh.
+  `experts`: how the sorted rows reach their experts; None: `grouped_mlp`
+  here (every expert's weights on this device), else `expert_parallel`."""
   N, M = x_NM.shape
   logits_NE = jnp.dot(x_NM.astype(jnp.float32), router_ME.astype(jnp.float32))
   weights_NK, experts_NK, probs_NE = route(logits_NE, k, normalize)
   E = probs_NE.shape[-1]
   experts_A = experts_NK.reshape(-1)
-  order_A = jnp.argsort(experts_A, stable=True)
-  counts_E = jnp.bincount(experts_A, length=E).astype(jnp.int32)
+  order_A, kept_E = sort_by_expert(experts_A, E, capacity(N, k, E, capacity_factor))
   rows_AM = x_NM[order_A // k].astype(dtype)
-  grouped = lambda rows, w: jax.lax.ragged_dot(rows, w.astype(dtype), counts_E,
-                                               preferred_element_type=jnp.float32)
-  if gate_EMF is not None:
-    h_AF = activation(grouped(rows_AM, gate_EMF)) * grouped(rows_AM, up_EMF)
-  else:
-    h_AF = activation(grouped(rows_AM, up_EMF))
-  out_AM = grouped(h_AF.astype(dtype), down_EFM)
+  run = experts or grouped_mlp
+  out_AM = run(rows_AM, kept_E, up_EMF, gate_EMF, down_EFM, activation=activation, dtype=dtype)
   out_NKM = jnp.zeros_like(out_AM).at[order_A].set(out_AM).reshape(N, k, M)
-  return jnp.einsum("nkm,nk->nm", out_NKM, weights_NK), _sums(logits_NE, probs_NE, counts_E)
+  counts_E = jnp.bincount(experts_A, length=E)
+  return (jnp.einsum("nkm,nk->nm", out_NKM, weights_NK),
+          _sums(logits_NE, probs_NE, counts_E, kept_E))
+
+
+def _all_to_all_rows(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                     *, axis: str, chunk: int):
+  """`jax.lax.ragged_all_to_all` from a dense `jax.lax.all_to_all`, for
+  backends without the ragged collective (XLA:CPU): each device's chunk for
+  each peer is padded to `chunk` rows, exchanged, and written at the offset
+  the sender gave. The same result; X x chunk rows sent."""
+  n, L = operand.shape[0], jnp.arange(chunk)
+  rows_XL = input_offsets[:, None] + L
+  blocks_XLM = jnp.where((L < send_sizes[:, None])[..., None],
+                         operand[jnp.clip(rows_XL, 0, n - 1)], 0)
+  blocks_XLM = jax.lax.all_to_all(blocks_XLM, axis, 0, 0)
+  at_X = jax.lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)
+  dest_XL = jnp.where(L < recv_sizes[:, None], at_X[:, None] + L, output.shape[0])
+  return output.at[dest_XL.reshape(-1)].set(blocks_XLM.reshape(-1, *operand.shape[1:]),
+                                            mode="drop")
+
+
+def expert_parallel(rows_AM, kept_E, up_EMF, gate_EMF, down_EFM, *, activation, dtype,
+                    axis: str, bound: int, ragged: bool):
+  """`moe_tokens`' experts over the mesh axis `axis` (X devices, each holding
+  E / X experts: the weights here are this device's [E / X, ...]): the rows,
+  sorted by expert, go to their experts' devices, are computed there
+  (`grouped_mlp`) and come back in their order (rows dropped at capacity,
+  past sum(kept_E), give zeros).
+
+  Every device's kept counts are all-gathered first ([X, E]), so each knows
+  what every pair of devices exchanges. A device receives each sender's rows
+  after the earlier senders', in expert order; it regroups them by expert
+  for the grouped matmuls and undoes that before sending them back. `bound`:
+  the most rows a device sends any one peer (its A rows dropless, E / X
+  experts' capacities otherwise); the receive buffer is X x bound rows.
+  `ragged`: `jax.lax.ragged_all_to_all` (TPU, GPU), else `_all_to_all_rows`.
+  """
+  X, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+  E_X = up_EMF.shape[0]  # this device's experts
+  counts_XE = jax.lax.all_gather(kept_E, axis)
+  sends_XX = counts_XE.reshape(X, X, E_X).sum(-1)  # [sender, receiver] rows
+  before_XX = jnp.cumsum(sends_XX, axis=0) - sends_XX  # rows of earlier senders
+  send_X, recv_X = sends_XX[me], sends_XX[:, me]
+  send_at_X = jnp.cumsum(send_X) - send_X  # where each receiver's rows start here
+  land_X, recv_at_X = before_XX[me], before_XX[:, me]  # my rows' place there; theirs here
+  exchange = (functools.partial(jax.lax.ragged_all_to_all, axis_name=axis) if ragged else
+              functools.partial(_all_to_all_rows, axis=axis, chunk=bound))
+  R, M = X * bound, rows_AM.shape[1]
+  got_RM = exchange(rows_AM, jnp.zeros((R, M), rows_AM.dtype), send_at_X, send_X, land_X, recv_X)
+
+  mine_XE = jax.lax.dynamic_slice_in_dim(counts_XE, me * E_X, E_X, axis=1)
+  sizes = jnp.concatenate([mine_XE.reshape(-1), (R - mine_XE.sum())[None]])
+  pair_R = jnp.repeat(jnp.arange(X * E_X + 1), sizes, total_repeat_length=R)
+  order_R = jnp.argsort(jnp.where(pair_R < X * E_X, pair_R % E_X, E_X), stable=True)
+  out_RM = grouped_mlp(got_RM[order_R], mine_XE.sum(0), up_EMF, gate_EMF, down_EFM,
+                       activation=activation, dtype=dtype)
+  out_RM = jnp.zeros_like(out_RM, rows_AM.dtype).at[order_R].set(out_RM.astype(rows_AM.dtype))
+  back_at_X = jnp.cumsum(sends_XX, axis=1)[:, me] - recv_X  # where my rows sit at each sender
+  back_AM = exchange(out_RM, jnp.zeros((rows_AM.shape[0], M), out_RM.dtype), recv_at_X, recv_X,
+                     back_at_X, send_X)
+  return back_AM.astype(jnp.float32)
 
 
 class Experts(nnx.Module):
@@ -130,8 +237,9 @@ class Experts(nnx.Module):
 
 # The mesh axes the default rules (configs/base.py mesh.rules) give the
 # router [M, E], the up and gate [E, M, F] and the down [E, F, M] weights.
-_WEIGHT_AXES = (("fsdp", None), (None, "fsdp", "tensor"), (None, "fsdp", "tensor"),
-                (None, "tensor", "fsdp"))
+# Weights placed otherwise by other rules are resharded to these on entry.
+_WEIGHT_AXES = (("fsdp", None), ("expert", "fsdp", "tensor"), ("expert", "fsdp", "tensor"),
+                ("expert", "tensor", "fsdp"))
 
 
 def _weight_spec(shape, names, mesh) -> P:
@@ -142,23 +250,30 @@ def _weight_spec(shape, names, mesh) -> P:
 
 
 def _gather(w, spec: P):
-  """The whole weight on every device from its shard (`spec`)."""
+  """The weight on every device from its shard (`spec`), whole but for its
+  experts, which stay split over the expert axis."""
   for axis, name in enumerate(spec):
-    if name is not None:
+    if name is not None and name != "expert":
       w = jax.lax.all_gather(w, name, axis=axis, tiled=True)
   return w
+
+
+def _ragged_collectives() -> bool:
+  """Whether the compile target has `jax.lax.ragged_all_to_all` (TPU and GPU;
+  XLA:CPU has not)."""
+  return compile_device().platform in ("tpu", "gpu")
 
 
 class MoE(nnx.Module):
   """The mixture-of-experts MLP of a block; returns (output, `MoEStats`).
 
-  On a mesh each device routes and computes its own tokens (`jax.shard_map`
+  On a mesh each device routes and sorts its own tokens (`jax.shard_map`
   over the batch axes, and `context` where the rows are split), with every
   expert's weights gathered to it from their fsdp and tensor shards
-  (`_gather`; their gradients leave by reduce-scatter), so no token moves
-  and the sort is local; the statistics' sums are added over the devices,
-  so they are the whole batch's. Expert parallelism (each device holding
-  some experts, tokens sent to them by all-to-all) is not built yet."""
+  (`_gather`; their gradients leave by reduce-scatter). With `mesh.expert`
+  > 1 a device keeps only its experts and the rows travel to them
+  (`expert_parallel`); without, no token moves. The statistics' sums are
+  added over the devices, so they are the whole batch's."""
 
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     d, f, E = cfg.d_model, cfg.moe_d_ff, cfg.num_experts
@@ -166,6 +281,7 @@ class MoE(nnx.Module):
     self.activation = kind.activation
     self.k = cfg.experts_per_token
     self.normalize = ROUTERS[cfg.moe_router].normalize
+    self.capacity_factor = cfg.moe_capacity_factor
     self.dtype = cfg.dtype
     self.router = Dense(d, (E,), ("embed", None), use_bias=False, cfg=cfg, rngs=rngs,
                         dtype=jnp.float32)
@@ -180,30 +296,40 @@ class MoE(nnx.Module):
     weights = (self.router.kernel[...], self.up.kernel[...],
                None if self.gate is None else self.gate.kernel[...], self.down.kernel[...])
     tokens = functools.partial(moe_tokens, k=self.k, normalize=self.normalize,
-                               activation=self.activation, dtype=self.dtype)
+                               activation=self.activation, dtype=self.dtype,
+                               capacity_factor=self.capacity_factor)
 
-    def local(x, *w):
+    def local(x, *w, experts=None):
       b, t, _ = x.shape
-      y, sums = tokens(x.reshape(b * t, M), *w)
+      y, sums = tokens(x.reshape(b * t, M), *w, experts=experts)
       return y.reshape(b, t, M), sums
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
       y_BTM, sums = local(x_BTM, *weights)
     else:
-      rows = tuple(a for a in ("data", "fsdp") if a in mesh.axis_names)
+      rows = batch_axes(mesh)
       seq = "context" if "context" in mesh.axis_names and mesh.shape["context"] > 1 else None
       spec = P(rows, seq, None)
       axes = rows + ((seq,) if seq else ())
-      # The weights arrive in their shards (embed over fsdp, the hidden width
-      # over tensor, as the default rules place them) and are gathered here,
-      # so that their gradients leave by reduce-scatter, as a dense MLP's.
       w_specs = [None if w is None else _weight_spec(w.shape, names, mesh)
                  for w, names in zip(weights, _WEIGHT_AXES)]
+      X = mesh.shape["expert"] if "expert" in mesh.axis_names else 1
+      experts = None
+      if X > 1:
+        E = self.up.kernel.shape[0]
+        if E % X:
+          raise UserError(f"model.num_experts={E} does not split over mesh.expert={X} "
+                          "devices; make num_experts a multiple of mesh.expert")
+        A = B // math.prod(mesh.shape[a] for a in rows) * (T // (mesh.shape[seq] if seq else 1))
+        A *= self.k
+        cap = capacity(A // self.k, self.k, E, self.capacity_factor)
+        experts = functools.partial(expert_parallel, axis="expert", ragged=_ragged_collectives(),
+                                    bound=A if cap is None else min(A, E // X * cap))
 
       def on_device(x, *w):
         w = [None if a is None else _gather(a, sp) for a, sp in zip(w, w_specs)]
-        y, sums = local(x, *w)
+        y, sums = local(x, *w, experts=experts)
         return y, jax.tree.map(lambda s: jax.lax.psum(s, axes), sums)
 
       # check_vma=False: the gathered weights make every tensor device compute the

@@ -41,7 +41,7 @@ from model.attention import soft_cap
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, TokenTypes, rope_from_config
-from model.layers import LAYERS_AXIS, Dense, param
+from model.layers import LAYERS_AXIS, Dense, batch_axes, param
 from model.mlp import MLPS
 from model.norms import make_norm
 from model.positions import POSITIONS
@@ -68,7 +68,7 @@ def _batch_split(x_BTM):
   if mesh.empty or not {"data", "fsdp"} <= set(mesh.axis_names):
     return x_BTM
   sequence = context_parallel.AXIS if context_parallel.context_size() > 1 else None
-  return jax.lax.with_sharding_constraint(x_BTM, P(("data", "fsdp"), sequence))
+  return jax.lax.with_sharding_constraint(x_BTM, P(batch_axes(mesh), sequence))
 
 
 def _padding_segments(padding_mask_BT, shape):

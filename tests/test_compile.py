@@ -65,6 +65,18 @@ def test_collectives_read_from_hlo():
   assert found["reduce-scatter"] == {"count": 1, "bytes": 32, "traffic_bytes": 32}
 
 
+def test_a_ragged_all_to_all_moves_at_most_what_it_sends():
+  """An expert-parallel exchange (model/moe.py): the result is the receive
+  buffer (4 peers x 512 rows); the traffic is 3/4 of the rows sent (512)."""
+  hlo = """
+  %rows = bf16[512,1,128]{2,1,0} bitcast(%x)
+  %ragged_all_to_all.74 = bf16[2048,1,128]{2,1,0:T(1,128)} ragged-all-to-all(%rows, %buf, %a, %b, %c, /*index=5*/%d), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}
+  """
+  found = aot.collectives(hlo)
+  assert found["ragged-all-to-all"] == {"count": 1, "bytes": 2048 * 128 * 2,
+                                        "traffic_bytes": 3 * 512 * 128 * 2 // 4}
+
+
 def test_a_loop_body_counts_once_per_iteration():
   """Scanned layers: the collectives and kernels of a while loop's body count
   its trip count times per step (the compiler's, or the bound of its
@@ -119,7 +131,7 @@ def test_tiny_compiles_for_a_v5e_slice_and_reports_json():
                        "--config.mesh.fsdp=2", "--config.model.scan_layers=False", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
-  assert (report["devices"], report["mesh"]) == (4, {"data": 2, "fsdp": 2, "context": 1,
+  assert (report["devices"], report["mesh"]) == (4, {"data": 2, "fsdp": 2, "expert": 1, "context": 1,
                                                   "tensor": 1})
   memory = report["memory_per_device"]
   # float32 parameters split over fsdp=2 (the norms' gains replicated), and AdamW's two

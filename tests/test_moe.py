@@ -57,22 +57,54 @@ def test_moe_layer_equals_a_loop_over_each_tokens_experts(router, mlp, shared):
   if shared:
     want += np.asarray(layer.shared(x))
   np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
-  assert all(np.isfinite(float(v)) for v in stats)
+  assert all(np.isfinite(float(v)) for v in stats[:4])
+  assert float(stats.share.sum()) == pytest.approx(1.0)
+
+
+def test_capacity_drops_each_experts_latest_assignments():
+  """model.moe_capacity_factor=0.5 (4 tokens x 2 / 4 experts x 0.5: one
+  assignment per expert): each expert keeps the earliest token routed to
+  it; a dropped assignment adds nothing; the dropped fraction counts them."""
+  cfg = ModelConfig.resolve(_model_config(moe_capacity_factor=0.5).model)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(3), (1, 4, cfg.d_model))
+  got, stats = layer(x)
+  router_w, up, gate, down = (np.asarray(w[...]) for w in (
+      layer.router.kernel, layer.up.kernel, layer.gate.kernel, layer.down.kernel))
+  want, taken, dropped = np.zeros(x.shape, np.float32), set(), 0
+  for t in range(4):
+    x_m = np.asarray(x[0, t])
+    probs = np.asarray(jax.nn.softmax(x_m @ router_w))
+    chosen = np.argsort(-probs)[:2]
+    for e, w in zip(chosen, probs[chosen] / probs[chosen].sum()):
+      if e in taken:
+        dropped += 1
+        continue
+      taken.add(e)
+      want[0, t] += w * ((np.asarray(jax.nn.silu(x_m @ gate[e])) * (x_m @ up[e])) @ down[e])
+  assert dropped > 0
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5, rtol=1e-5)
+  assert float(stats.dropped) == pytest.approx(dropped / 8)
 
 
 def test_router_statistics():
   """The load-balancing loss is E sum_e f_e P_e with f_e the fraction of
   tokens sent to e: k when routing is uniform; the load is the busiest
-  expert over the mean."""
+  expert over the mean; the dropped fraction is of all assignments."""
   from model.moe import _sums, stats_of_sums  # pylint: disable=import-outside-toplevel
   logits = jnp.zeros((8, 4))
-  stats = stats_of_sums(*_sums(logits, jax.nn.softmax(logits), jnp.array([4, 4, 4, 4])))
+  uniform = jnp.array([4, 4, 4, 4])
+  stats = stats_of_sums(*_sums(logits, jax.nn.softmax(logits), uniform, uniform))
   assert float(stats.aux_loss) == pytest.approx(2.0)  # k = 2: 16 assignments of 8 tokens
   assert float(stats.z_loss) == pytest.approx(np.log(4) ** 2)
-  halves = [_sums(logits[:4], jax.nn.softmax(logits[:4]), jnp.array([4, 2, 1, 1])),
-            _sums(logits[4:], jax.nn.softmax(logits[4:]), jnp.array([6, 0, 1, 1]))]
+  assert float(stats.dropped) == 0.0
+  halves = [_sums(logits[:4], jax.nn.softmax(logits[:4]), jnp.array([4, 2, 1, 1]),
+                  jnp.array([4, 2, 1, 1])),
+            _sums(logits[4:], jax.nn.softmax(logits[4:]), jnp.array([6, 0, 1, 1]),
+                  jnp.array([3, 0, 1, 1]))]
   skewed = stats_of_sums(*jax.tree.map(jnp.add, *halves))  # two devices' sums added
   assert float(skewed.load) == pytest.approx(2.5)
+  assert float(skewed.dropped) == pytest.approx(3 / 16)
 
 
 @pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
@@ -94,8 +126,8 @@ def test_train_step_weighs_and_reports_the_router_losses(scan):
     g, (sums, router) = jax.jit(lambda p, b, w=weights: steps._grads(
         graphdef, p, b, "next_token", 1, router_losses=w))(params, batch)
     grads[weights] = g
-    aux, z, load = (float(r / sums[1]) for r in router)
-    assert 1.5 < aux < 2.5 and z > 0 and 1.0 <= load <= 4.0
+    aux, z, load, dropped = (float(r / sums[1]) for r in router)
+    assert 1.5 < aux < 2.5 and z > 0 and 1.0 <= load <= 4.0 and dropped == 0.0
   router_grad = lambda w: jax.tree.leaves(nnx.state(
       nnx.merge(graphdef, grads[w]).decoder.layers, nnx.Param))
   for w in [(1.0, 0.0), (0.0, 1.0)]:
@@ -133,16 +165,31 @@ def test_measured_parameters_equal_the_formula(fields):
     ("model", dict(moe_layers=(2,)), "model.moe_layers=(2,): must name distinct layers in 0..1"),
     ("model", dict(moe_router="hash"), "model.moe_router='hash': must be one of"),
     ("train", dict(moe_aux_loss=-1.0), "train.moe_aux_loss=-1.0: must be >= 0"),
+    ("model", dict(moe_capacity_factor=-1.0), "model.moe_capacity_factor=-1.0: must be >= 0"),
+    ("model", dict(num_experts=0, moe_capacity_factor=1.25),
+     "model.moe_capacity_factor=1.25: needs model.num_experts > 0"),
+    ("mesh", dict(expert=3), "mesh.expert=3: must divide model.num_experts=4"),
+    ("mesh", dict(expert=0), "mesh.expert=0: must be a positive integer"),
 ])
 def test_bad_moe_settings_are_one_line(section, overrides, message):
   c = _model_config()
   c[section].update(**overrides)
+  if section == "mesh":
+    c.mesh.data = 1
   if section == "model" and overrides.get("family") == "encoder":
     c.train.objective = "mlm"
   with pytest.raises(UserError, match="^config field " + message.replace("(", r"\(").replace(
       ")", r"\)")) as err:
     validate(c)
   assert "\n" not in str(err.value)
+
+
+def test_an_expert_axis_on_a_dense_model_is_one_line():
+  c = base.get_config()
+  c.mesh.update(data=1, expert=2)
+  with pytest.raises(UserError, match=r"^config field mesh.expert=2: splits a mixture of "
+                     r"experts' experts, but model.num_experts=0 \(a dense model\)"):
+    validate(c)
 
 
 def test_a_router_loss_on_a_dense_model_is_one_line():
@@ -181,8 +228,26 @@ for mesh in MESHES:
   g, (sums, router) = jax.jit(steps.traced_on(m, grads))(
       params, jax.device_put(batch, sharding.batch_sharding(m)))
   name = "_".join(f"{k}{v}" for k, v in mesh.items())
-  out[name] = [abs(float(a) / float(b) - 1) for a, b in zip((*sums[:1], *router),
-                                                             (*want_sums[:1], *want_router))] + [
+  out[name] = [abs(float(a) - float(b)) / max(abs(float(b)), 1e-6)
+               for a, b in zip((*sums[:1], *router), (*want_sums[:1], *want_router))] + [
+      float(jnp.abs(a - b).max() / jnp.abs(b).max())
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g))]
+# At capacity 1 each device's tokens (one row on either mesh) drop the same
+# assignments, whether the experts are local (data 8) or across devices.
+c = config(data=8)
+c.model.moe_capacity_factor = 1.0
+graphdef, _ = steps.abstract_state(c)
+capped = {}
+for mesh in [dict(data=8), dict(data=1, expert=8), dict(data=1, expert=4, fsdp=2)]:
+  m = sharding.make_mesh(config(**mesh).mesh)
+  capped[str(mesh)] = jax.jit(steps.traced_on(m, grads))(
+      params, jax.device_put(batch, sharding.batch_sharding(m)))
+(want_g, (want_sums, want_router)), *others = capped.values()
+assert float(want_router[3]) > 0  # some assignments dropped
+for g, (sums, router) in others:
+  out["capacity"] = out.get("capacity", []) + [
+      abs(float(a) - float(b)) / abs(float(b))
+      for a, b in zip((*sums[:1], *router), (*want_sums[:1], *want_router))] + [
       float(jnp.abs(a - b).max() / jnp.abs(b).max())
       for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(want_g))]
 print(json.dumps(out))
@@ -193,11 +258,36 @@ print(json.dumps(out))
 def test_training_on_eight_devices_equals_one_device(mlp):
   """configs/tiny_moe.py with a shared expert: the loss, the router's losses
   and load, and every gradient on 8 CPU devices (data 2 x fsdp 2 x tensor 2;
-  fsdp 4 x context 2) within 1e-5 relative of one device's: each device
-  routes its own tokens and the statistics add up over the devices."""
+  fsdp 4 x context 2; expert 4 x fsdp 2; data 2 x expert 2 x tensor 2)
+  within 1e-5 relative of one device's: each device routes its own tokens,
+  the experts' rows travel to their devices and back, and the statistics
+  add up over the devices. At a capacity factor of 1, expert 8 and expert 4
+  x fsdp 2 drop what data 8 drops (each device one row on all three)."""
   from tests.test_sharding import run_on_8_devices  # pylint: disable=import-outside-toplevel
-  meshes = [dict(data=2, fsdp=2, tensor=2), dict(data=1, fsdp=4, context=2)]
+  meshes = [dict(data=2, fsdp=2, tensor=2), dict(data=1, fsdp=4, context=2),
+            dict(data=1, expert=4, fsdp=2), dict(data=2, expert=2, tensor=2)]
   out = run_on_8_devices(MESH_TRAINING.replace("MESHES", repr(meshes)).replace(
       "MLP", repr(mlp)))
   for name, errors in out.items():
     assert max(errors) < 1e-5, (name, errors)
+
+
+def test_training_and_eval_report_the_experts(tok_dir, tmp_path):
+  """A short MoE run at capacity 1: metrics.jsonl carries the router's
+  metrics (some assignments dropped), and eval.py's report each MoE layer's
+  share of tokens per expert (summing to 1) beside expert_load.png."""
+  from tests.helpers import small_config  # pylint: disable=import-outside-toplevel
+  from training import evaluate, loop  # pylint: disable=import-outside-toplevel
+  from training.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+  c = small_config(tok_dir)
+  c.model.update(num_layers=2, num_experts=4, experts_per_token=2, moe_capacity_factor=1.0)
+  c.train.update(num_steps=4, log_every=2, eval_every=4, checkpoint_every=4, moe_aux_loss=0.01)
+  loop.train(c, str(tmp_path / "run"))
+  train = [r for r in read_metrics(str(tmp_path / "run")) if r["split"] == "train"]
+  assert {"moe_aux_loss", "router_z_loss", "expert_load", "moe_dropped"} <= set(train[-1])
+  assert 0 < train[-1]["moe_dropped"] < 1
+  report = evaluate.run_eval(str(tmp_path / "run"), max_new_tokens=2, prompts=["def "])
+  assert report["moe_layers"] == [0, 1]
+  np.testing.assert_allclose(np.sum(report["expert_share"], axis=1), 1.0, rtol=1e-5)
+  assert all(1.0 <= load <= 2.0 for load in report["expert_load"])  # E / k = 2 at most
+  assert (tmp_path / "run" / "eval" / "step_4" / "expert_load.png").stat().st_size > 0

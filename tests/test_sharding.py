@@ -111,10 +111,10 @@ print(json.dumps(out))
 def test_meshes_rules_and_batches():
   out = run_on_8_devices(MESH_CHECKS)
   assert out["devices"] == 8
-  assert out["shapes"] == [[2, 2, 1, 2], [1, 8, 1, 1], [8, 1, 1, 1], [4, 2, 1, 1], [2, 2, 1, 2],
-                           [1, 1, 1, 8]]
-  assert out["names"] == ["data", "fsdp", "context", "tensor"]
-  assert out["one_device"] == [1, 1, 1, 1]
+  assert out["shapes"] == [[2, 2, 1, 1, 2], [1, 8, 1, 1, 1], [8, 1, 1, 1, 1], [4, 2, 1, 1, 1],
+                           [2, 2, 1, 1, 2], [1, 1, 1, 1, 8]]
+  assert out["names"] == ["data", "fsdp", "expert", "context", "tensor"]
+  assert out["one_device"] == [1, 1, 1, 1, 1]
   for key in ("bad_product", "bad_rest"):
     assert "mesh.data" in out[key] and "mesh.tensor" in out[key], out[key]
     assert "8 devices" in out[key], out[key]
@@ -140,7 +140,7 @@ def test_meshes_rules_and_batches():
   assert "mesh.rules" in out["bad_axis"] and "'model'" in out["bad_axis"]
   assert "twice" in out["twice"]
 
-  assert out["batch_spec"] == [["data", "fsdp"]]
+  assert out["batch_spec"] == [["data", "fsdp", "expert"]]
   assert out["batch_shard"] == [2, 16]
   assert "6 rows" in out["bad_batch"] and "multiple of 4" in out["bad_batch"]
 

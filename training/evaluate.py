@@ -6,7 +6,9 @@ tokenizer is refused), and writes into `<workdir>/eval/step_<N>/` (or the
 token accuracy and bits per byte over the whole validation split, the
 unigram baseline (cross-entropy of the train split's token frequencies on the
 same targets: a model must beat it to have learned anything beyond counts),
-the run's config history when it has one, and samples; and two plots:
+the run's config history when it has one, samples, and for a mixture of
+experts each MoE layer's share of tokens per expert (`expert_report`, plotted
+in `expert_load.png`); and two plots:
 `loss_curves.png` (the training loss, the in-training validation estimate of
 train.eval_steps batches, every whole-split evaluation so far, the unigram
 baseline and the learning rate) and `attention_maps.png` (every head of every
@@ -55,7 +57,8 @@ from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
-from training import classify_report, compile_cache, lengths  # pylint: disable=wrong-import-position
+from training import (classify_report, compile_cache, expert_report,  # pylint: disable=wrong-import-position
+                      lengths)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
@@ -312,6 +315,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     length_files += [png, lengths.record(workdir, name, {
         "seq_len": seq_len, "step": step, "loss": metrics["loss"],
         "rope_override": rope_override, "loss_by_position": report["loss_by_position"]})]
+  if config.model.num_experts:
+    report.update(expert_report.expert_load(config, graphdef, params, batches))
   attention_prompt = None
   if config.train.objective == "next_token":
     stats = pipeline.split_stats(config, tok, "validation")
@@ -340,6 +345,12 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)
+  if config.model.num_experts:
+    load_png = os.path.join(out, "expert_load.png")
+    name = os.path.basename(os.path.abspath(workdir))
+    expert_report.plot_expert_load(load_png, report,
+                                   f"{name} at step {step}: tokens per expert, validation")
+    files.append(load_png)
   attn_png = os.path.join(out, "attention_maps.png")
   if config.model.family != "encoder_decoder":
     plot_attention(model, config, tok, attention_ids(config, tok, attention_prompt), attn_png)

@@ -45,7 +45,7 @@ from training.optim import learning_rate_schedule, make_optimizer
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
 from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
-                            router_losses)
+                            router_losses, ROUTER_METRICS)
 
 
 def peak_flops(config) -> float | None:
@@ -403,7 +403,7 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
          "grad_norm": float(window[-1]["grad_norm"]),
          "learning_rate": float(window[-1]["learning_rate"]),
          "tokens_per_second": tokens_per_second}
-  for name in ("z_loss", "moe_aux_loss", "router_z_loss", "expert_load"):
+  for name in ("z_loss", *ROUTER_METRICS):
     if name in window[-1]:
       out[name] = float(np.mean([m[name] for m in window]))
   if peak is not None:

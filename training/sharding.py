@@ -2,11 +2,15 @@
 
 Every parameter carries logical axis names (`model/layers.py`); `mesh.rules`
 in the config maps each name to one mesh axis or to None (replicated). The
-mesh has four axes:
+mesh has five axes:
 
 - `data`: batch split, parameters replicated (data parallelism).
 - `fsdp`: batch split and parameters (and so optimizer state) split along
   `embed` (fully sharded data parallelism, ZeRO-3 style).
+- `expert`: batch split and a mixture of experts' experts split (expert
+  parallelism: each device holds num_experts / expert of them and tokens
+  travel to their experts by all-to-all, `model/moe.py`); other parameters
+  replicated over it, like `data`.
 - `context`: each row's sequence split (context parallelism: a decoder's
   activations are [B, T / context, ...] per device and attention runs as a
   ring or an all-gather over the axis, `model/context_parallel.py`);
@@ -30,15 +34,16 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from configs.errors import UserError
+from model.layers import BATCH_AXES
 
-MESH_AXES = ("data", "fsdp", "context", "tensor")
-BATCH_AXES = ("data", "fsdp")
+MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 # The logical names that parameters carry (model/layers.py).
-LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "layers")
+LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "expert",
+                "layers")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
-  """A ("data", "fsdp", "context", "tensor") mesh over `devices` (default: all
+  """A ("data", "fsdp", "expert", "context", "tensor") mesh over `devices` (default: all
   devices).
 
   Args:
@@ -57,7 +62,7 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
   n = len(devices)
   sizes = {axis: mesh_cfg.get(axis, 1) for axis in MESH_AXES}
   fields = " x ".join(f"mesh.{axis}={size}" for axis, size in sizes.items()
-                      if axis != "context" or size != 1)
+                      if axis not in ("expert", "context") or size != 1)
   rest = [axis for axis, size in sizes.items() if size == -1]
   if len(rest) > 1:
     raise UserError(f"{fields}: at most one mesh axis may be -1 (the devices left over)")
@@ -71,8 +76,13 @@ def make_mesh(mesh_cfg, devices=None) -> Mesh:
     raise UserError(f"{fields} multiply to {fixed}, not to the {n} devices; "
                     "make the product equal the device count or set one axis to -1")
   shape = tuple(sizes[axis] for axis in MESH_AXES)
-  return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
-                       devices=devices)
+  try:
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
+                         devices=devices)
+  except NotImplementedError as e:  # a TPU slice whose torus the sizes do not follow
+    raise UserError(f"{fields}: each mesh axis of a TPU slice must be a product of some of "
+                    f"its physical axes ({str(e).split('. ')[0]}); choose sizes that are "
+                    "(on 4x4x4: 4, 16 or 64 per axis)") from e
 
 
 def _rules_dict(rules) -> dict:
@@ -164,8 +174,19 @@ def opt_state_shardings(abstract_opt_state, abstract_params, mesh: Mesh, rules):
   return jax.tree_util.tree_map_with_path(leaf_sharding, abstract_opt_state)
 
 
+def batch_split(mesh) -> int:
+  """The devices a batch's rows split over: data x fsdp x expert."""
+  return int(np.prod([mesh.shape[axis] for axis in BATCH_AXES]))
+
+
+def batch_split_fields(mesh) -> str:
+  """'mesh.data x mesh.fsdp' (with ' x mesh.expert' where it is > 1)."""
+  return " x ".join(f"mesh.{axis}" for axis in BATCH_AXES
+                    if axis != "expert" or mesh.shape[axis] > 1)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """[B, ...] arrays with the batch split over the data and fsdp axes."""
+  """[B, ...] arrays with the batch split over the batch axes (data, fsdp, expert)."""
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -177,15 +198,15 @@ def shard_batch(batch: dict, mesh: Mesh) -> dict:
   concatenation (`jax.make_array_from_process_local_data`).
 
   Raises:
-    UserError: the global batch does not split over data x fsdp devices.
+    UserError: the global batch does not split over the batch axes' devices.
   """
   sharding = batch_sharding(mesh)
-  split = mesh.shape["data"] * mesh.shape["fsdp"]
+  split = batch_split(mesh)
   for name, x in batch.items():
     rows = x.shape[0] * jax.process_count()
     if rows % split:
       raise UserError(f"batch field {name!r} has {rows} rows, which do not split over "
-                      f"mesh.data x mesh.fsdp = {split} devices; make train.batch_size "
+                      f"{batch_split_fields(mesh)} = {split} devices; make train.batch_size "
                       f"(per micro-batch) a multiple of {split}")
   if jax.process_count() == 1:
     return jax.device_put(batch, sharding)

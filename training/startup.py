@@ -50,13 +50,22 @@ def memory_per_device(config, mesh) -> int:
   """Training-memory estimate of one device, bytes.
 
   Parameters, gradients and optimizer state are split over the fsdp and
-  tensor axes; activations over every device (the batch over data x fsdp,
-  the hidden widths over tensor).
+  tensor axes (routed experts over expert too, `state_split`); activations
+  over every device (the batch over data x fsdp x expert, the hidden widths
+  over tensor).
   """
   parts = accounting.training_memory_bytes(config, jax.default_backend())
-  state_shards = mesh.shape["fsdp"] * mesh.shape["tensor"]
   state = parts["parameters"] + parts["gradients"] + parts["optimizer_state"]
-  return state // state_shards + parts["activations"] // mesh.size
+  return int(state / state_split(config, mesh)) + parts["activations"] // mesh.size
+
+
+def state_split(config, mesh) -> float:
+  """How many ways the parameters (and their gradients and optimizer state)
+  split on average: fsdp x tensor, and the routed experts, a fraction f of
+  them, also over expert: fsdp x tensor / (1 - f + f / expert)."""
+  f = (accounting.routed_expert_params(config.model)
+       / accounting.formula_params(config.model)["params_total"])
+  return mesh.shape["fsdp"] * mesh.shape["tensor"] / (1 - f + f / mesh.shape["expert"])
 
 
 def check_memory(config, mesh) -> tuple[int, int | None, str]:

@@ -62,6 +62,10 @@ def _loss_sums(graphdef, params, batch, objective, router: bool = False):
   return (sums, router_sums(model, sums[1])) if router else sums
 
 
+# The metrics of a mixture of experts' router, `MoEStats` averaged over its layers.
+ROUTER_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load", "moe_dropped")
+
+
 def router_losses(config):
   """(train.moe_aux_loss, train.router_z_loss) of a mixture of experts
   (`model.num_experts` > 0): what `train_step` weighs its router losses by;
@@ -76,7 +80,8 @@ def router_sums(model, count) -> tuple:
   (`model/moe.py`), each the mean over the layers times `count`, so that
   micro-batches add up like the loss sums."""
   stats = model.decoder.router_stats.get_value()
-  return tuple(jnp.mean(x) * count for x in stats)
+  return tuple(jnp.mean(x) * count for x in (stats.aux_loss, stats.z_loss, stats.load,
+                                              stats.dropped))
 
 
 def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None):
@@ -105,7 +110,7 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
 
   zero_sums = (0.0, 0.0, 0.0, 0.0)
   zeros = (jax.tree.map(jnp.zeros_like, params),
-           zero_sums if router_losses is None else (zero_sums, (0.0, 0.0, 0.0)))
+           zero_sums if router_losses is None else (zero_sums, (0.0,) * len(ROUTER_METRICS)))
   (grads, sums), _ = jax.lax.scan(body, zeros, micro)
   return grads, sums
 
@@ -131,8 +136,9 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
   `router_losses`: for a mixture of experts, the weights (train.moe_aux_loss,
   train.router_z_loss) of its router's losses, which are reported (unweighted)
-  as `moe_aux_loss`, `router_z_loss` and `expert_load` (the most tokens an
-  expert got over the mean, averaged over the MoE layers)."""
+  as `moe_aux_loss`, `router_z_loss`, `expert_load` (the most tokens an
+  expert got over the mean) and `moe_dropped` (the fraction of assignments
+  dropped at capacity), each averaged over the MoE layers."""
   grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
                        router_losses)
   router = None
@@ -163,7 +169,7 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   if z_loss:
     metrics["z_loss"] = z_term
   if router is not None:
-    metrics.update(zip(("moe_aux_loss", "router_z_loss", "expert_load"),
+    metrics.update(zip(ROUTER_METRICS,
                        (r / count for r in router)))
   return new_state, metrics
 
