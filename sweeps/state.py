@@ -92,7 +92,10 @@ def changed_fields(variant: Variant) -> list:
                                                            workdir_lib.CONFIG_FILE)):
     return []
   saved = workdir_lib.load_config(variant.workdir).to_dict()
-  return workdir_lib.unsafe_changes(workdir_lib.config_changes(saved, variant.config))
+  # The manifest's config, like the run's, gets the defaults of fields added
+  # since it was written: a newer checkout does not make a finished run changed.
+  asked = workdir_lib.saved_config(variant.config).to_dict()
+  return workdir_lib.unsafe_changes(workdir_lib.config_changes(saved, asked))
 
 
 def set_aside(variant: Variant) -> str:
