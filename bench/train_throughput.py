@@ -55,7 +55,7 @@ from model import accounting, build_model
 from model.attention import choose_implementation
 from model.layers import DTYPES
 from training.loop import peak_flops
-from training.optim import learning_rate_schedule, make_optimizer
+from training.optim import learning_rate_schedule, make_optimizer, mup_width
 from training.steps import init_state, jit_train_step
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -136,7 +136,7 @@ def build_variants(config, tokens_only_row: bool) -> list[Variant]:
 
   # Ours, as train.py builds it.
   graphdef, _ = nnx.split(nnx.eval_shape(make_model))
-  tx, schedule = make_optimizer(tc), learning_rate_schedule(tc)
+  tx, schedule = make_optimizer(tc, mup_width(config.model)), learning_rate_schedule(tc)
   state = init_state(nnx.split(make_model())[1], tx, tc.seed)
   ours_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps)
   variants = [Variant("ours", "training.steps.jit_train_step (train.py's step, donated)",

@@ -106,6 +106,10 @@ def get_config() -> config_dict.ConfigDict:
   m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
   m.param_dtype = "float32"  # parameter dtype: float32 | bfloat16
   m.init_std = 0.02  # std of the normal initialiser of every weight matrix
+  m.parametrization = "sp"  # sp (standard) | mup (maximal update, docs/models.md "μP"): the
+  #   hidden matrices' init and learning rate, the logits and attention scale follow the width
+  m.mup_base_width = config_dict.placeholder(int)  # μP: the d_model the hyperparameters were
+  #   tuned at (width multiplier d_model / this); None: d_model
 
   t = c.tokenizer = config_dict.ConfigDict()
   t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)

@@ -11,6 +11,8 @@ configs never import the model. The `model.` choices of `CHOICES` are the
 names of the model's registries (`model/registry.py`; a test holds them
 equal): a new choice is its registry entry plus its name here.
 """
+import math
+
 from ml_collections import config_dict
 
 from configs.errors import UserError
@@ -26,6 +28,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.moe_router": ("softmax_topk_norm", "softmax_topk"),
+    "model.parametrization": ("sp", "mup"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
@@ -168,9 +171,23 @@ def scan_layers(m) -> bool:
   return bool(m.scan_layers)
 
 
+def width_mult(m) -> float:
+  """μP's width multiplier, d_model / model.mup_base_width (1 under sp, or
+  with no base width)."""
+  if m.parametrization != "mup" or m.mup_base_width is None:
+    return 1.0
+  return m.d_model / m.mup_base_width
+
+
 def attention_scale(m) -> float:
-  """The factor on Q K^T (None means 1/sqrt(head_dim))."""
-  return head_dim(m) ** -0.5 if m.attention_scale is None else m.attention_scale
+  """The factor on Q K^T (None means 1/sqrt(head_dim); under μP
+  sqrt(base head_dim) / head_dim, the head_dim at the base width, so that
+  it is 1/sqrt(head_dim) there and falls as 1/head_dim with width)."""
+  if m.attention_scale is not None:
+    return m.attention_scale
+  if m.parametrization == "mup":
+    return math.sqrt(head_dim(m) / width_mult(m)) / head_dim(m)
+  return head_dim(m) ** -0.5
 
 
 def eval_every(t) -> int:
@@ -268,6 +285,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
   _validate_window_layers(m)
   _validate_moe(m)
+  _validate_mup(m)
   scan_layers(m)
   if isinstance(m.scan_unroll, bool) or not isinstance(m.scan_unroll, int) or m.scan_unroll < 1:
     _fail("model.scan_unroll", m.scan_unroll, "must be a positive integer (blocks per iteration)")
@@ -317,6 +335,27 @@ def _validate_layer_tuple(m: config_dict.ConfigDict, field: str) -> None:
     _fail(f"model.{field}", layers,
           f"must name distinct layers in 0..{m.num_layers - 1} (model.num_layers="
           f"{m.num_layers})")
+
+
+def _validate_mup(m: config_dict.ConfigDict) -> None:
+  """model.parametrization=mup and what it covers (docs/models.md, "μP")."""
+  _check_choice(m, "model.parametrization", "model.")
+  _check_positive(m, "model.mup_base_width", "model.", allow_none=True)
+  if m.parametrization != "mup":
+    if m.mup_base_width is not None:
+      _fail("model.mup_base_width", m.mup_base_width, "needs model.parametrization=mup")
+    return
+  refusals = (("attention_scale", m.attention_scale is not None,
+               "sets the attention scale that μP decides (sqrt(base head_dim) / head_dim)"),
+              ("num_experts", bool(m.num_experts), "is not covered by μP here (its router is "
+               "a readout of its own)"),
+              ("num_labels", bool(m.num_labels), "is not covered by μP here (a classifier "
+               "head)"),
+              ("head_transform", bool(m.head_transform), "is not covered by μP here (a dense "
+               "layer inside the head)"))
+  for field, refused, why in refusals:
+    if refused:
+      _fail(f"model.{field}", m[field], f"{why}; use model.parametrization=sp")
 
 
 def _validate_moe(m: config_dict.ConfigDict) -> None:

@@ -579,13 +579,15 @@ class Attention(nnx.Module):
     self.window = window  # self-attention only
     self.implementation = cfg.attention_impl
     self.pallas_lowering = cfg.pallas_lowering
-    self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs)
+    std = cfg.hidden_std
+    self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs,
+                        std=std)
     self.k_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
-                        rngs=rngs)
+                        rngs=rngs, std=std)
     self.v_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
-                        rngs=rngs)
+                        rngs=rngs, std=std)
     self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
-                        rngs=rngs, in_axes=2)
+                        rngs=rngs, in_axes=2, std=std)
     self.q_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
 

@@ -113,6 +113,8 @@ class ModelConfig:
   dtype: Any
   param_dtype: Any
   init_std: float
+  parametrization: str
+  mup_base_width: int | None
 
   def forward_fields(self) -> dict:
     """The fields that decide the function the model computes, each once.
@@ -137,6 +139,8 @@ class ModelConfig:
       unused |= registry.reads(getattr(self, field.split(".")[1]))
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
+    if self.parametrization != "mup":
+      unused |= {"mup_base_width"}
     if not self.num_experts:
       unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router",
                  "moe_capacity_factor"}
@@ -178,6 +182,23 @@ class ModelConfig:
     cfg = cls(**values)
     check_support(cfg)
     return cfg
+
+  @property
+  def width_mult(self) -> float:
+    """μP's width multiplier, d_model / mup_base_width (1 under sp)."""
+    return validation.width_mult(self)
+
+  @property
+  def hidden_std(self) -> float:
+    """The init std of the hidden matrices (attention and MLP projections):
+    init_std, over sqrt(width multiplier) under μP (variance 1 / fan_in
+    relative to the base width)."""
+    return self.init_std / self.width_mult ** 0.5
+
+  @property
+  def logit_mult(self) -> float | None:
+    """μP's factor on the logits, 1 / width multiplier; None when it is 1."""
+    return None if self.width_mult == 1.0 else 1.0 / self.width_mult
 
   def layer_is_moe(self, layer: int) -> bool:
     """Whether decoder layer `layer`'s MLP is a mixture of experts."""

@@ -49,16 +49,19 @@ class Dense(nnx.Module):
   `out_shape` may have several axes (for example heads x head_dim), so the
   query projection is one [d, H, D] weight rather than a reshape of [d, H*D].
   Computes in `dtype` (default the model's `cfg.dtype`); the weights are
-  stored in `cfg.param_dtype`.
+  stored in `cfg.param_dtype` and drawn with std `std` (default
+  `cfg.init_std`).
   """
 
   def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str, ...],
-               *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1, dtype=None):
+               *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1, dtype=None,
+               std: float | None = None):
     self.in_axes = in_axes
     self.dtype = cfg.dtype if dtype is None else dtype
     pdt = cfg.param_dtype
     in_shape = (in_features,) if in_axes == 1 else in_features
-    self.kernel = param(rngs, dense_init(cfg.init_std), (*in_shape, *out_shape), axes, pdt)
+    std = cfg.init_std if std is None else std
+    self.kernel = param(rngs, dense_init(std), (*in_shape, *out_shape), axes, pdt)
     self.bias = (param(rngs, jax.nn.initializers.zeros, out_shape, axes[in_axes:], pdt)
                  if use_bias else None)
 

@@ -63,10 +63,11 @@ class MLP(nnx.Module):
     d, f, b = cfg.d_model, cfg.d_ff, cfg.mlp_bias
     kind = MLPS[cfg.mlp]
     self.activation = kind.activation
-    self.up = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs)
-    self.gate = (Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs)
+    std = cfg.hidden_std  # init_std, or under μP its hidden-matrix scaling
+    self.up = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
+    self.gate = (Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
                  if kind.gated else None)
-    self.down = Dense(f, (d,), ("mlp", "embed"), use_bias=b, cfg=cfg, rngs=rngs)
+    self.down = Dense(f, (d,), ("mlp", "embed"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
 
   def __call__(self, x_BTM):
     if self.gate is not None:

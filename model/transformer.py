@@ -293,7 +293,8 @@ class HeadTransform(nnx.Module):
 
 class _WithHead(nnx.Module):
   """The output head: optional transform, tied (E^T) or untied projection
-  computed in float32, optional bias over the vocabulary, the soft-cap
+  computed in float32 (times 1 / width multiplier under μP), optional bias
+  over the vocabulary, the soft-cap
   c tanh(logits / c) with `final_softcap` (Gemma-2), the padded rows
   masked; or, with `model.num_labels`, a sequence classifier."""
 
@@ -303,6 +304,7 @@ class _WithHead(nnx.Module):
     if self.classifier is not None:
       return
     self.head_input_scale = cfg.d_model ** -0.5 if cfg.scale_head_input else None
+    self.logit_mult = cfg.logit_mult  # μP: 1 / width multiplier (None under sp)
     self.head_transform = HeadTransform(cfg, rngs=rngs) if cfg.head_transform else None
     self.head = None if cfg.tie_embeddings else Dense(
         cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,
@@ -336,6 +338,8 @@ class _WithHead(nnx.Module):
     if self.head_input_scale is not None:
       x_BTM = x_BTM * self.head_input_scale
     logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
+    if self.logit_mult is not None:
+      logits_BTV = logits_BTV * self.logit_mult
     if self.output_bias is not None:
       logits_BTV = logits_BTV + self.output_bias[...].astype(jnp.float32)
     logits_BTV = soft_cap(logits_BTV, self.final_softcap)

@@ -261,14 +261,21 @@ def run_config(tok_dir, **train):
   return c
 
 
-@pytest.mark.parametrize("optimizer,schedule", [
-    pytest.param("adamw", "cosine", marks=pytest.mark.slow),  # as tests/test_train.py's
-    ("muon", "wsd"),
-    pytest.param("adafactor", "linear", marks=pytest.mark.slow),
-    pytest.param("lion", "inverse_sqrt", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("optimizer,schedule,parametrization", [
+    pytest.param("adamw", "cosine", "sp", marks=pytest.mark.slow),  # as tests/test_train.py's
+    ("muon", "wsd", "sp"),
+    pytest.param("adafactor", "linear", "sp", marks=pytest.mark.slow),
+    pytest.param("lion", "inverse_sqrt", "sp", marks=pytest.mark.slow),
+    ("adamw", "cosine", "mup"),
+    pytest.param("muon", "wsd", "mup", marks=pytest.mark.slow),
+    pytest.param("adafactor", "linear", "mup", marks=pytest.mark.slow),
+    pytest.param("lion", "inverse_sqrt", "mup", marks=pytest.mark.slow)])
 def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
-    tok_dir, tmp_path, monkeypatch, optimizer, schedule):
+    tok_dir, tmp_path, monkeypatch, optimizer, schedule, parametrization):
+  """Under μP at width multiplier 2 (base width 16) too."""
   c = run_config(tok_dir, optimizer=optimizer, schedule=schedule)
+  if parametrization == "mup":
+    c.model.update(parametrization="mup", mup_base_width=c.model.d_model // 2)
   loop.train(c, str(tmp_path / "straight"))
   with monkeypatch.context() as patch:
     stop_at(patch, 3)

@@ -5,8 +5,9 @@ global-norm clipping, with decoupled weight decay (times the learning rate)
 on the matrices only: norms, biases and other vectors do not decay. Muon
 orthogonalises the updates of the hidden weight matrices, the kernels inside
 the blocks, one layer at a time; AdamW takes the embeddings, the output head,
-norms and biases. The schedules warm up linearly, then follow
-`train.schedule`; docs/training.md has their formulas.
+norms and biases. Under μP (model.parametrization=mup) the hidden matrices'
+updates are scaled by `hidden_lr_mult`. The schedules warm up linearly, then
+follow `train.schedule`; docs/training.md has their formulas.
 """
 import math
 
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from configs.validation import decay_start, optimizer_option
+from configs.validation import decay_start, optimizer_option, width_mult
 
 # The kernels whose input is more than their first axis: the attention output
 # projection maps [heads, head_dim] to d_model.
@@ -168,9 +169,52 @@ def _lion(train_cfg, schedule) -> optax.GradientTransformation:
 OPTIMIZERS = {"adamw": _adamw, "adafactor": _adafactor, "lion": _lion, "muon": _muon}
 
 
-def make_optimizer(train_cfg) -> optax.GradientTransformation:
+def mup_width(model_section) -> float | None:
+  """The width multiplier `make_optimizer` takes: d_model / mup_base_width
+  under model.parametrization=mup, None under sp."""
+  if model_section.parametrization != "mup":
+    return None
+  return width_mult(model_section)
+
+
+def hidden_lr_mult(train_cfg, width: float) -> float:
+  """μP's factor on the hidden matrices' learning rate at width multiplier
+  `width` (Tensor Programs V, Table 3, for Adam-like updates, whose size
+  does not follow the gradient's): 1 / width for AdamW and Lion (a sign
+  update) and for Adafactor without parameter scaling; 1 / sqrt(width) for
+  Adafactor with it (its update already carries the weights' RMS, 1 /
+  sqrt(width) under μP's init); 1 for Muon at muon_rms=0, whose update,
+  orthogonalised and scaled by sqrt(max(1, fan_out / fan_in)), already has
+  the spectral norm μP asks; 1 / width for Muon with muon_rms > 0, whose
+  scaling matches AdamW's update RMS instead."""
+  t = train_cfg
+  if t.optimizer == "adafactor" and optimizer_option(t, "adafactor_param_scale"):
+    return width ** -0.5
+  if t.optimizer == "muon" and optimizer_option(t, "muon_rms") == 0:
+    return 1.0
+  return 1.0 / width
+
+
+def _scale_hidden(mult: float) -> optax.GradientTransformation:
+  """The hidden matrices' updates (the kernels inside the blocks, as Muon
+  takes them: `muon_dimensions`) times `mult`; every other update as it is.
+  Stateless, so it resumes exactly and fits any schedule."""
+
+  def update(updates, state, params=None):
+    del params
+    return jax.tree_util.tree_map_with_path(
+        lambda path, u: u if muon_dimensions(path, u) is None else u * mult, updates), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def make_optimizer(train_cfg, width: float | None = None) -> optax.GradientTransformation:
+  """train.optimizer after clipping; with `width` (μP's width multiplier,
+  `mup_width`) the hidden matrices' updates scaled by `hidden_lr_mult`."""
   parts = []
   if train_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
   parts.append(OPTIMIZERS[train_cfg.optimizer](train_cfg, learning_rate_schedule(train_cfg)))
+  if width is not None:
+    parts.append(_scale_hidden(hidden_lr_mult(train_cfg, width)))
   return optax.chain(*parts)

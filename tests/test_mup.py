@@ -1,0 +1,117 @@
+"""μP (`model.parametrization=mup`, docs/models.md "μP"): at its base width
+it is the standard parametrization; wider, the hidden matrices' init and
+learning rate, the logits and the attention scale follow the width; the
+coordinate check (`bench/coord_check.py`) keeps the logits flat where sp's
+grow; what it does not cover is refused in one line."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from bench import coord_check
+from configs import base, tiny
+from configs.errors import UserError
+from configs.validation import validate
+from model import build_model
+from model.config import ModelConfig
+from training import optim
+from training.loop import _check_source_parametrization
+from tests.helpers import assert_trees_equal
+
+
+def _config(width=32, **model):
+  c = base.get_config()
+  c.tokenizer.vocab_size = 64
+  c.model.update(vocab_size=64, d_model=width, num_heads=4, d_ff=3 * width, num_layers=2,
+                 **model)
+  return c
+
+
+def test_mup_at_its_base_width_is_sp():
+  """Width multiplier 1: the same weights, logits and updates as sp."""
+  sp, mup = _config(), _config(parametrization="mup", mup_base_width=32)
+  models = [build_model(c.model, nnx.Rngs(0)) for c in (sp, mup)]
+  params = [nnx.state(m, nnx.Param) for m in models]
+  assert_trees_equal(*params)
+  tokens = jnp.arange(16).reshape(2, 8) % 64
+  np.testing.assert_array_equal(models[0](tokens), models[1](tokens))
+  grads = jax.tree.map(jnp.ones_like, params[0])
+  txs = [optim.make_optimizer(c.train, optim.mup_width(c.model)) for c in (sp, mup)]
+  updates = [tx.update(grads, tx.init(params[0]), params[0])[0] for tx in txs]
+  assert_trees_equal(*updates)
+
+
+def test_hidden_matrices_init_and_learning_rate_follow_the_width():
+  """Width multiplier 4 (d = 128 over base 32): the block kernels drawn with
+  std 0.02 / 2 and updated at 1/4 of AdamW's step, the embeddings and norms
+  as under sp; logits times 1/4; attention scale sqrt(base head_dim) / head_dim."""
+  c = _config(128, parametrization="mup", mup_base_width=32)
+  cfg = ModelConfig.resolve(c.model)
+  assert (cfg.width_mult, cfg.logit_mult) == (4.0, 0.25)
+  assert cfg.attention_scale == pytest.approx(np.sqrt(8) / 32)
+  params = nnx.state(build_model(c.model, nnx.Rngs(0)), nnx.Param)
+  flat = {jax.tree_util.keystr(k, simple=True, separator="/"): v
+          for k, v in jax.tree_util.tree_leaves_with_path(params)}
+  up = next(v for k, v in flat.items() if k.endswith("mlp/up/kernel/value"))
+  embedding = next(v for k, v in flat.items() if k.endswith("embedding/value"))
+  assert float(jnp.std(up)) == pytest.approx(0.01, rel=0.05)
+  assert float(jnp.std(embedding)) == pytest.approx(0.02, rel=0.05)
+  grads = jax.tree.map(jnp.ones_like, params)
+  sp_tx, mup_tx = optim.make_optimizer(c.train), optim.make_optimizer(c.train, 4.0)
+  sp_u, mup_u = (tx.update(grads, tx.init(params), params)[0] for tx in (sp_tx, mup_tx))
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(sp_u), jax.tree.leaves(mup_u)):
+    hidden = optim.muon_dimensions(path, a) is not None
+    np.testing.assert_allclose(b, a / 4 if hidden else a, rtol=1e-6)
+  assert any(optim.muon_dimensions(p, a) is not None
+             for p, a in jax.tree_util.tree_leaves_with_path(sp_u))
+
+
+@pytest.mark.parametrize("optimizer,option,mult", [
+    ("adamw", {}, 0.25), ("lion", {}, 0.25), ("adafactor", {}, 0.5),
+    ("adafactor", {"adafactor_param_scale": False}, 0.25), ("muon", {}, 0.25),
+    ("muon", {"muon_rms": 0.0}, 1.0)])
+def test_each_optimizer_takes_its_hidden_learning_rate(optimizer, option, mult):
+  c = _config()
+  c.train.update(optimizer=optimizer, **option)
+  validate(c)
+  assert optim.hidden_lr_mult(c.train, 4.0) == mult
+
+
+def test_logits_stay_flat_across_width_under_mup_and_grow_under_sp():
+  """The coordinate check on configs/tiny.py's text, widths 64 and 512 (4
+  heads, d_ff 3d), 5 AdamW steps at 1e-2: the logits' RMS moves by at most
+  1.5x under μP (base width 64) and grows over 2x under sp."""
+  results = coord_check.run(tiny.get_config(), [64, 512], base_width=64, ff_mult=3, lr=1e-2,
+                            steps=5, rows=4)
+  ratio = {p: r[512][-1]["logits"] / r[64][-1]["logits"] for p, r in results.items()}
+  assert 1 / 1.5 <= ratio["mup"] <= 1.5, ratio
+  assert ratio["sp"] > 2.0, ratio
+
+
+@pytest.mark.parametrize("model,message", [
+    (dict(mup_base_width=32), "model.mup_base_width=32: needs model.parametrization=mup"),
+    (dict(parametrization="mup", attention_scale=0.1),
+     "model.attention_scale=0.1: sets the attention scale that μP decides"),
+    (dict(parametrization="mup", num_experts=4), "model.num_experts=4: is not covered by μP"),
+    (dict(parametrization="mup", mup_base_width=0), "model.mup_base_width=0: must be a positive"),
+    (dict(parametrization="mu"), "model.parametrization='mu': must be one of sp, mup"),
+])
+def test_bad_mup_settings_are_one_line(model, message):
+  c = _config(**model)
+  with pytest.raises(UserError, match="^config field " + message.replace("(", r"\(").replace(
+      ")", r"\)")) as err:
+    validate(c)
+  assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("source,ours", [
+    (dict(), dict(parametrization="mup", mup_base_width=16)),
+    (dict(parametrization="mup", mup_base_width=16), dict()),
+    (dict(parametrization="mup", mup_base_width=16),
+     dict(parametrization="mup", mup_base_width=8))])
+def test_restore_from_another_parametrization_is_one_line(source, ours):
+  with pytest.raises(UserError, match="their weights are scaled otherwise") as err:
+    _check_source_parametrization(_config(**ours), "train.restore_from=src", _config(**source))
+  assert "\n" not in str(err.value)
+  _check_source_parametrization(_config(**ours), "train.restore_from=src", _config(**ours))
