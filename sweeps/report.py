@@ -1,8 +1,9 @@
 """A sweep's report: report.md; report.csv, one row per run (a variant and a
 seed); report_summary.csv, one row per variant (its statistics over its seeds
 against the baseline variant, `sweeps/stats.py`, and its cost); the
-validation-curve plots (against steps, tokens and FLOPs) and each run's config
-history."""
+validation-curve plots (against steps, tokens and FLOPs), for a sweep of
+learning rates the loss against the learning rate (`sweeps/lr_transfer.py`),
+and each run's config history."""
 import csv
 import os
 
@@ -14,6 +15,7 @@ from training.plots import plot_against_steps_tokens_and_flops, plot_curves, spl
 from sweeps import stats
 from sweeps.common import REPO
 from sweeps.lengths import write_length_table
+from sweeps.lr_transfer import write_lr_section
 from sweeps.state import read_manifest, variant_state
 from sweeps.variants import Variant
 
@@ -75,10 +77,13 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
   length_section, length_files = write_length_table(
       root, [v.name for v in runs], [v.workdir for v in runs], [v.group for v in runs],
       [v.config["train"]["seq_len"] for v in runs if v.config])
+  lr_section, lr_files = write_lr_section(root, summary, fields)
+  files = lr_files + files
   with open(md_path, "w", encoding="utf-8") as f:
     summary_rows = [row for row, _ in summary]
     f.write(_markdown(manifest, fields, runs, rows, files, root, histories,
-                      _statistics_section(baseline, summary_rows) + _cost_section(summary_rows))
+                      _statistics_section(baseline, summary_rows) + lr_section
+                      + _cost_section(summary_rows))
             + length_section)
   return [md_path, csv_path, summary_path, *length_files, *files]
 

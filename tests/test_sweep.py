@@ -295,3 +295,38 @@ def test_check_fits_reads_cpus_gpus_nodes_and_time_from_sinfo():
   with pytest.raises(UserError, match="--timeout_min 240: partition cpu allows at most 30"):
     sweep_lib.check_fits({**params, "gpus_per_node": 0, "cpus_per_task": 4,
                           "slurm_partition": "cpu"}, sinfo)
+
+
+def test_a_learning_rate_sweep_reports_where_each_curves_optimum_lies(tmp_path):
+  """Two parametrizations x two widths x three learning rates: each curve's
+  best learning rate, its place on the grid, how far it moves per
+  parametrization, and the plot."""
+  import types  # pylint: disable=import-outside-toplevel
+  from sweeps.lr_transfer import write_lr_section  # pylint: disable=import-outside-toplevel
+  losses = {("sp", 64): [3.0, 2.0, 2.5], ("sp", 256): [2.0, 2.5, 3.5],
+            ("mup", 64): [3.0, 2.0, 2.5], ("mup", 256): [2.9, 1.9, 2.4]}
+  summary = [({"loss_mean": loss, "loss_ci_low": loss - 0.1, "loss_ci_high": loss + 0.1},
+              [types.SimpleNamespace(overrides={"model.parametrization": p, "model.d_model": d,
+                                                "train.learning_rate": lr})])
+             for (p, d), curve in losses.items() for lr, loss in zip((1e-3, 2e-3, 4e-3), curve)]
+  section, [png] = write_lr_section(str(tmp_path), summary, ["model.parametrization",
+                                                             "model.d_model",
+                                                             "train.learning_rate"])
+  assert "| parametrization=sp, d_model=256 | 0.001 | 2.0000 | 1 of 3 |" in section
+  assert "| parametrization=mup, d_model=256 | 0.002 | 1.9000 | 2 of 3 |" in section
+  assert "- model.parametrization=sp: 1 grid step(s) over 2 curves" in section
+  assert "- model.parametrization=mup: 0 grid step(s) over 2 curves" in section
+  assert pathlib.Path(png).read_bytes()[:4] == b"\x89PNG"
+  assert write_lr_section(str(tmp_path), summary[:1], ["train.learning_rate"]) == ("", [])
+
+
+def test_the_mup_transfer_sweep_resolves_every_variant(tmp_path):
+  """configs/sweeps/mup_transfer.py: 2 parametrizations x 3 widths x 8
+  learning rates, each a valid config (d_ff = 3 d, a base width under μP only)."""
+  sweep = sweep_lib.load_sweep(str(ROOT / "configs" / "sweeps" / "mup_transfer.py"))
+  variants = sweep_lib.make_variants(sweep, TINY, [], str(tmp_path / "root"))
+  assert len(variants) == 48 and len({v.name for v in variants}) == 48
+  for v in variants:
+    m = v.config["model"]
+    assert m["d_ff"] == 3 * m["d_model"]
+    assert (m["mup_base_width"] == 128) == (m["parametrization"] == "mup")

@@ -1,0 +1,88 @@
+"""A sweep over `train.learning_rate`: the validation loss against the learning
+rate, one curve per combination of the other swept fields (such as width
+and parametrization, `configs/sweeps/mup_transfer.py`), and where each
+curve's optimum lies.
+
+`loss_vs_learning_rate.png`: each variant's mean whole-split validation
+loss over its seeds (the band: its 95% interval, with several seeds) against the learning rate on a
+log axis, one line per curve, its best point circled. The report's section
+gives each curve's best learning rate and its place on the grid, and, for
+each value of the first other swept field (the parametrization in the μP
+sweep), how many grid steps the optimum moves across that value's curves: 0
+or 1 is a learning rate that transfers, more is one that must be swept
+again.
+"""
+import os
+
+from matplotlib.figure import Figure
+
+LR = "train.learning_rate"
+
+
+def _curves(summary: list[tuple[dict, list]]) -> dict[tuple, dict[float, tuple]]:
+  """{the other fields' values: {learning rate: (mean, 95% interval low,
+  high) of the val loss}} over the variants with finished runs."""
+  curves = {}
+  for row, runs in summary:
+    overrides = runs[0].overrides
+    if LR not in overrides or row.get("loss_mean") is None:
+      continue
+    key = tuple((f, v) for f, v in overrides.items() if f != LR)
+    curves.setdefault(key, {})[float(overrides[LR])] = (
+        row["loss_mean"], row.get("loss_ci_low"), row.get("loss_ci_high"))
+  return curves
+
+
+def _label(key: tuple) -> str:
+  return ", ".join(f"{field.split('.')[-1]}={value}" for field, value in key) or "all"
+
+
+def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[str]
+                     ) -> tuple[str, list[str]]:
+  """(the report's markdown section, [the PNG]) for a sweep of several
+  learning rates; ("", []) otherwise."""
+  curves = _curves(summary)
+  grid = sorted({lr for curve in curves.values() for lr in curve})
+  if len(grid) < 2:
+    return "", []
+  best = {key: min(curve, key=lambda lr: curve[lr][0]) for key, curve in curves.items()}
+  path = os.path.join(root, "loss_vs_learning_rate.png")
+  _plot(path, curves, best)
+  lines = ["", "## Loss against learning rate", "",
+           f"Each curve's mean validation loss over its seeds at each `{LR}` of the grid "
+           f"({', '.join(f'{lr:g}' for lr in grid)}), and its best learning rate "
+           "(`loss_vs_learning_rate.png`).", "",
+           "| curve | best learning rate | its val loss | place on the grid |", "|---|---:|---:|---:|"]
+  for key, lr in best.items():
+    lines.append(f"| {_label(key)} | {lr:g} | {curves[key][lr][0]:.4f} | "
+                 f"{grid.index(lr) + 1} of {len(grid)} |")
+  others = [f for f in fields if f != LR]
+  if len(others) > 1:
+    lines += ["", f"How far the optimum moves across the curves of each `{others[0]}`, in grid "
+              "steps (a factor between neighbouring learning rates):", ""]
+    for value in dict.fromkeys(dict(key).get(others[0]) for key in best):
+      places = [grid.index(lr) for key, lr in best.items() if dict(key).get(others[0]) == value]
+      lines.append(f"- {others[0]}={value}: {max(places) - min(places)} grid step(s) over "
+                   f"{len(places)} curves")
+  return "\n".join(lines) + "\n", [path]
+
+
+def _plot(path: str, curves: dict, best: dict) -> None:
+  fig = Figure(figsize=(8, 4.5))
+  ax = fig.subplots()
+  for key, curve in curves.items():
+    lrs = sorted(curve)
+    line, = ax.plot(lrs, [curve[lr][0] for lr in lrs], marker=".", label=_label(key))
+    if all(curve[lr][1] is not None for lr in lrs):
+      ax.fill_between(lrs, [curve[lr][1] for lr in lrs], [curve[lr][2] for lr in lrs],
+                      color=line.get_color(), alpha=0.15)
+    ax.plot([best[key]], [curve[best[key]][0]], "o", markersize=10, fillstyle="none",
+            color=line.get_color())
+  ax.set_xscale("log", base=2)
+  ax.set_xlabel("learning rate")
+  ax.set_ylabel("validation loss, whole split (mean over seeds)")
+  ax.set_title("loss against learning rate (circle: each curve's best)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
