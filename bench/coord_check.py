@@ -41,16 +41,22 @@ from training.optim import learning_rate_schedule, make_optimizer, mup_width
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/tiny.py", "A decoder config.",
-                                          lock_config=True)
-_WIDTHS = flags.DEFINE_list("widths", ["64", "128", "256", "512", "1024"], "d_model values.")
-_BASE = flags.DEFINE_integer("base_width", 64, "model.mup_base_width under mup.")
-_FF = flags.DEFINE_integer("ff_mult", 3, "d_ff = ff_mult x d_model.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Training steps (measured after each).")
-_LR = flags.DEFINE_float("lr", 1e-2, "Constant learning rate (AdamW).")
-_ROWS = flags.DEFINE_integer("rows", 8, "Rows of the fixed batch.")
-_OUT = flags.DEFINE_string("out", None, "JSON output; default "
-                           "bench/results/coord_check-<date>.json (the PNG beside it).")
+FLAGS = flags.FLAGS
+
+
+def _define_flags() -> None:
+  """The command's flags, defined when it runs (so that importing this module,
+  as tests/test_mup.py does, defines none)."""
+  config_flags.DEFINE_config_file("config", "configs/tiny.py", "A decoder config.",
+                                  lock_config=True)
+  flags.DEFINE_list("widths", ["64", "128", "256", "512", "1024"], "d_model values.")
+  flags.DEFINE_integer("base_width", 64, "model.mup_base_width under mup.")
+  flags.DEFINE_integer("ff_mult", 3, "d_ff = ff_mult x d_model.")
+  flags.DEFINE_integer("steps", 5, "Training steps (measured after each).")
+  flags.DEFINE_float("lr", 1e-2, "Constant learning rate (AdamW).")
+  flags.DEFINE_integer("rows", 8, "Rows of the fixed batch.")
+  flags.DEFINE_string("out", None, "JSON output; default "
+                      "bench/results/coord_check-<date>.json (the PNG beside it).")
 
 
 def at_width(config, width: int, parametrization: str, *, base_width: int, ff_mult: int,
@@ -177,21 +183,21 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
-  config = _CONFIG.value
-  widths = [int(w) for w in _WIDTHS.value]
-  results = run(config, widths, base_width=_BASE.value, ff_mult=_FF.value, lr=_LR.value,
-                steps=_STEPS.value, rows=_ROWS.value)
+  widths = [int(w) for w in FLAGS.widths]
+  results = run(FLAGS.config, widths, base_width=FLAGS.base_width, ff_mult=FLAGS.ff_mult,
+                lr=FLAGS.lr, steps=FLAGS.steps, rows=FLAGS.rows)
   print(table(results))
-  out = pathlib.Path(_OUT.value or ROOT / "bench" / "results" /
+  out = pathlib.Path(FLAGS.out or ROOT / "bench" / "results" /
                      f"coord_check-{datetime.date.today()}.json")
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps({
       "command": command_line(), "commit": git_commit(), "device": jax.devices()[0].device_kind,
-      "base_width": _BASE.value, "lr": _LR.value, "steps": _STEPS.value,
+      "base_width": FLAGS.base_width, "lr": FLAGS.lr, "steps": FLAGS.steps,
       "results": {p: {str(w): v for w, v in r.items()} for p, r in results.items()}}, indent=1))
   plot(out.with_suffix(".png"), results)
   print(f"wrote {out} and {out.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
+  _define_flags()
   app.run(main, flags_parser=parse_flags)

@@ -279,7 +279,7 @@ def test_compile_for_a_v5e_slice_with_the_context_axis(impl):
                        f"--config.model.attention_impl={impl}", "--json")
   assert result.returncode == 0, result.stderr
   report = json.loads(result.stdout)
-  assert report["mesh"] == {"data": 1, "fsdp": 1, "context": 4, "tensor": 1}
+  assert report["mesh"] == {"data": 1, "fsdp": 1, "expert": 1, "context": 4, "tensor": 1}
   assert report["collectives"]["collective-permute"]["count"] > 0
   assert "all-gather" not in report["collectives"]
   # Asynchronous on the TPU, nearly all with a block's compute between start
