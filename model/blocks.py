@@ -33,8 +33,10 @@ class Block(nnx.Module):
       return x + sublayer(norm(x))
     return norm(x + sublayer(x))
 
-  def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None):
-    """(x after cross-attention and the MLP, the experts' `MoEStats` or None)."""
+  def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None,
+                     segment_ids=None):
+    """(x after cross-attention and the MLP, the experts' `MoEStats` or None);
+    `segment_ids` (0: padding) keep padding tokens away from the experts."""
     if self.cross_attn is not None:
       x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
           h, context_BSM=context_BSM, context_kv=context_kv, segment_ids=cross_segment_ids))
@@ -43,7 +45,7 @@ class Block(nnx.Module):
     stats = []
 
     def experts(h):
-      out, layer_stats = self.mlp(h)
+      out, layer_stats = self.mlp(h, real_BT=None if segment_ids is None else segment_ids != 0)
       stats.append(layer_stats)
       return out
 
@@ -55,7 +57,7 @@ class Block(nnx.Module):
     `bias`: the stack's relative position bias for self-attention, or None."""
     x_BTM = self._residual(x_BTM, self.norm_attn, lambda h: self.attn(
         h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids, bias=bias))
-    return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids)
+    return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids, segment_ids=segment_ids)
 
   def attention_weights(self, x_BTM, *, positions_BT, causal, bias=None):
     """This block's self-attention weights [B, h, T, T] for input x."""

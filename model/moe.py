@@ -34,7 +34,9 @@ Switch and Mixtral, E sum_e (tokens routed to e / tokens) P_e with P_e the
 mean router probability of e (its minimum, k, when the load is uniform),
 the router z-loss of ST-MoE, the mean over tokens of (log sum_e exp
 logit_e)^2, the load, the most assignments any expert got over the mean,
-and the fraction of assignments dropped (0 when dropless). Training adds
+and the fraction of assignments dropped (0 when dropless), all over the
+real tokens: padding tokens (segment id 0) reach no expert, take no
+capacity and count in no statistic. Training adds
 `train.moe_aux_loss` x the first and `train.router_z_loss` x the second,
 averaged over the MoE layers.
 """
@@ -93,19 +95,22 @@ def route(logits_NE, k: int, normalize: bool):
   return weights_NK, experts_NK.astype(jnp.int32), probs_NE
 
 
-def _sums(logits_NE, probs_NE, counts_E, kept_E):
-  """What the statistics are made of, as sums over tokens (so that devices
-  add them up): assignments per expert [E], router probabilities per expert
-  [E], (log Z)^2, the token count and the assignments dropped."""
+def _sums(logits_NE, probs_NE, counts_E, kept_E, real_N):
+  """What the statistics are made of, as sums over the real tokens (`real_N`
+  1, padding 0; so that devices add them up): assignments per expert [E],
+  router probabilities per expert [E], (log Z)^2, the token count and the
+  assignments dropped."""
   lse_N = jax.nn.logsumexp(logits_NE.astype(jnp.float32), axis=-1)
-  return (counts_E.astype(jnp.float32), probs_NE.sum(axis=0), jnp.sum(jnp.square(lse_N)),
-          jnp.float32(probs_NE.shape[0]), jnp.sum(counts_E - kept_E).astype(jnp.float32))
+  return (counts_E.astype(jnp.float32), (probs_NE * real_N[:, None]).sum(axis=0),
+          jnp.sum(jnp.square(lse_N) * real_N), real_N.sum(),
+          jnp.sum(counts_E - kept_E).astype(jnp.float32))
 
 
 def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped) -> MoEStats:
   """The load-balancing loss, router z-loss, load and dropped fraction
   (`MoEStats`) from `_sums` (of one device, or added over devices)."""
   E = counts_E.shape[0]
+  tokens = jnp.maximum(tokens, 1.0)  # a batch of padding only
   aux = E * jnp.sum((counts_E / tokens) * (probs_E / tokens))
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
   assignments = jnp.maximum(counts_E.sum(), 1.0)
@@ -118,18 +123,25 @@ def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int | None
   return math.ceil(factor * tokens * k / num_experts) if factor else None
 
 
-def sort_by_expert(experts_A, num_experts: int, cap: int | None):
-  """(order [A], kept [E]): the assignments' order sorted by expert (stable,
-  so earlier tokens first) and how many each expert keeps; with a capacity
-  `cap`, those past it are moved to the end, after every kept row."""
+def sort_by_expert(experts_A, num_experts: int, cap: int | None, real_A=None):
+  """(order [A], kept [E], routed [E]): the assignments' order sorted by
+  expert (stable, so earlier tokens first), how many each expert keeps and
+  how many were routed to it. Padding assignments (`real_A` False) go to the
+  end and count in neither; with a capacity `cap`, those past it follow the
+  kept rows."""
+  E = num_experts
+  if real_A is not None:
+    experts_A = jnp.where(real_A, experts_A, E)  # padding: a bucket past the experts
   order_A = jnp.argsort(experts_A, stable=True)
-  counts_E = jnp.bincount(experts_A, length=num_experts).astype(jnp.int32)
+  counts_E = jnp.bincount(experts_A, length=E + 1)[:E].astype(jnp.int32)
   if cap is None:
-    return order_A, counts_E
+    return order_A, counts_E, counts_E
   sorted_A = experts_A[order_A]
-  rank_A = jnp.arange(experts_A.shape[0]) - (jnp.cumsum(counts_E) - counts_E)[sorted_A]
-  order_A = order_A[jnp.argsort(jnp.where(rank_A < cap, sorted_A, num_experts), stable=True)]
-  return order_A, jnp.minimum(counts_E, cap)
+  starts = jnp.cumsum(counts_E) - counts_E
+  rank_A = jnp.arange(experts_A.shape[0]) - jnp.append(starts, 0)[sorted_A]
+  kept_A = (rank_A < cap) & (sorted_A < E)
+  order_A = order_A[jnp.argsort(jnp.where(kept_A, sorted_A, E), stable=True)]
+  return order_A, jnp.minimum(counts_E, cap), counts_E
 
 
 def grouped_mlp(rows_RM, groups_E, up_EMF, gate_EMF, down_EFM, *, activation, dtype):
@@ -146,25 +158,28 @@ def grouped_mlp(rows_RM, groups_E, up_EMF, gate_EMF, down_EFM, *, activation, dt
 
 
 def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize: bool,
-               activation, dtype, capacity_factor: float = 0.0, experts=None):
+               activation, dtype, capacity_factor: float = 0.0, experts=None, real_N=None):
   """The experts' output for tokens [N, M] (float32) and their statistics'
   `_sums`: route, sort the N k assignments by expert (`sort_by_expert`), run
   each expert's group through its matrices, scatter back and weigh.
   `experts`: how the sorted rows reach their experts; None: `grouped_mlp`
-  here (every expert's weights on this device), else `expert_parallel`."""
+  here (every expert's weights on this device), else `expert_parallel`.
+  `real_N` (False: padding, None: all real): padding tokens reach no expert
+  (their output is zero), take no capacity and count in no statistic."""
   N, M = x_NM.shape
   logits_NE = jnp.dot(x_NM.astype(jnp.float32), router_ME.astype(jnp.float32))
   weights_NK, experts_NK, probs_NE = route(logits_NE, k, normalize)
   E = probs_NE.shape[-1]
-  experts_A = experts_NK.reshape(-1)
-  order_A, kept_E = sort_by_expert(experts_A, E, capacity(N, k, E, capacity_factor))
+  real_A = None if real_N is None else jnp.repeat(real_N, k)
+  order_A, kept_E, counts_E = sort_by_expert(experts_NK.reshape(-1), E,
+                                             capacity(N, k, E, capacity_factor), real_A)
   rows_AM = x_NM[order_A // k].astype(dtype)
   run = experts or grouped_mlp
   out_AM = run(rows_AM, kept_E, up_EMF, gate_EMF, down_EFM, activation=activation, dtype=dtype)
   out_NKM = jnp.zeros_like(out_AM).at[order_A].set(out_AM).reshape(N, k, M)
-  counts_E = jnp.bincount(experts_A, length=E)
+  real = jnp.ones((N,), jnp.float32) if real_N is None else real_N.astype(jnp.float32)
   return (jnp.einsum("nkm,nk->nm", out_NKM, weights_NK),
-          _sums(logits_NE, probs_NE, counts_E, kept_E))
+          _sums(logits_NE, probs_NE, counts_E, kept_E, real))
 
 
 def _all_to_all_rows(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -291,22 +306,24 @@ class MoE(nnx.Module):
     self.shared = (MLP(dataclasses.replace(cfg, d_ff=cfg.num_shared_experts * f), rngs=rngs)
                    if cfg.num_shared_experts else None)
 
-  def __call__(self, x_BTM):
+  def __call__(self, x_BTM, real_BT=None):
+    """`real_BT`: False at padding tokens (None: every token is real)."""
     B, T, M = x_BTM.shape
+    real_BT = jnp.ones((B, T), bool) if real_BT is None else real_BT
     weights = (self.router.kernel[...], self.up.kernel[...],
                None if self.gate is None else self.gate.kernel[...], self.down.kernel[...])
     tokens = functools.partial(moe_tokens, k=self.k, normalize=self.normalize,
                                activation=self.activation, dtype=self.dtype,
                                capacity_factor=self.capacity_factor)
 
-    def local(x, *w, experts=None):
+    def local(x, real, *w, experts=None):
       b, t, _ = x.shape
-      y, sums = tokens(x.reshape(b * t, M), *w, experts=experts)
+      y, sums = tokens(x.reshape(b * t, M), *w, experts=experts, real_N=real.reshape(b * t))
       return y.reshape(b, t, M), sums
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      y_BTM, sums = local(x_BTM, *weights)
+      y_BTM, sums = local(x_BTM, real_BT, *weights)
     else:
       rows = batch_axes(mesh)
       seq = "context" if "context" in mesh.axis_names and mesh.shape["context"] > 1 else None
@@ -327,15 +344,16 @@ class MoE(nnx.Module):
         experts = functools.partial(expert_parallel, axis="expert", ragged=_ragged_collectives(),
                                     bound=A if cap is None else min(A, E // X * cap))
 
-      def on_device(x, *w):
+      def on_device(x, real, *w):
         w = [None if a is None else _gather(a, sp) for a, sp in zip(w, w_specs)]
-        y, sums = local(x, *w, experts=experts)
+        y, sums = local(x, real, *w, experts=experts)
         return y, jax.tree.map(lambda s: jax.lax.psum(s, axes), sums)
 
       # check_vma=False: the gathered weights make every tensor device compute the
       # same values, which the specs say and the type check cannot infer.
-      y_BTM, sums = jax.shard_map(on_device, mesh=mesh, in_specs=(spec, *w_specs),
-                                  out_specs=(spec, P()), check_vma=False)(x_BTM, *weights)
+      y_BTM, sums = jax.shard_map(on_device, mesh=mesh, in_specs=(spec, P(rows, seq), *w_specs),
+                                  out_specs=(spec, P()), check_vma=False)(x_BTM, real_BT,
+                                                                          *weights)
     y_BTM = y_BTM.astype(self.dtype)
     if self.shared is not None:
       y_BTM = y_BTM + self.shared(x_BTM)

@@ -61,6 +61,22 @@ def test_moe_layer_equals_a_loop_over_each_tokens_experts(router, mlp, shared):
   assert float(stats.share.sum()) == pytest.approx(1.0)
 
 
+def test_padding_tokens_reach_no_expert_and_count_in_no_statistic():
+  """Rows with padding (segment id 0): the real tokens' outputs are those of
+  the unpadded layer, the padding's are zero (no shared expert here), and
+  the statistics equal those of the real tokens alone."""
+  cfg = ModelConfig.resolve(_model_config().model)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(2), (2, 6, cfg.d_model))
+  real = jnp.array([[True] * 6, [True] * 3 + [False] * 3])
+  got, stats = layer(x, real_BT=real)
+  alone, alone_stats = layer(x[real][None])
+  np.testing.assert_allclose(np.asarray(got[real]), np.asarray(alone[0]), atol=1e-6)
+  assert float(jnp.abs(got[~real]).max()) == 0.0
+  for a, b in zip(stats, alone_stats):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+
+
 def test_capacity_drops_each_experts_latest_assignments():
   """model.moe_capacity_factor=0.5 (4 tokens x 2 / 4 experts x 0.5: one
   assignment per expert): each expert keeps the earliest token routed to
@@ -94,14 +110,14 @@ def test_router_statistics():
   from model.moe import _sums, stats_of_sums  # pylint: disable=import-outside-toplevel
   logits = jnp.zeros((8, 4))
   uniform = jnp.array([4, 4, 4, 4])
-  stats = stats_of_sums(*_sums(logits, jax.nn.softmax(logits), uniform, uniform))
+  stats = stats_of_sums(*_sums(logits, jax.nn.softmax(logits), uniform, uniform, jnp.ones(8)))
   assert float(stats.aux_loss) == pytest.approx(2.0)  # k = 2: 16 assignments of 8 tokens
   assert float(stats.z_loss) == pytest.approx(np.log(4) ** 2)
   assert float(stats.dropped) == 0.0
   halves = [_sums(logits[:4], jax.nn.softmax(logits[:4]), jnp.array([4, 2, 1, 1]),
-                  jnp.array([4, 2, 1, 1])),
+                  jnp.array([4, 2, 1, 1]), jnp.ones(4)),
             _sums(logits[4:], jax.nn.softmax(logits[4:]), jnp.array([6, 0, 1, 1]),
-                  jnp.array([3, 0, 1, 1]))]
+                  jnp.array([3, 0, 1, 1]), jnp.ones(4))]
   skewed = stats_of_sums(*jax.tree.map(jnp.add, *halves))  # two devices' sums added
   assert float(skewed.load) == pytest.approx(2.5)
   assert float(skewed.dropped) == pytest.approx(3 / 16)

@@ -3,9 +3,9 @@ tokens spread over each MoE layer's experts (`model/moe.py`), and the plot
 `expert_load.png`.
 
 Per MoE layer: each expert's share of the (token, expert) assignments over
-the evaluated batches (padding tokens included, as in training's
-statistics), and the load, the busiest expert's share over the mean (1 when
-balanced, E / k when every token goes to the same k experts). A router that
+the evaluated batches (real tokens only, as in training's statistics), and
+the load, the busiest expert's share over the mean (1 when balanced, E / k
+when every token goes to the same k experts). A router that
 collapses onto a few experts shows as a bright column in the plot.
 """
 import jax
