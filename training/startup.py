@@ -148,7 +148,7 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
   estimate, limit, what = memory
   epochs = t.num_steps * t.batch_size / max(train_rows, 1)
   mesh_shape = " x ".join(f"{name} {size}" for name, size in mesh.shape.items()
-                         if name != "context" or size > 1)
+                         if name not in ("expert", "context") or size > 1)
   lines = [
       f"devices     {len(devices)} x {devices[0].device_kind} ({jax.default_backend()}), "
       f"{jax.process_count()} process(es); mesh {mesh_shape}",
