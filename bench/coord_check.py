@@ -37,7 +37,7 @@ from configs.validation import validate
 from data import sources
 from model import build_model
 from training import steps as steps_lib
-from training.optim import learning_rate_schedule, make_optimizer, mup_width
+from training.optim import learning_rate_schedule, model_optimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -98,7 +98,7 @@ def coordinates(config, tokens_BT) -> list[dict[str, float]]:
   tc = config.train
   model = build_model(config.model, nnx.Rngs(tc.seed))
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = make_optimizer(tc, mup_width(config.model))
+  tx = model_optimizer(config)
   step = steps_lib.jit_train_step(graphdef, tx, learning_rate_schedule(tc), "next_token", 1)
   state = steps_lib.init_state(params, tx, tc.seed)
   T = tokens_BT.shape[1]

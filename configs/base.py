@@ -110,6 +110,9 @@ def get_config() -> config_dict.ConfigDict:
   #   hidden matrices' init and learning rate, the logits and attention scale follow the width
   m.mup_base_width = config_dict.placeholder(int)  # μP: the d_model the hyperparameters were
   #   tuned at (width multiplier d_model / this); None: d_model
+  m.mup_base_depth = config_dict.placeholder(int)  # depth-μP (sp or mup): the num_layers the
+  #   hyperparameters were tuned at; residual branches and the hidden matrices' learning rate
+  #   times sqrt(this / num_layers). None: off
 
   t = c.tokenizer = config_dict.ConfigDict()
   t.kind = "bpe"  # bpe | spm_bpe | spm_unigram (trained on the train split once)

@@ -179,6 +179,15 @@ def width_mult(m) -> float:
   return m.d_model / m.mup_base_width
 
 
+def depth_mult(m) -> float:
+  """Depth-μP's factor on each residual branch, sqrt(model.mup_base_depth /
+  num_layers) (1 without a base depth); the hidden matrices' learning rate
+  takes it too (docs/models.md, "Depth")."""
+  if m.mup_base_depth is None:
+    return 1.0
+  return math.sqrt(m.mup_base_depth / m.num_layers)
+
+
 def attention_scale(m) -> float:
   """The factor on Q K^T (None means 1/sqrt(head_dim); under μP
   sqrt(base head_dim) / head_dim, the head_dim at the base width, so that
@@ -341,6 +350,14 @@ def _validate_mup(m: config_dict.ConfigDict) -> None:
   """model.parametrization=mup and what it covers (docs/models.md, "μP")."""
   _check_choice(m, "model.parametrization", "model.")
   _check_positive(m, "model.mup_base_width", "model.", allow_none=True)
+  _check_positive(m, "model.mup_base_depth", "model.", allow_none=True)
+  if m.mup_base_depth is not None:
+    if m.norm_position != "pre":
+      _fail("model.mup_base_depth", m.mup_base_depth, "scales pre-norm residual branches; "
+            "use model.norm_position=pre or unset it")
+    if m.family == "encoder_decoder" and num_decoder_layers(m) != m.num_layers:
+      _fail("model.mup_base_depth", m.mup_base_depth, "needs both stacks of one depth "
+            f"(model.num_layers={m.num_layers}, decoder {num_decoder_layers(m)}); unset it")
   if m.parametrization != "mup":
     if m.mup_base_width is not None:
       _fail("model.mup_base_width", m.mup_base_width, "needs model.parametrization=mup")

@@ -2,6 +2,7 @@
 
 Pre-norm: x = x + Sublayer(Norm(x)) (an unnormalised residual stream).
 Post-norm (the original paper): x = Norm(x + Sublayer(x)).
+Depth-μP (model.mup_base_depth): x = x + sqrt(base depth / num_layers) Sublayer(Norm(x)).
 A block is self-attention, then cross-attention (decoder of an
 encoder-decoder only), then the MLP (or a mixture of experts,
 `model/moe.py`), each wrapped that way.
@@ -21,6 +22,7 @@ class Block(nnx.Module):
     """`window`: this layer's self-attention sliding window (None: none);
     `moe`: its MLP is a mixture of experts."""
     self.pre_norm = cfg.norm_position == "pre"
+    self.branch_mult = cfg.branch_mult  # depth-μP: sqrt(base depth / num_layers), or None
     self.attn = Attention(cfg, rope=rope, window=window, rngs=rngs)
     self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
@@ -30,7 +32,8 @@ class Block(nnx.Module):
 
   def _residual(self, x, norm, sublayer):
     if self.pre_norm:
-      return x + sublayer(norm(x))
+      branch = sublayer(norm(x))
+      return x + (branch if self.branch_mult is None else branch * self.branch_mult)
     return norm(x + sublayer(x))
 
   def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None,

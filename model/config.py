@@ -115,6 +115,7 @@ class ModelConfig:
   init_std: float
   parametrization: str
   mup_base_width: int | None
+  mup_base_depth: int | None
 
   def forward_fields(self) -> dict:
     """The fields that decide the function the model computes, each once.
@@ -141,6 +142,8 @@ class ModelConfig:
       unused |= {"num_decoder_layers", "decoder_start"}
     if self.parametrization != "mup":
       unused |= {"mup_base_width"}
+    if self.mup_base_depth is None or self.branch_mult is None:
+      unused |= {"mup_base_depth"}
     if not self.num_experts:
       unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router",
                  "moe_capacity_factor"}
@@ -199,6 +202,13 @@ class ModelConfig:
   def logit_mult(self) -> float | None:
     """μP's factor on the logits, 1 / width multiplier; None when it is 1."""
     return None if self.width_mult == 1.0 else 1.0 / self.width_mult
+
+  @property
+  def branch_mult(self) -> float | None:
+    """Depth-μP's factor on each residual branch, sqrt(mup_base_depth /
+    num_layers); None when it is 1 (no base depth, or at it)."""
+    mult = validation.depth_mult(self)
+    return None if mult == 1.0 else mult
 
   def layer_is_moe(self, layer: int) -> bool:
     """Whether decoder layer `layer`'s MLP is a mixture of experts."""

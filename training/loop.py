@@ -41,7 +41,7 @@ from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resol
 from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, evaluate
-from training.optim import learning_rate_schedule, make_optimizer, mup_width
+from training.optim import learning_rate_schedule, model_optimizer, mup_depth, mup_width
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
 from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
@@ -248,7 +248,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
     return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
 
   graphdef, _ = nnx.split(nnx.eval_shape(make_model))
-  tx, schedule = make_optimizer(tc, mup_width(config.model)), learning_rate_schedule(tc)
+  tx, schedule = model_optimizer(config), learning_rate_schedule(tc)
 
   def make_state():
     return init_state(nnx.split(make_model())[1], tx, tc.seed)
@@ -420,17 +420,22 @@ class Source(NamedTuple):
 
 
 def _check_source_parametrization(config, where: str, source_config) -> None:
-  """A source trained under another model.parametrization (sp or mup), or
-  another μP width multiplier, holds weights scaled otherwise: refused."""
-  ours = (config.model.parametrization, mup_width(config.model))
-  theirs = (source_config.model.get("parametrization", "sp"), mup_width(source_config.model)
-            if source_config.model.get("parametrization", "sp") == "mup" else None)
+  """A source trained under another model.parametrization (sp or mup), μP
+  width multiplier or depth-μP branch factor holds weights scaled
+  otherwise: refused."""
+
+  def scaling(model):
+    parametrization = model.get("parametrization", "sp")
+    width = mup_width(model) if parametrization == "mup" else None
+    depth = mup_depth(model)
+    return (f"model.parametrization={parametrization}"
+            + (f" (width multiplier {width:g})" if width else "")
+            + (f" with depth-μP (branch factor {depth:g})" if depth else ""))
+
+  ours, theirs = scaling(config.model), scaling(source_config.model)
   if ours != theirs:
-    raise UserError(f"{where}: trained with model.parametrization={theirs[0]}"
-                    + (f" (width multiplier {theirs[1]:g})" if theirs[1] else "")
-                    + f", this run asks for {ours[0]}"
-                    + (f" (width multiplier {ours[1]:g})" if ours[1] else "")
-                    + "; their weights are scaled otherwise, so use the source's")
+    raise UserError(f"{where}: trained with {theirs}, this run asks for {ours}; their weights "
+                    "are scaled otherwise, so use the source's")
 
 
 def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:

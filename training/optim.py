@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from configs.validation import decay_start, optimizer_option, width_mult
+from configs.validation import decay_start, depth_mult, optimizer_option, width_mult
 
 # The kernels whose input is more than their first axis: the attention output
 # projection maps [heads, head_dim] to d_model.
@@ -177,6 +177,14 @@ def mup_width(model_section) -> float | None:
   return width_mult(model_section)
 
 
+def mup_depth(model_section) -> float | None:
+  """Depth-μP's factor `make_optimizer` takes: sqrt(mup_base_depth /
+  num_layers) with model.mup_base_depth; None without, or when it is 1."""
+  if model_section.get("mup_base_depth") is None or depth_mult(model_section) == 1.0:
+    return None
+  return depth_mult(model_section)
+
+
 def hidden_lr_mult(train_cfg, width: float) -> float:
   """μP's factor on the hidden matrices' learning rate at width multiplier
   `width` (Tensor Programs V, Table 3, for Adam-like updates, whose size
@@ -208,13 +216,24 @@ def _scale_hidden(mult: float) -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-def make_optimizer(train_cfg, width: float | None = None) -> optax.GradientTransformation:
+def make_optimizer(train_cfg, width: float | None = None,
+                   depth: float | None = None) -> optax.GradientTransformation:
   """train.optimizer after clipping; with `width` (μP's width multiplier,
-  `mup_width`) the hidden matrices' updates scaled by `hidden_lr_mult`."""
+  `mup_width`) the hidden matrices' updates scaled by `hidden_lr_mult`, with
+  `depth` (depth-μP's branch factor, `mup_depth`) by it too: no update rule
+  here has a size that follows the gradient's, so each takes the same
+  1 / sqrt(depth) (Tensor Programs VI, for Adam)."""
   parts = []
   if train_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
   parts.append(OPTIMIZERS[train_cfg.optimizer](train_cfg, learning_rate_schedule(train_cfg)))
-  if width is not None:
-    parts.append(_scale_hidden(hidden_lr_mult(train_cfg, width)))
+  if width is not None or depth is not None:
+    mult = (1.0 if width is None else hidden_lr_mult(train_cfg, width)) * (depth or 1.0)
+    parts.append(_scale_hidden(mult))
   return optax.chain(*parts)
+
+
+def model_optimizer(config) -> optax.GradientTransformation:
+  """`make_optimizer` for a whole config: train.optimizer with the model's
+  μP width and depth factors."""
+  return make_optimizer(config.train, mup_width(config.model), mup_depth(config.model))

@@ -23,7 +23,7 @@ from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
 from training.objectives import batch_loss, training_loss_sum
-from training.optim import make_optimizer, mup_width
+from training.optim import model_optimizer
 
 
 def init_state(params, tx, seed: int) -> dict:
@@ -49,7 +49,7 @@ def abstract_state(config, remat: bool = False):
   check_context(ModelConfig.resolve(config.model), config.mesh.context)
   graphdef, params = nnx.split(nnx.eval_shape(
       lambda: build_model(config.model, nnx.Rngs(0), remat=remat)))
-  tx = make_optimizer(config.train, mup_width(config.model))
+  tx = model_optimizer(config)
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
 
