@@ -1,4 +1,4 @@
-"""Weighted mixtures of sources: `data.mixture` (docs/data.md, "Mixtures").
+"""Weighted mixtures of sources: `data.mixture` (docs/data.md, "Mixtures of sources").
 
 A mixture is a list of sources, each read as a run with that `data.source`
 and `data.paths` alone would read it: its own token cache, packing index,
@@ -11,7 +11,8 @@ Training interleaves the sources' endless train rows with Grain's
 function of g and the weights, each source's rows in their own shuffled
 order (data.seed), so the stream is deterministic and a checkpoint's
 iterator position resumes it exactly. The interleaving keeps every prefix of
-the stream within a row of the weights per source: it is not a random draw.
+the stream within a row of the weights per source (Grain rounds them to whole
+parts, the smallest weight 100): it is not a random draw.
 `Draws` says how many rows of each source the first n rows of the stream
 hold, from the same `mix`, for the `tokens/<name>` metrics and the
 start-up block.
