@@ -123,6 +123,9 @@ def get_config() -> config_dict.ConfigDict:
   d = c.data = config_dict.ConfigDict()
   d.source = "stdlib"  # stdlib | pydoc | embedded (both) | files | jsonl | arrayrecord | parquet
   d.paths = ""  # files or globs, comma-separated, for files | jsonl | arrayrecord | parquet
+  d.mixture = ""  # several sources read at once, each drawn by its weight: source[:paths]=weight,
+  #   comma-separated, e.g. "stdlib=0.7,jsonl:notes/*.jsonl=0.3" (docs/data.md, "Mixtures of
+  #   sources"); "": data.source and data.paths alone
   d.jsonl_field = "text"  # the field of each JSONL record that holds the text
   d.parquet_column = "text"  # the string column of the Parquet files that holds the text
   d.val_percent = 5  # percent of the documents held out for validation

@@ -12,6 +12,9 @@ names of the model's registries (`model/registry.py`; a test holds them
 equal): a new choice is its registry entry plus its name here.
 """
 import math
+import os
+import re
+from typing import NamedTuple
 
 from ml_collections import config_dict
 
@@ -54,6 +57,9 @@ OPTIMIZER_OPTIONS = {
     "lion": {"lion_b1": 0.9, "lion_b2": 0.99},
     "muon": {"muon_lr": None, "muon_momentum": 0.95, "muon_ns_steps": 5, "muon_rms": 0.2},
 }
+
+# The data.source values that read the user's files (data.paths); the others are built in.
+FILE_SOURCES = ("files", "jsonl", "arrayrecord", "parquet")
 
 # The data.task values each objective reads (next_token and mlm read data.source).
 TASKS = {
@@ -209,6 +215,101 @@ def data_seed(config) -> int:
   """The seed of the data order and the MLM masks (data.seed; None means
   train.seed, as every run before data.seed had it)."""
   return config.train.seed if config.data.seed is None else config.data.seed
+
+
+MAX_WEIGHT_RATIO = 10_000  # data.mixture: the largest weight over the smallest
+
+
+class MixturePart(NamedTuple):
+  """One source of data.mixture: its name in metrics and reports, and what it reads."""
+  name: str  # stdlib, pydoc, embedded; a file source: its kind and label, e.g. jsonl-notes
+  source: str  # a data.source
+  paths: str  # its data.paths ("" for the built-in corpora)
+  weight: float  # > 0; the sources' rows are drawn in proportion to their weights
+
+
+def mixture_parts(d) -> list[MixturePart]:
+  """The sources of data.mixture in order ([] when it is empty), each named
+  (`mixture_name`); a UserError naming the bad part and the fix.
+
+  `source[:paths]=weight`, comma-separated; the paths of one source may be
+  several globs, comma-separated as in data.paths (a piece without `=` belongs
+  to the next source's paths): `jsonl:a/*.jsonl,b/*.jsonl=0.3,stdlib=0.7`.
+  """
+  if not d.mixture.strip():
+    return []
+  parts, pending = [], []
+  for piece in d.mixture.split(","):
+    if not piece.strip():
+      _fail("data.mixture", d.mixture, "has an empty source between commas; write "
+            "source[:paths]=weight, comma-separated, e.g. stdlib=0.7,pydoc=0.3")
+    pending.append(piece)
+    if "=" in piece:
+      spec, weight = ",".join(pending).rsplit("=", 1)
+      parts.append(_mixture_part(d.mixture, spec.strip(), weight.strip()))
+      pending = []
+  if pending:
+    _fail("data.mixture", d.mixture, f"{','.join(pending).strip()!r} has no weight; write "
+          "source[:paths]=weight, e.g. stdlib=0.7,pydoc=0.3")
+  weights = [part.weight for part in parts]
+  if max(weights) > MAX_WEIGHT_RATIO * min(weights):
+    _fail("data.mixture", d.mixture, f"weighs its sources {max(weights) / min(weights):.3g} to 1; "
+          f"at most {MAX_WEIGHT_RATIO:,} to 1 (a source drawn less than once in "
+          f"{MAX_WEIGHT_RATIO:,} rows): raise the smallest weight or drop that source")
+  named, seen = [], set()
+  for part in parts:
+    if (part.source, part.paths) in seen:
+      _fail("data.mixture", d.mixture, f"names {part.source}:{part.paths} twice; give each "
+            "source one weight")
+    seen.add((part.source, part.paths))
+    name, n = part.name, 1
+    while name in {p.name for p in named}:
+      n += 1
+      name = f"{part.name}-{n}"
+    named.append(part._replace(name=name))
+  return named
+
+
+def _mixture_part(value: str, spec: str, weight_text: str) -> MixturePart:
+  """One `source[:paths]=weight` of data.mixture, checked."""
+  source, _, paths = (x.strip() for x in spec.partition(":"))
+  if source not in CHOICES["data.source"]:
+    _fail("data.mixture", value, f"{source!r} is not a source; each is one of "
+          f"{', '.join(CHOICES['data.source'])}, written source[:paths]=weight")
+  if source in FILE_SOURCES and not paths:
+    _fail("data.mixture", value, f"{source} needs its files: {source}:<paths or "
+          f"globs>={weight_text or '<weight>'}")
+  if source not in FILE_SOURCES and paths:
+    _fail("data.mixture", value, f"{source} is built in and takes no paths; write "
+          f"{source}={weight_text or '<weight>'}")
+  try:
+    weight = float(weight_text)
+  except ValueError:
+    weight = math.nan
+  if not (math.isfinite(weight) and weight > 0):
+    _fail("data.mixture", value, f"the weight of {spec} is {weight_text!r}; a weight is a "
+          "number > 0 (drop a source rather than weigh it 0)")
+  return MixturePart(mixture_name(source, paths), source, paths, weight)
+
+
+def mixture_name(source: str, paths: str) -> str:
+  """A mixture source's name: the built-in corpora by their own (`stdlib`), a
+  file source by its kind and the last path component of its first glob
+  that has no wildcard, without a file's extension (`jsonl:/data/notes/*.jsonl`:
+  `jsonl-notes`; `parquet:wiki.parquet`: `parquet-wiki`; `files:*.txt`:
+  `files`). Characters other than letters, digits, `_`, `.` and `-` become
+  `_`; data.mixture numbers a name that two sources share (`jsonl-notes-2`)."""
+  if source not in FILE_SOURCES:
+    return source
+  components = paths.split(",")[0].strip().rstrip("/").split("/")
+  label = ""
+  for i in reversed(range(len(components))):
+    if components[i] not in ("", ".", "..", "~") and not re.search(r"[*?\[]", components[i]):
+      is_file = i == len(components) - 1
+      label = os.path.splitext(components[i])[0] if is_file else components[i]
+      break
+  label = re.sub(r"[^\w.-]", "_", label)
+  return f"{source}-{label}" if label.strip("_") else source
 
 
 def budget(t) -> tuple[str, float] | None:
@@ -458,7 +559,9 @@ def validate(config: config_dict.ConfigDict) -> None:
     field = token_rows_field(config.model)
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
           f"exceeds model.{field}={config.model[field]}")
-  if config.data.source in ("files", "jsonl", "arrayrecord", "parquet") and not config.data.paths:
+  if mixture_parts(config.data):
+    _validate_mixture(config)
+  elif config.data.source in FILE_SOURCES and not config.data.paths:
     _fail("data.paths", config.data.paths, f"is required for data.source={config.data.source}")
   if not 0 <= config.data.val_percent < 100:
     _fail("data.val_percent", config.data.val_percent, "must be in [0, 100)")
@@ -579,6 +682,17 @@ def _validate_optimizer(t: config_dict.ConfigDict) -> None:
   if t.restore_step is not None and not t.restore_from:
     _fail("train.restore_step", t.restore_step,
           "needs train.restore_from (the run whose checkpoint it names); set it or unset this")
+
+
+def _validate_mixture(config) -> None:
+  """data.mixture mixes text corpora, whose sources name their own paths."""
+  d, objective = config.data, config.train.objective
+  if objective not in ("next_token", "mlm"):
+    _fail("data.mixture", d.mixture, f"mixes text corpora (next_token, mlm); "
+          f"train.objective={objective} reads data.task: unset data.mixture")
+  if d.paths:
+    _fail("data.paths", d.paths, "is unused beside data.mixture, whose sources name their "
+          "own paths (source:paths=weight); unset data.paths")
 
 
 def _validate_tasks(config: config_dict.ConfigDict) -> None:

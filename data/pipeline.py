@@ -31,6 +31,11 @@ repeated forever. Global batch g is rows [g * B, (g + 1) * B) of that
 stream (B = train.batch_size); process p of P gets its slice of B / P rows,
 [g * B + p * B / P, g * B + (p + 1) * B / P).
 The iterator is Grain's, so `get_state()` / `set_state()` resume exactly.
+
+A mixture (data.mixture, `data/mixture.py`): each source's train rows,
+shuffled and repeated as above, interleaved by weight with Grain's
+`MapDataset.mix` before the MLM masks and the batches; each source keeps its
+own validation split (`make_source_eval_batches`).
 """
 import dataclasses
 import functools
@@ -42,10 +47,11 @@ from ml_collections import config_dict
 import numpy as np
 
 from configs.errors import UserError
-from configs.validation import data_seed
+from configs.validation import data_seed, mixture_parts
 from data import classify
 from data import corpora
 from data import masking
+from data import mixture
 from data import packing
 from data import seq2seq
 from data import sources
@@ -106,15 +112,28 @@ def tokenizer_texts(data_config: config_dict.ConfigDict, max_bytes: int):
     return classify.tokenizer_texts(data_config)
   if data_config.task != "none":
     return tasks.tokenizer_texts(data_config)
+  parts = mixture_parts(data_config)
+  if parts:
+    return _mixture_texts(data_config, parts, max_bytes)
   return sample_texts(data_config, max_bytes)
 
 
-def sample_texts(data_config: config_dict.ConfigDict, max_bytes: int):
+def _mixture_texts(data_config: config_dict.ConfigDict, parts, max_bytes: int):
+  """A mixture's sample: each source's (`sample_texts`), of at most its weight's
+  share of `max_bytes`."""
+  total = sum(part.weight for part in parts)
+  for part in parts:
+    with mixture.named(part.name):
+      yield from sample_texts(mixture.alone(data_config, part),
+                              int(max_bytes * part.weight / total), f" of {part.name}")
+
+
+def sample_texts(data_config: config_dict.ConfigDict, max_bytes: int, what: str = ""):
   """The train documents' texts, streamed: all of them when the source's files
   hold at most `max_bytes`, else from each shard its first documents up to its
   share of `max_bytes` (in proportion to its size), so that the sample spans
   the corpus and never holds more than one document at a time. Prints how
-  many bytes of text it gave."""
+  many bytes of text it gave (`what`: of which source)."""
   shards = sources.plan_shards(data_config)
   total = sum(shard.size for shard in shards)
   given = 0
@@ -129,8 +148,9 @@ def sample_texts(data_config: config_dict.ConfigDict, max_bytes: int):
         taken += size
         yield text
     given += taken
-  print(f"tokenizer: learning from {given / 1e6:.1f} MB of train text (of {total / 1e6:.1f} MB "
-        f"of input files; tokenizer.train_bytes={max_bytes})", file=sys.stderr, flush=True)
+  print(f"tokenizer: learning from {given / 1e6:.1f} MB of train text{what} (of "
+        f"{total / 1e6:.1f} MB of input files; tokenizer.train_bytes={max_bytes})",
+        file=sys.stderr, flush=True)
 
 
 def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
@@ -157,6 +177,22 @@ def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
   if config.data.packing == "concat" and config.train.objective == "next_token":
     return packer.num_rows, functools.partial(_causal_rows, packer)
   return packer.num_rows, packer
+
+
+def split_rows(config: config_dict.ConfigDict, tokenizer) -> dict[str, tuple[int, int]]:
+  """(train rows, validation rows) of each source by name: data.mixture's
+  sources, or the one data.source."""
+  def rows(source_config):
+    return tuple(rows_of_split(source_config, tokenizer, split)[0] for split in sources.SPLITS)
+
+  mix = mixture.sources(config)
+  if not mix:
+    return {config.data.source: rows(config)}
+  out = {}
+  for source in mix:
+    with mixture.named(source.name):
+      out[source.name] = rows(source.config)
+  return out
 
 
 def _causal_rows(packer: packing.RowPacker, row: int) -> dict[str, np.ndarray]:
@@ -200,11 +236,7 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
   """
   local_batch_size = _local_batch_size(config, process_index, process_count)
   share = tokens.Share(process_index, process_count, local_process_count)
-  num_rows, row_fn = rows_of_split(config, tokenizer, "train", share)
-  ds = (grain.MapDataset.range(num_rows)
-        .shuffle(seed=data_seed(config))
-        .repeat()
-        .map(row_fn))
+  ds = (_mixed_rows if config.data.mixture else _endless_rows)(config, tokenizer, share)
   ds = (_masked(config, tokenizer, ds)
         .batch(local_batch_size, drop_remainder=True)  # Exact: the stream is endless.
         [process_index::process_count]
@@ -216,6 +248,39 @@ def make_train_iterator(config: config_dict.ConfigDict, tokenizer, *, process_in
       flags.FLAGS.mark_as_parsed()
     ds = ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.data.num_workers))
   return iter(ds)
+
+
+def _endless_rows(config: config_dict.ConfigDict, tokenizer, share: tokens.Share
+                  ) -> grain.MapDataset:
+  """The train split's rows, shuffled with data.seed, a new order every epoch, forever."""
+  num_rows, row_fn = rows_of_split(config, tokenizer, "train", share)
+  return (grain.MapDataset.range(num_rows)
+          .shuffle(seed=data_seed(config))
+          .repeat()
+          .map(row_fn))
+
+
+def _mixed_rows(config: config_dict.ConfigDict, tokenizer, share: tokens.Share
+                ) -> grain.MapDataset:
+  """data.mixture: each source's `_endless_rows`, interleaved by weight (Grain's
+  mix, as `mixture.Draws` counts them)."""
+  mix = mixture.sources(config)
+  parts = []
+  for source in mix:
+    with mixture.named(source.name):
+      parts.append(_endless_rows(source.config, tokenizer, share))
+  return grain.MapDataset.mix(parts, [source.weight for source in mix])
+
+
+def make_source_eval_batches(config: config_dict.ConfigDict, tokenizer,
+                             num_batches: int | None = None, **process) -> dict[str, list[Batch]]:
+  """data.mixture: each source's first validation batches (`make_eval_batches`
+  of the source alone, `process` its process arguments), by name."""
+  out = {}
+  for source in mixture.sources(config):
+    with mixture.named(source.name):
+      out[source.name] = make_eval_batches(source.config, tokenizer, num_batches, **process)
+  return out
 
 
 def make_eval_batches(config: config_dict.ConfigDict, tokenizer, num_batches: int | None = None,

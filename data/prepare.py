@@ -10,8 +10,9 @@ tokenise the shards that are not cached yet. With `--launcher slurm` the
 shards are shared out among `--tasks` tasks of one job array (submitit, as
 the sweeps submit theirs), each with `--cpus_per_task` workers; this
 command waits for the array, then checks every entry and stores the packing
-index of both splits, so the training job starts warm. A user mistake is one
-line on stderr and exit status 2.
+index of both splits, so the training job starts warm. A data.mixture is
+prepared source by source. A user mistake is one line on stderr and exit
+status 2.
 """
 import os
 import sys
@@ -48,6 +49,14 @@ def tokenizer_path(config, workdir: str | None) -> str:
                   "saved tokenizer, or --workdir to a run that has trained one")
 
 
+def data_sections(config) -> list[tuple[str, object]]:
+  """(name, `data` section) of what to prepare: each source of a data.mixture
+  alone, or the one source (name "")."""
+  from data import mixture  # pylint: disable=import-outside-toplevel
+  return ([(source.name, source.config.data) for source in mixture.sources(config)]
+          or [("", config.data)])
+
+
 class PrepareTask:
   """One task of the job array: tokenises the shards its index owns, waits for none."""
 
@@ -60,8 +69,8 @@ class PrepareTask:
     import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     from data import tokens  # pylint: disable=import-outside-toplevel
     tok = tokenizer_lib.load_tokenizer(self.tok_path)
-    return len(tokens.load_corpus(self.config.data, tok, tokens.Share(task, self.num_tasks),
-                                  wait=False))
+    return sum(len(tokens.load_corpus(data, tok, tokens.Share(task, self.num_tasks), wait=False))
+               for _, data in data_sections(self.config))
 
 
 def prepare(config, tok_path: str) -> None:
@@ -70,12 +79,14 @@ def prepare(config, tok_path: str) -> None:
   import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
   from data import packing, sources, tokens  # pylint: disable=import-outside-toplevel
   tok = tokenizer_lib.load_tokenizer(tok_path)
-  entries = tokens.load_corpus(config.data, tok)
-  for split in sources.SPLITS:
-    index = packing.load_index(entries, split, config.data.val_percent, config.data.packing,
-                               tokens.cache_root(config.data))
-    print(f"data: {split}: {index.num_documents} documents, {index.num_tokens} tokens "
-          f"({index.num_bytes / 1e6:.1f} MB of text); index {index.directory}", flush=True)
+  for name, data in data_sections(config):
+    entries = tokens.load_corpus(data, tok)
+    for split in sources.SPLITS:
+      index = packing.load_index(entries, split, data.val_percent, data.packing,
+                                 tokens.cache_root(data))
+      print(f"data: {split}" + (f" of {name}" if name else "") + f": {index.num_documents} "
+            f"documents, {index.num_tokens} tokens ({index.num_bytes / 1e6:.1f} MB of text); "
+            f"index {index.directory}", flush=True)
 
 
 def submit_slurm(config, tok_path: str) -> None:

@@ -85,6 +85,8 @@ def plan_shards(data_config: config_dict.ConfigDict) -> list[Shard]:
     UserError: an unknown source, a path that matches nothing, a Parquet or
       ArrayRecord file that cannot be opened.
   """
+  if data_config.get("mixture"):
+    raise ValueError("a data.mixture is read source by source (data/mixture.py), not as one")
   source = data_config.source
   if source in EMBEDDED_SOURCES:
     return embedded_shards(source)

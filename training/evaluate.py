@@ -28,6 +28,14 @@ eval_lengths.json; `rope_scaling` sets RoPE scaling for this evaluation only
 Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
 does not depend on the tokenizer, so runs with different vocabularies compare.
 
+A data.mixture run is evaluated on each source's whole validation split:
+`sources` in the report gives each source's weight, loss, perplexity, token
+accuracy, targets and (next_token) bits per byte, bytes and unigram
+baseline; the top-level numbers are the mixture's, the sources' weighted by
+their weights (`training.metrics.evaluate_mixture`), against the unigram of
+the mixture's train token frequencies. loss_curves.png adds each source's
+in-training validation curve.
+
 That is the report of a `next_token` run. An `mlm` run (encoder) reports the
 masked-token accuracy and loss beside the unigram baseline on the same masked
 targets. A `seq2seq` run reports teacher-forced loss and token accuracy, then
@@ -54,13 +62,15 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
 from configs.errors import UserError  # pylint: disable=wrong-import-position
-from data import classify, pipeline, seq2seq, tasks  # pylint: disable=wrong-import-position
+from data import (classify, mixture, pipeline,  # pylint: disable=wrong-import-position
+                  seq2seq, tasks)
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import (classify_report, compile_cache, expert_report,  # pylint: disable=wrong-import-position
                       lengths)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
-from training.metrics import evaluate, read_metrics  # pylint: disable=wrong-import-position
+from training.metrics import (evaluate, evaluate_mixture,  # pylint: disable=wrong-import-position
+                              read_metrics)
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
 from training.steps import jit_eval_step  # pylint: disable=wrong-import-position
 
@@ -89,6 +99,7 @@ def apply_data_flag(config, data: str) -> None:
     config.data.paths = data
     config.data.val_percent = 100  # every pair is held out
     return
+  config.data.mixture = ""  # the given corpus alone
   if data in EMBEDDED:
     config.data.source = data
     return
@@ -115,17 +126,61 @@ def _token_counts(config, tok, split: str) -> np.ndarray:
 
 
 def unigram_log_probs(config, tok) -> np.ndarray:
-  """Log-probabilities [V] of the add-one-smoothed train split's token frequencies."""
-  counts = _token_counts(config, tok, "train").astype(np.float64) + 1.0
-  return np.log(counts / counts.sum())
+  """Log-probabilities [V] of the add-one-smoothed train split's token
+  frequencies; of a data.mixture, its sources' mixed by weight (the
+  frequencies of the rows training draws)."""
+  mix = mixture.sources(config)
+  if not mix:
+    counts = _token_counts(config, tok, "train").astype(np.float64) + 1.0
+    return np.log(counts / counts.sum())
+  probs = sum(source.weight * np.exp(unigram_log_probs(source.config, tok)) for source in mix)
+  return np.log(probs / sum(source.weight for source in mix))
 
 
-def unigram_loss(config, tok) -> float:
-  """Cross-entropy (nats) of add-one-smoothed train token frequencies on validation."""
+def unigram_loss(config, tok, log_probs: np.ndarray | None = None) -> float:
+  """Cross-entropy (nats) of the unigram baseline on the validation split of
+  `config` (one source): `log_probs`, or its own train split's
+  (`unigram_log_probs`)."""
   val_counts = _token_counts(config, tok, "validation")
   if not val_counts.sum():
     return float("nan")
-  return float(-(unigram_log_probs(config, tok) * val_counts).sum() / val_counts.sum())
+  if log_probs is None:
+    log_probs = unigram_log_probs(config, tok)
+  return float(-(log_probs * val_counts).sum() / val_counts.sum())
+
+
+def text_stats(config, tok, metrics: dict, log_probs: np.ndarray | None = None) -> dict:
+  """A next_token evaluation of one source's whole validation split: bits
+  per byte, the UTF-8 bytes, and the unigram baseline (`unigram_loss`)."""
+  stats = pipeline.split_stats(config, tok, "validation")
+  return {"bits_per_byte": metrics["loss"] * metrics["targets"] / (stats.num_bytes * math.log(2)),
+          "unigram_loss": unigram_loss(config, tok, log_probs), "bytes": stats.num_bytes}
+
+
+def source_reports(config, tok, by_source: dict[str, dict]) -> dict:
+  """A data.mixture's sources in eval_report.json, by name: weight, loss,
+  perplexity and token accuracy over the source's whole validation split,
+  and for next_token its `text_stats` against the mixture's unigram baseline."""
+  log_probs = unigram_log_probs(config, tok) if config.train.objective == "next_token" else None
+  out = {}
+  for source in mixture.sources(config):
+    metrics = by_source[source.name]
+    out[source.name] = {"weight": source.weight, "loss": metrics["loss"],
+                        "perplexity": metrics["perplexity"],
+                        "token_accuracy": metrics["accuracy"], "targets": int(metrics["targets"])}
+    if log_probs is not None:
+      with mixture.named(source.name):
+        out[source.name].update(text_stats(source.config, tok, metrics, log_probs))
+  return out
+
+
+def mixture_text_stats(sources: dict[str, dict]) -> dict:
+  """A mixture's bits per byte and unigram baseline: its sources' weighted by
+  their weights (as its loss is); its bytes: their sum."""
+  total = sum(r["weight"] for r in sources.values())
+  return {key: sum(r["weight"] * r[key] for r in sources.values()) / total
+          for key in ("bits_per_byte", "unigram_loss")} | {
+              "bytes": sum(r["bytes"] for r in sources.values())}
 
 
 REPORT_FILE = "eval_report.json"
@@ -160,6 +215,11 @@ def plot_loss_curves(workdir: str, path: str, report: dict, eval_steps: int) -> 
   steps, losses = split_curve(records, "validation")
   if steps:
     curves[f"validation, {eval_steps} batches (in training)"] = (steps, losses, {"marker": "."})
+  for name in report.get("sources", {}):
+    points = [(r["step"], r[f"loss/{name}"]) for r in records
+              if r["split"] == "validation" and f"loss/{name}" in r]
+    if points:
+      curves[f"validation of {name} (in training)"] = (*zip(*points), {"linestyle": ":"})
   full = full_split_points(workdir, None if report.get("data_override") else report)
   if full[0]:
     curves["validation, whole split (eval.py)"] = (*full, {"marker": "D", "linestyle": "--"})
@@ -175,7 +235,8 @@ def attention_ids(config, tok, prompt_ids: list[int] | None = None) -> list[int]
   first ATTENTION_TOKENS tokens of the validation split."""
   if prompt_ids is not None:
     return list(prompt_ids)[:config.train.seq_len]
-  index = pipeline.split_index(config, tok, "validation", quiet=True)
+  mix = mixture.sources(config)
+  index = pipeline.split_index(mix[0].config if mix else config, tok, "validation", quiet=True)
   ids = [tok.bos_id]
   for d in range(index.num_documents):
     ids += [int(i) for i in index.document(d)[:ATTENTION_TOKENS - len(ids)]]
@@ -289,15 +350,25 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   if position_buckets < 1:
     raise UserError(f"--position_buckets {position_buckets}: must be a positive integer")
   graphdef, params = nnx.split(model)
-  batches = pipeline.make_eval_batches(config, tok, None)
-  metrics = evaluate(jit_eval_step(graphdef, config.train.objective), params, batches)
-  report = {"step": step, "data": config.data.source, "data_override": data,
+  eval_fn = jit_eval_step(graphdef, config.train.objective)
+  mix = mixture.sources(config)
+  if mix:
+    source_batches = pipeline.make_source_eval_batches(config, tok, None)
+    metrics, by_source = evaluate_mixture(eval_fn, params, source_batches,
+                                          {source.name: source.weight for source in mix})
+    batches = [batch for name in source_batches for batch in source_batches[name]]
+  else:
+    batches = pipeline.make_eval_batches(config, tok, None)
+    metrics = evaluate(eval_fn, params, batches)
+  report = {"step": step, "data": config.data.mixture or config.data.source, "data_override": data,
             "split": "validation, whole split", "loss": metrics["loss"],
             "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
             "targets": int(metrics["targets"]), "seq_len": config.train.seq_len,
             "train_seq_len": train_len}
   if rope_override:
     report["rope_override"] = rope_override
+  if mix:
+    report["sources"] = source_reports(config, tok, by_source)
   history = workdir_lib.read_history(workdir)
   if history:
     report["config_history"] = workdir_lib.history_lines(history)
@@ -319,10 +390,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report.update(expert_report.expert_load(config, graphdef, params, batches))
   attention_prompt = None
   if config.train.objective == "next_token":
-    stats = pipeline.split_stats(config, tok, "validation")
-    report.update(
-        bits_per_byte=metrics["loss"] * metrics["targets"] / (stats.num_bytes * math.log(2)),
-        unigram_loss=unigram_loss(config, tok), bytes=stats.num_bytes)
+    report.update(mixture_text_stats(report["sources"]) if mix
+                  else text_stats(config, tok, metrics))
     prompts = prompts or ["def ", "class ", "import "]
     outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
                     max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from configs.errors import UserError
 from configs.validation import decay_start, eval_every as eval_every_of, validate
-from data import classify, pipeline
+from data import classify, mixture, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
 from training import compile_cache, hardware, startup
@@ -40,7 +40,7 @@ from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resolve_step
 from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
-from training.metrics import MetricsWriter, evaluate
+from training.metrics import MetricsWriter, by_name, evaluate, evaluate_mixture
 from training.optim import learning_rate_schedule, model_optimizer, mup_depth, mup_width
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
@@ -266,8 +266,14 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
              "local_process_count": local_process_count()}
   data_start = time.perf_counter()
   data_iter = pipeline.make_train_iterator(config, tokenizer, **process)
-  eval_batches = [shard_batch(batch, mesh) for batch in
-                  pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
+  mix = {source.name: source.weight for source in mixture.sources(config)}  # {}: no mixture
+  if mix:
+    eval_batches = {name: [shard_batch(batch, mesh) for batch in batches] for name, batches in
+                    pipeline.make_source_eval_batches(config, tokenizer, tc.eval_steps,
+                                                      **process).items()}
+  else:
+    eval_batches = [shard_batch(batch, mesh) for batch in
+                    pipeline.make_eval_batches(config, tokenizer, tc.eval_steps, **process)]
   print(f"data: ready in {time.perf_counter() - data_start:.1f} s (tokenisation, index, "
         "first batches)", file=sys.stderr, flush=True)
   checkpointer = Checkpointer(workdir, keep=tc.keep_checkpoints)
@@ -304,8 +310,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
               "(new optimizer, step 0)")
   for line in startup.summary_lines(
       config, mesh, workdir=workdir, restored=what, memory=memory,
-      train_rows=pipeline.rows_of_split(config, tokenizer, "train")[0],
-      val_rows=pipeline.rows_of_split(config, tokenizer, "validation")[0], schedule=schedule):
+      rows=pipeline.split_rows(config, tokenizer), schedule=schedule):
     _print(line)
 
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
@@ -317,6 +322,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
+  draws = mixture.Draws(mix) if mix else None
   last = {}
   step = start
   watchdog = PeerWatchdog(tc.peer_timeout_s).start() if jax.process_count() > 1 else None
@@ -342,7 +348,11 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
           seconds = time.perf_counter() - window_start
           last = _train_scalars(jax.device_get(window_metrics), window_steps, seconds, tc,
                                 flops_per_token, peak)
-          writer.write(step, "train", {**last, "seconds": seconds})  # wall time of the window
+          drawn = {} if draws is None else {  # tokens of each source so far
+              f"tokens/{name}": rows * tc.seq_len
+              for name, rows in draws.rows(step * tc.batch_size).items()}
+          # seconds: the wall time of the window
+          writer.write(step, "train", {**last, **drawn, "seconds": seconds})
           bar.set_postfix(loss=f"{last['loss']:.3f}")
           eta = (tc.num_steps - step) * seconds / window_steps
           _print(f"step {step}/{tc.num_steps}: "
@@ -350,11 +360,17 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                  + f", eta={_duration(eta)}")
           window_start, window_steps, window_metrics = time.perf_counter(), 0, []
         if step % eval_every == 0 or step == tc.num_steps:
-          val = evaluate(eval_fn, state["params"], eval_batches)
+          if mix:
+            val, by_source = evaluate_mixture(eval_fn, state["params"], eval_batches, mix)
+            val |= by_name(by_source)
+          else:
+            val = evaluate(eval_fn, state["params"], eval_batches)
           writer.write(step, "validation", {**val, "batches": tc.eval_steps})
+          each = "".join(f"{val_name}_loss/{name}={val[f'loss/{name}']:.4f} " for name in mix)
           _print(f"step {step}/{tc.num_steps}: {val_name}_loss={val['loss']:.4f} "
-                 f"{val_name}_perplexity={val['perplexity']:.2f} (validation, "
-                 f"{tc.eval_steps} batches; eval.py scores the whole split)")
+                 f"{val_name}_perplexity={val['perplexity']:.2f} {each}(validation, "
+                 f"{tc.eval_steps} batches{' of each source' * bool(mix)}; eval.py scores the "
+                 "whole split)")
           last.update({f"{val_name}_{k}": v for k, v in val.items()})
         stopping = stop.should_stop(step)
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:

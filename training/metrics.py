@@ -1,5 +1,6 @@
-"""Metrics: the loss, perplexity and accuracy of an evaluation, and their record in
-`metrics.jsonl` and TensorBoard (tensorboardX; process 0 only)."""
+"""Metrics: the loss, perplexity and accuracy of an evaluation (of each source
+of a data.mixture too), and their record in `metrics.jsonl` and TensorBoard
+(tensorboardX; process 0 only)."""
 import json
 import math
 import os
@@ -16,6 +17,29 @@ def evaluate(eval_fn, params, batches) -> dict:
   loss = loss_sum / max(count, 1.0)
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
           "accuracy": correct / max(count, 1.0), "targets": count}
+
+
+def evaluate_mixture(eval_fn, params, batches: dict[str, list],
+                     weights: dict[str, float]) -> tuple[dict, dict]:
+  """A mixture's validation: (the mixture's metrics, each source's by name).
+
+  Each source's are `evaluate`'s over its own batches. The mixture's loss and
+  accuracy are the sources' weighted by their data.mixture weights (what a
+  row drawn as training draws them scores), its perplexity exp(loss), its
+  targets their sum.
+  """
+  by_source = {name: evaluate(eval_fn, params, b) for name, b in batches.items()}
+  total = sum(weights.values())
+  loss = sum(weights[name] * m["loss"] for name, m in by_source.items()) / total
+  accuracy = sum(weights[name] * m["accuracy"] for name, m in by_source.items()) / total
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy,
+          "targets": sum(m["targets"] for m in by_source.values())}, by_source
+
+
+def by_name(by_source: dict[str, dict]) -> dict:
+  """Each source's metrics as one record holds them: `<metric>/<source name>`."""
+  return {f"{key}/{name}": value for name, metrics in by_source.items()
+          for key, value in metrics.items()}
 
 
 class MetricsWriter:

@@ -9,7 +9,7 @@ in one line before anything is compiled or written;
 
 `summary_lines`: the block train.py prints at start: devices and mesh,
 parameters, tokens and FLOPs per step (and the budget that set num_steps),
-memory, data and epochs, the peak of the learning rate and what the schedule
+memory, data and epochs (of each source of a data.mixture), the peak of the learning rate and what the schedule
 does after it (a warning when the warm-up is longer than the run), the
 workdir and what was restored.
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from configs import validation
 from configs.errors import UserError
+from data import mixture
 from model import accounting
 from training.hardware import device_memory_limit
 
@@ -136,10 +137,30 @@ def _budget_lines(config, tokens: int, flops: int) -> list[str]:
           "steps (train.num_steps)"]
 
 
-def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
-                  train_rows: int, val_rows: int, schedule) -> list[str]:
-  """The start-up block (see the module docstring)."""
+def mixture_lines(config, rows: dict[str, tuple[int, int]]) -> list[str]:
+  """A data.mixture's sources: weight, rows of each split, and the rows and
+  epochs of it that train.num_steps draw (`mixture.Draws`)."""
+  mix = mixture.sources(config)
+  if not mix:
+    return []
   t = config.train
+  drawn = mixture.Draws({source.name: source.weight for source in mix}).rows(
+      t.num_steps * t.batch_size)
+  total = sum(source.weight for source in mix)
+  return [f"  {source.name:<10}  weight {source.weight:g} ({source.weight / total:.1%}): "
+          f"train {rows[source.name][0]:,} rows, validation {rows[source.name][1]:,} rows; "
+          f"draws {drawn[source.name]:,} rows = "
+          f"{drawn[source.name] / max(rows[source.name][0], 1):.3g} epochs"
+          for source in mix]
+
+
+def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
+                  rows: dict[str, tuple[int, int]], schedule) -> list[str]:
+  """The start-up block (see the module docstring); `rows`: the train and
+  validation rows of each source (`pipeline.split_rows`)."""
+  t = config.train
+  train_rows = sum(train for train, _ in rows.values())
+  val_rows = sum(val for _, val in rows.values())
   params = accounting.formula_params(config.model)
   total = params["params_total"]
   tokens = t.batch_size * t.seq_len
@@ -163,7 +184,9 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
       + (f"of {format_bytes(limit)} ({what})" if limit is not None else "no limit known"),
       f"data        train {train_rows:,} rows = {_count(train_rows * t.seq_len)} tokens, "
       f"validation {val_rows:,} rows = {_count(val_rows * t.seq_len)} tokens; "
-      f"{t.num_steps} steps cover {epochs:.3g} epochs",
+      + (f"{t.num_steps} steps cover {epochs:.3g} epochs" if not config.data.mixture else
+         f"a mixture of {len(rows)} sources, each drawn by its weight:"),
+      *mixture_lines(config, rows),
       schedule_line(config, schedule),
       f"workdir     {os.path.abspath(workdir)}",
       f"restored    {restored}",
