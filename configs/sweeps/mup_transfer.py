@@ -1,5 +1,5 @@
 """Learning-rate transfer across width: configs/tiny.py at widths 128, 256
-and 512 (4 heads, d_ff 3d) x learning rates 2^-12 to 2^-5 of AdamW, under
+and 512 (4 heads, d_ff 3d) x learning rates 2^-11 to 2^-5 of AdamW, under
 the standard parametrization and under μP with base width 128
 (docs/models.md, "μP"). `sweep.py report` draws the loss against the
 learning rate, one curve per width and parametrization, and says how many
@@ -13,7 +13,7 @@ NAME = "mup_transfer"
 CONFIG = "configs/tiny.py"
 BASE_WIDTH = 128
 WIDTHS = (128, 256, 512)
-LEARNING_RATES = tuple(2.0 ** e for e in range(-12, -4))
+LEARNING_RATES = tuple(2.0 ** e for e in range(-11, -4))
 
 
 def get_sweep():
