@@ -1,6 +1,7 @@
 """Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
 [--prompt TEXT --max_new_tokens N] [--beam_size K --length_penalty A --max_examples N]
 [--seq_len L [--position_buckets N]] [--rope_scaling yarn --rope_scaling_factor 4]
+[--tasks hellaswag,arc_easy [--task_dir DIR] [--task_limit N] [--task_batch_size B]]
 
 Restores the checkpoint with its own config and tokenizer, writes
 eval_report.json, loss_curves.png and attention_maps.png into
@@ -13,6 +14,9 @@ a .tsv/.jsonl file); each beside its baseline. `--seq_len L`
 evaluates a next_token run on rows of L tokens and reports the loss by
 position (a table, loss_by_position_<L>.png); `--rope_scaling` stretches a
 RoPE run's context for this evaluation only. Both are in eval_report.json.
+`--tasks` runs lm-evaluation-harness tasks (lm-eval's, or your YAMLs in
+--task_dir) on a decoder: their metrics go under `downstream` in
+eval_report.json and into downstream.png (docs/downstream.md).
 """
 import json
 import sys
@@ -50,6 +54,14 @@ _ROPE_SCALING = flags.DEFINE_enum("rope_scaling", None, ["none", "linear", "ntk"
                                   "RoPE scaling for this evaluation only (a rope run).")
 _ROPE_FACTOR = flags.DEFINE_float("rope_scaling_factor", None, "--rope_scaling: context "
                                   "stretch over the training length.")
+_TASKS = flags.DEFINE_string("tasks", None, "lm-eval tasks to run, comma-separated "
+                             "(hellaswag,arc_easy; needs lm-eval).")
+_TASK_DIR = flags.DEFINE_string("task_dir", "", "--tasks: a directory of your own lm-eval "
+                                "task YAMLs.")
+_TASK_LIMIT = flags.DEFINE_integer("task_limit", 0, "--tasks: the first N examples of each "
+                                   "task (0: all).")
+_TASK_BATCH = flags.DEFINE_integer("task_batch_size", 32, "--tasks: rows per forward pass "
+                                   "(prompts per generation call).")
 flags.mark_flag_as_required("workdir")
 
 
@@ -65,7 +77,9 @@ def main(argv):
         top_k=_TOP_K.value, top_p=_TOP_P.value, beam_size=_BEAM_SIZE.value,
         alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value, out=_OUT.value,
         seq_len=_SEQ_LEN.value, rope_scaling=_ROPE_SCALING.value,
-        rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value)
+        rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value,
+        tasks=_TASKS.value, task_dir=_TASK_DIR.value, task_limit=_TASK_LIMIT.value,
+        task_batch_size=_TASK_BATCH.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

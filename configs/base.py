@@ -211,6 +211,11 @@ def get_config() -> config_dict.ConfigDict:
   tr.eval_every = config_dict.placeholder(int)  # steps between validation passes (of
   #   eval_steps batches, logged as val<eval_steps>_loss); None: num_steps // 10, so 10 points
   tr.eval_steps = 10  # validation batches per pass (eval.py scores the whole split)
+  tr.downstream_tasks = ""  # lm-eval tasks scored at every validation pass, comma-separated
+  #   (hellaswag,arc_easy; docs/downstream.md; needs lm-eval); "": none
+  tr.downstream_task_dir = ""  # a directory of your own lm-eval task YAMLs for downstream_tasks
+  tr.downstream_limit = 0  # downstream_tasks: examples per task (the first ones); 0: all
+  tr.downstream_batch_size = 32  # downstream_tasks: rows per forward pass (or generation call)
   tr.checkpoint_every = 200  # steps between checkpoints
   tr.keep_checkpoints = 3  # checkpoints kept on disk
   tr.restore_from = ""  # a run's workdir: start from its newest parameters, cast to

@@ -546,6 +546,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("train.objective", objective,
           f"does not fit model.family={family}; use one of {', '.join(OBJECTIVES[family])}")
   _validate_tasks(config)
+  _validate_downstream(config)
   for field in ("train.seq_len", "train.tgt_seq_len"):
     if config.model.pos_emb == "learned" and _get(config, field) > config.model.max_len:
       _fail(field, _get(config, field),
@@ -733,3 +734,49 @@ def _validate_tasks(config: config_dict.ConfigDict) -> None:
           f"[{d.task_min_len}, {d.task_max_len}]")
   if d.task == "pairs" and not d.paths:
     _fail("data.paths", d.paths, "is required for data.task=pairs (.tsv or .jsonl files)")
+
+
+def _named(field: str) -> str:
+  """How an error names `field`: a config field, or a flag (`--tasks`) as given."""
+  return field if field.startswith("--") else f"config field {field}"
+
+
+def downstream_task_names(value: str, field: str = "train.downstream_tasks") -> tuple[str, ...]:
+  """The lm-eval task names of the comma-separated `value` ("": none);
+  `field` (train.downstream_tasks or eval.py's --tasks) names it in the error.
+  Whether lm-eval knows them is checked where it is imported
+  (`training/downstream.py`)."""
+  if not isinstance(value, str):
+    raise UserError(f"{_named(field)}={value!r}: must be a comma-separated string of lm-eval "
+                    "task names, e.g. hellaswag,arc_easy")
+  names = tuple(name.strip() for name in value.split(",")) if value.strip() else ()
+  if any(not name for name in names):
+    raise UserError(f"{_named(field)}={value!r}: has an empty task name; separate the names "
+                    "with single commas, e.g. hellaswag,arc_easy")
+  if len(set(names)) < len(names):
+    raise UserError(f"{_named(field)}={value!r}: names a task twice; name each once")
+  return names
+
+
+def check_downstream_model(m, field: str, value: str) -> None:
+  """lm-eval tasks (`field`=`value`) score a decoder's next-token log-probabilities."""
+  if m.family != "decoder":
+    raise UserError(f"{_named(field)}={value!r}: lm-eval tasks score a decoder language model, "
+                    f"this one is model.family={m.family}; evaluate a decoder run")
+  if m.num_labels:
+    raise UserError(f"{_named(field)}={value!r}: a classifier (model.num_labels="
+                    f"{m.num_labels}) has no LM head for lm-eval tasks; evaluate a language model")
+
+
+def _validate_downstream(config: config_dict.ConfigDict) -> None:
+  """train.downstream_*: lm-eval tasks scored in the training loop."""
+  t = config.train
+  names = downstream_task_names(t.downstream_tasks)
+  if names:
+    check_downstream_model(config.model, "train.downstream_tasks", t.downstream_tasks)
+  if t.downstream_task_dir and not names:
+    _fail("train.downstream_task_dir", t.downstream_task_dir,
+          "adds task YAMLs for train.downstream_tasks, which is empty; name the tasks to run "
+          "or unset this")
+  _check_positive(config, "train.downstream_limit", allow_zero=True)
+  _check_positive(config, "train.downstream_batch_size")

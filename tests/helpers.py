@@ -311,6 +311,14 @@ def assert_close(ours, theirs):
   np.testing.assert_array_less(np.abs(ours - theirs).max(), 1e-4 * scale)
 
 
+def tiny_gpt2(**kw):
+  """A tiny random `transformers` GPT-2: 320 ids, 64 positions, 2 layers of
+  width 32 (GPT2Config fields in `kw` override them)."""
+  import transformers  # pylint: disable=import-outside-toplevel
+  return transformers.GPT2LMHeadModel(transformers.GPT2Config(**{**dict(
+      vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=4), **kw}))
+
+
 def tiny_llama(cls=None, config=None, **kw):
   """A tiny random `transformers` LLaMA-like model: `cls` (default
   LlamaForCausalLM) built from `config` (default LlamaConfig) and `kw`."""

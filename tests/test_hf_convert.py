@@ -32,16 +32,11 @@ from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
 from tests.helpers import (assert_close, convert_error_line, edit_hf_config, randomised, ROOT,
-                           run_command, run_convert, save_hf, tiny_llama)
+                           run_command, run_convert, save_hf, tiny_gpt2, tiny_llama)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
 PROMPTS = ["def add(", "class "]
-
-
-def _gpt2(**kw):
-  return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-      vocab_size=320, n_positions=64, n_embd=32, n_layer=2, n_head=4, **kw))
 
 
 def _bert(**kw):
@@ -96,7 +91,7 @@ def _check_export(workdir, tok, tmp_path, reference, auto_class="AutoModelForCau
 def test_gpt2_in_and_out(tok, tmp_path):
   """Every row comes back: the checkpoint's 320, past the tokenizer's 290 (as
   T5's 32,128 for 32,100 ids), with their logits unchanged."""
-  hf_model = _gpt2()
+  hf_model = tiny_gpt2()
   workdir = _check_import(hf_model, tok, tmp_path)
   _check_export(workdir, tok, tmp_path, _hf_logits(hf_model.eval(), _ids(tok)))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
@@ -212,7 +207,7 @@ def test_bfloat16(tok, tmp_path):
 ])
 def test_bad_hf_dir(tok, tmp_path, capsys, change, message):
   hf_dir = tmp_path / "hf"
-  save_hf(_gpt2(), tok, hf_dir)
+  save_hf(tiny_gpt2(), tok, hf_dir)
   change(hf_dir)
   assert message in convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir",
                                        tmp_path / "run")
@@ -232,7 +227,7 @@ def test_a_run_refuses_a_tokenizer_past_the_real_vocabulary(tok, tmp_path):
 
 def test_bad_pad_vocab_to_multiple(tok, tmp_path, capsys):
   assert "--pad_vocab_to_multiple 0: must be a positive integer" in convert_error_line(
-      capsys, "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"), "--workdir",
+      capsys, "from_hf", "--hf_dir", save_hf(tiny_gpt2(), tok, tmp_path / "hf"), "--workdir",
       tmp_path / "run", "--pad_vocab_to_multiple", "0")
   assert sorted(os.listdir(tmp_path)) == ["hf"]
 
@@ -262,7 +257,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   for i in range(9):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
 
-  run_command("convert.py", "from_hf", "--hf_dir", save_hf(_gpt2(), tok, tmp_path / "hf"),
+  run_command("convert.py", "from_hf", "--hf_dir", save_hf(tiny_gpt2(), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
       "--prompt", "def ", "--max_new_tokens", "4")

@@ -47,6 +47,11 @@ A `classify` run reports accuracy, macro-F1, per-class precision and
 recall and the confusion matrix (`confusion_matrix.png`) beside the
 majority-class baseline, and writes every prediction to `predictions.jsonl`
 (`training/classify_report.py`); `--data` then classifies the user's file.
+
+With `tasks` (eval.py --tasks) a decoder's report adds `downstream`: each
+lm-eval task's metrics with their stderr (`training/downstream.py`,
+docs/downstream.md), kept beside those of other tasks evaluated on the same
+step before, and `downstream.png`.
 """
 import json
 import math
@@ -61,13 +66,14 @@ from flax import nnx
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # pylint: disable=wrong-import-position
 
+from configs import validation  # pylint: disable=wrong-import-position
 from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import (classify, mixture, pipeline,  # pylint: disable=wrong-import-position
                   seq2seq, tasks)
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
-from training import (classify_report, compile_cache, expert_report,  # pylint: disable=wrong-import-position
-                      lengths)
+from training import (classify_report, compile_cache, downstream,  # pylint: disable=wrong-import-position
+                      expert_report, lengths)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import (evaluate, evaluate_mixture,  # pylint: disable=wrong-import-position
                               read_metrics)
@@ -324,7 +330,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              top_p: float = 1.0, beam_size: int = 4, alpha: float = 0.6,
              max_examples: int = 0, out: str | None = None, seq_len: int | None = None,
              rope_scaling: str | None = None, rope_scaling_factor: float | None = None,
-             position_buckets: int = 16) -> dict:
+             position_buckets: int = 16, tasks: str | None = None, task_dir: str = "",
+             task_limit: int = 0, task_batch_size: int = 32) -> dict:
   """Evaluates a checkpoint; writes the report and plots into `out` (default
   `<workdir>/eval/step_<N>/`), see the module docstring.
 
@@ -332,8 +339,14 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   seq2seq runs. `seq_len` evaluates on rows of that many tokens and reports
   the loss in `position_buckets` buckets of position; `rope_scaling` and
   `rope_scaling_factor` override the run's RoPE scaling for this evaluation.
+  `tasks` (comma-separated lm-eval task names, with the YAMLs of `task_dir`)
+  adds their metrics under `downstream` (`training/downstream.py`): the
+  first `task_limit` examples of each (0: all), `task_batch_size` rows per
+  forward pass.
   """
-  compile_cache.enable(workdir_lib.load_config(workdir).train.compilation_cache_dir)
+  saved = workdir_lib.load_config(workdir)
+  compile_cache.enable(saved.train.compilation_cache_dir)
+  task_set = _downstream_tasks(saved, tasks, task_dir, task_limit, task_batch_size)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
   if data:
     apply_data_flag(config, data)
@@ -410,7 +423,9 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     other = seq_len is not None and seq_len != train_len or rope_override
     out = _out_dir(workdir, step, data,
                    lengths.label(seq_len or train_len, rope_override) if other else None)
-  files = _write_report(report, workdir, out) + length_files
+  downstream_png = _add_downstream(report, model, config, tok, task_set, out, workdir,
+                                    limit=task_limit, batch_size=task_batch_size)
+  files = _write_report(report, workdir, out) + length_files + downstream_png
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)
@@ -426,6 +441,48 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     files.append(attn_png)
   report["files"] = files
   return report
+
+
+def _downstream_tasks(config, tasks: str | None, task_dir: str, limit: int,
+                      batch_size: int) -> downstream.Tasks | None:
+  """eval.py's lm-eval flags checked against the run's `config`: the tasks
+  to run (None without --tasks)."""
+  if not tasks:
+    if task_dir:
+      raise UserError(f"--task_dir {task_dir}: adds task YAMLs for --tasks, which is not "
+                      "given; name the tasks to run with --tasks")
+    return None
+  validation.check_downstream_model(config.model, "--tasks", tasks)
+  if limit < 0:
+    raise UserError(f"--task_limit {limit}: must be 0 (every example) or a positive integer")
+  if batch_size < 1:
+    raise UserError(f"--task_batch_size {batch_size}: must be a positive integer")
+  return downstream.load_tasks(tasks, task_dir, field="--tasks", dir_field="--task_dir")
+
+
+def _add_downstream(report: dict, model, config, tok, task_set, out: str, workdir: str, *,
+                    limit: int, batch_size: int) -> list[str]:
+  """Runs `task_set` (None: none) into `report["downstream"]`, beside the
+  results of other tasks already in `out`'s report of this step; plots them
+  in downstream.png. Returns the plot's path, if any."""
+  try:
+    with open(os.path.join(out, REPORT_FILE), encoding="utf-8") as f:
+      previous = json.load(f)
+  except (FileNotFoundError, json.JSONDecodeError):
+    previous = {}
+  results = previous.get("downstream", {}) if previous.get("step") == report["step"] else {}
+  if task_set is not None:
+    results.update(downstream.evaluate(model, config, tok, task_set, limit=limit,
+                                       batch_size=batch_size, where="--tasks"))
+  if not results:
+    return []
+  report["downstream"] = results
+  os.makedirs(out, exist_ok=True)
+  png = os.path.join(out, "downstream.png")
+  name = os.path.basename(os.path.abspath(workdir))
+  downstream.plot(png, f"{name} at step {report['step']}: lm-eval tasks", results,
+                  read_metrics(workdir))
+  return [png]
 
 
 def _classify_eval(workdir: str, config, tok, model, step: int, data: str | None,

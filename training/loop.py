@@ -35,7 +35,7 @@ from configs.validation import decay_start, eval_every as eval_every_of, validat
 from data import classify, mixture, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
-from training import compile_cache, hardware, startup
+from training import compile_cache, downstream, hardware, startup
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resolve_step
 from training.faults.lock import WorkdirLock
@@ -194,6 +194,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   config = workdir_lib.keep_layout(config, workdir)
   validate(config)
+  downstream_tasks = downstream.training_tasks(config)
   config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
@@ -219,7 +220,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   try:
     with stop:
       return _run(config, workdir, lock, mesh, rules, stop, memory, changes,
-                  resuming=latest is not None)
+                  resuming=latest is not None, downstream_tasks=downstream_tasks)
   except BaseException as e:
     if created and stop.starting:  # a start that failed leaves no workdir behind
       lock.release()
@@ -240,8 +241,10 @@ def _latest_step(workdir: str) -> int | None:
     checkpointer.close()
 
 
-def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming: bool) -> dict:
-  """The run after the checks of `_train`: sets up the workdir, restores, trains."""
+def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming: bool,
+         downstream_tasks: downstream.Tasks | None) -> dict:
+  """The run after the checks of `_train`: sets up the workdir, restores, trains;
+  `downstream_tasks` (train.downstream_tasks) are scored at every validation pass."""
   tc = config.train
 
   def make_model():
@@ -372,6 +375,14 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                  f"{tc.eval_steps} batches{' of each source' * bool(mix)}; eval.py scores the "
                  "whole split)")
           last.update({f"{val_name}_{k}": v for k, v in val.items()})
+          if downstream_tasks is not None:
+            results = downstream.evaluate(
+                nnx.merge(graphdef, state["params"]), config, tokenizer, downstream_tasks,
+                limit=tc.downstream_limit, batch_size=tc.downstream_batch_size,
+                where="train.downstream_tasks")
+            writer.write(step, "downstream", downstream.scalars(results))
+            _print(f"step {step}/{tc.num_steps}: {downstream.summary(results)}")
+            last.update(downstream.scalars(results))
         stopping = stop.should_stop(step)
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
           _check_finite(state)

@@ -43,6 +43,8 @@ RESUME_SAFE_FIELDS = (
     "data.tokenize_workers", "data.verify_cache", "train.compilation_cache_dir",
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
     "model.scan_unroll",  # how the scan runs, not what it computes
+    "train.downstream_tasks", "train.downstream_task_dir", "train.downstream_limit",
+    "train.downstream_batch_size",  # what is measured, not what is trained
 )
 
 
