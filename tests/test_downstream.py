@@ -6,11 +6,9 @@ convert.py, gives through our model the per-example log-likelihoods,
 greedy flags, rolling log-likelihoods and generations that lm-eval's own
 `hf` model gives through transformers (log-likelihoods within 1e-4).
 """
-import importlib.util
 import json
 import pathlib
 import sys
-import types
 
 import pytest
 
@@ -112,24 +110,8 @@ def gpt2_run(tok, tmp_path_factory):
 
 
 def _hf_lm_class():
-  """lm-eval's `hf` model class. Its module imports `accelerate`, which it uses
-  only to launch several processes, never for a model built beforehand as
-  here: where accelerate is not installed, a stand-in module that has the
-  names it imports takes its place."""
-  # transformers first: importing it looks up whether accelerate is installed.
-  import transformers  # pylint: disable=import-outside-toplevel,unused-import
-  with pytest.MonkeyPatch.context() as patch:  # only while lm-eval's module is imported
-    if importlib.util.find_spec("accelerate") is None:
-      stand_in = types.ModuleType("accelerate")
-      stand_in.utils = types.ModuleType("accelerate.utils")
-      for module, names in ((stand_in, ("Accelerator", "InitProcessGroupKwargs",
-                                        "find_executable_batch_size")),
-                            (stand_in.utils, ("get_max_memory",))):
-        for name in names:
-          setattr(module, name, None)
-      patch.setitem(sys.modules, "accelerate", stand_in)
-      patch.setitem(sys.modules, "accelerate.utils", stand_in.utils)
-    from lm_eval.models.huggingface import HFLM  # pylint: disable=import-outside-toplevel
+  """lm-eval's `hf` model class (its module needs transformers and accelerate)."""
+  from lm_eval.models.huggingface import HFLM  # pylint: disable=import-outside-toplevel
   return HFLM
 
 
