@@ -43,6 +43,7 @@ RESUME_SAFE_FIELDS = (
     "data.tokenize_workers", "data.verify_cache", "train.compilation_cache_dir",
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
     "model.scan_unroll",  # how the scan runs, not what it computes
+    "train.trackers", "train.profile_steps",  # where it is recorded, what is traced
 )
 
 
