@@ -13,6 +13,8 @@ a .tsv/.jsonl file); each beside its baseline. `--seq_len L`
 evaluates a next_token run on rows of L tokens and reports the loss by
 position (a table, loss_by_position_<L>.png); `--rope_scaling` stretches a
 RoPE run's context for this evaluation only. Both are in eval_report.json.
+A whole-split report also goes to the run's trackers (train.trackers,
+docs/tracking.md), into the tracker runs its training used.
 """
 import json
 import sys
@@ -66,6 +68,7 @@ def main(argv):
         alpha=_ALPHA.value, max_examples=_MAX_EXAMPLES.value, out=_OUT.value,
         seq_len=_SEQ_LEN.value, rope_scaling=_ROPE_SCALING.value,
         rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value)
+    evaluate.log_to_trackers(_WORKDIR.value, report)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

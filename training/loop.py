@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from configs.errors import UserError
 from configs.validation import decay_start, eval_every as eval_every_of, validate
+from configs.validation import trackers as tracker_names
 from data import classify, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
-from training import compile_cache, hardware, startup
+from training import compile_cache, hardware, startup, trackers
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resolve_step
 from training.faults.lock import WorkdirLock
@@ -194,6 +195,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   config = workdir_lib.keep_layout(config, workdir)
   validate(config)
+  trackers.check(tracker_names(config.train), workdir)
   config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
@@ -314,6 +316,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                            router_losses=router_losses(config))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
   writer = None  # opened after the first step: an interrupted start writes nothing
+  failed = False
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
@@ -331,7 +334,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
         if step == start + 1:
           stop.started()
           workdir_lib.record_config(config, workdir, start, changes)
-          writer = MetricsWriter(workdir)
+          writer = MetricsWriter(workdir, config)
         if watchdog:
           watchdog.progress(step)
         window_steps += 1
@@ -366,6 +369,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                  f"command: {resume_command(workdir)}")
           break
   except Exception as e:
+    failed = True
     if watchdog and not isinstance(e, UserError):
       watchdog.fail(e)  # exits when another process went away
     raise
@@ -375,7 +379,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
     checkpointer.wait()
     checkpointer.close()
     if writer:
-      writer.close()
+      writer.close(failed)
   return last
 
 
