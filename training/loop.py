@@ -43,6 +43,7 @@ from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, evaluate
 from training.optim import learning_rate_schedule, make_optimizer, mup_width
+from training.profiler import StepProfiler
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
 from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
@@ -316,6 +317,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                            router_losses=router_losses(config))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
   writer = None  # opened after the first step: an interrupted start writes nothing
+  profiler = StepProfiler(tc, workdir)
   failed = False
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
@@ -329,8 +331,10 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
               file=sys.stderr) as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
+        profiler.begin(step + 1, state)
         state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
+        profiler.end(step, (state, metrics))
         if step == start + 1:
           stop.started()
           workdir_lib.record_config(config, workdir, start, changes)
@@ -374,6 +378,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
       watchdog.fail(e)  # exits when another process went away
     raise
   finally:
+    profiler.close()
     if watchdog:
       watchdog.stop()
     checkpointer.wait()
