@@ -17,6 +17,8 @@ RoPE run's context for this evaluation only. Both are in eval_report.json.
 `--tasks` runs lm-evaluation-harness tasks (lm-eval's, or your YAMLs in
 --task_dir) on a decoder: their metrics go under `downstream` in
 eval_report.json and into downstream.png (docs/downstream.md).
+A whole-split report also goes to the run's trackers (train.trackers,
+docs/tracking.md), into the tracker runs its training used.
 """
 import json
 import sys
@@ -80,6 +82,7 @@ def main(argv):
         rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value,
         tasks=_TASKS.value, task_dir=_TASK_DIR.value, task_limit=_TASK_LIMIT.value,
         task_batch_size=_TASK_BATCH.value)
+    evaluate.log_to_trackers(_WORKDIR.value, report)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -208,6 +208,10 @@ def get_config() -> config_dict.ConfigDict:
   #   ~/.cache/transformer_lab/jax; "none": compile at every start
   tr.seed = 0  # parameter init; data order and MLM masking too while data.seed is None
   tr.log_every = 10  # steps between metric lines
+  tr.trackers = "tensorboard"  # where metric lines, the config and eval.py's reports also go,
+  #   comma-separated: tensorboard | wandb | mlflow ("": metrics.jsonl only; docs/tracking.md)
+  tr.profile_steps = ""  # "first,last": a jax.profiler trace of these steps (process 0) in
+  #   <workdir>/profile (docs/tracking.md); "": none
   tr.eval_every = config_dict.placeholder(int)  # steps between validation passes (of
   #   eval_steps batches, logged as val<eval_steps>_loss); None: num_steps // 10, so 10 points
   tr.eval_steps = 10  # validation batches per pass (eval.py scores the whole split)

@@ -67,6 +67,9 @@ TASKS = {
     "classify": ("stdlib_package", "labelled"),
 }
 
+# The trackers train.trackers may name (training/trackers.py implements each).
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
 # Which objectives each model family can train with.
 OBJECTIVES = {
     "decoder": ("next_token", "seq2seq", "classify"),
@@ -341,6 +344,20 @@ def decay_start(t) -> int:
   return t.num_steps - round(decay_fraction(t) * t.num_steps)
 
 
+def trackers(t) -> tuple[str, ...]:
+  """The tracker names of train.trackers, comma-separated ("" means none)."""
+  return tuple(name.strip() for name in t.trackers.split(",") if name.strip())
+
+
+def profile_steps(t) -> tuple[int, int] | None:
+  """(first, last) of train.profile_steps ("first,last"), None when "" (no trace);
+  `validate` has checked the form."""
+  if not t.profile_steps.strip():
+    return None
+  first, last = (int(part) for part in t.profile_steps.split(","))
+  return first, last
+
+
 def eval_points(t) -> int:
   """Validation passes of a run: every eval_every steps and at the last step."""
   return -(-t.num_steps // eval_every(t))
@@ -556,6 +573,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("train.grad_accum_steps", config.train.grad_accum_steps,
           f"must divide train.batch_size={config.train.batch_size}")
   _validate_optimizer(config.train)
+  _validate_tracking(config.train)
   if not config.tokenizer.path and config.tokenizer.vocab_size > real_vocab_size(config.model):
     field = token_rows_field(config.model)
     _fail("tokenizer.vocab_size", config.tokenizer.vocab_size,
@@ -619,6 +637,29 @@ def _validate_context(config) -> None:
   if t.seq_len % (2 * n):
     _fail("train.seq_len", t.seq_len, f"must be a multiple of 2 x mesh.context = {2 * n} "
           "(the zig-zag layout gives each device two chunks of every row)")
+
+
+def _validate_tracking(t: config_dict.ConfigDict) -> None:
+  """train.trackers: known names, each once. train.profile_steps: "" or
+  "first,last" with 1 <= first <= last <= num_steps (unchecked against a
+  budget's num_steps, not known yet: a trace past the run's end stops with it)."""
+  names = trackers(t)
+  for name in names:
+    if name not in TRACKERS:
+      _fail("train.trackers", t.trackers, f"{name!r} is not a tracker; name some of "
+            f"{', '.join(TRACKERS)}, comma-separated (\"\": none)")
+    if names.count(name) > 1:
+      _fail("train.trackers", t.trackers, f"names {name} twice; name each tracker once")
+  value = t.profile_steps
+  if not value.strip():
+    return
+  parts = value.split(",")
+  limit = t.num_steps if budget(t) is None else math.inf
+  if (len(parts) != 2 or not all(p.strip().isdigit() for p in parts)
+      or not 1 <= int(parts[0]) <= int(parts[1]) <= limit):
+    within = "" if budget(t) else f" <= train.num_steps={t.num_steps}"
+    _fail("train.profile_steps", value, f"must be \"first,last\", two step numbers with "
+          f"1 <= first <= last{within} (e.g. \"10,15\"; \"\": no trace)")
 
 
 def _validate_budget(t: config_dict.ConfigDict) -> None:

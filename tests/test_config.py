@@ -139,6 +139,14 @@ RUN_CASES = [
     ("train.restore_step", 400, "train.restore_step=400: needs train.restore_from (the run "
      "whose checkpoint it names); set it or unset this"),
     ("train.restore_step", 0, "train.restore_step=0: must be"),
+    ("train.trackers", "tensorboard,neptune", "train.trackers='tensorboard,neptune': 'neptune' "
+     "is not a tracker; name some of tensorboard, wandb, mlflow"),
+    ("train.trackers", "wandb,wandb", "train.trackers='wandb,wandb': names wandb twice"),
+    ("train.profile_steps", "10", "train.profile_steps='10': must be \"first,last\", two step "
+     "numbers with 1 <= first <= last <= train.num_steps=1000"),
+    ("train.profile_steps", "15,10", "train.profile_steps='15,10': must be \"first,last\""),
+    ("train.profile_steps", "990,1001", "train.profile_steps='990,1001': must be"),
+    ("train.profile_steps", "0,3", "train.profile_steps='0,3': must be"),
 ]
 
 

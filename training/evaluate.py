@@ -25,6 +25,9 @@ position bucket, `loss_by_position_<label>.png` and an entry in
 eval_lengths.json; `rope_scaling` sets RoPE scaling for this evaluation only
 (see `training/lengths.py`).
 
+A whole-split report goes to the run's trackers too (`log_to_trackers`,
+called by eval.py; training/trackers.py).
+
 Bits per byte = total loss in nats / (ln 2 x UTF-8 bytes of the split): it
 does not depend on the tokenizer, so runs with different vocabularies compare.
 
@@ -73,7 +76,7 @@ from data import (classify, mixture, pipeline,  # pylint: disable=wrong-import-p
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import (classify_report, compile_cache, downstream,  # pylint: disable=wrong-import-position
-                      expert_report, lengths)
+                      expert_report, lengths, trackers)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import (evaluate, evaluate_mixture,  # pylint: disable=wrong-import-position
                               read_metrics)
@@ -322,6 +325,32 @@ def _write_json(path: str, obj) -> None:
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=2)
   os.replace(path + ".tmp", path)
+
+
+NOT_METRICS = ("step", "seq_len", "train_seq_len")  # numbers of a report that describe it
+
+
+def log_to_trackers(workdir: str, report: dict) -> None:
+  """A whole-split report (`_whole_split`) to the run's trackers, continuing
+  their runs (training/trackers.py): its numbers as `eval/<name>` at its step,
+  each file it wrote as `eval/<file name>`. Other evaluations (data, length,
+  RoPE scaling) stay in the workdir."""
+  if not _whole_split(report):
+    return
+  numbers = {f"eval/{k}": float(v) for k, v in report.items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_METRICS}
+  files = {}
+  for path in report["files"]:  # the report's own folder first, then the workdir's copy
+    files.setdefault(os.path.basename(path), path)
+  opened = trackers.open_saved_run(workdir)
+  try:
+    for tracker in opened:
+      tracker.log_metrics(report["step"], numbers)
+      for name, path in files.items():
+        tracker.log_file(path, f"eval/{name}", report["step"])
+  finally:
+    for tracker in opened:
+      tracker.close()
 
 
 def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,

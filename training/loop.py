@@ -32,16 +32,18 @@ from tqdm import tqdm
 
 from configs.errors import UserError
 from configs.validation import decay_start, eval_every as eval_every_of, validate
+from configs.validation import trackers as tracker_names
 from data import classify, mixture, pipeline
 from model import accounting, build_model
 import tokenizer as tokenizer_lib
-from training import compile_cache, downstream, hardware, startup
+from training import compile_cache, downstream, hardware, startup, trackers
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer, DamagedCheckpoint, all_true, resolve_step
 from training.faults.lock import WorkdirLock
 from training.faults.peers import PeerWatchdog
 from training.metrics import MetricsWriter, by_name, evaluate, evaluate_mixture
 from training.optim import learning_rate_schedule, model_optimizer, mup_depth, mup_width
+from training.profiler import StepProfiler
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
 from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
@@ -195,6 +197,7 @@ def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   config = workdir_lib.keep_layout(config, workdir)
   validate(config)
   downstream_tasks = downstream.training_tasks(config)
+  trackers.check(tracker_names(config.train), workdir)
   config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
@@ -322,6 +325,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                            router_losses=router_losses(config))
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
   writer = None  # opened after the first step: an interrupted start writes nothing
+  profiler = StepProfiler(tc, workdir)
+  failed = False
   flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
   peak = peak_flops(config)
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
@@ -335,12 +340,14 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
               file=sys.stderr) as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
+        profiler.begin(step + 1, state)
         state, metrics = step_fn(state, shard_batch(next(data_iter), mesh))
         step += 1
+        profiler.end(step, (state, metrics))
         if step == start + 1:
           stop.started()
           workdir_lib.record_config(config, workdir, start, changes)
-          writer = MetricsWriter(workdir)
+          writer = MetricsWriter(workdir, config)
         if watchdog:
           watchdog.progress(step)
         window_steps += 1
@@ -393,16 +400,18 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                  f"command: {resume_command(workdir)}")
           break
   except Exception as e:
+    failed = True
     if watchdog and not isinstance(e, UserError):
       watchdog.fail(e)  # exits when another process went away
     raise
   finally:
+    profiler.close()
     if watchdog:
       watchdog.stop()
     checkpointer.wait()
     checkpointer.close()
     if writer:
-      writer.close()
+      writer.close(failed)
   return last
 
 

@@ -1,11 +1,13 @@
 """Metrics: the loss, perplexity and accuracy of an evaluation (of each source
-of a data.mixture too), and their record in `metrics.jsonl` and TensorBoard
-(tensorboardX; process 0 only)."""
+of a data.mixture too), and their record in `metrics.jsonl` and the run's
+trackers (training/trackers.py; process 0 only)."""
 import json
 import math
 import os
 
 import jax
+
+from training import trackers
 
 
 def evaluate(eval_fn, params, batches) -> dict:
@@ -43,30 +45,30 @@ def by_name(by_source: dict[str, dict]) -> dict:
 
 
 class MetricsWriter:
-  """One JSON line per (step, split) and the same scalars in TensorBoard."""
+  """One JSON line per (step, split) in metrics.jsonl, and the same scalars as
+  `<split>/<name>` to each tracker of train.trackers (opened with the config)."""
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, config):
     self.enabled = jax.process_index() == 0
     if self.enabled:
-      # Imported here: tensorboardX imports torch where it is installed (over a
-      # second), which eval.py and a refused start need not pay.
-      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", encoding="utf-8")
-      self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      self._trackers = trackers.open_run(config, workdir)
 
   def write(self, step: int, split: str, scalars: dict) -> None:
     if not self.enabled:
       return
-    record = {"step": step, "split": split, **{k: float(v) for k, v in scalars.items()}}
-    self._jsonl.write(json.dumps(record) + "\n")
+    scalars = {k: float(v) for k, v in scalars.items()}
+    self._jsonl.write(json.dumps({"step": step, "split": split, **scalars}) + "\n")
     self._jsonl.flush()
-    for name, value in scalars.items():
-      self._tb.add_scalar(f"{split}/{name}", float(value), step)
+    for tracker in self._trackers:
+      tracker.log_metrics(step, {f"{split}/{k}": v for k, v in scalars.items()})
 
-  def close(self) -> None:
+  def close(self, failed: bool = False) -> None:
+    """Closes the file and the trackers; `failed`: the run ends in an error."""
     if self.enabled:
       self._jsonl.close()
-      self._tb.close()
+      for tracker in self._trackers:
+        tracker.close(failed)
 
 
 def read_metrics(workdir: str) -> list[dict]:

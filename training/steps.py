@@ -190,6 +190,8 @@ def traced_on(mesh, fn, context_strategy: str = "auto"):
         context_parallel.use_strategy(context_strategy):
       return fn(*args)
 
+  # The jitted program's name in a profile and its HLO module (jit_train_step).
+  run.__name__ = getattr(fn, "func", fn).__name__
   return run
 
 

@@ -45,6 +45,7 @@ RESUME_SAFE_FIELDS = (
     "model.scan_unroll",  # how the scan runs, not what it computes
     "train.downstream_tasks", "train.downstream_task_dir", "train.downstream_limit",
     "train.downstream_batch_size",  # what is measured, not what is trained
+    "train.trackers", "train.profile_steps",  # where it is recorded, what is traced
 )
 
 
@@ -116,12 +117,12 @@ def keep_layout(config: config_dict.ConfigDict, workdir: str) -> config_dict.Con
   return config
 
 
-def _flatten(tree: dict, prefix: str = "") -> dict:
+def flatten(tree: dict, prefix: str = "") -> dict:
   """{"train.num_steps": 600, ...}: every leaf of a config dict, dotted."""
   out = {}
   for key, value in tree.items():
     if isinstance(value, dict):
-      out.update(_flatten(value, f"{prefix}{key}."))
+      out.update(flatten(value, f"{prefix}{key}."))
     else:
       out[prefix + key] = value
   return out
@@ -138,7 +139,7 @@ def config_changes(saved: dict, config: dict) -> list[tuple[str, object, object]
   Tuples and lists compare as equal sequences (JSON has only lists); a field
   of `UNSET_MEANS` compares by the value it stands for.
   """
-  before, after = _flatten(saved), _flatten(config)
+  before, after = flatten(saved), flatten(config)
   out = []
   for field in sorted(set(before) | set(after)):
     old, new = before.get(field), after.get(field)
@@ -178,7 +179,8 @@ def history_lines(history: list[dict]) -> list[str]:
           + (" (allow_config_changes)" if h["forced"] else "") for h in history]
 
 
-def _write_json_atomic(path: str, obj) -> None:
+def write_json_atomic(path: str, obj) -> None:
+  """Writes `obj` as JSON to `path` through a temporary file: never half written."""
   tmp = path + ".tmp"
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump(obj, f, indent=2, sort_keys=True)
@@ -230,7 +232,7 @@ def prepare(config: config_dict.ConfigDict, workdir: str, resuming: bool) -> Non
   os.makedirs(workdir, exist_ok=True)
   _barrier("prepare_workdir")
   if jax.process_index() == 0 and not resuming:
-    _write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
+    write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
 
 
 def record_config(config: config_dict.ConfigDict, workdir: str, step: int,
@@ -243,7 +245,7 @@ def record_config(config: config_dict.ConfigDict, workdir: str, step: int,
            "forced": bool(unsafe_changes(changes))}
   with open(os.path.join(workdir, HISTORY_FILE), "a", encoding="utf-8") as f:
     f.write(json.dumps(entry) + "\n")
-  _write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
+  write_json_atomic(os.path.join(workdir, CONFIG_FILE), config_to_dict(config))
 
 
 def _barrier(name: str) -> None:
