@@ -5,7 +5,8 @@ curve's optimum lies.
 
 `loss_vs_learning_rate.png`: each variant's mean whole-split validation
 loss over its seeds (the band: its 95% interval, with several seeds) against the learning rate on a
-log axis, one line per curve, its best point circled. The report's section
+log axis, one line per curve, its best point circled; with two or more other
+swept fields, one panel per value of the first (the parametrization). The report's section
 gives each curve's best learning rate and its place on the grid, and, for
 each value of the first other swept field (the parametrization in the μP
 sweep), how many grid steps the optimum moves across that value's curves: 0
@@ -47,7 +48,8 @@ def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[s
     return "", []
   best = {key: min(curve, key=lambda lr: curve[lr][0]) for key, curve in curves.items()}
   path = os.path.join(root, "loss_vs_learning_rate.png")
-  _plot(path, curves, best)
+  others = [f for f in fields if f != LR]
+  _plot(path, curves, best, *(others[:2] if len(others) > 1 else (None, None)))
   lines = ["", "## Loss against learning rate", "",
            f"Each curve's mean validation loss over its seeds at each `{LR}` of the grid "
            f"({', '.join(f'{lr:g}' for lr in grid)}), and its best learning rate "
@@ -56,7 +58,6 @@ def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[s
   for key, lr in best.items():
     lines.append(f"| {_label(key)} | {lr:g} | {curves[key][lr][0]:.4f} | "
                  f"{grid.index(lr) + 1} of {len(grid)} |")
-  others = [f for f in fields if f != LR]
   if len(others) > 1:
     lines += ["", f"How far the optimum moves across the curves of each `{others[0]}`, in grid "
               "steps (a factor between neighbouring learning rates):", ""]
@@ -67,22 +68,37 @@ def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[s
   return "\n".join(lines) + "\n", [path]
 
 
-def _plot(path: str, curves: dict, best: dict) -> None:
-  fig = Figure(figsize=(8, 4.5))
-  ax = fig.subplots()
-  for key, curve in curves.items():
-    lrs = sorted(curve)
-    line, = ax.plot(lrs, [curve[lr][0] for lr in lrs], marker=".", label=_label(key))
-    if all(curve[lr][1] is not None for lr in lrs):
-      ax.fill_between(lrs, [curve[lr][1] for lr in lrs], [curve[lr][2] for lr in lrs],
-                      color=line.get_color(), alpha=0.15)
-    ax.plot([best[key]], [curve[best[key]][0]], "o", markersize=10, fillstyle="none",
-            color=line.get_color())
-  ax.set_xscale("log", base=2)
-  ax.set_xlabel("learning rate")
-  ax.set_ylabel("validation loss, whole split (mean over seeds)")
-  ax.set_title("loss against learning rate (circle: each curve's best)")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
+def _plot(path: str, curves: dict, best: dict, panel_field: str | None,
+          colour_field: str | None) -> None:
+  """One panel per value of `panel_field` (the parametrization in the μP
+  sweep; None: one panel), one line per curve in it, each curve's best point
+  circled; a value of `colour_field` (the width) has one colour in every panel."""
+  panels = list(dict.fromkeys(dict(key).get(panel_field) for key in curves))
+  fig = Figure(figsize=(4.5 * len(panels) + 1.5, 4.5))
+  axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
+  colours: dict = {}
+  for ax, value in zip(axes, panels):
+    for key, curve in curves.items():
+      if dict(key).get(panel_field) != value:
+        continue
+      rest = tuple((f, v) for f, v in key if f != panel_field)
+      lrs = sorted(curve)
+      colour = dict(key).get(colour_field) if colour_field else rest
+      line, = ax.plot(lrs, [curve[lr][0] for lr in lrs], marker=".", label=_label(rest),
+                      color=colours.get(colour))
+      colours[colour] = line.get_color()
+      if all(curve[lr][1] is not None for lr in lrs):
+        ax.fill_between(lrs, [curve[lr][1] for lr in lrs], [curve[lr][2] for lr in lrs],
+                        color=line.get_color(), alpha=0.15)
+      ax.plot([best[key]], [curve[best[key]][0]], "o", markersize=10, fillstyle="none",
+              color=line.get_color())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("learning rate")
+    ax.set_title(f"{panel_field.split('.')[-1]}={value}" if panel_field else
+                 "loss against learning rate", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[0].set_ylabel("validation loss, whole split (mean over seeds)")
+  fig.suptitle("loss against learning rate (circle: each curve's best)", fontsize=11)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
