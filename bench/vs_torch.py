@@ -97,6 +97,9 @@ TORCH_READS = ("vocab_size", "d_model", "num_layers", "num_heads", "d_ff", "max_
                "rope_theta", "norm_eps", "init_std")
 # Fields that change how ours runs but not the function it computes.
 NOT_FORWARD = ("attention_impl", "pallas_lowering", "scan_layers", "scan_unroll")
+# The training the torch loop implements (lr_factor: warm-up then cosine).
+TORCH_TRAIN = {"objective": "next_token", "optimizer": "adamw", "schedule": "cosine",
+               "z_loss": 0.0}
 
 
 def _define_flags() -> None:
@@ -131,12 +134,16 @@ def model_config(config, name: str):
                    d_ff=4 * c.model.d_model, use_bias=False, tie_embeddings=True)
     c.data.packing = "concat"
   validate(c)
-  check_torch_support(c.model, name)
+  check_torch_support(c.model, c.train, name)
   return c
 
 
-def check_torch_support(model_section, name: str) -> None:
-  """UserError naming the first model field TorchDecoder does not implement."""
+def check_torch_support(model_section, train_section, name: str) -> None:
+  """UserError naming the first model or train field the torch side does not implement."""
+  for field, value in TORCH_TRAIN.items():
+    if train_section[field] != value:
+      raise UserError(f"{name}: train.{field}={train_section[field]!r}: the torch loop "
+                      f"implements only {value!r}")
   defaults = base.get_config().model
   for field, value in model_section.items():
     if field in TORCH_CHOICES:
@@ -307,13 +314,14 @@ class Side:
   """One side of the comparison: `step(batch) -> loss` runs one training
   step to completion; `times` and `losses` collect them."""
 
-  def __init__(self, name: str):
-    self.name = name
+  def __init__(self):
     self.times: list[float] = []
     self.losses: list[float] = []
     self.build_s = self.first_step_s = None
 
   def timed(self, batch) -> None:
+    """One step on `batch`, its loss kept; its time is the start-up's first
+    step the first time, else one of `times`."""
     start = time.perf_counter()
     loss = self.step(batch)
     seconds = time.perf_counter() - start
@@ -331,7 +339,7 @@ class OursTrainer(Side):
   """train.py's step: `jit_train_step` over `init_state`, donated."""
 
   def __init__(self, config):
-    super().__init__("ours")
+    super().__init__()
     start = time.perf_counter()
     tc = config.train
     model = build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
@@ -354,7 +362,7 @@ class TorchTrainer(Side):
   parameters `params`."""
 
   def __init__(self, config, params, compile_model: bool):
-    super().__init__("torch")
+    super().__init__()
     tc, cfg = config.train, ModelConfig.resolve(config.model)
     torch.manual_seed(tc.seed)
     start = time.perf_counter()
@@ -410,14 +418,12 @@ def take_batches(config, tokenizer, steps: int) -> list[dict]:
   return [{k: np.asarray(v) for k, v in next(data).items()} for _ in range(steps)]
 
 
-def percentile(times: list[float], q: float) -> float:
-  return float(np.percentile(times, q))
-
-
 def side_report(side: Side, tokens_per_step: int) -> dict:
+  """A side's step-time percentiles, tokens/s, losses and start-up."""
   median = statistics.median(side.times)
-  return {"ms_median": 1e3 * median, "ms_p10": 1e3 * percentile(side.times, 10),
-          "ms_p90": 1e3 * percentile(side.times, 90), "tokens_per_s": tokens_per_step / median,
+  p10, p90 = np.percentile(side.times, [10, 90])
+  return {"ms_median": 1e3 * median, "ms_p10": 1e3 * float(p10), "ms_p90": 1e3 * float(p90),
+          "tokens_per_s": tokens_per_step / median,
           "first_step_loss": side.losses[0], "final_loss": side.losses[-1],
           "build_s": side.build_s, "first_step_s": side.first_step_s,
           "startup_s": side.build_s + side.first_step_s,

@@ -73,6 +73,10 @@ def test_torch_reference_refuses_what_it_does_not_implement():
   c.model.num_kv_heads = 2
   with pytest.raises(UserError, match="model.num_kv_heads=2"):
     vs_torch.model_config(c, "tiny")
+  c = tiny.get_config()
+  c.train.optimizer = "lion"
+  with pytest.raises(UserError, match="train.optimizer='lion'"):
+    vs_torch.model_config(c, "gpt2_style")
 
 
 def test_bad_flag_is_one_line():
