@@ -275,13 +275,17 @@ def copy_into_torch(torch_model: TorchDecoder, params, cfg) -> None:
   used = set()
 
   def take(name, layer=None):
-    if layer is not None and f"decoder/layers/{layer}/{name}" in ours:
-      name = f"decoder/layers/{layer}/{name}"
+    """Our parameter `name`; with `layer`, block `layer`'s, from a loop of
+    blocks (decoder/layers/<i>/...) or a scanned stack (slice i)."""
+    if layer is None:
       used.add(name)
       return ours[name]
-    full = name if layer is None else f"decoder/layers/{name}"
-    used.add(full)
-    return ours[full] if layer is None else ours[full][layer]
+    looped, stacked = f"decoder/layers/{layer}/{name}", f"decoder/layers/{name}"
+    if looped in ours:
+      used.add(looped)
+      return ours[looped]
+    used.add(stacked)
+    return ours[stacked][layer]
 
   def norm(module, name, layer=None):
     pairs = [(module.weight, take(f"{name}/scale", layer))]
@@ -552,6 +556,16 @@ def decode_table(report: dict) -> str:
   return "\n".join(lines)
 
 
+def cpu_model() -> str | None:
+  """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                  None)
+  except OSError:
+    return None
+
+
 def check_flags() -> tuple[int, list[int]]:
   """(steps, decode batch sizes) from the flags; UserError for a bad one."""
   for flag, allowed in (("models", MODELS), ("parts", ("train", "decode"))):
@@ -594,7 +608,8 @@ def main(argv):
   meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
           "command": command_line(), "commit": git_commit(),
           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
-          "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+          "cpu_model": cpu_model(), "cpus": os.cpu_count(),
+          "torch_threads": torch.get_num_threads(),
           "jax": jax.__version__, "torch": torch.__version__,
           "transformers": transformers.__version__, "torch_compile": FLAGS.torch_compile,
           "batch_size": config.train.batch_size, "seq_len": config.train.seq_len,
@@ -603,8 +618,8 @@ def main(argv):
                        "warmup_steps": config.train.warmup_steps,
                        "num_steps": config.train.num_steps, "schedule": config.train.schedule,
                        "min_lr_ratio": config.train.min_lr_ratio}}
-  print(f"# ours vs torch on {meta['device']} ({meta['cpus']} CPUs, torch threads "
-        f"{meta['torch_threads']}), jax {meta['jax']}, torch {meta['torch']}, commit "
+  print(f"# ours vs torch on {meta['device']}, {meta['cpu_model']} ({meta['cpus']} CPUs, "
+        f"torch threads {meta['torch_threads']}), jax {meta['jax']}, torch {meta['torch']}, commit "
         f"{meta['commit']}, {meta['date']}", flush=True)
   result = {**meta, "train": [], "decode": None}
   if "train" in FLAGS.parts:

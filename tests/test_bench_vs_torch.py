@@ -24,9 +24,11 @@ vs_torch = pytest.importorskip("bench.vs_torch")
 
 
 def _small(name: str):
-  """configs/tiny.py at test sizes, as the bench's model `name`."""
+  """configs/tiny.py at test sizes, as the bench's model `name`; gpt2_style
+  with a Python loop of blocks, tiny scanned (both layouts are copied)."""
   c = tiny.get_config()
-  c.model.update(vocab_size=64, d_model=32, num_heads=2, d_ff=48, max_len=32)
+  c.model.update(vocab_size=64, d_model=32, num_heads=2, d_ff=48, max_len=32,
+                 scan_layers=name == "tiny")
   c.tokenizer.vocab_size = 64
   c.train.update(batch_size=2, seq_len=16, warmup_steps=2, num_steps=6)
   return vs_torch.model_config(c, name)
