@@ -5,9 +5,12 @@ the standard parametrization and under μP with base width 128
 learning rate, one curve per width and parametrization, and says how many
 grid steps each parametrization's optimum moves from width 128 to 512.
 
-  python sweep.py run --sweep configs/sweeps/mup_transfer.py --seeds 2 --parallel 2 \
-      --config.tokenizer.path=runs/tiny/tokenizer --config.train.num_steps=300
+  python sweep.py run --sweep configs/sweeps/mup_transfer.py --seeds 1 --parallel 2 \
+      --config.tokenizer.path=runs/tiny/tokenizer --config.train.num_steps=200 \
+      --config.train.batch_size=8 --config.train.eval_every=200
   python sweep.py report --root runs/sweeps/mup_transfer
+
+(Its result and cost: docs/sweeps.md.)
 """
 NAME = "mup_transfer"
 CONFIG = "configs/tiny.py"
