@@ -30,6 +30,7 @@ from configs import validation
 from configs.errors import UserError
 from model import build_model
 from model.positions import POSITIONS
+from training import workdir as workdir_lib
 from training.objectives import next_token_logits, token_losses
 
 LENGTHS_FILE = "eval_lengths.json"
@@ -142,8 +143,4 @@ def record(workdir: str, name: str, entry: dict) -> str:
 
 def read_lengths(workdir: str) -> dict:
   """The run's eval_lengths.json ({} when no other length was evaluated)."""
-  path = os.path.join(workdir, LENGTHS_FILE)
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return workdir_lib.read_json(os.path.join(workdir, LENGTHS_FILE))

@@ -11,7 +11,6 @@ MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME). Their runs are recorded in
 one. Only process 0 tracks.
 """
 import importlib.util
-import json
 import os
 import shutil
 import time
@@ -226,11 +225,7 @@ TRACKERS = {"tensorboard": TensorBoard, "wandb": WandB, "mlflow": MLflow}
 
 def recorded(workdir: str) -> dict:
   """{tracker name: what continues its run} of `<workdir>/trackers.json` ({} without)."""
-  path = os.path.join(workdir, IDS_FILE)
-  if not os.path.exists(path):
-    return {}
-  with open(path, encoding="utf-8") as f:
-    return json.load(f)
+  return workdir_lib.read_json(os.path.join(workdir, IDS_FILE))
 
 
 def check(names: tuple[str, ...], workdir: str) -> None:

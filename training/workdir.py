@@ -179,6 +179,14 @@ def history_lines(history: list[dict]) -> list[str]:
           + (" (allow_config_changes)" if h["forced"] else "") for h in history]
 
 
+def read_json(path: str) -> dict:
+  """The JSON object in `path`, as `write_json_atomic` wrote it ({} when there is no file)."""
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
 def write_json_atomic(path: str, obj) -> None:
   """Writes `obj` as JSON to `path` through a temporary file: never half written."""
   tmp = path + ".tmp"
