@@ -141,11 +141,13 @@ def window_mask(T: int, S: int, window: int):
 
 
 def combined_mask(T: int, S: int, *, causal=False, mask=None, segment_ids=None, window=None):
-  """The boolean [B or 1, T, S] mask that all the masks add up to, or None."""
+  """The boolean [B or 1, T, S] mask that all the masks add up to, or None.
+  The causal part is an iota comparison (query i sees key j <= i), which XLA
+  folds into the ops that read it."""
   q_seg, kv_seg = _split_segment_ids(segment_ids)
   out = None
   if causal:
-    out = jnp.tril(jnp.ones((T, S), bool))[None]
+    out = (jnp.arange(T)[:, None] >= jnp.arange(S)[None, :])[None]
   if window is not None:
     out = window_mask(T, S, window) if out is None else out & window_mask(T, S, window)
   if q_seg is not None:
@@ -167,6 +169,34 @@ def _options(options, fields) -> AttentionOptions:
   return dataclasses.replace(options, **fields) if fields else options
 
 
+def _grouped_scores(q_BTHD, k_BSKD, o: AttentionOptions):
+  """The float32 scores softcap(Q K^T * scale) + bias as [B, K, T*G, S] (H =
+  K * G heads; row t*G + g is query t of head k*G + g), and the boolean mask
+  broadcastable to them (None: every key visible).
+
+  One 4-D batched product per KV head group: XLA's CPU backend runs the 5-D
+  [B, K, G, T, S] form with a transpose of the scores on either side, and
+  this form without (about 1.5x faster fwd+bwd on the CPU at T = 128;
+  `python -m bench.vs_torch --parts profile`). Same products and sums."""
+  B, T, H, D = q_BTHD.shape
+  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  G = H // K
+  scale = D ** -0.5 if o.scale is None else o.scale
+  q_BKXD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
+  scores = jnp.einsum("bkxd,bskd->bkxs", q_BKXD, k_BSKD,
+                      preferred_element_type=jnp.float32) * scale
+  scores = soft_cap(scores, o.softcap)
+  if o.bias is not None:
+    bias = o.bias.astype(jnp.float32).reshape(o.bias.shape[0], K, G, T, S)
+    scores = scores + bias.transpose(0, 1, 3, 2, 4).reshape(-1, K, T * G, S)
+  valid = combined_mask(T, S, causal=o.causal, mask=o.mask, segment_ids=o.segment_ids,
+                        window=o.window)
+  if valid is not None:
+    valid = jnp.broadcast_to(valid[:, None, :, None, :], (valid.shape[0], 1, T, G, S))
+    valid = valid.reshape(-1, 1, T * G, S)
+  return scores, valid
+
+
 def attention_weights(q_BTHD, k_BSKD, options: AttentionOptions | None = None, **fields):
   """score(softcap(Q K^T * scale) + bias, M) in float32, [B, K, G, T, S]
   (H = K * G heads), with the score function of `options.score` (softmax by
@@ -175,28 +205,35 @@ def attention_weights(q_BTHD, k_BSKD, options: AttentionOptions | None = None, *
   Fully masked rows are all zeros.
   """
   o = _options(options, fields)
-  B, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
-  scale = D ** -0.5 if o.scale is None else o.scale
-  q_BTKGD = q_BTHD.reshape(B, T, K, H // K, D)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD,
-                      preferred_element_type=jnp.float32) * scale
-  scores = soft_cap(scores, o.softcap)
-  if o.bias is not None:
-    scores = scores + o.bias.astype(jnp.float32).reshape(o.bias.shape[0], K, H // K, T, S)
-  valid = combined_mask(T, S, causal=o.causal, mask=o.mask, segment_ids=o.segment_ids,
-                        window=o.window)
-  return SCORES[o.score].weights(scores, None if valid is None else valid[:, None, None])
+  B, T, H, _ = q_BTHD.shape
+  K = k_BSKD.shape[2]
+  scores, valid = _grouped_scores(q_BTHD, k_BSKD, o)
+  weights = SCORES[o.score].weights(scores, valid)
+  return weights.reshape(B, K, T, H // K, -1).transpose(0, 1, 3, 2, 4)
 
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None,
                         **fields):
-  """The lesson's math: weights from `attention_weights`, times V."""
+  """The lesson's math: the weights of `attention_weights`, times V.
+
+  Under softmax a fully masked query row is set to zero in the output
+  [B, T, H, D] rather than in the weights [.., T, S]: the same result (its
+  weights are zeros either way) with one pass fewer over the weights."""
+  o = _options(options, fields)
   B, T, H, D = q_BTHD.shape
-  weights = attention_weights(q_BTHD, k_BSKD, _options(options, fields))
-  out = jnp.einsum("bkgts,bskd->btkgd", weights.astype(v_BSKD.dtype), v_BSKD,
+  K = k_BSKD.shape[2]
+  scores, valid = _grouped_scores(q_BTHD, k_BSKD, o)
+  if o.score == "softmax" and valid is not None:
+    weights = jax.nn.softmax(jnp.where(valid, scores, jnp.finfo(jnp.float32).min), axis=-1)
+  else:
+    weights = SCORES[o.score].weights(scores, valid)
+  out = jnp.einsum("bkxs,bskd->bkxd", weights.astype(v_BSKD.dtype), v_BSKD,
                    preferred_element_type=jnp.float32)
-  return out.reshape(B, T, H, D).astype(q_BTHD.dtype)
+  out = out.reshape(B, K, T, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
+  if o.score == "softmax" and valid is not None:
+    row_valid_BT = valid[:, 0, ::H // K].any(-1)  # rows t*G: query t
+    out = jnp.where(row_valid_BT[:, :, None, None], out, 0)
+  return out.astype(q_BTHD.dtype)
 
 
 def _jax_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: str):
@@ -455,7 +492,10 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
   and not with XLA (108 GiB; docs/compiling.md). Its speed against XLA and
   JAX's splash attention is untimed until `bench/attention.py` runs on a TPU.
 
-  On a CPU: `xla`. Where `xla` does not take a feature either, `reference`.
+  On a CPU: `reference`, whose 4-D einsums XLA's CPU backend runs faster
+  than `xla`'s (jax.nn.dot_product_attention) in every case of the table
+  in docs/benchmarks.md ("Attention alone on the CPU";
+  `python -m bench.vs_torch --parts attention`).
   """
   fused = {"window", score_feature("softmax")}
   if (backend == "gpu" and set(features) <= fused
@@ -464,6 +504,8 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
     return "cudnn"
   if backend == "tpu" and IMPLEMENTATIONS["pallas"].refusal(features) is None:
     return "pallas"
+  if backend == "cpu":
+    return "reference"
   return "xla" if IMPLEMENTATIONS["xla"].refusal(features) is None else "reference"
 
 
@@ -552,7 +594,8 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
   if IMPLEMENTATIONS[implementation].run is None:
     implementation = choose_implementation(q_BTHD, o.features())
   check_options(implementation, o)
-  return IMPLEMENTATIONS[implementation].run(q_BTHD, k_BSKD, v_BSKD, o, pallas_lowering)
+  with jax.named_scope("attention"):
+    return IMPLEMENTATIONS[implementation].run(q_BTHD, k_BSKD, v_BSKD, o, pallas_lowering)
 
 
 class Attention(nnx.Module):
@@ -650,10 +693,11 @@ class Attention(nnx.Module):
     slots 0..positions_BT[b, t] (the last `window` of them with a sliding
     window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
-    alone. The slot mask is dense, so every implementation but `reference`
-    runs this step with `xla` (which takes every option `reference` does); a
-    single decoding query is memory-bound and gains nothing from a fused
-    kernel. The layer's options (scale, soft-cap, score) are the training
+    alone. The slot mask is dense, so `reference` and `auto` (which picks
+    `reference` on a CPU, `xla` elsewhere for a dense mask) run this step as
+    they are and the others with `xla` (which takes every option `reference`
+    does); a single decoding query is memory-bound and gains nothing from a
+    fused kernel. The layer's options (scale, soft-cap, score) are the training
     call's: the one `AttentionOptions` value serves both.
     `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).
@@ -667,7 +711,7 @@ class Attention(nnx.Module):
     mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
     if self.window is not None:
       mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - self.window)
-    impl = "reference" if self.implementation == "reference" else "xla"
+    impl = self.implementation if self.implementation in ("reference", "auto") else "xla"
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
     out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
                          cache["v"].astype(q_BTHD.dtype), options, implementation=impl)

@@ -231,7 +231,14 @@ def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
   assert auto_implementation(**tpu, features=("mask",) + plain) == "xla"
   assert auto_implementation(**tpu, features=("bias",) + plain) == "xla"
   assert auto_implementation(**tpu, features=("window",) + plain) == "pallas"
-  assert auto_implementation(**dict(tpu, backend="cpu"), features=plain) == "xla"
+
+
+def test_auto_picks_our_einsums_on_a_cpu():
+  """On a CPU `reference` runs faster than `xla` (docs/benchmarks.md), with
+  every feature; the KV-cache step's dense mask included."""
+  cpu = dict(backend="cpu", dtype=jnp.float32, head_dim=32)
+  for features in (("score:softmax",), ("mask", "score:softmax"), ("softcap", "score:sigmoid")):
+    assert auto_implementation(**cpu, features=features) == "reference"
 
 
 @pytest.mark.parametrize("field,value,message", [
