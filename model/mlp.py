@@ -71,7 +71,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTM):
     if self.gate is not None:
-      h_BTF = self.activation(self.gate(x_BTM)) * self.up(x_BTM)
+      gate_BTF, up_BTF = self.gate(x_BTM), self.up(x_BTM)
+      with jax.named_scope("activation"):
+        h_BTF = self.activation(gate_BTF) * up_BTF
     else:
-      h_BTF = self.activation(self.up(x_BTM))
+      up_BTF = self.up(x_BTM)
+      with jax.named_scope("activation"):
+        h_BTF = self.activation(up_BTF)
     return self.down(h_BTF)

@@ -27,6 +27,7 @@ class LayerNorm(nnx.Module):
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), pdt)
     self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), pdt)
 
+  @jax.named_scope("norm")
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     mean = x32.mean(-1, keepdims=True)
@@ -43,6 +44,7 @@ class RMSNorm(nnx.Module):
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",),
                        cfg.param_dtype)
 
+  @jax.named_scope("norm")
   def __call__(self, x):
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
@@ -60,6 +62,7 @@ class DyT(nnx.Module):
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",), pdt)
     self.bias = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), pdt)
 
+  @jax.named_scope("norm")
   def __call__(self, x):
     y = jnp.tanh(self.alpha[...].astype(jnp.float32) * x.astype(jnp.float32))
     y = y * self.scale[...].astype(jnp.float32) + self.bias[...].astype(jnp.float32)

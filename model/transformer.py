@@ -329,6 +329,7 @@ class _WithHead(nnx.Module):
     return self.classifier(self.padded_hidden(tokens_BT, padding_mask_BT, token_type_ids_BT),
                            padding_mask_BT)
 
+  @jax.named_scope("logits")
   def logits(self, stack: _Stack, x_BTM):
     """Float32 logits [B, T, V] of the final hidden states."""
     if self.classifier is not None:

@@ -39,6 +39,11 @@ def loss_sums(logits_BTV, targets_BT, weights_BT):
   the max of the logsumexp instead of a separate argmax pass over the
   vocabulary.
   """
+  with jax.named_scope("loss"):
+    return _loss_sums(logits_BTV, targets_BT, weights_BT)
+
+
+def _loss_sums(logits_BTV, targets_BT, weights_BT):
   logits_BTV = logits_BTV.astype(jnp.float32)
   max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
   lse_BT = max_BT + jnp.log(jnp.exp(logits_BTV - max_BT[..., None]).sum(axis=-1))

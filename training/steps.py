@@ -151,16 +151,16 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   grads = jax.tree.map(lambda g: g / count, grads)
   loss = loss_sum / count
   z_term = z_loss * log_z_sq_sum / count
-  grad_norm = optax.global_norm(grads)
-  ok = jnp.isfinite(loss) & jnp.isfinite(z_term) & jnp.isfinite(grad_norm)
-
-  updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-  params = optax.apply_updates(state["params"], updates)
-  # Keep the old values after a bad step; a select fuses into the update,
-  # where a lax.cond would make XLA copy the donated buffers.
-  keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
-  params = keep_if_bad(params, state["params"])
-  opt_state = keep_if_bad(opt_state, state["opt_state"])
+  with jax.named_scope("optimizer"):
+    grad_norm = optax.global_norm(grads)
+    ok = jnp.isfinite(loss) & jnp.isfinite(z_term) & jnp.isfinite(grad_norm)
+    updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    # Keep the old values after a bad step; a select fuses into the update,
+    # where a lax.cond would make XLA copy the donated buffers.
+    keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
+    params = keep_if_bad(params, state["params"])
+    opt_state = keep_if_bad(opt_state, state["opt_state"])
   bad_step = jnp.where((state["bad_step"] < 0) & ~ok, state["step"], state["bad_step"])
   new_state = {**state, "step": state["step"] + 1, "params": params, "opt_state": opt_state,
                "bad_step": bad_step}
