@@ -66,6 +66,7 @@ from flax import nnx
 from ml_collections import config_flags
 from torch import nn
 
+from bench import cpu_profile
 from bench.bench_utils import command_line, git_commit
 from configs import base
 from configs.cli import parse_flags
@@ -86,6 +87,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FLAGS = flags.FLAGS
 
 MODELS = ("gpt2_style", "tiny")
+PARTS = ("train", "decode", "profile", "attention")
 FIRST_LOSS_TOLERANCE = 1e-4
 
 # The model fields TorchDecoder reads, and the values it implements; every
@@ -109,7 +111,11 @@ def _define_flags() -> None:
                                   "The tiny model's config (gpt2_style is derived from it).",
                                   lock_config=True)
   flags.DEFINE_list("models", list(MODELS), f"Models to train, of {', '.join(MODELS)}.")
-  flags.DEFINE_list("parts", ["train", "decode"], "What to run: train, decode.")
+  flags.DEFINE_list("parts", ["train", "decode"], "What to run: train, decode, profile "
+                    "(each side's step time by op category), attention (attention alone, "
+                    "forward + backward).")
+  flags.DEFINE_integer("profile_steps", 10, "Steps profiled per side and model (after as "
+                       "many warm-up steps).")
   flags.DEFINE_integer("steps", None, "Training steps per side and model (the first is the "
                        "start-up); default train.num_steps, the whole schedule.")
   flags.DEFINE_integer("block", 20, "Steps per side before the other side takes its turn.")
@@ -396,12 +402,13 @@ class TorchTrainer(Side):
                         None if segment_ids is None else torch.from_numpy(segment_ids))
     losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     loss = (losses * mask.flatten()).sum() / mask.sum().clamp(min=1.0)
-    self.optimizer.zero_grad(set_to_none=True)
     loss.backward()
-    if self.grad_clip > 0:
-      nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-    self.optimizer.step()
-    self.scheduler.step()
+    with torch.profiler.record_function("optimizer"):  # a category of bench.cpu_profile
+      if self.grad_clip > 0:
+        nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+      self.optimizer.step()
+      self.scheduler.step()
+      self.optimizer.zero_grad(set_to_none=True)
     return loss.item()
 
 
@@ -465,6 +472,22 @@ def train_model(config, name: str, tokenizer, *, steps: int, block: int,
   report["ratio_ours_over_torch"] = (report["ours"]["tokens_per_s"] /
                                      report["torch"]["tokens_per_s"])
   return report
+
+
+def profile_model(config, name: str, tokenizer, steps: int) -> dict:
+  """Model `name`'s step time by op category (`bench.cpu_profile`), ours and
+  torch's, over `steps` steps after as many warm-up steps."""
+  c = model_config(config, name)
+  batches = take_batches(c, tokenizer, 2 * steps)
+  ours = OursTrainer(c)
+  theirs = TorchTrainer(c, ours.state["params"], compile_model=False)
+  hlo = ours.step_fn.lower(ours.state, batches[0]).compile().as_text()
+  for side in (ours, theirs):
+    for batch in batches[:steps]:
+      side.step(batch)
+  return {"model": name, "steps": steps,
+          "ours": cpu_profile.profile_ours(ours.step, batches[steps:], hlo),
+          "torch": cpu_profile.profile_torch(theirs.step, batches[steps:])}
 
 
 # Decoding.
@@ -568,15 +591,15 @@ def cpu_model() -> str | None:
 
 def check_flags() -> tuple[int, list[int]]:
   """(steps, decode batch sizes) from the flags; UserError for a bad one."""
-  for flag, allowed in (("models", MODELS), ("parts", ("train", "decode"))):
+  for flag, allowed in (("models", MODELS), ("parts", PARTS)):
     bad = [v for v in FLAGS[flag].value if v not in allowed]
     if bad or not FLAGS[flag].value:
       raise UserError(f"--{flag}={','.join(FLAGS[flag].value)}: choose from "
                       f"{', '.join(allowed)}")
   steps = FLAGS.config.train.num_steps if FLAGS.steps is None else FLAGS.steps
-  if steps < 2 or FLAGS.block < 1 or FLAGS.repeats < 1:
-    raise UserError("--steps must be at least 2 (the first is the start-up), --block and "
-                    "--repeats at least 1")
+  if steps < 2 or FLAGS.block < 1 or FLAGS.repeats < 1 or FLAGS.profile_steps < 1:
+    raise UserError("--steps must be at least 2 (the first is the start-up), --block, "
+                    "--repeats and --profile_steps at least 1")
   if FLAGS.prompt_len < 1 or FLAGS.decode_tokens < 1:
     raise UserError("--prompt_len and --decode_tokens must be at least 1")
   try:
@@ -647,6 +670,27 @@ def main(argv):
     print()
     print(result["decode_table"])
     print("tokens identical in every row")
+  if "profile" in FLAGS.parts:
+    print(f"# step time by op category, {FLAGS.profile_steps} profiled steps per side",
+          flush=True)
+    result["profile"] = [profile_model(config, name, tokenizer, FLAGS.profile_steps)
+                         for name in FLAGS.models]
+    result["profile_table"] = cpu_profile.profile_table(result["profile"])
+    print()
+    print(result["profile_table"])
+    print()
+  if "attention" in FLAGS.parts:
+    cfg = ModelConfig.resolve(config.model)
+    shape = dict(batch=config.train.batch_size, seq=config.train.seq_len, heads=cfg.num_heads,
+                 head_dim=cfg.head_dim)
+    label = "B {batch}, T {seq}, H {heads}, D {head_dim}, fwd+bwd".format(**shape)
+    print(f"# attention alone: {label}, float32, median of {FLAGS.repeats} calls", flush=True)
+    result["attention"] = {"shape": shape, "repeats": FLAGS.repeats,
+                           "rows": cpu_profile.attention_times(**shape, repeats=FLAGS.repeats)}
+    result["attention_table"] = cpu_profile.attention_table(result["attention"]["rows"], label)
+    print()
+    print(result["attention_table"])
+    print()
   out.parent.mkdir(parents=True, exist_ok=True)
   out.write_text(json.dumps(result, indent=1) + "\n")
   print(f"wrote {out}")
