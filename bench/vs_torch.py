@@ -79,6 +79,7 @@ from model.config import ModelConfig
 from model.embeddings import rope_frequencies
 from model.generate import generate
 from tokenizer import export_hf, load_tokenizer, train_tokenizer
+from training.hardware import cpu_model
 from training.optim import learning_rate_schedule, model_optimizer
 from training.steps import init_state, jit_train_step
 from training.workdir import load_run
@@ -577,16 +578,6 @@ def decode_table(report: dict) -> str:
                  f"{r['transformers']['tokens_per_s']:,.1f} | "
                  f"{r['ratio_ours_over_transformers']:.3f} |")
   return "\n".join(lines)
-
-
-def cpu_model() -> str | None:
-  """The CPU's model name from /proc/cpuinfo (Linux), or None."""
-  try:
-    with open("/proc/cpuinfo", encoding="utf-8") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
-                  None)
-  except OSError:
-    return None
 
 
 def check_flags() -> tuple[int, list[int]]:

@@ -21,6 +21,7 @@ the sweep unless told to retrain such variants in place (see sweep.py).
 `<root>/sweep.json`               the variants and their commands (written by run)
 `<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py
 `<root>/<name>/sweep_error.json`  the failed command and its last line of output
+`<root>/<name>/sweep_times.jsonl` per command run: wall and CPU seconds, host, XLA threads
 `<root>/slurm/`                   submitit's job files and logs
 `<root>/report.md`, `report.csv` (per run), `report_summary.csv` (per variant),
 `validation_curves.png`, `curves/<name>.png`
@@ -37,8 +38,8 @@ One module per job:
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
 from sweeps.report import write_report
 from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
-from sweeps.state import (State, changed_fields, check_seeds, read_manifest, set_aside,
-                          status_lines, unfinished, variant_state, write_manifest)
+from sweeps.state import (State, changed_fields, check_seeds, read_manifest, read_times,
+                          set_aside, status_lines, unfinished, variant_state, write_manifest)
 from sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
                                         with_default_config)
 from sweeps.variants import Variant, describe, few_points, load_config, make_variants

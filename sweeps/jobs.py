@@ -1,18 +1,23 @@
 """Running one variant (`VariantJob`, the same callable locally and on SLURM)
 and the local launcher."""
 import concurrent.futures
+import datetime
+import json
 import os
 import re
+import resource
 import shlex
 import signal
+import socket
 import subprocess
 import time
 
 import submitit
 
 from sweeps.common import REPO
-from sweeps.state import ERROR, LOG, REPORT, last_step, read_json, write_json
+from sweeps.state import ERROR, LOG, REPORT, TIMES, last_step, read_json, write_json
 from sweeps.variants import Variant
+from training import hardware
 
 STOP_TIMEOUT_S = 60  # how long checkpoint() waits for train.py to save and exit
 
@@ -64,26 +69,35 @@ class VariantJob(submitit.helpers.Checkpointable):
             "report": read_json(os.path.join(variant.workdir, REPORT))}
 
   def _run(self, variant: Variant, what: str, command: list[str], log_path: str) -> None:
-    """Runs a command, its output appended to the log; VariantFailed if it fails."""
+    """Runs a command, its output appended to the log, its times to the
+    workdir's sweep_times.jsonl (task 0); VariantFailed if it fails."""
+    env = {**os.environ, **variant.env}
     with open(log_path, "a", encoding="utf-8") as log:
-      log.write(f"$ {shlex.join(command)}\n")
+      prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in variant.env.items())
+      log.write(f"$ {prefix}{shlex.join(command)}\n")
       log.flush()
       # SLURM sends its time-limit signal (USR2) to every process of the job;
       # blocked in train.py, it leaves checkpoint() to stop it with SIGTERM, so
       # that it saves first.
       previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR2})
+      started, start = datetime.datetime.now().isoformat(timespec="seconds"), time.monotonic()
       try:
-        self._child = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        self._child = subprocess.Popen(command, cwd=REPO, stdout=log, stderr=subprocess.STDOUT,
+                                       env=env)
       finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
       try:
-        # Polled, not wait()ed: checkpoint() runs as a signal handler in this
-        # thread and waits for the child itself, which a pending wait() blocks.
-        while self._child.poll() is None:
-          time.sleep(0.2)
-        returncode = self._child.returncode
+        returncode, usage = _wait(self._child)
       finally:
         self._child = None
+    if os.environ.get("SLURM_PROCID", "0") == "0":
+      _record_times(variant.workdir, {
+          "command": what, "returncode": returncode, "started": started,
+          "wall_s": round(time.monotonic() - start, 3),
+          "cpu_s": None if usage is None else round(usage.ru_utime + usage.ru_stime, 3),
+          "host": socket.gethostname(), "cpu_model": hardware.cpu_model(),
+          "cpus": hardware.usable_cpus(), "xla_cpu_threads": hardware.xla_cpu_threads(env),
+          "env": variant.env})
     if returncode:
       how = (f"exited with status {returncode}" if returncode > 0
              else f"was killed by {signal.Signals(-returncode).name}")
@@ -102,6 +116,30 @@ class VariantJob(submitit.helpers.Checkpointable):
       except subprocess.TimeoutExpired:
         child.kill()
     return super().checkpoint(*args, **kwargs)
+
+
+def _wait(child: subprocess.Popen) -> tuple[int, resource.struct_rusage | None]:
+  """The child's exit status and resource usage (its user and system CPU
+  time, with that of the processes it waited for, as `time` counts it).
+
+  Polled, not wait()ed: checkpoint() runs as a signal handler in this thread
+  and waits for the child itself, which a pending wait() blocks; when it has
+  reaped the child, the usage is unknown (None)."""
+  while True:
+    try:
+      pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+    except ChildProcessError:  # reaped by checkpoint()'s wait()
+      return child.returncode, None
+    if pid:
+      child.returncode = os.waitstatus_to_exitcode(status)
+      return child.returncode, usage
+    time.sleep(0.2)
+
+
+def _record_times(workdir: str, record: dict) -> None:
+  """Appends one command's times to the workdir's sweep_times.jsonl."""
+  with open(os.path.join(workdir, TIMES), "a", encoding="utf-8") as f:
+    f.write(json.dumps(record) + "\n")
 
 
 def run_local(variants: list[Variant], parallel: int, out=print) -> int:

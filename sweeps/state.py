@@ -13,6 +13,7 @@ MANIFEST = "sweep.json"
 LOG = "sweep.log"
 ERROR = "sweep_error.json"
 REPORT = "eval_report.json"
+TIMES = "sweep_times.jsonl"  # per command run: wall and CPU seconds, the host, XLA's threads
 
 
 @dataclasses.dataclass
@@ -39,6 +40,23 @@ def read_json(path: str) -> dict | None:
       return json.load(f)
   except (FileNotFoundError, json.JSONDecodeError):
     return None
+
+
+def read_times(workdir: str) -> list[dict]:
+  """The records of sweep_times.jsonl (one per train.py or eval.py the sweep
+  ran in the workdir, oldest first; a half-written last line is left out)."""
+  try:
+    with open(os.path.join(workdir, TIMES), encoding="utf-8") as f:
+      lines = f.read().splitlines()
+  except FileNotFoundError:
+    return []
+  records = []
+  for line in lines:
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError:
+      continue
+  return records
 
 
 def last_step(workdir: str) -> int | None:

@@ -33,6 +33,7 @@ class Variant:
   config: dict = dataclasses.field(default_factory=dict)  # the resolved config it trains
   group: str = ""  # the variant's name, shared by its seeds ("": `name`, a manifest before seeds)
   seed: int | None = None  # the train.seed --seeds gave it; None: the config's own
+  env: dict = dataclasses.field(default_factory=dict)  # environment variables of its commands
 
   def __post_init__(self):
     self.group = self.group or self.name
@@ -46,10 +47,15 @@ def _seeds_check(seeds: int | None, fields: list[str], where: str) -> None:
 
 
 def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: str,
-                  seeds: int | None = None) -> list[Variant]:
+                  seeds: int | None = None, env: dict | None = None) -> list[Variant]:
   """Named, validated variants; `extra_flags` (`--config.a.b=v`) apply to all.
-  `seeds` (default: the sweep file's SEEDS): that many runs of each variant."""
+  `seeds` (default: the sweep file's SEEDS): that many runs of each variant.
+  `env`: environment variables set for every variant's train.py and eval.py
+  (`PJRT_NPROC=1`: XLA's CPU thread count); they lead each variant's name
+  (`PJRT_NPROC=1,pos_emb=rope`), so one root holds the variants under several
+  environments (one call each)."""
   seeds = seeds or sweep.seeds
+  env = {name: str(value) for name, value in (env or {}).items()}
   fields = config_fields(load_config(config_path, []))
   extra_fields = [flag[len("--config."):].split("=", 1)[0] for flag in extra_flags]
   for field in extra_fields:
@@ -62,7 +68,7 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
       if field in extra_fields:
         raise UserError(f"{field} is set both by sweep {sweep.path} and on the command line")
     _seeds_check(seeds, list(overrides), f"by sweep {sweep.path}")
-    group = variant_name(overrides)
+    group = variant_name({**env, **overrides}) if env else variant_name(overrides)
     config_flags_ = extra_flags + [f"--config.{field}={format_value(value)}"
                                    for field, value in overrides.items()]
     for seed in range(seeds) if seeds else [None]:
@@ -82,7 +88,7 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
           train_command=[sys.executable, os.path.join(REPO, "train.py"), "--config",
                          os.path.abspath(config_path), "--workdir", workdir, *run_flags],
           eval_command=[sys.executable, os.path.join(REPO, "eval.py"), "--workdir", workdir],
-          config=json.loads(config.to_json()), group=group, seed=seed))
+          config=json.loads(config.to_json()), group=group, seed=seed, env=env))
   names = [v.name for v in variants]
   for name in names:
     if names.count(name) > 1:
@@ -111,6 +117,7 @@ def describe(variants: list[Variant]) -> list[str]:
   """The commands of each variant, for --dry_run."""
   lines = []
   for variant in variants:
-    lines += [f"{variant.name}:", f"  {shlex.join(variant.train_command)}",
-              f"  {shlex.join(variant.eval_command)}"]
+    env = "".join(f"{name}={shlex.quote(value)} " for name, value in variant.env.items())
+    lines += [f"{variant.name}:", f"  {env}{shlex.join(variant.train_command)}",
+              f"  {env}{shlex.join(variant.eval_command)}"]
   return lines

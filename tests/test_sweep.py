@@ -75,6 +75,26 @@ def test_bad_sweep_is_one_line_user_error(tmp_path, body, message):
   assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_environment_variables_name_the_variants_and_reach_their_commands(tmp_path):
+  """make_variants(env=...): PJRT_NPROC=1 leads the names, the dry-run lines
+  and the log; the job runs train.py with it and records each command's
+  times, host and XLA thread count in sweep_times.jsonl."""
+  path = write_sweep(tmp_path, "def get_sweep():\n  return [{'model.d_model': 64}]\n")
+  [variant] = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY, [], str(tmp_path / "r"),
+                                      env={"PJRT_NPROC": 1})
+  assert (variant.name, variant.env) == ("PJRT_NPROC=1,d_model=64", {"PJRT_NPROC": "1"})
+  assert sweep_lib.describe([variant])[1].startswith("  PJRT_NPROC=1 ")
+  variant.train_command = [sys.executable, "-c", "import os; print('threads', "
+                           "os.environ['PJRT_NPROC']); sum(range(3_000_000))"]
+  assert sweep_lib.VariantJob()(variant)["state"] == "stopped"  # no steps: eval.py not run
+  log = pathlib.Path(variant.workdir, "sweep.log").read_text()
+  assert log.startswith("$ PJRT_NPROC=1 ") and "threads 1" in log
+  [record] = sweep_lib.read_times(variant.workdir)
+  assert (record["command"], record["returncode"], record["xla_cpu_threads"],
+          record["env"]) == ("train.py", 0, 1, {"PJRT_NPROC": "1"})
+  assert record["wall_s"] > 0 and record["cpu_s"] > 0 and record["cpus"] >= 1
+
+
 def test_bad_sweep_file_on_the_command_line_exits_2_with_one_line(tmp_path):
   path = write_sweep(tmp_path, "def get_sweep():\n  return {'model.colour': ['red']}\n")
   result = sweep_cli("run", "--config", TINY, "--sweep", path, "--root", str(tmp_path / "r"))

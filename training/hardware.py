@@ -14,7 +14,9 @@ Google Cloud's TPU system architecture pages (v4, v5e, v5p, v6e). The A10G
 exists only in AWS G5 instances and has no NVIDIA datasheet; its figure is
 the one commonly quoted for it (about half the A10's tensor throughput).
 
-Also how much memory a device can hold, for train.py's pre-flight check.
+Also how much memory a device can hold, for train.py's pre-flight check, and
+what the host is (its CPU model, the CPUs a process may use, XLA's CPU
+thread count), for the records of timed runs.
 """
 import os
 
@@ -71,3 +73,39 @@ def device_memory_limit(device) -> tuple[int | None, str]:
   stats = device.memory_stats() or {}
   limit = stats.get("bytes_limit")
   return (int(limit), f"{device.device_kind} memory") if limit else (None, "")
+
+
+# XLA's CPU client sizes its thread pools (the intra-op pool that splits
+# matmuls and reductions among them) from the first of these set to an
+# integer, else from the CPUs the process may run on (its affinity mask).
+XLA_THREAD_VARS = ("PJRT_NPROC", "NPROC")
+
+
+def usable_cpus() -> int:
+  """The CPUs this process may run on (its affinity mask; taskset and SLURM
+  narrow it)."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def xla_cpu_threads(env: dict | None = None) -> int:
+  """The threads XLA's CPU client runs with in a process started with
+  environment `env` (default: this one's) and this process's affinity."""
+  env = os.environ if env is None else env
+  for name in XLA_THREAD_VARS:
+    value = env.get(name, "")
+    if value.strip().isdigit():
+      return int(value)
+  return usable_cpus()
+
+
+def cpu_model() -> str | None:
+  """The CPU's model name from /proc/cpuinfo (Linux), or None."""
+  try:
+    with open("/proc/cpuinfo", encoding="utf-8") as f:
+      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")),
+                  None)
+  except OSError:
+    return None
