@@ -477,7 +477,9 @@ def train_model(config, name: str, tokenizer, *, steps: int, block: int,
 
 def profile_model(config, name: str, tokenizer, steps: int) -> dict:
   """Model `name`'s step time by op category (`bench.cpu_profile`), ours and
-  torch's, over `steps` steps after as many warm-up steps."""
+  torch's, over `steps` steps after as many warm-up steps (whose median
+  time, without a profiler, is each side's `step_ms`; the first, compiling
+  step, is left out)."""
   c = model_config(config, name)
   batches = take_batches(c, tokenizer, 2 * steps)
   ours = OursTrainer(c)
@@ -485,10 +487,13 @@ def profile_model(config, name: str, tokenizer, steps: int) -> dict:
   hlo = ours.step_fn.lower(ours.state, batches[0]).compile().as_text()
   for side in (ours, theirs):
     for batch in batches[:steps]:
-      side.step(batch)
-  return {"model": name, "steps": steps,
-          "ours": cpu_profile.profile_ours(ours.step, batches[steps:], hlo),
-          "torch": cpu_profile.profile_torch(theirs.step, batches[steps:])}
+      side.timed(batch)
+  report = {"model": name, "steps": steps,
+            "ours": cpu_profile.profile_ours(ours.step, batches[steps:], hlo),
+            "torch": cpu_profile.profile_torch(theirs.step, batches[steps:])}
+  for side, key in ((ours, "ours"), (theirs, "torch")):
+    report[key]["step_ms"] = 1e3 * statistics.median(side.times)
+  return report
 
 
 # Decoding.

@@ -21,6 +21,7 @@ from tests.helpers import ROOT, assert_one_line_error, run_python
 pytestmark = pytest.mark.hf  # torch and transformers
 
 vs_torch = pytest.importorskip("bench.vs_torch")
+from bench import cpu_profile  # noqa: E402  (after the skip: it imports torch)
 
 
 def _small(name: str):
@@ -94,14 +95,16 @@ def test_smoke_run_writes_json(tmp_path, tok_dir):
          f"--config.data.cache_dir={tmp_path / 'cache'}", "--config.train.batch_size=2",
          "--config.train.seq_len=32", "--steps", "3", "--block", "1", "--gpt2", "tiny",
          "--prompt_len", "8", "--decode_tokens", "4", "--decode_batches", "1,2",
-         "--repeats", "1", "--out", str(out)]
+         "--repeats", "1", "--parts", "train,decode,profile,attention", "--profile_steps", "1",
+         "--out", str(out)]
   result = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                           capture_output=True, text=True, timeout=280)
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(out.read_text())
   for key in ("date", "command", "commit", "device", "jax", "torch", "transformers",
               "torch_threads", "batch_size", "seq_len", "steps", "schedule", "train",
-              "train_table", "decode", "decode_table"):
+              "train_table", "decode", "decode_table", "profile", "profile_table",
+              "attention", "attention_table"):
     assert key in report, key
   assert [r["model"] for r in report["train"]] == list(vs_torch.MODELS)
   for r in report["train"]:
@@ -115,3 +118,34 @@ def test_smoke_run_writes_json(tmp_path, tok_dir):
   rows = report["decode"]["rows"]
   assert [r["batch"] for r in rows] == [1, 2]
   assert all(r["identical_tokens"] and r["ratio_ours_over_transformers"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("name", vs_torch.MODELS)
+def test_profile_finds_each_part_of_the_step(name):
+  """Every category the model has gets time on both sides: our named scopes
+  reach the compiled program's thunks (the scanned stack's included), and
+  torch's ops are sorted by name and by the optimizer range."""
+  config = _small(name)
+  ours = vs_torch.OursTrainer(config)
+  theirs = vs_torch.TorchTrainer(config, ours.state["params"], compile_model=False)
+  batches = [_batch(config, seed) for seed in range(3)]
+  hlo = ours.step_fn.lower(ours.state, batches[0]).compile().as_text()
+  ours.step(batches[0])
+  theirs.step(batches[0])
+  profiles = {"ours": cpu_profile.profile_ours(ours.step, batches[1:], hlo),
+              "torch": cpu_profile.profile_torch(theirs.step, batches[1:])}
+  for side, profile in profiles.items():
+    assert set(profile["ms"]) == set(cpu_profile.CATEGORIES)
+    for category in ("matmuls", "attention", "activation", "norms", "loss", "optimizer"):
+      assert profile["ms"][category] > 0, (side, category)
+  scoped = [op for op in profiles["ours"]["top"] if op["category"] == "attention"]
+  assert all("attention" in op["scope"] for op in scoped)
+  table = cpu_profile.profile_table([{"model": name, **{
+      side: {**p, "step_ms": 1.0} for side, p in profiles.items()}}])
+  assert table.count(f"| {name} |") == len(cpu_profile.CATEGORIES) + 2
+
+
+def test_attention_alone_times_every_case():
+  rows = cpu_profile.attention_times(batch=1, seq=16, heads=2, head_dim=8, repeats=1)
+  assert [r["case"] for r in rows] == list(cpu_profile.ATTENTION_CASES)
+  assert all(r[k] > 0 for r in rows for k in ("reference", "xla", "torch"))

@@ -319,6 +319,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
       rows=pipeline.split_rows(config, tokenizer), schedule=schedule):
     _print(line)
 
+  if jax.process_index() == 0:
+    trackers.preload(tracker_names(tc))
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
                            z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy,
