@@ -235,7 +235,7 @@ def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
 
 def test_auto_picks_our_einsums_on_a_cpu():
   """On a CPU `reference` runs faster than `xla` (docs/benchmarks.md), with
-  every feature; the KV-cache step's dense mask included."""
+  every feature."""
   cpu = dict(backend="cpu", dtype=jnp.float32, head_dim=32)
   for features in (("score:softmax",), ("mask", "score:softmax"), ("softcap", "score:sigmoid")):
     assert auto_implementation(**cpu, features=features) == "reference"
