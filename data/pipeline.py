@@ -153,9 +153,27 @@ def sample_texts(data_config: config_dict.ConfigDict, max_bytes: int, what: str 
         file=sys.stderr, flush=True)
 
 
+# Rows of each split this process has laid out, by `_rows_key`: the start-up
+# summary (`split_rows`) reads the counts the data iterators already made
+# instead of loading and laying out every split again (about a second).
+_COUNTED: dict[tuple, int] = {}
+
+
+def _rows_key(config: config_dict.ConfigDict, tokenizer, split: str) -> tuple:
+  return (config.data.to_json(), config.train.seq_len, config.train.objective,
+          tokenizer.fingerprint, split)
+
+
 def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
                   share: tokens.Share = tokens.Share(), *, quiet: bool = False):
   """(number of rows, row index -> row) of `split` for the objective and data.task."""
+  num_rows, row_fn = _rows_of_split(config, tokenizer, split, share, quiet=quiet)
+  _COUNTED[_rows_key(config, tokenizer, split)] = num_rows
+  return num_rows, row_fn
+
+
+def _rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
+                   share: tokens.Share, *, quiet: bool):
   if config.train.objective == "seq2seq":
     rows = seq2seq.load_rows(config, tokenizer, split)
     return rows.num_pairs, rows
@@ -181,9 +199,14 @@ def rows_of_split(config: config_dict.ConfigDict, tokenizer, split: str,
 
 def split_rows(config: config_dict.ConfigDict, tokenizer) -> dict[str, tuple[int, int]]:
   """(train rows, validation rows) of each source by name: data.mixture's
-  sources, or the one data.source."""
+  sources, or the one data.source (the counts the data iterators made, where
+  they did)."""
+  def count(source_config, split):
+    counted = _COUNTED.get(_rows_key(source_config, tokenizer, split))
+    return rows_of_split(source_config, tokenizer, split)[0] if counted is None else counted
+
   def rows(source_config):
-    return tuple(rows_of_split(source_config, tokenizer, split)[0] for split in sources.SPLITS)
+    return tuple(count(source_config, split) for split in sources.SPLITS)
 
   mix = mixture.sources(config)
   if not mix:
