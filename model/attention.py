@@ -58,7 +58,7 @@ from configs.errors import UserError
 from model.embeddings import apply_rope
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
-from model.layers import Dense, batch_axes
+from model.layers import Dense, batch_axes, compile_device
 from model.norms import RMSNorm
 from model.positions import POSITIONS
 from model.registry import Registry
@@ -261,17 +261,6 @@ def _jax_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: 
     valid = valid & causal_and_window
   row_valid_BT11 = valid.any(-1)[:, :, None, None]
   return jnp.where(row_valid_BT11, out, 0).astype(q_BTHD.dtype)
-
-
-def compile_device():
-  """The device the traced program is compiled for: the abstract mesh's device
-  (set by the jitted steps, `training/steps.traced_on`, so compile.py's target
-  chip), else `jax.devices()[0]`. It picks the kernel's lowering and tiles and
-  what `auto` resolves to."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.abstract_device is not None:
-    return mesh.abstract_device
-  return jax.devices()[0]
 
 
 def kernel_head_split(num_heads: int, num_kv_heads: int, tensor: int) -> str:

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.layers import dense_init, param
+from model.layers import dense_init, param, token_matrix_products
 from model.registry import Registry
 
 
@@ -37,9 +37,14 @@ class Embed(nnx.Module):
     return jnp.take(self.embedding[...], tokens_BT, axis=0).astype(self.dtype)
 
   def attend(self, x_BTM):
-    """Logits x E^T [B, T, V], computed in float32 whatever the model dtype."""
-    return jnp.einsum("btm,vm->btv", x_BTM.astype(jnp.float32),
-                      self.embedding[...].astype(jnp.float32))
+    """Logits x E^T [B, T, V], computed in float32 whatever the model dtype
+    (as one [B*T, V] product on one CPU device: `token_matrix_products`)."""
+    B, T, M = x_BTM.shape
+    x = x_BTM.astype(jnp.float32)
+    if token_matrix_products():
+      return jnp.einsum("nm,vm->nv", x.reshape(B * T, M),
+                        self.embedding[...].astype(jnp.float32)).reshape(B, T, -1)
+    return jnp.einsum("btm,vm->btv", x, self.embedding[...].astype(jnp.float32))
 
 
 def sinusoidal(positions_BT, d: int):

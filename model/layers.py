@@ -39,6 +39,29 @@ def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...],
                    eager_sharding=False)
 
 
+def compile_device():
+  """The device the traced program is compiled for: the abstract mesh's device
+  (set by the jitted steps, `training/steps.traced_on`, so compile.py's target
+  chip), else `jax.devices()[0]`. It picks the kernels' lowering and tiles,
+  what attention's `auto` resolves to, and `Dense`'s operand shape."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and mesh.abstract_device is not None:
+    return mesh.abstract_device
+  return jax.devices()[0]
+
+
+def token_matrix_products() -> bool:
+  """Whether a matrix product of activations [B, T, ...] runs on them as one
+  [B*T, ...] matrix: on one CPU device. XLA's CPU backend then takes the
+  weight gradient x^T dy as one plain product; over the two axes B and T
+  it transposes dy from inside the fusion that computes it, and the MLP's
+  forward and backward take twice as long (docs/benchmarks.md, "Where a
+  CPU step's time goes"). Elsewhere the axes stay apart, for their
+  shardings."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return (mesh.empty or mesh.size == 1) and compile_device().platform == "cpu"
+
+
 def dense_init(std: float):
   return jax.nn.initializers.normal(std)
 
@@ -67,9 +90,15 @@ class Dense(nnx.Module):
 
   def __call__(self, x):
     kernel = self.kernel[...].astype(self.dtype)
+    lead = x.shape[:x.ndim - self.in_axes]
+    flat = len(lead) > 1 and token_matrix_products()
+    if flat:  # [B, T, ...] -> [B*T, ...]
+      x = x.reshape(-1, *x.shape[len(lead):])
     contract = tuple(range(x.ndim - self.in_axes, x.ndim))
     y = jax.lax.dot_general(x.astype(self.dtype), kernel,
                             ((contract, tuple(range(self.in_axes))), ((), ())))
+    if flat:
+      y = y.reshape(*lead, *y.shape[1:])
     if self.bias is not None:
       y = y + self.bias[...].astype(self.dtype)
     return y
