@@ -483,7 +483,7 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
 
   On a CPU: `reference`, whose 4-D einsums XLA's CPU backend runs faster
   than `xla`'s (jax.nn.dot_product_attention) in every case of the table
-  in docs/benchmarks.md ("Attention alone on the CPU";
+  in docs/benchmarks.md ("Where a CPU step's time goes";
   `python -m bench.vs_torch --parts attention`).
   """
   fused = {"window", score_feature("softmax")}
