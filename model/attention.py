@@ -176,8 +176,8 @@ def _grouped_scores(q_BTHD, k_BSKD, o: AttentionOptions):
 
   One 4-D batched product per KV head group: XLA's CPU backend runs the 5-D
   [B, K, G, T, S] form with a transpose of the scores on either side, and
-  this form without (about 1.5x faster fwd+bwd on the CPU at T = 128;
-  `python -m bench.vs_torch --parts profile`). Same products and sums."""
+  this form without (docs/benchmarks.md, "Where a CPU step's time goes").
+  Same products and sums."""
   B, T, H, D = q_BTHD.shape
   S, K = k_BSKD.shape[1], k_BSKD.shape[2]
   G = H // K
@@ -686,9 +686,8 @@ class Attention(nnx.Module):
     runs this step with `xla` (which takes every option `reference` does); a
     single decoding query is memory-bound and gains nothing from a fused
     kernel. `auto` too: on a CPU, where it trains with `reference`, greedy
-    GPT-2 small decodes faster with `xla` at batch 1 (18.6 against 16.5
-    tokens/s) and slower at batch 8 (69.3 against 75.3), and batch 1 is
-    the common case. The layer's options (scale, soft-cap, score) are the training
+    decoding is faster with `xla` at batch 1 and slower at batch 8
+    (docs/results.md, "Against PyTorch"), and batch 1 is the common case. The layer's options (scale, soft-cap, score) are the training
     call's: the one `AttentionOptions` value serves both.
     `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).

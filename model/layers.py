@@ -54,10 +54,9 @@ def token_matrix_products() -> bool:
   """Whether a matrix product of activations [B, T, ...] runs on them as one
   [B*T, ...] matrix: on one CPU device. XLA's CPU backend then takes the
   weight gradient x^T dy as one plain product; over the two axes B and T
-  it transposes dy from inside the fusion that computes it, and the MLP's
-  forward and backward take twice as long (docs/benchmarks.md, "Where a
-  CPU step's time goes"). Elsewhere the axes stay apart, for their
-  shardings."""
+  it transposes dy from inside the fusion that computes it, a slow strided
+  loop (docs/benchmarks.md, "Where a CPU step's time goes"). Elsewhere the
+  axes stay apart, for their shardings."""
   mesh = jax.sharding.get_abstract_mesh()
   return (mesh.empty or mesh.size == 1) and compile_device().platform == "cpu"
 
