@@ -24,6 +24,7 @@ from ml_collections import config_flags
 from configs.cli import parse_flags
 from configs.errors import UserError
 import sweeps as sweep_lib
+from sweeps.common import command_exits
 from training.workdir import describe_changes
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
@@ -121,7 +122,7 @@ def main(argv):
     raise app.UsageError("give one command: run, status or report")
   if overrides and commands[0] != "run":
     raise app.UsageError(f"{commands[0]} takes no --config.* overrides")
-  try:
+  with command_exits("variants"):
     if commands[0] == "run":
       sys.exit(run(overrides))
     if _ROOT.value is None:
@@ -130,13 +131,6 @@ def main(argv):
       print("\n".join(sweep_lib.status_lines(_ROOT.value)))
     else:
       print("wrote " + ", ".join(sweep_lib.write_report(_ROOT.value, _BASELINE.value)))
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except KeyboardInterrupt:
-    print("interrupted: the running variants saved; run the same command to resume",
-          file=sys.stderr)
-    sys.exit(130)
 
 
 if __name__ == "__main__":

@@ -42,6 +42,7 @@ from bench.bench_utils import command_line, git_commit
 from configs.cli import OVERRIDE, parse_flags
 from configs.errors import UserError
 import sweeps as sweep_lib
+from sweeps.common import command_exits
 from sweeps import stats
 from training import hardware
 from training.workdir import describe_changes
@@ -408,7 +409,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   overrides = argv[1:]
   bad = [arg for arg in overrides if not arg.startswith(OVERRIDE) or "=" not in arg]
-  try:
+  with command_exits("runs"):
     if bad:
       raise UserError(f"{bad[0]}: unexpected argument; overrides are --config.a.b=value")
     if FLAGS.docs_only:
@@ -417,13 +418,6 @@ def main(argv):
       write_docs(FLAGS.docs, FLAGS.out)
       return
     sys.exit(run(overrides))
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  except KeyboardInterrupt:
-    print("interrupted: the running runs saved; run the same command to resume",
-          file=sys.stderr)
-    sys.exit(130)
 
 
 if __name__ == "__main__":

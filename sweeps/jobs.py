@@ -6,7 +6,6 @@ import json
 import os
 import re
 import resource
-import shlex
 import signal
 import socket
 import subprocess
@@ -73,8 +72,7 @@ class VariantJob(submitit.helpers.Checkpointable):
     workdir's sweep_times.jsonl (task 0); VariantFailed if it fails."""
     env = {**os.environ, **variant.env}
     with open(log_path, "a", encoding="utf-8") as log:
-      prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in variant.env.items())
-      log.write(f"$ {prefix}{shlex.join(command)}\n")
+      log.write(f"$ {variant.shell(command)}\n")
       log.flush()
       # SLURM sends its time-limit signal (USR2) to every process of the job;
       # blocked in train.py, it leaves checkpoint() to stop it with SIGTERM, so

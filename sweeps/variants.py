@@ -38,6 +38,11 @@ class Variant:
   def __post_init__(self):
     self.group = self.group or self.name
 
+  def shell(self, command: list[str]) -> str:
+    """`command` as a shell line, after this variant's environment variables."""
+    env = "".join(f"{name}={shlex.quote(value)} " for name, value in self.env.items())
+    return env + shlex.join(command)
+
 
 def _seeds_check(seeds: int | None, fields: list[str], where: str) -> None:
   """With seeds, train.seed is theirs: a variant or flag setting it is refused."""
@@ -68,7 +73,7 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
       if field in extra_fields:
         raise UserError(f"{field} is set both by sweep {sweep.path} and on the command line")
     _seeds_check(seeds, list(overrides), f"by sweep {sweep.path}")
-    group = variant_name({**env, **overrides}) if env else variant_name(overrides)
+    group = variant_name({**env, **overrides})
     config_flags_ = extra_flags + [f"--config.{field}={format_value(value)}"
                                    for field, value in overrides.items()]
     for seed in range(seeds) if seeds else [None]:
@@ -117,7 +122,6 @@ def describe(variants: list[Variant]) -> list[str]:
   """The commands of each variant, for --dry_run."""
   lines = []
   for variant in variants:
-    env = "".join(f"{name}={shlex.quote(value)} " for name, value in variant.env.items())
-    lines += [f"{variant.name}:", f"  {env}{shlex.join(variant.train_command)}",
-              f"  {env}{shlex.join(variant.eval_command)}"]
+    lines += [f"{variant.name}:", f"  {variant.shell(variant.train_command)}",
+              f"  {variant.shell(variant.eval_command)}"]
   return lines
