@@ -21,7 +21,11 @@ runs, in this one process:
   float16 (its bfloat16 path fails in JAX 0.11.2; inputs are converted
   before timing), block_q 64, block_kv 128, backward tiles 64 (its backward
   is non-causal only; it has no softmax scale argument, which does not
-  change its time).
+  change its time);
+- `tokamax`: Tokamax's `dot_product_attention(implementation="mosaic")`
+  (its Mosaic GPU kernels, sm90; a separate install, `pip install tokamax`:
+  without it the cell says so), its default tiles, GQA native, a packed row
+  as a dense [B, 1, S, S] mask of the segment ids.
 
 On a TPU (or with `--competitors tpu`) the competitors are instead:
 
@@ -87,7 +91,7 @@ from model.kernels.router import flash_attention
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 COMPETITORS = ("ours_mosaic", "ours_triton", "xla", "cudnn", "jax_pallas",
-               "jax_mosaic")
+               "jax_mosaic", "tokamax")
 TPU_COMPETITORS = ("ours_tpu", "xla", "jax_flash_tpu", "jax_splash")
 MEMORY_SEQ = 32768
 
@@ -191,7 +195,17 @@ def attention_fn(name: str, case: dict, tiles=None):
         block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
 
     return functools.partial(attention_mgpu.attention, config=config)
+  if name == "tokamax":
+    return _tokamax(case, seg, scale)
   raise ValueError(f"unknown competitor {name!r}")
+
+
+def _tokamax(case: dict, seg, scale: float):
+  """Tokamax's Mosaic GPU attention as (q, k, v) -> out (same layout)."""
+  import tokamax  # pylint: disable=import-outside-toplevel
+  mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
+  return functools.partial(tokamax.dot_product_attention, mask=mask, scale=scale,
+                           is_causal=case["causal"], implementation="mosaic")
 
 
 def _jax_flash_tpu(case: dict, seg, scale: float):
@@ -281,6 +295,11 @@ def input_dtype(name: str):
 def row_label(case: dict) -> str:
   """D:S:causal, the name `--rows` selects a grid row by."""
   return f"{case['D']}:{case['S']}:{'yes' if case['causal'] else 'no'}"
+
+
+def row_name(case: dict) -> str:
+  """What `--rows` selects a row by: D:S:causal for the grid, else its label."""
+  return row_label(case) if case["label"] == "grid" else case["label"]
 
 
 def make_inputs(case: dict, seed: int = 0, dtype=jnp.bfloat16):
@@ -455,10 +474,12 @@ def main():
   parser.add_argument("--no_memory", action="store_true",
                       help="skip the S = 32k memory measurement")
   parser.add_argument("--rows", nargs="+", metavar="LABEL",
-                      help="only these rows: D:S:causal (e.g. 128:16384:yes), "
+                      help="only these rows: D:S:causal of the grid (e.g. 128:16384:yes), "
                            "gqa, gpt2-small or gpt2-small-packed (packed with --quick)")
   parser.add_argument("--competitors", choices=("gpu", "tpu"),
                       help="which set to run (default: tpu on a TPU, else gpu)")
+  parser.add_argument("--only", nargs="+", metavar="NAME",
+                      help="time only these competitors (default: all of the set)")
   parser.add_argument("--peak_child", help=argparse.SUPPRESS)
   args = parser.parse_args()
 
@@ -480,13 +501,24 @@ def main():
   print(f"# median of {repeats} after {warmup} warm-up; TFLOP/s fwd / fwd+bwd\n",
         flush=True)
 
-  cases = [c for c in grid_cases(args.quick)
-           if args.rows is None or row_label(c) in args.rows or c["label"] in args.rows]
+  cases = [c for c in grid_cases(args.quick) if args.rows is None or row_name(c) in args.rows]
   if not cases:
     parser.error(f"--rows {' '.join(args.rows)} matches no row; rows are "
-                 + ", ".join(row_label(c) for c in grid_cases(args.quick)))
+                 + ", ".join(row_name(c) for c in grid_cases(args.quick)))
   names = competitors(args.competitors)
+  if args.only:
+    unknown = sorted(set(args.only) - set(names))
+    if unknown:
+      parser.error(f"--only {' '.join(unknown)}: not a competitor here; they are "
+                   + ", ".join(names))
+    names = tuple(n for n in names if n in args.only)
   speed_rows = []
+  report = dict(meta=meta, speed=speed_rows)
+
+  def save():  # after every row: a run stopped by its time limit keeps what it measured
+    if args.out:
+      args.out.write_text(json.dumps(report, indent=2))
+
   for case in cases:
     inputs = make_inputs(case)
     results = {name: measure(name, case, inputs, warmup, repeats)
@@ -494,9 +526,9 @@ def main():
     speed_rows.append(dict(case=case, results=results))
     table = speed_table(speed_rows).splitlines()
     print("\n".join(table if len(speed_rows) == 1 else table[-1:]), flush=True)
-  report = dict(meta=meta, speed=speed_rows)
+    save()
 
-  if args.tune and names == TPU_COMPETITORS:
+  if args.tune and competitors(args.competitors) == TPU_COMPETITORS:
     print("\n--tune sweeps the GPU kernels' tiles only; skipped")
   elif args.tune:
     tune_rows = []
@@ -504,13 +536,18 @@ def main():
       inputs = make_inputs(case)
       for name, tiles in (("ours_mosaic", mosaic_tune_tiles(args.quick, case["D"])),
                           ("ours_triton", triton_tune_tiles(args.quick))):
-        results = [(t, measure(name, case, inputs, warmup, repeats, tiles=t))
-                   for t in tiles]
+        if name not in names:
+          continue
+        results = []
+        for t in tiles:
+          results.append((t, measure(name, case, inputs, warmup, repeats, tiles=t)))
+          print(f"{name} {tile_label(t)}: {cell(results[-1][1])}", flush=True)
         tune_rows.append(dict(name=name, case=case, results=results))
+        report["tune"] = [dict(name=r["name"], case=r["case"], results=[
+            dict(tiles=list(t), **res) for t, res in r["results"]])
+                          for r in tune_rows]
+        save()
     print("\n" + tune_table(tune_rows))
-    report["tune"] = [dict(name=r["name"], case=r["case"], results=[
-        dict(tiles=list(t), **res) for t, res in r["results"]])
-                      for r in tune_rows]
 
   if not args.no_memory:
     memory_rows = []
@@ -524,7 +561,7 @@ def main():
     report["memory"] = memory_rows
 
   if args.out:
-    args.out.write_text(json.dumps(report, indent=2))
+    save()
     print(f"\nwrote {args.out}")
 
 

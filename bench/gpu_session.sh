@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# Every GPU check and timing of a device session, in two calls of at most
-# 8 minutes each (a device call may run 10): `bash bench/gpu_session.sh 1`
-# (kernel tests on the GPU, acceptance rows, GPT-2 small packed and not,
-# GPT-2 small training throughput), then
-# `bash bench/gpu_session.sh 2` (the whole grid, the tile sweep).
+# Every GPU check and timing of a device session, ordered by what matters
+# most, inside one time budget (a session has about 15 minutes of GPU time,
+# the machine's start included; one call may run 10):
 #
-# Run from the repository root on the H200 machine (jax 0.11.2 + CUDA there,
-# without ml_collections, grain, tensorboardX: carried as wheels in .whl/).
-# Prepare the wheels once on the CPU machine:
+#   BUDGET=570 bash bench/gpu_session.sh main   # checks, acceptance rows, training, tiles
+#   BUDGET=150 bash bench/gpu_session.sh grid   # the rest of the attention grid
+#
+# `main`: the kernel tests compiled on the card (Mosaic GPU, Triton, the
+# block-sparse plans), the acceptance rows of the attention grid (all
+# competitors, Tokamax included), GPT-2 small training with `auto`, the
+# tiles of our two kernels on the acceptance row, GPT-2 small training with
+# our kernel, the context-parallel ring's kernel calls, and the MoE grouped
+# matmuls against a dense MLP. `grid`: every other row of the grid. Each stage has its
+# own limit, cut to what is left of BUDGET seconds; a stage with under 15 s
+# left is skipped. The attention, ring and MoE benches write their JSON
+# after every row, so a stage stopped at its limit keeps what it measured.
+#
+# Run from the repository root on the H200 machine (jax 0.11.2 + CUDA there;
+# ml_collections, grain, tensorboardX and Tokamax's needs are missing, and
+# its flax, optax and orbax are not our pins): carried as wheels in .whl/.
+# Prepare them once on the CPU machine:
 #
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
-#     ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker tensorboardX
+#     ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker \
+#     tensorboardX==2.6.5 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.4 \
+#     tokamax==0.0.12 einshape pydantic pydantic-core qwix typeguard==2.13.3 \
+#     immutabledict annotated-types typing-inspection typing-extensions
 #
-# then call the device tool with carry [".whl"] and the command above. Each
-# stage has its own time limit; results land in $OUT (logs, JSON) and the
-# tables are printed last. Copy them into bench/RESULTS.md with the date,
-# card, command and commit.
+# (pydantic-core at the version pydantic's METADATA names), then call the
+# device tool with carry [".whl"] and the command above. Results land in
+# $OUT/session-<part>.tgz (logs, JSON) and the tables are printed last. Copy them into
+# bench/RESULTS.md with the date, card, command and commit.
 set -u
-PART=${1:-1}
-OUT=${OUT:-/tmp/gpu_session}
-mkdir -p "$OUT"
+PART=${1:-main}
+BUDGET=${BUDGET:-570}
+OUT=${OUT:-/tmp/gpu_session}  # gets session-$PART.tgz: every log and JSON, after every stage
+W=/tmp/gpu_work-$PART
+mkdir -p "$OUT" "$W"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
     --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -30,47 +47,59 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-stage() {  # stage NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, note rc
+stage() {  # stage NAME SECONDS COMMAND...: run within what is left, log to $W/NAME.log
   local name=$1 limit=$2
   shift 2
+  local left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 15 ]; then
+    echo "$name skipped: ${left}s left" | tee -a "$W/stages.txt"
+    return
+  fi
   echo "=== $name (limit ${limit}s): $*"
   local start=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/stages.txt"
+  timeout "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$W/stages.txt"
+  tar -czf "$OUT/session-$PART.tgz" -C "$W" .
 }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
-  --format=csv > "$OUT/gpu.txt" 2>&1
-git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null
+  --format=csv > "$W/gpu.txt" 2>&1
+python3 -c "import jax, jaxlib, flax, tokamax; print('jax', jax.__version__, jax.devices(), \
+'flax', flax.__version__, 'tokamax', tokamax.__version__)" >> "$W/gpu.txt" 2>&1
 
-if [ "$PART" = 1 ]; then
-  # The compiled kernels against the reference (Mosaic GPU, then Triton).
-  stage tests_hopper 140 python3 -m pytest -q -x -p no:cacheprovider \
-    -m "slow or not slow" tests/test_flash_attention_hopper.py \
-    tests/test_flash_attention.py::test_training_with_hopper_kernel_matches_reference
-  stage tests_triton 100 python3 -m pytest -q -x -p no:cacheprovider \
-    tests/test_flash_attention.py
-  # The acceptance rows, the GPT-2 small shape (also packed, with segment
-  # ids, as training runs it), and GPT-2 small training throughput.
-  stage attention_key 120 python3 -m bench.attention --no_memory \
-    --rows 128:16384:yes 64:4096:yes gpt2-small gpt2-small-packed \
-    --out "$OUT/attention_key.json"
-  stage train_gpt2 120 python3 -m bench.train_throughput \
+ROWS="128:16384:yes 64:4096:yes gqa gpt2-small gpt2-small-packed"
+if [ "$PART" = main ]; then
+  # The compiled kernels against the reference (Mosaic GPU, Triton, plans),
+  # on the card: the suite pins the CPU unless JAX_PLATFORMS says otherwise.
+  stage tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n 6 \
+    -p no:cacheprovider -m "slow or not slow" tests/test_flash_attention_hopper.py \
+    tests/test_flash_attention.py tests/test_block_sparse.py
+  stage attention_key 90 python3 -m bench.attention --no_memory --warmup 2 --repeats 5 \
+    --rows $ROWS --out "$W/attention_key.json"
+  stage train_gpt2 90 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
-    --out "$OUT/train_gpt2.json"
-  LOGS="tests_hopper tests_triton attention_key train_gpt2"
+    --out "$W/train_gpt2.json"
+  stage attention_tune 90 python3 -m bench.attention --no_memory --tune --warmup 2 \
+    --repeats 5 --only ours_mosaic ours_triton --rows 128:16384:yes \
+    --out "$W/attention_tune.json"
+  stage train_gpt2_pallas 60 python3 -m bench.train_throughput \
+    --config configs/gpt2_small.py --config.model.attention_impl=pallas --ours_only \
+    --steps 20 --warmup 3 --out "$W/train_gpt2_pallas.json"
+  stage ring_blocks 60 python3 -m bench.ring_blocks --out "$W/ring_blocks.json"
+  stage moe 50 python3 -m bench.moe --deadline_s 40 --out "$W/moe.json"
+  LOGS="tests attention_key train_gpt2 attention_tune train_gpt2_pallas ring_blocks moe"
 else
-  # The tiles of our two kernels on the acceptance row (Mosaic GPU: 14
-  # candidates incl. the fused dQ backward), then the whole grid.
-  stage attention_tune 250 python3 -m bench.attention --no_memory --tune \
-    --rows 128:16384:yes --out "$OUT/attention_tune.json"
-  stage attention_grid 190 python3 -m bench.attention --no_memory \
-    --out "$OUT/attention_grid.json"
-  LOGS="attention_tune attention_grid"
+  ALL=$(python3 -c "from bench.attention import grid_cases, row_name
+print(' '.join(row_name(c) for c in grid_cases(False)))")
+  REST=$(for r in $ALL; do case " $ROWS " in *" $r "*) ;; *) echo -n "$r ";; esac; done)
+  stage attention_grid 600 python3 -m bench.attention --no_memory --warmup 2 --repeats 5 \
+    --rows $REST --out "$W/attention_grid.json"
+  LOGS="attention_grid"
 fi
 
-cat "$OUT/gpu.txt" "$OUT/stages.txt"
+cat "$W/gpu.txt" "$W/stages.txt"
 for name in $LOGS; do
   echo "--- $name"
-  grep -E '^\||^#|wrote|rror|passed|failed' "$OUT/$name.log" | tail -n 25
+  grep -E '^\||^#|wrote|rror|passed|failed|FAIL' "$W/$name.log" 2>/dev/null | tail -n 30
 done

@@ -16,7 +16,8 @@ config's train.batch_size x train.seq_len (segment ids all 1, positions
   `jax.jit` with params and optimizer state donated. It calls the model with
   the same segment ids and positions as ours, so the two compute the same
   forward pass. `--tokens_only_row` adds `plain_tokens_only`, which calls
-  `model(inputs)` alone (no segment mask), as for unpacked data.
+  `model(inputs)` alone (no segment mask), as for unpacked data;
+  `--ours_only` leaves `plain` out (a second attention_impl, say).
 
 Times are the median of `--steps` timed steps after `--warmup` warm-up steps,
 each ended by `jax.block_until_ready`; the variants alternate step by step so
@@ -70,6 +71,8 @@ _PEAK_TFLOPS = flags.DEFINE_float("peak_tflops", 0.0, "Per-device peak TFLOP/s f
                                   "0: train.peak_tflops or the device's datasheet.")
 _TOKENS_ONLY_ROW = flags.DEFINE_boolean("tokens_only_row", False, "Also time the plain step "
                                         "calling model(inputs) without segment ids/positions.")
+_OURS_ONLY = flags.DEFINE_boolean("ours_only", False, "Time our step alone (another "
+                                  "attention_impl, say, beside a run that timed plain).")
 flags.mark_flags_as_required(["config"])
 
 
@@ -128,7 +131,7 @@ class Variant:
     return seconds
 
 
-def build_variants(config, tokens_only_row: bool) -> list[Variant]:
+def build_variants(config, tokens_only_row: bool, ours_only: bool = False) -> list[Variant]:
   tc = config.train
 
   def make_model():
@@ -141,6 +144,8 @@ def build_variants(config, tokens_only_row: bool) -> list[Variant]:
   ours_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps)
   variants = [Variant("ours", "training.steps.jit_train_step (train.py's step, donated)",
                       state, ours_fn, lambda metrics: metrics["loss"])]
+  if ours_only:
+    return variants
 
   def plain(name, description, tokens_only):
     plain_graphdef, params = nnx.split(make_model())
@@ -183,7 +188,7 @@ def markdown_table(rows: list[dict]) -> str:
   for r in rows:
     lines.append(f"| {r['name']} | {r['ms_per_step']:.2f} | {r['tokens_per_second']:,.0f} | "
                  f"{r['tflops']:.3f} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f')}"
-                 f"{'%' if r['mfu'] is not None else ''} | {r['ratio_vs_plain']:.3f} |")
+                 f"{'%' if r['mfu'] is not None else ''} | {fmt(r['ratio_vs_plain'], '.3f')} |")
   return "\n".join(lines)
 
 
@@ -216,7 +221,7 @@ def main(argv):
   attention = m.attention_impl
   if attention == "auto":
     probe = jax.ShapeDtypeStruct((1, 1, m.num_heads, head_dim(m)), DTYPES[m.dtype])
-    attention = f"auto -> {choose_implementation(probe, ("score:softmax",))}"
+    attention = f"auto -> {choose_implementation(probe, ('score:softmax',))}"
   tokens_per_step = tc.batch_size * tc.seq_len
   meta = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -243,7 +248,7 @@ def main(argv):
         f"after {_WARMUP.value} warm-up", flush=True)
 
   batch = random_batch(m.vocab_size, tc.batch_size, tc.seq_len, tc.seed)
-  variants = build_variants(config, _TOKENS_ONLY_ROW.value)
+  variants = build_variants(config, _TOKENS_ONLY_ROW.value, _OURS_ONLY.value)
   for _ in range(_WARMUP.value):
     for v in variants:
       v.run(batch)
@@ -262,13 +267,14 @@ def main(argv):
                  "first_step_s": v.compile_s, "first_step_loss": v.first_loss,
                  "ms_min": 1e3 * min(v.times), "ms_mean": 1e3 * statistics.fmean(v.times),
                  "ms_all": [1e3 * t for t in v.times]})
-  plain_tps = next(r["tokens_per_second"] for r in rows if r["name"] == "plain")
-  plain_times = variants[1].times
   for r, v in zip(rows, variants):
-    r["ratio_vs_plain"] = r["tokens_per_second"] / plain_tps
-    # Steps i of two variants ran back to back, so their ratio cancels slow drifts of a
-    # shared machine's load; the median of those ratios is the steadier estimate.
-    r["paired_ratio_vs_plain"] = statistics.median(p / t for p, t in zip(plain_times, v.times))
+    r["ratio_vs_plain"] = r["paired_ratio_vs_plain"] = None
+    if len(variants) > 1:
+      r["ratio_vs_plain"] = r["tokens_per_second"] / rows[1]["tokens_per_second"]
+      # Steps i of two variants ran back to back, so their ratio cancels slow drifts of a
+      # shared machine's load; the median of those ratios is the steadier estimate.
+      r["paired_ratio_vs_plain"] = statistics.median(
+          p / t for p, t in zip(variants[1].times, v.times))
   ratio = rows[0]["ratio_vs_plain"]
   stats = device.memory_stats() if hasattr(device, "memory_stats") else None
   meta["device_peak_bytes_in_use"] = (stats or {}).get("peak_bytes_in_use")
@@ -277,8 +283,9 @@ def main(argv):
   print()
   print(table)
   print()
-  print(f"ours / plain tokens/s: {ratio:.3f} (ratio of medians); "
-        f"{rows[0]['paired_ratio_vs_plain']:.3f} (median of step-by-step ratios)")
+  if ratio is not None:
+    print(f"ours / plain tokens/s: {ratio:.3f} (ratio of medians); "
+          f"{rows[0]['paired_ratio_vs_plain']:.3f} (median of step-by-step ratios)")
   print("first-step loss (same parameters, same batch): " +
         ", ".join(f"{r['name']} {r['first_step_loss']:.5f}" for r in rows))
   print("first step incl. compilation: " +

@@ -45,3 +45,11 @@ def test_tpu_competitors_get_the_segment_ids():
     got = np.asarray(bench_attention.attention_fn(name, case)(q, k, v), np.float32)
     assert np.abs(got - want).max() < 3e-2, name
   assert bench_attention.competitors("tpu") == bench_attention.TPU_COMPETITORS
+
+
+def test_rows_select_grid_rows_by_shape_and_the_others_by_label():
+  """`--rows 64:4096:yes` is the grid row alone, not the GQA row of the same
+  D, S and mask; `gqa` selects that one."""
+  names = [bench_attention.row_name(c) for c in bench_attention.grid_cases(quick=False)]
+  assert len(names) == len(set(names))
+  assert {"64:4096:yes", "gqa", "gpt2-small", "gpt2-small-packed"} <= set(names)

@@ -82,3 +82,13 @@ for name in {_modules(package)!r}:
 pulled = sorted(m for m in sys.modules if m.split(".")[0] in {forbidden!r})
 assert not pulled, f"{package} pulled in {{pulled}}"
 """)
+
+
+def test_every_file_parses_on_this_python():
+  """Every .py of the repository compiles on the interpreter that runs the
+  suite (the oldest the project supports: no newer syntax, such as a quote of
+  the enclosing kind inside an f-string, in a script the suite never runs)."""
+  skip = {".venv", "venv-cuda", ".git", "runs"}
+  paths = [p for p in ROOT.rglob("*.py") if not skip & set(p.relative_to(ROOT).parts)]
+  for path in paths:
+    compile(path.read_text(), str(path), "exec")
