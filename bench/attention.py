@@ -203,6 +203,9 @@ def attention_fn(name: str, case: dict, tiles=None):
 def _tokamax(case: dict, seg, scale: float):
   """Tokamax's Mosaic GPU attention as (q, k, v) -> out (same layout)."""
   import tokamax  # pylint: disable=import-outside-toplevel
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  if not flags.FLAGS.is_parsed():  # else Tokamax parses this script's argparse flags with absl
+    flags.FLAGS(sys.argv[:1])
   mask = None if seg is None else (seg[:, None, :, None] == seg[:, None, None, :])
   return functools.partial(tokamax.dot_product_attention, mask=mask, scale=scale,
                            is_causal=case["causal"], implementation="mosaic")
@@ -538,15 +541,15 @@ def main():
                           ("ours_triton", triton_tune_tiles(args.quick))):
         if name not in names:
           continue
-        results = []
+        tune_rows.append(dict(name=name, case=case, results=[]))
         for t in tiles:
-          results.append((t, measure(name, case, inputs, warmup, repeats, tiles=t)))
-          print(f"{name} {tile_label(t)}: {cell(results[-1][1])}", flush=True)
-        tune_rows.append(dict(name=name, case=case, results=results))
-        report["tune"] = [dict(name=r["name"], case=r["case"], results=[
-            dict(tiles=list(t), **res) for t, res in r["results"]])
-                          for r in tune_rows]
-        save()
+          tune_rows[-1]["results"].append((t, measure(name, case, inputs, warmup, repeats,
+                                                      tiles=t)))
+          print(f"{name} {tile_label(t)}: {cell(tune_rows[-1]['results'][-1][1])}", flush=True)
+          report["tune"] = [dict(name=r["name"], case=r["case"], results=[
+              dict(tiles=list(t), **res) for t, res in r["results"]])
+                            for r in tune_rows]
+          save()
     print("\n" + tune_table(tune_rows))
 
   if not args.no_memory:

@@ -127,10 +127,11 @@ def attention(case: dict, device):
   """(q, k, v, q_seg, kv_seg) -> out, with tiles chosen for `device`."""
   kwargs = dict(causal=case["causal"], scale=1.0 / math.sqrt(case["D"]))
   tiles = case["tiles"]
-  if case["lowering"] == "mosaic_gpu" and (tiles is not None or case["fused"]):
-    if tiles is None:
+  if case["lowering"] == "mosaic_gpu":
+    if tiles is None:  # the default tiles, with the backward the case names
       S = VARIANTS[case["variant"]][1]
-      blocks = dataclasses.replace(hopper.choose_hopper_blocks(case["D"], S), fused_dq=True)
+      blocks = dataclasses.replace(hopper.choose_hopper_blocks(case["D"], S),
+                                   fused_dq=case["fused"])
     else:
       blocks = bench_attention.mosaic_blocks(tiles)
     return lambda q, k, v, qs, ks: hopper.hopper_flash_attention(

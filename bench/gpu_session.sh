@@ -7,18 +7,22 @@
 #   BUDGET=150 bash bench/gpu_session.sh grid   # the rest of the attention grid
 #
 # `main`: the kernel tests compiled on the card (Mosaic GPU, Triton, the
-# block-sparse plans), the acceptance rows of the attention grid (all
-# competitors, Tokamax included), GPT-2 small training with `auto`, the
-# tiles of our two kernels on the acceptance row, GPT-2 small training with
-# our kernel, the context-parallel ring's kernel calls, and the MoE grouped
-# matmuls against a dense MLP. `grid`: every other row of the grid. Each stage has its
-# own limit, cut to what is left of BUDGET seconds; a stage with under 15 s
-# left is skipped. The attention, ring and MoE benches write their JSON
-# after every row, so a stage stopped at its limit keeps what it measured.
+# block-sparse plans; about 120 s), the acceptance rows of the attention
+# grid (all competitors, Tokamax included; about 30 s a row), GPT-2 small
+# training with `auto` and with our kernel, the tiles of our two kernels at
+# head_dim 64 (about 7 s a candidate; head_dim 128's were timed on
+# 2026-12-04, bench/RESULTS.md), the MoE grouped matmuls against a dense
+# MLP, and, if time is left, the context-parallel ring's kernel calls.
+# `grid`: every other row of the grid. Each stage has its own limit, cut to
+# what is left of BUDGET seconds; a stage with under 15 s left is skipped.
+# The attention, ring and MoE benches write their JSON after every row (and
+# tile), so a stage stopped at its limit keeps what it measured.
 #
 # Run from the repository root on the H200 machine (jax 0.11.2 + CUDA there;
 # ml_collections, grain, tensorboardX and Tokamax's needs are missing, and
-# its flax, optax and orbax are not our pins): carried as wheels in .whl/.
+# its optax and orbax are not our pins): carried as wheels in .whl/. Not
+# flax: our pin, 0.12.8, does not import with jax 0.11.2; the machine's
+# 0.12.10 does.
 # Prepare them once on the CPU machine:
 #
 #   echo /.whl/ >> .git/info/exclude
@@ -26,7 +30,7 @@
 #     --implementation cp --platform manylinux_2_28_x86_64 \
 #     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     ml-collections==1.1.0 grain==0.2.18 array-record==0.8.6 portpicker \
-#     tensorboardX==2.6.5 flax==0.12.8 optax==0.2.8 orbax-checkpoint==0.12.4 \
+#     tensorboardX==2.6.5 optax==0.2.8 orbax-checkpoint==0.12.4 \
 #     tokamax==0.0.12 einshape pydantic pydantic-core qwix typeguard==2.13.3 \
 #     immutabledict annotated-types typing-inspection typing-extensions
 #
@@ -39,6 +43,7 @@ PART=${1:-main}
 BUDGET=${BUDGET:-570}
 OUT=${OUT:-/tmp/gpu_session}  # gets session-$PART.tgz: every log and JSON, after every stage
 W=/tmp/gpu_work-$PART
+rm -rf "$W" /tmp/site  # a warm machine keeps /tmp from the call before
 mkdir -p "$OUT" "$W"
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
@@ -60,6 +65,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run within what is left, log to $W/N
   local start=$SECONDS
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
   echo "$name rc=$? $((SECONDS - start))s" | tee -a "$W/stages.txt"
+  # A stage stopped at its limit can leave children on the GPU (pytest-xdist's
+  # workers outlive their controller): end them before the next stage times.
+  pkill -9 -f "python3 -m (pytest|bench)" 2>/dev/null
+  pkill -9 -f "xdist|execnet" 2>/dev/null
   tar -czf "$OUT/session-$PART.tgz" -C "$W" .
 }
 
@@ -72,23 +81,23 @@ ROWS="128:16384:yes 64:4096:yes gqa gpt2-small gpt2-small-packed"
 if [ "$PART" = main ]; then
   # The compiled kernels against the reference (Mosaic GPU, Triton, plans),
   # on the card: the suite pins the CPU unless JAX_PLATFORMS says otherwise.
-  stage tests 120 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -q -n 6 \
-    -p no:cacheprovider -m "slow or not slow" tests/test_flash_attention_hopper.py \
-    tests/test_flash_attention.py tests/test_block_sparse.py
-  stage attention_key 90 python3 -m bench.attention --no_memory --warmup 2 --repeats 5 \
+  stage tests 150 env JAX_PLATFORMS=cuda,cpu python3 -m pytest -v -rf --tb=short -n 8 \
+    -p no:cacheprovider -p no:benchmark --timeout 100 -m "slow or not slow" \
+    tests/test_flash_attention_hopper.py tests/test_flash_attention.py tests/test_block_sparse.py
+  stage attention_key 150 python3 -m bench.attention --no_memory --warmup 2 --repeats 5 \
     --rows $ROWS --out "$W/attention_key.json"
-  stage train_gpt2 90 python3 -m bench.train_throughput \
+  stage train_gpt2 60 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --steps 20 --warmup 3 --tokens_only_row \
     --out "$W/train_gpt2.json"
-  stage attention_tune 90 python3 -m bench.attention --no_memory --tune --warmup 2 \
-    --repeats 5 --only ours_mosaic ours_triton --rows 128:16384:yes \
-    --out "$W/attention_tune.json"
-  stage train_gpt2_pallas 60 python3 -m bench.train_throughput \
+  stage train_gpt2_pallas 45 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --config.model.attention_impl=pallas --ours_only \
     --steps 20 --warmup 3 --out "$W/train_gpt2_pallas.json"
+  stage attention_tune 120 python3 -m bench.attention --no_memory --tune --warmup 2 \
+    --repeats 5 --only ours_mosaic ours_triton --rows 64:4096:yes \
+    --out "$W/attention_tune.json"
+  stage moe 45 python3 -m bench.moe --deadline_s 40 --out "$W/moe.json"
   stage ring_blocks 60 python3 -m bench.ring_blocks --out "$W/ring_blocks.json"
-  stage moe 50 python3 -m bench.moe --deadline_s 40 --out "$W/moe.json"
-  LOGS="tests attention_key train_gpt2 attention_tune train_gpt2_pallas ring_blocks moe"
+  LOGS="tests attention_key train_gpt2 train_gpt2_pallas attention_tune moe ring_blocks"
 else
   ALL=$(python3 -c "from bench.attention import grid_cases, row_name
 print(' '.join(row_name(c) for c in grid_cases(False)))")

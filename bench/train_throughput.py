@@ -221,7 +221,7 @@ def main(argv):
   attention = m.attention_impl
   if attention == "auto":
     probe = jax.ShapeDtypeStruct((1, 1, m.num_heads, head_dim(m)), DTYPES[m.dtype])
-    attention = f"auto -> {choose_implementation(probe, ('score:softmax',))}"
+    attention = f"auto -> {choose_implementation(probe, ('score:softmax',), segments=True)}"
   tokens_per_step = tc.batch_size * tc.seq_len
   meta = {
       "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -57,7 +57,7 @@ from jax.sharding import PartitionSpec as P
 from configs.errors import UserError
 from model.embeddings import apply_rope
 from model import context_parallel
-from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS
+from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
 from model.layers import Dense, batch_axes, compile_device
 from model.norms import RMSNorm
 from model.positions import POSITIONS
@@ -438,7 +438,8 @@ def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementati
   our Pallas kernels for `pallas` (and for `auto` where it chooses them),
   the JAX blocks otherwise."""
   if implementation == "auto":
-    implementation = "pallas" if choose_implementation(q_BTHD, o.features()) == "pallas" else "xla"
+    chosen = choose_implementation(q_BTHD, o.features(), o.segment_ids is not None)
+    implementation = "pallas" if chosen == "pallas" else "xla"
   refusal = _context_refusal(implementation, o.features())
   if refusal is not None:
     raise UserError(f"mesh.context={n} takes no {refusal[1]} ({refusal[2]})")
@@ -465,13 +466,37 @@ def _log_choice(message: str) -> None:
 
 
 def auto_implementation(*, backend: str, dtype, head_dim: int,
-                        features: tuple[str, ...] = ()) -> str:
-  """The `auto` rule, for calls that use `features` (`AttentionOptions.features`).
+                        features: tuple[str, ...] = (), segments: bool = False,
+                        device_kind: str = "") -> str:
+  """The `auto` rule, for calls that use `features` (`AttentionOptions.features`)
+  with segment ids (`segments`: packed or padded rows) or without, on a
+  device of `device_kind`.
 
-  On a GPU: `cudnn` for 16-bit inputs with head_dim a multiple of 8 up to 128
-  and no feature but a causal window (cuDNN's fused flash attention, the
-  fastest measured in docs/benchmarks.md; no dense mask, bias or soft-cap),
-  otherwise `xla`.
+  On a GPU: our kernel (`pallas`, the Mosaic GPU kernels) on a Hopper for
+  16-bit inputs with segment ids, at the head dims it takes (64, 128) and
+  with the features it takes; else `cudnn` for 16-bit inputs with head_dim a
+  multiple of 8 up to 128 and no feature but a causal window; otherwise
+  `xla`. Measured on an H200 (jax 0.11.2, bf16, causal; `python -m
+  bench.attention`, bench/RESULTS.md 2026-12-04), fwd / fwd+bwd TFLOP/s:
+
+  | rows (B x S, heads, D)          | ours (Mosaic GPU) | cudnn      |
+  |---------------------------------|-------------------|------------|
+  | 8 x 1024, 12, 64, packed        | 62.3 / 90.6       | 26.1 / 64.6 |
+  | 8 x 1024, 12, 64                | 55.9 / 104        | 48.8 / 96.9 |
+  | 4 x 4096, 32, 64                | 249 / 254         | 276 / 310  |
+  | 4 x 4096, 32 / 8 KV, 64         | 249 / 269         | 262 / 316  |
+  | 1 x 16384, 16, 128              | 537 / 432         | 467 / 534  |
+
+  cuDNN takes segment ids only as the dense [B, 1, T, S] mask built from
+  them, which slows it (GPT-2 small's packed row: 64.6 against 96.9 without);
+  our kernels skip the tiles that share no document (cuDNN's last three rows
+  read 15% to 30% under an earlier run's on the same card, which only
+  widens its lead there). GPT-2 small training
+  (`bench.train_throughput`, segment ids in the batch): 308,440 tokens/s with
+  our kernel, 297,863 with cuDNN. Without segment ids cuDNN stays: it led
+  at 4k and 16k tokens and trailed by 7% only at GPT-2 small's 1,024.
+  Other GPUs: cuDNN (our Triton kernels were not faster on the packed row:
+  61.3 against 64.6 fwd+bwd).
 
   On a TPU: `pallas` (our Mosaic TPU kernel) where it takes the features (no
   dense mask or bias), otherwise `xla`. Memory decides
@@ -486,10 +511,13 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
   in docs/benchmarks.md ("Where a CPU step's time goes";
   `python -m bench.vs_torch --parts attention`).
   """
+  sixteen_bit = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+  if (backend == "gpu" and segments and sixteen_bit and is_hopper(device_kind)
+      and head_dim in MOSAIC_GPU_HEAD_DIMS and IMPLEMENTATIONS["pallas"].refusal(features) is None):
+    return "pallas"
   fused = {"window", score_feature("softmax")}
-  if (backend == "gpu" and set(features) <= fused
-      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-      and head_dim % 8 == 0 and head_dim <= 128):
+  if backend == "gpu" and set(features) <= fused and sixteen_bit and head_dim % 8 == 0 \
+      and head_dim <= 128:
     return "cudnn"
   if backend == "tpu" and IMPLEMENTATIONS["pallas"].refusal(features) is None:
     return "pallas"
@@ -498,15 +526,17 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
   return "xla" if IMPLEMENTATIONS["xla"].refusal(features) is None else "reference"
 
 
-def choose_implementation(q_BTHD, features: tuple[str, ...]) -> str:
-  """`auto_implementation` for these queries on the platform of `compile_device()`
-  (logged once)."""
+def choose_implementation(q_BTHD, features: tuple[str, ...], segments: bool = False) -> str:
+  """`auto_implementation` for these queries (with segment ids or not) on the
+  device of `compile_device()` (logged once)."""
   D = q_BTHD.shape[-1]
-  backend = compile_device().platform
-  choice = auto_implementation(backend=backend, dtype=q_BTHD.dtype, head_dim=D,
-                               features=features)
+  device = compile_device()
+  choice = auto_implementation(backend=device.platform, dtype=q_BTHD.dtype, head_dim=D,
+                               features=features, segments=segments,
+                               device_kind=device.device_kind)
   _log_choice(f"attention_impl=auto chose {choice} for head_dim={D}, "
-              f"dtype={q_BTHD.dtype}, features={', '.join(features)} on {backend}")
+              f"dtype={q_BTHD.dtype}, features={', '.join(features)}, "
+              f"segment ids: {'yes' if segments else 'no'} on {device.device_kind}")
   return choice
 
 
@@ -581,7 +611,7 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
   if n > 1:
     return _context_attention(q_BTHD, k_BSKD, v_BSKD, o, implementation, pallas_lowering, n)
   if IMPLEMENTATIONS[implementation].run is None:
-    implementation = choose_implementation(q_BTHD, o.features())
+    implementation = choose_implementation(q_BTHD, o.features(), o.segment_ids is not None)
   check_options(implementation, o)
   with jax.named_scope("attention"):
     return IMPLEMENTATIONS[implementation].run(q_BTHD, k_BSKD, v_BSKD, o, pallas_lowering)

@@ -206,9 +206,19 @@ def sweep_cli(*args) -> subprocess.CompletedProcess:
 
 # Attention kernels against the reference.
 
-# max |kernel - oracle| / max(max |oracle|, 1) against the float32 reference
-# (see tests/test_flash_attention.py).
-KERNEL_TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 3e-2}
+def float32_tolerance() -> float:
+  """The float32 kernels' tolerance: 1e-5 where float32 dots are exact but
+  for rounding (the CPU, the interpreter); 5e-3 on a GPU, where float32 dots
+  run in TF32 (a 10-bit mantissa), the compiled kernels' as XLA's at JAX's
+  default precision: the worst case of the suite on an H200 was 2.3e-3
+  (2026-12-04)."""
+  return 5e-3 if jax.default_backend() == "gpu" else 1e-5
+
+
+def kernel_tolerance(dtype) -> float:
+  """max |kernel - oracle| / max(max |oracle|, 1) against the float32
+  reference (see tests/test_flash_attention.py)."""
+  return float32_tolerance() if dtype == jnp.float32 else 3e-2
 
 
 def kernel_inputs(seed, B, T, S, H, K, D, dtype):
@@ -252,12 +262,12 @@ def kernel_and_oracle(q, k, v, do, *, causal, q_seg, kv_seg, **blocks):
 
 
 def assert_kernel_close(actual, expected, dtype, name):
-  """Within `KERNEL_TOLERANCE[dtype]` of the oracle, and finite."""
+  """Within `kernel_tolerance(dtype)` of the oracle, and finite."""
   actual = np.asarray(actual.astype(jnp.float32))
   expected = np.asarray(expected)
   assert np.isfinite(actual).all(), f"{name}: not finite"
   err = np.abs(actual - expected).max() / max(np.abs(expected).max(), 1.0)
-  assert err <= KERNEL_TOLERANCE[dtype], f"{name}: relative error {err:.2e}"
+  assert err <= kernel_tolerance(dtype), f"{name}: relative error {err:.2e}"
 
 
 # Hugging Face checkpoints and tokenizers.

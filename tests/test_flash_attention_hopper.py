@@ -65,6 +65,11 @@ def _segments(B, L, seed):
     # T > S, MQA over three query heads, no turns.
     (1, 256, 128, 3, 1, 64, True, False, jnp.float16,
      hopper.HopperBlocks(64, 64, 2, pingpong=False, fused_dq=True)),
+    # Head_dim 128's defaults on the card: the forward's warpgroups take
+    # turns, the fused backward's do not.
+    pytest.param(1, 192, 256, 2, 1, 128, True, False, jnp.bfloat16,
+                 hopper.HopperBlocks(128, 64, 2, pingpong=True, fused_dq=True,
+                                     bwd_pingpong=False), marks=pytest.mark.slow),
     # One key tile, shorter than the ring: the pipelined forward's first
     # and last steps are its only ones.
     pytest.param(1, 64, 48, 2, 1, 64, True, False, jnp.bfloat16,
@@ -171,6 +176,7 @@ def test_choose_lowering():
   bf16 = jnp.zeros((1, 8, 2, 128), jnp.bfloat16)
   h200 = dict(backend="gpu", device_kind="NVIDIA H200")
   assert choose_lowering(bf16, bf16, **h200) == "mosaic_gpu"
+  assert choose_lowering(bf16, bf16, **h200, block_q=128) == "triton"
   f32 = bf16.astype(jnp.float32)
   assert choose_lowering(f32, f32, **h200) == "triton"
   d32 = jnp.zeros((1, 8, 2, 32), jnp.bfloat16)
@@ -181,12 +187,27 @@ def test_choose_lowering():
 
 
 def test_hopper_blocks_follow_head_dim_and_length():
+  """Head_dim 128 gets the backward the H200 ran fastest (fused, no turns)."""
+  tuned = dict(fused_dq=True, bwd_pingpong=False)
   assert hopper.choose_hopper_blocks(64, 4096) == hopper.HopperBlocks(128, 64, 3)
-  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2)
-  assert hopper.choose_hopper_blocks(128, 40) == hopper.HopperBlocks(64, 64, 2)
+  assert hopper.choose_hopper_blocks(128, 4096) == hopper.HopperBlocks(128, 64, 2, **tuned)
+  assert hopper.choose_hopper_blocks(128, 40) == hopper.HopperBlocks(64, 64, 2, **tuned)
   assert hopper.choose_hopper_blocks(64, 200) == hopper.HopperBlocks(128, 64, 2)
   assert hopper.choose_hopper_blocks(64, 40) == hopper.HopperBlocks(64, 64, 2)
-  assert not hopper.choose_hopper_blocks(64, 4096, interpret=True).pingpong
+  interpreted = hopper.choose_hopper_blocks(128, 4096, interpret=True)
+  assert not interpreted.pingpong and not interpreted.fused_dq
+
+
+def test_backward_kernels_take_their_own_pingpong():
+  blocks = hopper.HopperBlocks(128, 64, 2, pingpong=True, bwd_pingpong=False)
+  assert blocks.for_backward() == hopper.HopperBlocks(128, 64, 2, pingpong=False)
+  assert hopper.HopperBlocks(128, 64, 2).for_backward() == hopper.HopperBlocks(128, 64, 2)
+  # The turn barriers are the backward kernels' own: none without turns.
+  with_turns = hopper.shared_memory_bytes(128, jnp.bfloat16, hopper.HopperBlocks(128, 64, 2),
+                                          False)
+  without = hopper.shared_memory_bytes(128, jnp.bfloat16, blocks, False)
+  assert without["forward"] == with_turns["forward"]
+  assert without["dkdv"] < with_turns["dkdv"] and without["dq"] < with_turns["dq"]
 
 
 @pytest.mark.parametrize("D", hopper.HEAD_DIMS)

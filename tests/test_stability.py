@@ -220,6 +220,23 @@ def test_auto_does_not_pick_cudnn_for_a_softcap():
   assert cfg.attn_softcap == 50.0
 
 
+def test_auto_picks_our_kernel_on_a_hopper_for_segment_ids():
+  """On an H200 our Mosaic GPU kernel beat cuDNN's dense segment mask
+  (model/attention.py, auto_implementation's table); without segment ids,
+  on other GPUs, or where the kernel does not take the inputs, cuDNN or XLA."""
+  h200 = dict(backend="gpu", dtype=jnp.bfloat16, head_dim=64, device_kind="NVIDIA H200")
+  plain = ("score:softmax",)
+  assert auto_implementation(**h200, features=plain, segments=True) == "pallas"
+  assert auto_implementation(**h200, features=("window",) + plain, segments=True) == "pallas"
+  assert auto_implementation(**h200, features=plain) == "cudnn"
+  assert auto_implementation(**dict(h200, device_kind="NVIDIA A100-SXM4-80GB"),
+                             features=plain, segments=True) == "cudnn"
+  assert auto_implementation(**dict(h200, head_dim=96), features=plain, segments=True) == "cudnn"
+  assert auto_implementation(**dict(h200, dtype=jnp.float32), features=plain,
+                             segments=True) == "xla"
+  assert auto_implementation(**h200, features=("bias",) + plain, segments=True) == "xla"
+
+
 def test_auto_picks_our_kernel_on_a_tpu_where_it_takes_the_inputs():
   """Memory decides on TPUs (model/attention.py, auto_implementation): our
   kernel, soft-cap and sliding window included, but XLA for a dense mask or

@@ -20,3 +20,9 @@ MOSAIC_GPU_HEAD_DIMS = (64, 128)
 # dense mask, additive bias or other score function: `attention_impl=pallas`
 # refuses those by name.
 KERNEL_TAKES = frozenset({"window", "softcap", "score:softmax"})
+
+
+def is_hopper(device_kind: str) -> bool:
+  """Whether a GPU of this `device_kind` is a Hopper (sm_90), which the
+  Mosaic GPU kernels (`flash_attention_hopper.py`) target."""
+  return any(name in device_kind for name in ("H100", "H200", "H800", "GH200"))

@@ -102,6 +102,8 @@ class HopperBlocks:
       by its key tile and adds the product into a float32 dQ in global
       memory with TMA reduce-add (FlashAttention-3's backward: 5 tile
       matmuls per tile pair instead of 7).
+    bwd_pingpong: `pingpong` for the backward kernels (dQ, dK/dV); None:
+      as the forward's.
   """
   block_k: int
   block_q_dkv: int
@@ -109,6 +111,7 @@ class HopperBlocks:
   pingpong: bool = True
   block_k_dq: int | None = None
   fused_dq: bool = False
+  bwd_pingpong: bool | None = None
 
   @property
   def q_multiple(self) -> int:
@@ -124,6 +127,12 @@ class HopperBlocks:
     """The tiles as the dQ kernel sees them (its key tile as block_k)."""
     return dataclasses.replace(self, block_k=self.block_k_dq or self.block_k,
                                block_k_dq=None)
+
+  def for_backward(self) -> "HopperBlocks":
+    """The tiles as the backward kernels see them (`bwd_pingpong` as pingpong)."""
+    if self.bwd_pingpong is None:
+      return self
+    return dataclasses.replace(self, pingpong=self.bwd_pingpong, bwd_pingpong=None)
 
 
 def choose_hopper_blocks(head_dim: int, kv_len: int, *,
@@ -142,13 +151,21 @@ def choose_hopper_blocks(head_dim: int, kv_len: int, *,
   programs, and inside a jitted program (a training step) a warpgroup
   blocked on its turn can hold the CPU thread its neighbour needs (seen: a
   2-core machine hangs); it changes no result, and the kernel tests turn it
-  on explicitly. `bench/attention.py --tune` measures the alternatives on
-  the card.
+  on explicitly.
+
+  At head_dim 128 the backward is the fused one without ping-pong: on an
+  H200 (`bench/attention.py --tune`, S = 16k causal; bench/RESULTS.md,
+  2026-12-04) the backward ran about 18% faster without turns than with
+  them, fused or not, and fused at least as fast as with the dQ kernel,
+  while the forward was fastest with key tiles of 128 and turns. Head_dim
+  64 keeps the separate dQ kernel and turns until the card times it.
   """
   block_k = 64 if kv_len <= 64 else 128
   stages = 3 if head_dim <= 64 and kv_len > 2 * block_k else 2
+  tuned_backward = head_dim == 128 and not interpret
   return HopperBlocks(block_k=block_k, block_q_dkv=64, stages=stages,
-                      pingpong=not interpret)
+                      pingpong=not interpret, fused_dq=tuned_backward,
+                      bwd_pingpong=False if tuned_backward else None)
 
 
 def supports(q_BTHD, k_BSKD) -> str | None:
@@ -997,9 +1014,11 @@ def shared_memory_bytes(head_dim: int, dtype, blocks: HopperBlocks,
   """Shared memory each kernel takes, as Mosaic GPU allocates it
   (`hopper_pipeline.scratch_bytes`, and 2 KiB more in the forward:
   `_FORWARD_EXTRA_BYTES`)."""
-  scratch = {"forward": _forward_scratch, "dq": _dq_scratch, "dkdv": _dkdv_scratch}
-  sizes = {name: pipeline.scratch_bytes(build(head_dim, dtype, blocks, segments))
-           for name, build in scratch.items()}
+  scratch = {"forward": (_forward_scratch, blocks),
+             "dq": (_dq_scratch, blocks.for_backward()),
+             "dkdv": (_dkdv_scratch, blocks.for_backward())}
+  sizes = {name: pipeline.scratch_bytes(build(head_dim, dtype, tiles, segments))
+           for name, (build, tiles) in scratch.items()}
   sizes["forward"] += _FORWARD_EXTRA_BYTES
   return sizes
 
@@ -1064,6 +1083,7 @@ def _backward(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, o_BTHD, lse_BHT,
               do_BTHD, cfg: _Config):
   """(dq, dk, dv) from the dQ kernel and the dK/dV kernel, or from the
   dK/dV kernel alone with `fused_dq`."""
+  cfg = dataclasses.replace(cfg, blocks=cfg.blocks.for_backward())
   B, T, H, D = q_BTHD.shape
   dtype = q_BTHD.dtype
   gmem = _Operands(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS, do=do_BTHD, lse=lse_BHT,

@@ -51,13 +51,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from model.kernels import block_sparse
+from model.kernels import is_hopper
 from model.kernels import common
 
 MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
-
-
-def is_hopper(device_kind: str) -> bool:
-  return any(name in device_kind for name in ("H100", "H200", "H800", "GH200"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,21 +14,24 @@ import jax
 from model.kernels import flash_attention_hopper as hopper
 from model.kernels import flash_attention_tpu as tpu
 from model.kernels import flash_attention_triton as triton
+from model.kernels import is_hopper
 
 
 LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
 
 
-def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str) -> str:
+def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str,
+                    block_q: int | None = None) -> str:
   """Which kernel runs: "mosaic_tpu" (`flash_attention_tpu.py`) on a TPU;
   "mosaic_gpu" (`flash_attention_hopper.py`: wgmma, TMA, warp
-  specialisation) on a Hopper GPU for the inputs it takes; else "triton"
-  (`flash_attention_triton.py`: every GPU, every mask; the one the interpreter
-  runs on CPU)."""
+  specialisation) on a Hopper GPU for the inputs it takes, unless the call
+  sets a query tile (`block_q`), which its fixed 64 rows per warpgroup
+  cannot honour; else "triton" (`flash_attention_triton.py`: every GPU,
+  every mask; the one the interpreter runs on CPU)."""
   if backend == "tpu":
     return "mosaic_tpu"
-  if backend == "gpu" and triton.is_hopper(device_kind) and hopper.supports(
-      q_BTHD, k_BSKD) is None:
+  if (backend == "gpu" and is_hopper(device_kind) and block_q is None
+      and hopper.supports(q_BTHD, k_BSKD) is None):
     return "mosaic_gpu"
   return "triton"
 
@@ -66,7 +69,8 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       (the Hopper kernels: 16-bit, head_dim 64 or 128; only
       block_k applies, query tiles are 64 rows per warpgroup) or
       "mosaic_tpu" (the TPU kernels; block_q a multiple of 16 and block_k
-      of 128 when compiled); default `choose_lowering`.
+      of 128 when compiled); default `choose_lowering` (Triton on a Hopper
+      GPU when block_q is set).
     device: the device tiles and lowering are chosen for (its `platform` and
       `device_kind`); default `jax.devices()[0]`. A compile-only device
       (`jax.experimental.topologies`) compiles ahead of time for a GPU this
@@ -128,7 +132,7 @@ def _configure(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False, scale: float | N
   scale = D ** -0.5 if scale is None else float(scale)
   if lowering is None:
     lowering = choose_lowering(q_BTHD, k_BSKD, backend=device.platform,
-                               device_kind=device.device_kind)
+                               device_kind=device.device_kind, block_q=block_q)
   if interpret is None:
     interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
   softcap = None if softcap is None else float(softcap)
