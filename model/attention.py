@@ -528,7 +528,8 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
 
 def choose_implementation(q_BTHD, features: tuple[str, ...], segments: bool = False) -> str:
   """`auto_implementation` for these queries (with segment ids or not) on the
-  device of `compile_device()` (logged once)."""
+  device of `compile_device()` (logged once); the rule and the measurements
+  it rests on are `auto_implementation`'s docstring."""
   D = q_BTHD.shape[-1]
   device = compile_device()
   choice = auto_implementation(backend=device.platform, dtype=q_BTHD.dtype, head_dim=D,
