@@ -56,9 +56,12 @@ and 128 keys (`_DqExchange`); the dQ buffer is a Ref in global memory
 passed to `pl.kernel`, which aliases it in and out. The Mosaic GPU
 interpreter has no reduce-add, so there `_Ops` reads, adds and writes, into
 one buffer per compute warpgroup (the interpreter runs a CTA's warpgroups
-at once). Which backward is faster is for the card to say
-(`bench/attention.py --tune`); the default stays the separate dQ kernel
-until then.
+at once). The reduce-adds of a query tile's dQ arrive in the order the CTAs
+reach them, so the fused backward's dQ can differ in its last bits from run
+to run (FlashAttention-2 and -3's atomic dQ alike); the separate dQ
+kernel's does not.
+On an H200 the fused backward was at least as fast (bench/RESULTS.md,
+2026-12-04): it is the default at head_dim 128 (`choose_hopper_blocks`).
 
 On CPU the same kernel bodies run in the Mosaic GPU interpreter, which
 simulates the warpgroups, shared memory, TMA copies, barriers and register
