@@ -459,7 +459,7 @@ def tune_table(rows: list[dict]) -> str:
            "|---|---|---|---|---|---|"]
   for row in rows:
     c = row["case"]
-    cells = ", ".join(f"{tile_label(t)}: {cell(r)}" for t, r in row["results"])
+    cells = ", ".join(f"{tile_label(r['tiles'])}: {cell(r)}" for r in row["results"])
     lines.append(f"| {row['name']} | {c['label']} | {c['S']} | {c['D']} | "
                  f"{'yes' if c['causal'] else 'no'} | {cells} |")
   return "\n".join(lines)
@@ -534,7 +534,7 @@ def main():
   if args.tune and competitors(args.competitors) == TPU_COMPETITORS:
     print("\n--tune sweeps the GPU kernels' tiles only; skipped")
   elif args.tune:
-    tune_rows = []
+    tune_rows = report["tune"] = []
     for case in cases:
       inputs = make_inputs(case)
       for name, tiles in (("ours_mosaic", mosaic_tune_tiles(args.quick, case["D"])),
@@ -543,12 +543,9 @@ def main():
           continue
         tune_rows.append(dict(name=name, case=case, results=[]))
         for t in tiles:
-          tune_rows[-1]["results"].append((t, measure(name, case, inputs, warmup, repeats,
-                                                      tiles=t)))
-          print(f"{name} {tile_label(t)}: {cell(tune_rows[-1]['results'][-1][1])}", flush=True)
-          report["tune"] = [dict(name=r["name"], case=r["case"], results=[
-              dict(tiles=list(t), **res) for t, res in r["results"]])
-                            for r in tune_rows]
+          result = dict(tiles=list(t), **measure(name, case, inputs, warmup, repeats, tiles=t))
+          tune_rows[-1]["results"].append(result)
+          print(f"{name} {tile_label(t)}: {cell(result)}", flush=True)
           save()
     print("\n" + tune_table(tune_rows))
 

@@ -57,29 +57,43 @@ def flops(T: int, S: int, causal: bool, H: int, D: int) -> float:
   return 4.0 * T * S * H * D / (2 if causal else 1)
 
 
-def time_call(T: int, S: int, causal: bool, case: dict, lowering: str | None, warmup: int,
-              repeats: int) -> dict:
-  """ms of the parts' forward and backward and of the plain kernel's forward
-  and forward + backward, at one call's shapes."""
+def _inputs(T: int, S: int, case: dict):
+  """q and dO [1, T, H, D], k and v [1, S, K, D], bfloat16."""
   H, K, D = case["H"], case["K"], case["D"]
   q, _, _, do = make_inputs(dict(B=1, S=T, H=H, K=K, D=D), seed=1)
   _, k, v, _ = make_inputs(dict(B=1, S=S, H=H, K=K, D=D), seed=2)
-  parts = flash_attention_parts(q, k, causal=causal, lowering=lowering)
-  forward = jax.jit(lambda q, k, v: parts.forward(q, k, v, None, None))
-  backward = jax.jit(lambda q, k, v, out, lse, do: parts.backward(q, k, v, None, None, out, lse,
-                                                                   do))
+  return q, k, v, do
+
+
+def time_plain(T: int, S: int, causal: bool, case: dict, lowering: str | None, warmup: int,
+               repeats: int) -> dict:
+  """ms of the plain kernel's forward and forward + backward at these shapes."""
+  q, k, v, do = _inputs(T, S, case)
   plain = lambda q, k, v: flash_attention(q, k, v, causal=causal, lowering=lowering)
 
   def plain_grads(q, k, v, do):
     _, vjp = jax.vjp(plain, q, k, v)
     return vjp(do)
 
+  ms = lambda fn, *args: 1e3 * time_median(fn, args, warmup, repeats)
+  return dict(plain_fwd=ms(jax.jit(plain), q, k, v),
+              plain_fwd_bwd=ms(jax.jit(plain_grads), q, k, v, do))
+
+
+def time_call(T: int, S: int, causal: bool, case: dict, lowering: str | None, warmup: int,
+              repeats: int) -> dict:
+  """ms of the parts' forward and backward, and `time_plain`'s, at one call's
+  shapes."""
+  q, k, v, do = _inputs(T, S, case)
+  parts = flash_attention_parts(q, k, causal=causal, lowering=lowering)
+  forward = jax.jit(lambda q, k, v: parts.forward(q, k, v, None, None))
+  backward = jax.jit(lambda q, k, v, out, lse, do: parts.backward(q, k, v, None, None, out, lse,
+                                                                   do))
   out, lse = forward(q, k, v)
   ms = lambda fn, *args: 1e3 * time_median(fn, args, warmup, repeats)
   return dict(T=T, S=S, causal=causal,
               parts_fwd=ms(forward, q, k, v), parts_bwd=ms(backward, q, k, v, out, lse, do),
-              plain_fwd=ms(jax.jit(plain), q, k, v),
-              plain_fwd_bwd=ms(jax.jit(plain_grads), q, k, v, do))
+              **time_plain(T, S, causal, case, lowering, warmup, repeats))
 
 
 def measure(case: dict, lowering: str | None, warmup: int, repeats: int) -> dict:
@@ -95,7 +109,7 @@ def measure(case: dict, lowering: str | None, warmup: int, repeats: int) -> dict
   row["ring_ms"] = (c["diagonal"]["parts_fwd"] + c["diagonal"]["parts_bwd"] + side * (
       c["before"]["parts_fwd"] + c["before"]["parts_bwd"]
       + c["after"]["parts_fwd"] + c["after"]["parts_bwd"]))
-  whole = time_call(case["L"], case["L"], True, case, lowering, warmup, repeats)
+  whole = time_plain(case["L"], case["L"], True, case, lowering, warmup, repeats)
   row["whole_fwd_bwd_ms"] = whole["plain_fwd_bwd"]
   row["efficiency"] = whole["plain_fwd_bwd"] / n / row["ring_ms"]
   return row

@@ -511,13 +511,14 @@ def auto_implementation(*, backend: str, dtype, head_dim: int,
   in docs/benchmarks.md ("Where a CPU step's time goes";
   `python -m bench.vs_torch --parts attention`).
   """
-  sixteen_bit = jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
-  if (backend == "gpu" and segments and sixteen_bit and is_hopper(device_kind)
-      and head_dim in MOSAIC_GPU_HEAD_DIMS and IMPLEMENTATIONS["pallas"].refusal(features) is None):
+  if (backend == "gpu" and segments and is_hopper(device_kind)
+      and jnp.dtype(dtype).name in MOSAIC_GPU_DTYPES and head_dim in MOSAIC_GPU_HEAD_DIMS
+      and IMPLEMENTATIONS["pallas"].refusal(features) is None):
     return "pallas"
   fused = {"window", score_feature("softmax")}
-  if backend == "gpu" and set(features) <= fused and sixteen_bit and head_dim % 8 == 0 \
-      and head_dim <= 128:
+  if (backend == "gpu" and set(features) <= fused
+      and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16)
+      and head_dim % 8 == 0 and head_dim <= 128):
     return "cudnn"
   if backend == "tpu" and IMPLEMENTATIONS["pallas"].refusal(features) is None:
     return "pallas"
