@@ -25,8 +25,10 @@ it ran with; and per thread count and figure the mean, min, max, sd, n and
 95% interval of the mean over the finished seeds (`sweeps/stats.py`).
 `--write_docs` (or `--docs_only`, which trains nothing) renders each preset
 into docs/tasks.md between `<!-- bench.tasks:begin NAME -->` and
-`<!-- bench.tasks:end NAME -->`; tests/test_bench_tasks.py holds the page
-equal to the rendering of the checked-in JSON.
+`<!-- bench.tasks:end NAME -->`, and one line per measured preset into the
+README's headline numbers (the block named `headlines`);
+tests/test_bench_tasks.py holds both equal to the rendering of the checked-in
+JSON.
 """
 import datetime
 import json
@@ -83,6 +85,14 @@ TITLES = {"exact_match_greedy": ("exact match greedy", ".3f"),
           "accuracy": ("accuracy", ".3f"), "macro_f1": ("macro-F1", ".3f"),
           "train_wall_s": ("train wall", None), "train_cpu_s": ("train CPU", None)}
 DOC_TIMES = ("train_wall_s", "train_cpu_s")
+# The README's headline line of each preset: what the task is (its first figure is shown).
+HEADLINES = {"seq2seq_reverse": "Reversing strings, encoder-decoder",
+             "seq2seq_reverse_decoder": "Reversing strings, prefix LM",
+             "code_summary": "Code summarisation", "bert_mlm": "Masked LM",
+             "addition": "Addition, prefix LM",
+             "classify_encoder": "Package classification, encoder",
+             "classify_decoder": "Package classification, decoder"}
+HEADLINE_BLOCK = "headlines"
 THREADS_VAR = hardware.XLA_THREAD_VARS[0]  # PJRT_NPROC
 BEGIN, END = "<!-- bench.tasks:begin {} -->", "<!-- bench.tasks:end {} -->"
 BLOCK = re.compile(r"<!-- bench\.tasks:begin (\S+) -->\n(.*?)<!-- bench\.tasks:end (\S+) -->",
@@ -107,6 +117,7 @@ def _define_flags() -> None:
   flags.DEFINE_bool("write_docs", False, "Render the JSON's tables into --docs.")
   flags.DEFINE_bool("docs_only", False, "Render --out into --docs; train nothing.")
   flags.DEFINE_string("docs", str(ROOT / "docs" / "tasks.md"), "The page of the tables.")
+  flags.DEFINE_string("readme", str(ROOT / "README.md"), "The page of the headline lines.")
   flags.DEFINE_string("partition", None, "SLURM: partition.")
   flags.DEFINE_string("account", None, "SLURM: account to charge.")
   flags.DEFINE_integer("cpus_per_task", 2, "SLURM: CPUs per run.")
@@ -338,14 +349,52 @@ def render_docs(text: str, results: dict) -> str:
                              f"\n{END.format(m[1])}", text)
 
 
-def write_docs(docs: str, out: str) -> None:
+def render_headlines(results: dict) -> str:
+  """The README's task lines: per measured preset, its first figure's mean and
+  min–max over every finished run (all thread counts together)."""
+  lines = []
+  for name, result in results.items():
+    key = PRESETS[name][0]
+    values = [r["figures"][key] for r in result["runs"]
+              if r["state"] == "done" and key in r["figures"]]
+    if not values:
+      continue
+    threads = " and ".join(str(t) for t in result["threads"]) or "every"
+    rerun = f"python -m bench.tasks --only {name}" + (
+        f" --threads {','.join(str(t) for t in result['threads'])}" if result["threads"] else "")
+    line = (f"- **{HEADLINES[name]}** (`{result['config']}`; `{rerun}`, {result['seeds']} seeds x {threads} XLA threads, commit "
+            f"{result['commit']}, {_machine(result['machines'])}): {TITLES[key][0]} "
+            f"{_value(sum(values) / len(values), key)} mean, {_value(min(values), key)}–"
+            f"{_value(max(values), key)} over {len(values)} runs "
+            "([docs/tasks.md](docs/tasks.md#every-task-over-seeds)).")
+    lines.append(textwrap.fill(line, width=78, subsequent_indent="  ",
+                               break_long_words=False, break_on_hyphens=False))
+  if not lines:
+    return ("- **Tasks over seeds**: not measured yet; `python -m bench.tasks --write_docs`\n"
+            "  writes one line per task preset here.")
+  return "\n".join(lines)
+
+
+def render_readme(text: str, results: dict) -> str:
+  """`text` with its headline block rendered from `results`."""
+  blocks = read_blocks(text)
+  if list(blocks) != [HEADLINE_BLOCK]:
+    raise UserError(f"the README needs one bench.tasks block, {BEGIN.format(HEADLINE_BLOCK)}"
+                    f" ... {END.format(HEADLINE_BLOCK)}; it has {', '.join(blocks) or 'none'}")
+  return BLOCK.sub(lambda m: f"{BEGIN.format(m[1])}\n{render_headlines(results)}"
+                             f"\n{END.format(m[1])}", text)
+
+
+def write_docs(docs: str, out: str, readme: str) -> None:
+  """Renders the JSON at `out` into the page `docs` and the README's headlines."""
   if not os.path.exists(out):
     raise UserError(f"--out {out}: no such file; run python -m bench.tasks first")
   with open(out, encoding="utf-8") as f:
     results = json.load(f)["presets"]
-  text = pathlib.Path(docs).read_text(encoding="utf-8")
-  pathlib.Path(docs).write_text(render_docs(text, results), encoding="utf-8")
-  print(f"wrote {docs}")
+  for path, render in ((docs, render_docs), (readme, render_readme)):
+    text = pathlib.Path(path).read_text(encoding="utf-8")
+    pathlib.Path(path).write_text(render(text, results), encoding="utf-8")
+    print(f"wrote {path}")
 
 
 # The command.
@@ -376,7 +425,7 @@ def run(overrides: list[str]) -> int:
     print(f"\n{name}:\n{render_block(name, result)}")
   print(f"\nwrote {FLAGS.out}")
   if FLAGS.write_docs:
-    write_docs(FLAGS.docs, FLAGS.out)
+    write_docs(FLAGS.docs, FLAGS.out, FLAGS.readme)
   return 1 if failures else 0
 
 
@@ -415,7 +464,7 @@ def main(argv):
     if FLAGS.docs_only:
       if overrides:
         raise UserError("--docs_only takes no --config.* overrides")
-      write_docs(FLAGS.docs, FLAGS.out)
+      write_docs(FLAGS.docs, FLAGS.out, FLAGS.readme)
       return
     sys.exit(run(overrides))
 

@@ -706,11 +706,13 @@ class Attention(nnx.Module):
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
-  def decode(self, x_BTM, positions_BT, cache, bias=None):
+  def decode(self, x_BTM, positions_BT, cache, bias=None, layer=None):
     """Self-attention against a KV cache (generation).
 
-    `cache` holds k, v [B, L, g, d_k]; the new keys and values of the tokens
-    at `positions_BT` are written at those slots, and query t of row b sees
+    `cache` holds k, v [B, L, g, d_k], or with `layer` every layer's
+    [layers, B, L, g, d_k] (a scanned stack's cache, updated in place at
+    `layer`: no per-layer copy of it in the token loop); the new keys and
+    values of the tokens at `positions_BT` are written at those slots, and query t of row b sees
     slots 0..positions_BT[b, t] (the last `window` of them with a sliding
     window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
@@ -727,14 +729,17 @@ class Attention(nnx.Module):
     q_BTHD = self.project_q(x_BTM, positions_BT)
     k_BTKD, v_BTKD = self.project_kv(x_BTM, positions_BT)
     rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
-    cache = dict(k=cache["k"].at[rows_B1, positions_BT].set(k_BTKD.astype(cache["k"].dtype)),
-                 v=cache["v"].at[rows_B1, positions_BT].set(v_BTKD.astype(cache["v"].dtype)))
-    slots_L = jnp.arange(cache["k"].shape[1])
+    slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
+    cache = dict(k=cache["k"].at[slot].set(k_BTKD.astype(cache["k"].dtype)),
+                 v=cache["v"].at[slot].set(v_BTKD.astype(cache["v"].dtype)))
+    k_BLKD, v_BLKD = ((cache["k"], cache["v"]) if layer is None
+                      else (cache["k"][layer], cache["v"][layer]))
+    slots_L = jnp.arange(k_BLKD.shape[1])
     mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
     if self.window is not None:
       mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - self.window)
     impl = "reference" if self.implementation == "reference" else "xla"
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
-    out_BTHD = attention(q_BTHD, cache["k"].astype(q_BTHD.dtype),
-                         cache["v"].astype(q_BTHD.dtype), options, implementation=impl)
+    out_BTHD = attention(q_BTHD, k_BLKD.astype(q_BTHD.dtype), v_BLKD.astype(q_BTHD.dtype),
+                         options, implementation=impl)
     return self.o_proj(out_BTHD), cache

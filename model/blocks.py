@@ -72,13 +72,14 @@ class Block(nnx.Module):
     return self.cross_attn.project_kv(context_BSM)
 
   def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None,
-             bias=None):
+             bias=None, layer=None):
     """One generation step against this block's KV cache (and the encoder
-    output's cross-attention `context_kv`); returns (x, cache)."""
+    output's cross-attention `context_kv`); returns (x, cache). With `layer`,
+    `cache` is the whole stack's, stacked (`Attention.decode`)."""
     new_cache = {}
 
     def self_attention(h):
-      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias)
+      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias, layer=layer)
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)

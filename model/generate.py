@@ -95,7 +95,9 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   cross-attention keys and values of the encoder output.
   """
   B, P = tokens_BP.shape
-  step = model.decode_step
+  # The decoder's blocks, sliced out of a scanned stack once, outside the token loop.
+  decoder_step = functools.partial(model.decode_step, blocks=model.decoder.blocks())
+  step = decoder_step
 
   def repeat(x, axis=0):
     return jnp.repeat(x, copies, axis=axis)
@@ -103,14 +105,14 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
   if src_BS is not None:
     src_mask_BS = jnp.arange(src_BS.shape[1])[None] < src_lengths_B[:, None]
     cross_kv = model.cross_cache(model.encode(src_BS, src_mask_BS))
-    step = functools.partial(model.decode_step, cross_kv=cross_kv, src_padding_mask=src_mask_BS)
+    step = functools.partial(decoder_step, cross_kv=cross_kv, src_padding_mask=src_mask_BS)
   cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
   logits_BPV, cache = step(tokens_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
   first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
   if copies == 1:
     return step, first_BV, cache
   if src_BS is not None:
-    step = functools.partial(model.decode_step, cross_kv=_cache_rows(repeat, cross_kv),
+    step = functools.partial(decoder_step, cross_kv=_cache_rows(repeat, cross_kv),
                              src_padding_mask=repeat(src_mask_BS))
   return step, repeat(first_BV), _cache_rows(repeat, cache)
 

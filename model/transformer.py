@@ -179,31 +179,38 @@ class _Stack(nnx.Module):
     return [dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in self.layers]
 
   def cross_kv(self, context_BSM):
-    """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder output
-    (scanned: one pair stacked [layers, B, S, K, D])."""
-    if self.scan:
-      return _map_layers(lambda layer: layer.cross_kv(context_BSM), self.layers)
-    return [layer.cross_kv(context_BSM) for layer in self.layers]
+    """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder
+    output, one pair per layer (scanned: computed stacked, then split)."""
+    if not self.scan:
+      return [layer.cross_kv(context_BSM) for layer in self.layers]
+    stacked = _map_layers(lambda layer: layer.cross_kv(context_BSM), self.layers)
+    return [jax.tree.map(lambda x: x[i], stacked) for i in range(self.num_layers)]
 
-  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None):
+  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None,
+                  blocks=None):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
-    with cross-attention, each layer's `cross_kv`); new cache."""
+    with cross-attention, each layer's `cross_kv`); new cache.
+
+    The layers run one after the other in both layouts; a scanned stack's
+    cache stays one stacked array per k and v, each layer updating its slice
+    in place. `blocks` (`self.blocks()`, taken once per generation outside
+    the token loop) spares a scanned stack slicing every layer's weights out
+    of the stacked ones at every token: a scan over the layers inside the
+    token loop copied each layer's weights and both caches per token, which
+    made CPU decoding half as fast (docs/benchmarks.md).
+    """
+    blocks = self.blocks() if blocks is None else blocks
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     length = (cache if self.scan else cache[0])["k"].shape[-3]
     bias = self.self_bias(positions_BT, positions_row(length))
-
-    def block(layer, h_BTM, layer_cache, context_kv):
-      return layer.decode(h_BTM, positions_BT=positions_BT, cache=layer_cache,
-                          context_kv=context_kv, cross_segment_ids=cross_segment_ids, bias=bias)
-
-    if self.scan:
-      x_BTM, new_cache = _scan_layers(lambda layer, h, xs: block(layer, h, *xs), self.layers,
-                                      x_BTM, (cache, cross_kv), unroll=self.scan_unroll)
-    else:
-      new_cache = []
-      for i, (layer, layer_cache) in enumerate(zip(self.layers, cache)):
-        x_BTM, layer_cache = block(layer, x_BTM, layer_cache,
-                                   None if cross_kv is None else cross_kv[i])
+    new_cache = cache if self.scan else []
+    for i, block in enumerate(blocks):
+      kwargs = dict(positions_BT=positions_BT, context_kv=None if cross_kv is None else cross_kv[i],
+                    cross_segment_ids=cross_segment_ids, bias=bias)
+      if self.scan:
+        x_BTM, new_cache = block.decode(x_BTM, cache=new_cache, layer=i, **kwargs)
+      else:
+        x_BTM, layer_cache = block.decode(x_BTM, cache=cache[i], **kwargs)
         new_cache.append(layer_cache)
     if self.final_norm is not None:
       x_BTM = self.final_norm(x_BTM)
@@ -216,6 +223,10 @@ class _Stack(nnx.Module):
       return self.layers[i]
     graphdef, state = nnx.split(self.layers)
     return _one_layer(graphdef, jax.tree.map(lambda x: x[i], state))
+
+  def blocks(self) -> list[Block]:
+    """Every block of the stack, in order (scanned: slices, as `block`)."""
+    return [self.block(i) for i in range(self.num_layers)]
 
   def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
     """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
@@ -251,8 +262,7 @@ def _one_layer(graphdef, layer_state) -> Block:
 def _scan_layers(fn, layers: Block, carry, xs=None, unroll: int = 1):
   """`fn(block, carry, x) -> (carry, y)` over the layers of the stacked
   `layers` (and over the leading axis of `xs`): a `jax.lax.scan` over their
-  split state, so that it also runs inside other JAX loops (generation);
-  `unroll` blocks per iteration (model.scan_unroll)."""
+  split state; `unroll` blocks per iteration (model.scan_unroll)."""
   graphdef, state = nnx.split(layers)
   return jax.lax.scan(lambda c, scanned: fn(_one_layer(graphdef, scanned[0]), c, scanned[1]),
                       carry, (state, xs), unroll=unroll)
@@ -385,9 +395,10 @@ class Decoder(_WithHead):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
 
-  def decode_step(self, tokens_BT, positions_BT, cache):
-    """Logits of `tokens_BT` at `positions_BT` given the cache; new cache."""
-    x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache)
+  def decode_step(self, tokens_BT, positions_BT, cache, blocks=None):
+    """Logits of `tokens_BT` at `positions_BT` given the cache; new cache.
+    `blocks`: `decoder.blocks()`, taken once per generation (`_Stack.decode_step`)."""
+    x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
     return self.logits(self.decoder, x_BTM), cache
 
 
@@ -466,10 +477,12 @@ class EncoderDecoder(_WithHead):
     layer: computed once per generation, then read at every step."""
     return self.decoder.cross_kv(encoded_BSM)
 
-  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv, src_padding_mask=None):
+  def decode_step(self, tokens_BT, positions_BT, cache, cross_kv, src_padding_mask=None,
+                  blocks=None):
     """Logits of `tokens_BT` at `positions_BT` given the self-attention cache
-    and `cross_kv = cross_cache(encoded)`; new cache."""
+    and `cross_kv = cross_cache(encoded)`; new cache. `blocks`: as
+    `DecoderLM.decode_step`."""
     x_BTM, cache = self.decoder.decode_step(
         tokens_BT, positions_BT, cache, cross_kv=cross_kv,
-        cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask))
+        cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask), blocks=blocks)
     return self.logits(self.decoder, x_BTM), cache

@@ -19,6 +19,7 @@ from sweeps.state import TIMES
 from tests.helpers import ROOT, assert_one_line_error
 
 DOCS = ROOT / "docs" / "tasks.md"
+README = ROOT / "README.md"
 RESULTS = ROOT / "bench" / "results" / "tasks.json"
 T_975_4 = 2.7764451051977987  # Student t quantile 0.975, 4 degrees of freedom (tables)
 
@@ -55,7 +56,8 @@ RUNS = [_run(0, 1, wall=180.0, cpu=330.0, exact_match_greedy=1.0, exact_match_be
 
 
 def _result(runs=RUNS):
-  return {"seeds": 2, "num_steps": 1200, "command": "python -m bench.tasks --seeds 2",
+  return {"config": "configs/seq2seq_reverse.py", "threads": [1, 2], "seeds": 2,
+          "num_steps": 1200, "command": "python -m bench.tasks --seeds 2",
           "commit": "abc1234", "date": "2026-12-04T10:00:00",
           "machines": [{"host": "h", "cpu_model": "AMD EPYC", "cpus": 2}], "runs": runs,
           "summary": tasks.summarize(runs, "seq2seq")}
@@ -189,6 +191,30 @@ def test_the_pages_blocks_are_the_rendering_of_the_checked_in_json():
       "rerun python -m bench.tasks --docs_only (the page differs from the JSON)"
 
 
+def test_the_readmes_headlines_are_the_rendering_of_the_checked_in_json():
+  text = README.read_text(encoding="utf-8")
+  results = json.loads(RESULTS.read_text(encoding="utf-8"))["presets"] if RESULTS.exists() else {}
+  assert tasks.render_readme(text, results) == text, \
+      "rerun python -m bench.tasks --docs_only (the README differs from the JSON)"
+
+
+def test_a_headline_is_the_first_figures_mean_and_range_over_every_run():
+  result = _result()
+  line = tasks.render_headlines({"seq2seq_reverse": result})
+  values = [r["figures"]["exact_match_greedy"] for r in result["runs"] if r["state"] == "done"]
+  flat = " ".join(line.split())
+  assert flat.startswith("- **Reversing strings, encoder-decoder** (`configs/seq2seq_reverse.py`; "
+                         "`python -m bench.tasks --only seq2seq_reverse --threads 1,2`")
+  assert (f"exact match greedy {sum(values) / len(values):.3f} mean, {min(values):.3f}–"
+          f"{max(values):.3f} over {len(values)} runs") in flat
+  assert "not measured yet" in tasks.render_headlines({})
+  page = f"intro\n{tasks.BEGIN.format('headlines')}\nold\n{tasks.END.format('headlines')}\nrest\n"
+  rendered = tasks.render_readme(page, {"seq2seq_reverse": result})
+  assert rendered.startswith("intro\n") and rendered.endswith("rest\n") and "old" not in rendered
+  with pytest.raises(UserError, match="needs one bench.tasks block"):
+    tasks.render_readme("no block here", {})
+
+
 # End to end at tiny size (slow: each run trains and evaluates, about 30 s).
 
 TINY_RUN = ["--config.model.d_model=32", "--config.model.num_layers=1",
@@ -215,7 +241,9 @@ def _bench(tmp, name: str, seeds: int, *extra: str) -> tuple[subprocess.Complete
 def smoke(tmp_path_factory):
   tmp = tmp_path_factory.mktemp("bench_tasks")
   shutil.copy(DOCS, tmp / "tasks.md")
-  result, preset = _bench(tmp, "a", 2, "--write_docs", "--docs", str(tmp / "tasks.md"))
+  shutil.copy(README, tmp / "README.md")
+  result, preset = _bench(tmp, "a", 2, "--write_docs", "--docs", str(tmp / "tasks.md"),
+                          "--readme", str(tmp / "README.md"))
   return tmp, result, preset
 
 
@@ -235,6 +263,8 @@ def test_the_command_trains_evaluates_aggregates_and_writes_the_page(smoke):
   blocks = tasks.read_blocks((tmp / "tasks.md").read_text())
   assert blocks["seq2seq_reverse"] == tasks.render_block("seq2seq_reverse", preset) + "\n"
   assert blocks["addition"] == tasks.render_block("addition", None) + "\n"
+  assert tasks.read_blocks((tmp / "README.md").read_text())["headlines"] == (
+      tasks.render_headlines({"seq2seq_reverse": preset}) + "\n")
   # Run again: both runs are done, so nothing trains and the figures are the same.
   again, preset_again = _bench(tmp, "a", 2)
   assert "skip PJRT_NPROC=2,seed=0: done" in again.stdout and "running 0 variant(s)" in again.stdout
