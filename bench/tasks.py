@@ -335,6 +335,11 @@ def read_blocks(text: str) -> dict:
   return blocks
 
 
+def _fill_blocks(text: str, render) -> str:
+  """`text` with the body of every block replaced by `render(its name)`."""
+  return BLOCK.sub(lambda m: f"{BEGIN.format(m[1])}\n{render(m[1])}\n{END.format(m[1])}", text)
+
+
 def render_docs(text: str, results: dict) -> str:
   """`text` with every preset's block rendered from `results` (preset -> result;
   a preset not in it gets the not-measured line)."""
@@ -345,8 +350,7 @@ def render_docs(text: str, results: dict) -> str:
     raise UserError(f"the page's bench.tasks blocks: missing {', '.join(missing) or 'none'}, "
                     f"unknown {', '.join(unknown) or 'none'}; one per preset: "
                     + BEGIN.format("NAME") + " ... " + END.format("NAME"))
-  return BLOCK.sub(lambda m: f"{BEGIN.format(m[1])}\n{render_block(m[1], results.get(m[1]))}"
-                             f"\n{END.format(m[1])}", text)
+  return _fill_blocks(text, lambda name: render_block(name, results.get(name)))
 
 
 def render_headlines(results: dict) -> str:
@@ -359,13 +363,15 @@ def render_headlines(results: dict) -> str:
               if r["state"] == "done" and key in r["figures"]]
     if not values:
       continue
-    threads = " and ".join(str(t) for t in result["threads"]) or "every"
+    figure = aggregate(values)
+    threads = result["threads"]
     rerun = f"python -m bench.tasks --only {name}" + (
-        f" --threads {','.join(str(t) for t in result['threads'])}" if result["threads"] else "")
-    line = (f"- **{HEADLINES[name]}** (`{result['config']}`; `{rerun}`, {result['seeds']} seeds x {threads} XLA threads, commit "
+        f" --threads {','.join(map(str, threads))}" if threads else "")
+    line = (f"- **{HEADLINES[name]}** (`{result['config']}`; `{rerun}`, {result['seeds']} "
+            f"seeds x {' and '.join(map(str, threads)) or 'every'} XLA threads, commit "
             f"{result['commit']}, {_machine(result['machines'])}): {TITLES[key][0]} "
-            f"{_value(sum(values) / len(values), key)} mean, {_value(min(values), key)}–"
-            f"{_value(max(values), key)} over {len(values)} runs "
+            f"{_value(figure['mean'], key)} mean, {_value(figure['min'], key)}–"
+            f"{_value(figure['max'], key)} over {figure['n']} runs "
             "([docs/tasks.md](docs/tasks.md#every-task-over-seeds)).")
     lines.append(textwrap.fill(line, width=78, subsequent_indent="  ",
                                break_long_words=False, break_on_hyphens=False))
@@ -381,8 +387,7 @@ def render_readme(text: str, results: dict) -> str:
   if list(blocks) != [HEADLINE_BLOCK]:
     raise UserError(f"the README needs one bench.tasks block, {BEGIN.format(HEADLINE_BLOCK)}"
                     f" ... {END.format(HEADLINE_BLOCK)}; it has {', '.join(blocks) or 'none'}")
-  return BLOCK.sub(lambda m: f"{BEGIN.format(m[1])}\n{render_headlines(results)}"
-                             f"\n{END.format(m[1])}", text)
+  return _fill_blocks(text, lambda _: render_headlines(results))
 
 
 def write_docs(docs: str, out: str, readme: str) -> None:

@@ -712,17 +712,18 @@ class Attention(nnx.Module):
     `cache` holds k, v [B, L, g, d_k], or with `layer` every layer's
     [layers, B, L, g, d_k] (a scanned stack's cache, updated in place at
     `layer`: no per-layer copy of it in the token loop); the new keys and
-    values of the tokens at `positions_BT` are written at those slots, and query t of row b sees
-    slots 0..positions_BT[b, t] (the last `window` of them with a sliding
-    window). Rows may sit at different positions, so a
+    values of the tokens at `positions_BT` are written at those slots, and
+    query t of row b sees slots 0..positions_BT[b, t] (the last `window` of
+    them with a sliding window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
     alone. The slot mask is dense, so every implementation but `reference`
     runs this step with `xla` (which takes every option `reference` does); a
     single decoding query is memory-bound and gains nothing from a fused
     kernel. `auto` too: on a CPU, where it trains with `reference`, greedy
-    decoding is faster with `xla` at batch 1 and slower at batch 8
-    (docs/results.md, "Against PyTorch"), and batch 1 is the common case. The layer's options (scale, soft-cap, score) are the training
-    call's: the one `AttentionOptions` value serves both.
+    decoding was faster with `xla` at batch 1 and slower at batch 8
+    (docs/results.md, "Against PyTorch"), and batch 1 is the common case.
+    The layer's options (scale, soft-cap, score) are the training call's:
+    the one `AttentionOptions` value serves both.
     `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
     Returns (output, updated cache).
     """

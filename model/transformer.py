@@ -197,7 +197,7 @@ class _Stack(nnx.Module):
     the token loop) spares a scanned stack slicing every layer's weights out
     of the stacked ones at every token: a scan over the layers inside the
     token loop copied each layer's weights and both caches per token, which
-    made CPU decoding half as fast (docs/benchmarks.md).
+    made CPU decoding half as fast (docs/results.md, "Against PyTorch").
     """
     blocks = self.blocks() if blocks is None else blocks
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
@@ -205,8 +205,8 @@ class _Stack(nnx.Module):
     bias = self.self_bias(positions_BT, positions_row(length))
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):
-      kwargs = dict(positions_BT=positions_BT, context_kv=None if cross_kv is None else cross_kv[i],
-                    cross_segment_ids=cross_segment_ids, bias=bias)
+      kwargs = dict(positions_BT=positions_BT, cross_segment_ids=cross_segment_ids, bias=bias,
+                    context_kv=None if cross_kv is None else cross_kv[i])
       if self.scan:
         x_BTM, new_cache = block.decode(x_BTM, cache=new_cache, layer=i, **kwargs)
       else:
@@ -481,7 +481,7 @@ class EncoderDecoder(_WithHead):
                   blocks=None):
     """Logits of `tokens_BT` at `positions_BT` given the self-attention cache
     and `cross_kv = cross_cache(encoded)`; new cache. `blocks`: as
-    `DecoderLM.decode_step`."""
+    `Decoder.decode_step`."""
     x_BTM, cache = self.decoder.decode_step(
         tokens_BT, positions_BT, cache, cross_kv=cross_kv,
         cross_segment_ids=self._cross_segments(tokens_BT, src_padding_mask), blocks=blocks)
