@@ -23,6 +23,9 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO.
+  if _CONFIG.value.train.reuse_host_memory:  # before JAX starts its threads
+    from training.host_memory import reuse_freed_memory  # pylint: disable=import-outside-toplevel
+    reuse_freed_memory()
   from training.loop import train  # pylint: disable=import-outside-toplevel
   from training.workdir import default_workdir  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value

@@ -42,11 +42,21 @@ The tokens must be identical. Each is called once (compilation, warm-up),
 then `--repeats` times, alternating; tokens/s = batch x new tokens / median
 seconds of a call (the prompt's prefill included).
 
+Host memory: as train.py does, the process first tells glibc's malloc to
+keep freed memory for reuse (`training.host_memory`; it applies to both
+sides, one process); setting any MALLOC_* variable, say MALLOC_ARENA_MAX=8,
+leaves glibc's defaults, and the JSON says which ran (`reuse_host_memory`).
+
 Prints a table and writes bench/results/vs_torch-<date>.json (or `--out`).
 torch and transformers are imported by this script only (test
 requirements), never by the library.
 """
-import datetime
+from training.host_memory import reuse_freed_memory  # standard library only
+
+# As train.py does, run as a script, and first: before torch and JAX start threads.
+HOST_MEMORY_REUSED = __name__ == "__main__" and reuse_freed_memory()
+
+import datetime  # pylint: disable=wrong-import-position,wrong-import-order
 import json
 import math
 import os
@@ -628,7 +638,7 @@ def main(argv):
           "command": command_line(), "commit": git_commit(),
           "device": jax.devices()[0].device_kind, "backend": jax.default_backend(),
           "cpu_model": cpu_model(), "cpus": os.cpu_count(),
-          "torch_threads": torch.get_num_threads(),
+          "torch_threads": torch.get_num_threads(), "reuse_host_memory": HOST_MEMORY_REUSED,
           "jax": jax.__version__, "torch": torch.__version__,
           "transformers": transformers.__version__, "torch_compile": FLAGS.torch_compile,
           "batch_size": config.train.batch_size, "seq_len": config.train.seq_len,

@@ -41,6 +41,7 @@ RESUME_SAFE_FIELDS = (
     "train.restore_from", "train.restore_branch", "train.restore_step",
     "data.num_workers", "data.cache_dir",
     "data.tokenize_workers", "data.verify_cache", "train.compilation_cache_dir",
+    "train.reuse_host_memory",  # how host memory is allocated, not what is computed
     "train.token_budget", "train.flop_budget",  # they set train.num_steps
     "model.scan_unroll",  # how the scan runs, not what it computes
     "train.downstream_tasks", "train.downstream_task_dir", "train.downstream_limit",
