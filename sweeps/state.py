@@ -113,6 +113,8 @@ def changed_fields(variant: Variant) -> list:
   # The manifest's config, like the run's, gets the defaults of fields added
   # since it was written: a newer checkout does not make a finished run changed.
   asked = workdir_lib.saved_config(variant.config).to_dict()
+  if not asked["data"]["labels"]:  # train.py fills an empty data.labels in from the data
+    asked["data"]["labels"] = saved["data"]["labels"]
   return workdir_lib.unsafe_changes(workdir_lib.config_changes(saved, asked))
 
 

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from configs import validation
+from configs import base, validation
 from configs.errors import UserError
 from training import evaluate, loop, workdir as workdir_lib
 import sweeps as sweep_lib
@@ -243,3 +243,21 @@ def test_resume_hint_is_the_real_command(monkeypatch):
   assert loop.resume_command("runs/tiny") == ("python train.py --config configs/tiny.py "
                                               "--config.train.learning_rate=1e-3 --workdir "
                                               "runs/tiny")
+
+
+def test_a_classifier_run_with_labels_from_its_data_is_not_changed(tmp_path):
+  """train.py saves the labels it read from the data; a sweep that left
+  data.labels empty asks for exactly those, so the run is not "changed"."""
+  config = base.get_config().to_dict()
+  os.makedirs(tmp_path / "run")
+  trained = json.loads(json.dumps(config))
+  trained["data"]["labels"] = ["asyncio", "email"]
+  (tmp_path / "run" / "config.json").write_text(json.dumps(trained), encoding="utf-8")
+
+  class Variant:
+    workdir = str(tmp_path / "run")
+
+  Variant.config = config
+  assert sweep_lib.changed_fields(Variant) == []
+  Variant.config = {**config, "data": {**config["data"], "labels": ["email"]}}
+  assert [c[0] for c in sweep_lib.changed_fields(Variant)] == ["data.labels"]
