@@ -207,7 +207,7 @@ def get_config() -> config_dict.ConfigDict:
   #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE or
   #   ~/.cache/transformer_lab/jax; "none": compile at every start
   tr.reuse_host_memory = True  # CPU runs: glibc keeps freed memory for the next step (no
-  #   page faults on XLA's per-step buffers; resident memory stays at its peak); see docs/training.md
+  #   page faults on XLA's per-step buffers; resident memory stays at its peak); docs/architecture.md
   tr.seed = 0  # parameter init; data order and MLM masking too while data.seed is None
   tr.log_every = 10  # steps between metric lines
   tr.trackers = "tensorboard"  # where metric lines, the config and eval.py's reports also go,

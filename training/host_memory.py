@@ -16,7 +16,8 @@ step's pages. The price: the process's resident memory stays at its high
 water mark instead of shrinking between steps.
 
 It has to run before JAX starts its threads (their malloc arenas are made
-then), so train.py and eval.py call it first; it leaves the allocator alone
+then), so train.py and bench.vs_torch call it first (eval.py gains nothing
+from it: its steps are smaller); it leaves the allocator alone
 where JAX can reach a GPU or TPU plugin (host memory is not a step's working
 memory there), outside glibc, and where the user set glibc's own malloc
 variables (MALLOC_*_ or GLIBC_TUNABLES), which then decide.
@@ -34,9 +35,9 @@ _M_ARENA_MAX = -8
 _KEEP_BYTES = 1 << 30  # the free top of a heap is given back only beyond 1 GiB
 
 
-def _accelerator_plugin() -> bool:
-  """True when JAX could start a GPU or TPU backend in this environment."""
-  if os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
+def _accelerator_plugin(env) -> bool:
+  """True when JAX could start a GPU or TPU backend in environment `env`."""
+  if env.get("JAX_PLATFORMS", "").strip().lower() == "cpu":
     return False
   if importlib.util.find_spec("libtpu") is not None:
     return True
@@ -52,7 +53,7 @@ def reuse_freed_memory(env=None) -> bool:
   """Tell glibc's malloc to keep freed memory for reuse (see the module
   docstring); True when it did, False where it was left alone."""
   env = os.environ if env is None else env
-  if _user_set_malloc(env) or _accelerator_plugin():
+  if _user_set_malloc(env) or _accelerator_plugin(env):
     return False
   name = ctypes.util.find_library("c")
   if name is None:
