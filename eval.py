@@ -32,7 +32,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
 _DATA = flags.DEFINE_string("data", None, "stdlib | pydoc | embedded, or files/globs "
                             "(comma-separated; .jsonl and .arrayrecord by extension); "
-                            "classify runs: .tsv/.jsonl texts to classify.")
+                            "classify runs: .tsv/.jsonl texts to classify; seq2seq "
+                            "runs: .tsv/.jsonl pairs to score.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "A tokenizer to use instead of the "
                                  "run's (refused unless it is the same one).")
 _PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt(s) to complete.")

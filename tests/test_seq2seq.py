@@ -361,6 +361,18 @@ def test_train_and_eval_report(tmp_path, family):
   plot = tmp_path / "run" / "eval" / f"step_{saved['step']}" / "attention_maps.png"
   assert plot.exists() == (family == "decoder")
   assert report["files"]
+  # --data: the run scored on your pairs, in a folder of their own.
+  probe = tmp_path / "probe.tsv"
+  probe.write_text("src\ttgt\nabc\tcba\nhello\tolleh\nxyz\tzyx\n")
+  mine = evaluate.run_eval(workdir, data=str(probe), beam_size=2)
+  assert (mine["data"], mine["data_override"], mine["examples"]) == ("task=pairs", str(probe), 3)
+  assert mine["bleu_tokenize"] == "char"  # the run's task is synthetic
+  assert [s["source"] for s in mine["samples"]] == ["abc", "hello", "xyz"]
+  assert (tmp_path / "run" / "eval" / f"step_{saved['step']}_data-probe.tsv"
+          / "eval_report.json").exists()
+  assert json.loads((tmp_path / "run" / "eval_report.json").read_text()) == saved
+  with pytest.raises(UserError, match="--data stdlib: a seq2seq run is scored on pairs"):
+    evaluate.run_eval(workdir, data="stdlib")
 
 
 def test_text_scores():

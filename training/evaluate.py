@@ -93,20 +93,20 @@ def apply_data_flag(config, data: str) -> None:
   evaluated. `.jsonl` files are read as JSONL (field data.jsonl_field),
   `.arrayrecord` / `.array_record` as ArrayRecord, `.parquet` as Parquet
   (column data.parquet_column), anything else as text.
-  A data.task=pairs run takes .tsv/.jsonl pair files, a classify run
-  .tsv/.jsonl files of texts (labelled or not, data.text_field and
-  data.label_field); other tasks refuse it.
+  A seq2seq run (any data.task) takes .tsv/.jsonl pair files (data.src_field,
+  data.tgt_field), written as its task writes them; a classify run .tsv/.jsonl
+  files of texts (labelled or not, data.text_field and data.label_field).
   """
   if config.train.objective == "classify":
     config.data.update(task="labelled", paths=data, val_percent=100)  # every example held out
     return
-  if config.data.task not in ("none", "pairs"):
-    raise UserError(f"--data {data}: a data.task={config.data.task} run is evaluated on its "
-                    "own held-out pairs; --data takes text corpora or, for data.task=pairs, "
-                    ".tsv/.jsonl files")
-  if config.data.task == "pairs":
-    config.data.paths = data
-    config.data.val_percent = 100  # every pair is held out
+  if config.train.objective == "seq2seq":
+    other = [p for p in data.split(",") if not p.strip().endswith((".tsv", ".jsonl"))]
+    if other:
+      raise UserError(f"--data {other[0]}: a seq2seq run is scored on pairs; give .tsv (a "
+                      f"header row naming {config.data.src_field} and {config.data.tgt_field})"
+                      " or .jsonl files, written as the run's task writes its pairs")
+    config.data.update(task="pairs", paths=data, val_percent=100)  # every pair is held out
     return
   config.data.mixture = ""  # the given corpus alone
   if data in EMBEDDED:
@@ -446,7 +446,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     rows = seq2seq.load_rows(config, tok, "validation")
     report["data"] = f"task={config.data.task}"
     report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
-                                 max_examples=max_examples))
+                                 max_examples=max_examples, task=saved.data.task))
     attention_prompt = rows.prompt(0)
   if out is None:
     other = seq_len is not None and seq_len != train_len or rope_override
@@ -596,15 +596,17 @@ def text_scores(predictions: list[str], references: list[str], *,
 
 
 def seq2seq_report(model, config, tok, rows, *, beam_size: int, alpha: float,
-                   max_examples: int = 0, num_samples: int = 10) -> dict:
+                   max_examples: int = 0, num_samples: int = 10, task: str = "") -> dict:
   """Greedy and beam-search scores on the validation pairs, with samples.
 
+  BLEU counts characters for a run trained on a synthetic task (`task`, the
+  run's data.task; default config's: its answers are one word), else words.
   For code_summary also the copy-the-function-name baseline (the name split
   on underscores) on the same pairs.
   """
   count = rows.num_pairs if not max_examples else min(max_examples, rows.num_pairs)
   references = rows.tgt_texts[:count]
-  tokenize = "char" if config.data.task in tasks.SYNTHETIC_TASKS else "13a"
+  tokenize = "char" if (task or config.data.task) in tasks.SYNTHETIC_TASKS else "13a"
   greedy = predict(model, config, tok, rows, count, beam_size=1, alpha=alpha)
   beam = predict(model, config, tok, rows, count, beam_size=beam_size, alpha=alpha)
   report = {"examples": count, "bleu_tokenize": tokenize,
