@@ -25,7 +25,7 @@ it ran with; and per thread count and figure the mean, min, max, sd, n and
 95% interval of the mean over the finished seeds (`sweeps/stats.py`).
 `--write_docs` (or `--docs_only`, which trains nothing) renders each preset
 into docs/tasks.md between `<!-- bench.tasks:begin NAME -->` and
-`<!-- bench.tasks:end NAME -->`, and one line per measured preset into the
+`<!-- bench.tasks:end NAME -->`, and one table row per measured preset into the
 README's headline numbers (the block named `headlines`);
 tests/test_bench_tasks.py holds both equal to the rendering of the checked-in
 JSON.
@@ -354,9 +354,11 @@ def render_docs(text: str, results: dict) -> str:
 
 
 def render_headlines(results: dict) -> str:
-  """The README's task lines: per measured preset, its first figure's mean and
-  min–max over every finished run (all thread counts together)."""
-  lines = []
+  """The README's task lines: one table row per measured preset, its first
+  figure's mean and min–max over every finished run (all thread counts
+  together), the command that reruns it and the commit; the machine once
+  above the table when every preset ran on the same one, else per row."""
+  rows = []
   for name, result in results.items():
     key = PRESETS[name][0]
     values = [r["figures"][key] for r in result["runs"]
@@ -367,18 +369,28 @@ def render_headlines(results: dict) -> str:
     threads = result["threads"]
     rerun = f"python -m bench.tasks --only {name}" + (
         f" --threads {','.join(map(str, threads))}" if threads else "")
-    line = (f"- **{HEADLINES[name]}** (`{result['config']}`; `{rerun}`, {result['seeds']} "
-            f"seeds x {' and '.join(map(str, threads)) or 'every'} XLA threads, commit "
-            f"{result['commit']}, {_machine(result['machines'])}): {TITLES[key][0]} "
-            f"{_value(figure['mean'], key)} mean, {_value(figure['min'], key)}–"
-            f"{_value(figure['max'], key)} over {figure['n']} runs "
-            "([docs/tasks.md](docs/tasks.md#every-task-over-seeds)).")
-    lines.append(textwrap.fill(line, width=78, subsequent_indent="  ",
-                               break_long_words=False, break_on_hyphens=False))
-  if not lines:
+    runs = (f"{figure['n']}: {result['seeds']} seeds x "
+            f"{' and '.join(map(str, threads)) or 'every'} thread{'s' * (threads != [1])}")
+    rows.append((_machine(result["machines"]),
+                 f"{HEADLINES[name]} (`{result['config']}`)",
+                 f"{TITLES[key][0]} {_value(figure['mean'], key)} "
+                 f"({_value(figure['min'], key)}–{_value(figure['max'], key)})",
+                 runs, f"`{rerun}`", result["commit"]))
+  if not rows:
     return ("- **Tasks over seeds**: not measured yet; `python -m bench.tasks --write_docs`\n"
-            "  writes one line per task preset here.")
-  return "\n".join(lines)
+            "  writes one row per task preset here.")
+  machines = list(dict.fromkeys(row[0] for row in rows))
+  one_machine = len(machines) == 1
+  head = ("- **Every task preset over seeds** (mean (min–max) over the runs, XLA threads "
+          "as listed" + (f"; {machines[0]}" if one_machine else "") + "; per run and figure: "
+          "[docs/tasks.md](docs/tasks.md#every-task-over-seeds)):")
+  titles = ["task", "figure", "runs", "command", "commit"] + ([] if one_machine else ["machine"])
+  lines = [textwrap.fill(head, width=78, subsequent_indent="  ", break_long_words=False,
+                         break_on_hyphens=False), "",
+           "| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+  for machine, *cells in rows:
+    lines.append("| " + " | ".join(cells + ([] if one_machine else [machine])) + " |")
+  return "\n".join(lines) + "\n"
 
 
 def render_readme(text: str, results: dict) -> str:

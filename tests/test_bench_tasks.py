@@ -198,21 +198,31 @@ def test_the_readmes_headlines_are_the_rendering_of_the_checked_in_json():
       "rerun python -m bench.tasks --docs_only (the README differs from the JSON)"
 
 
-def test_a_headline_is_the_first_figures_mean_and_range_over_every_run():
+def test_a_headline_row_is_the_first_figures_mean_and_range_over_every_run():
   result = _result()
-  line = tasks.render_headlines({"seq2seq_reverse": result})
+  text = tasks.render_headlines({"seq2seq_reverse": result})
   values = [r["figures"]["exact_match_greedy"] for r in result["runs"] if r["state"] == "done"]
-  flat = " ".join(line.split())
-  assert flat.startswith("- **Reversing strings, encoder-decoder** (`configs/seq2seq_reverse.py`; "
-                         "`python -m bench.tasks --only seq2seq_reverse --threads 1,2`")
-  assert (f"exact match greedy {sum(values) / len(values):.3f} mean, {min(values):.3f}–"
-          f"{max(values):.3f} over {len(values)} runs") in flat
+  row = [line for line in text.splitlines() if line.startswith("| Reversing strings")]
+  assert row == [
+      "| Reversing strings, encoder-decoder (`configs/seq2seq_reverse.py`) | exact match greedy "
+      f"{sum(values) / len(values):.3f} ({min(values):.3f}–{max(values):.3f}) | "
+      f"{len(values)}: 2 seeds x 1 and 2 threads | "
+      "`python -m bench.tasks --only seq2seq_reverse --threads 1,2` | abc1234 |"]
+  assert "machine |" not in text and "AMD EPYC (2 CPUs usable)" in " ".join(text.split())
   assert "not measured yet" in tasks.render_headlines({})
   page = f"intro\n{tasks.BEGIN.format('headlines')}\nold\n{tasks.END.format('headlines')}\nrest\n"
   rendered = tasks.render_readme(page, {"seq2seq_reverse": result})
   assert rendered.startswith("intro\n") and rendered.endswith("rest\n") and "old" not in rendered
   with pytest.raises(UserError, match="needs one bench.tasks block"):
     tasks.render_readme("no block here", {})
+
+
+def test_headlines_of_presets_from_two_machines_name_each_rows_machine():
+  other = {**_result(), "machines": [{"host": "b", "cpu_model": "Xeon", "cpus": 8}]}
+  text = tasks.render_headlines({"seq2seq_reverse": _result(), "addition": other})
+  header, _, first, second = text.splitlines()[-4:]
+  assert header.endswith("| commit | machine |")
+  assert first.endswith("| AMD EPYC (2 CPUs usable) |") and second.endswith("| Xeon (8 CPUs usable) |")
 
 
 # End to end at tiny size (slow: each run trains and evaluates, about 30 s).
