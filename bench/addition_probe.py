@@ -1,0 +1,151 @@
+"""Sums an addition run was not scored on: random sums of every length and carry chains.
+
+  python -m bench.addition_probe --workdir runs/addition [--count 2000] [--seed 0]
+      [--out bench/results/addition_probe.json]
+
+eval.py scores an addition run on its held-out pairs, drawn like the training
+pairs (`data/tasks.py`). This probes the rule beyond them, with three sets
+written in the run's own format (data.task_addition_format, numbers of up to
+data.task_max_len digits):
+
+- `random_test_lengths`: `--count` sums of two numbers of
+  task_test_min_len..task_max_len digits (the held-out lengths), drawn with
+  `--seed`;
+- `random_all_lengths`: `--count` sums of 1..task_max_len digits;
+- `carry_chains`: sums whose carries run the farthest: (10^k - 1) + j for
+  j = 1..9, (10^k - 1) + (10^k - 1), 5..5 + 5..5, and five a + (10^k - a)
+  per k, for every k up to task_max_len.
+
+Each set goes to `<workdir>/probes/<set>.tsv` (so `eval.py --workdir W --data
+W/probes/carry_chains.tsv` rescores it with beam search too) and is scored
+greedily with eval.py's generation (`evaluate.predict`): exact match on the
+sum, how many of its sources the run trained on, and every wrong answer.
+The JSON holds those with the command, commit, date and machine.
+"""
+import copy
+import datetime
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+import numpy as np
+
+from bench.bench_utils import command_line, git_commit
+from configs.cli import parse_flags
+from configs.errors import UserError
+from data import seq2seq, tasks
+from training import evaluate, hardware
+from training import workdir as workdir_lib
+
+FLAGS = flags.FLAGS
+SETS = ("random_test_lengths", "random_all_lengths", "carry_chains")
+
+
+def _define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "A run trained with data.task=addition.", required=True)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+  flags.DEFINE_integer("count", 2000, "Sums per random set.", lower_bound=1)
+  flags.DEFINE_integer("seed", 0, "Seed of the random sets.")
+  flags.DEFINE_string("out", None, "JSON output (default: <workdir>/probes/probe.json).")
+
+
+def random_sums(rng: np.random.Generator, count: int, min_digits: int,
+                max_digits: int) -> list[tuple[int, int]]:
+  """`count` pairs of numbers whose digit counts are uniform in [min_digits, max_digits]."""
+  def number():
+    digits = int(rng.integers(min_digits, max_digits + 1))
+    low = 10 ** (digits - 1) if digits > 1 else 0
+    return int(rng.integers(low, 10 ** digits))
+  return [(number(), number()) for _ in range(count)]
+
+
+def carry_chains(rng: np.random.Generator, max_digits: int) -> list[tuple[int, int]]:
+  """Sums whose carries cross every digit of a k-digit number, k = 1..max_digits."""
+  sums = []
+  for k in range(1, max_digits + 1):
+    nines, fives = 10 ** k - 1, int("5" * k)
+    sums += [(nines, j) for j in range(1, 10)] + [(nines, nines), (fives, fives)]
+    if k > 1:
+      sums += [(a, 10 ** k - a) for a in rng.integers(1, 10 ** k, size=5).tolist()]
+  return list(dict.fromkeys(sums))
+
+
+def probe_sets(data_config, count: int, seed: int) -> dict[str, list[tuple[int, int]]]:
+  rng = np.random.default_rng(seed)
+  width = data_config.task_max_len
+  return {"random_test_lengths": random_sums(
+              rng, count, data_config.task_test_min_len or data_config.task_min_len, width),
+          "random_all_lengths": random_sums(rng, count, 1, width),
+          "carry_chains": carry_chains(rng, width)}
+
+
+def write_tsv(path: str, pairs: list[tasks.Pair], src_field: str, tgt_field: str) -> None:
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(f"{src_field}\t{tgt_field}\n")
+    f.writelines(f"{src}\t{tgt}\n" for src, tgt in pairs)
+  os.replace(path + ".tmp", path)
+
+
+def score(model, config, tok, path: str, trained: set[str]) -> dict:
+  """Greedy exact match of the run on the pairs of `path`, as eval.py generates."""
+  probe = copy.deepcopy(config)
+  evaluate.apply_data_flag(probe, path)
+  rows = seq2seq.load_rows(probe, tok, "validation")
+  greedy = evaluate.predict(model, probe, tok, rows, rows.num_pairs, beam_size=1, alpha=0.0)
+  pairs = list(zip(rows.src_texts, rows.tgt_texts))
+  wrong = [{"source": s, "reference": t, "greedy": g} for (s, t), g in zip(pairs, greedy)
+           if g != t]
+  return {"pairs": len(pairs), "dropped": rows.num_dropped,
+          "trained_sources": sum(s in trained for s, _ in pairs),
+          "exact_match_greedy": 1 - len(wrong) / len(pairs), "wrong": wrong}
+
+
+def probe(workdir: str, step: int | None, count: int, seed: int) -> dict:
+  config, tok, model, step = workdir_lib.load_run(workdir, step)
+  d = config.data
+  if config.train.objective != "seq2seq" or d.task != "addition":
+    raise UserError(f"--workdir {workdir}: a run of train.objective={config.train.objective}, "
+                    f"data.task={d.task}; the probe needs a data.task=addition run")
+  trained = {src for src, _ in tasks.load_pairs(d, "train")}
+  results = {}
+  for name, sums in probe_sets(d, count, seed).items():
+    path = os.path.join(workdir, "probes", f"{name}.tsv")
+    write_tsv(path, [tasks.addition_pair(a, b, d.task_addition_format, d.task_max_len)
+                     for a, b in sums], d.src_field, d.tgt_field)
+    results[name] = {"file": path, **score(model, config, tok, path, trained)}
+  return {"command": command_line(), "commit": git_commit(),
+          "date": datetime.datetime.now().isoformat(timespec="seconds"),
+          "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),
+                      "xla_threads": hardware.xla_cpu_threads()},
+          "workdir": workdir, "step": step, "seed": seed, "count": count,
+          "format": d.task_addition_format, "max_digits": d.task_max_len, "sets": results}
+
+
+def main(argv):
+  logging.set_verbosity(logging.WARNING)
+  try:
+    if argv[1:]:
+      raise UserError(f"{argv[1]}: unexpected argument")
+    report = probe(FLAGS.workdir, FLAGS.step, FLAGS.count, FLAGS.seed)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"{'set':<22}{'pairs':>7}{'trained on':>12}{'greedy exact match':>20}{'wrong':>7}")
+  for name, s in report["sets"].items():
+    print(f"{name:<22}{s['pairs']:>7,}{s['trained_sources']:>12,}"
+          f"{s['exact_match_greedy']:>20.4f}{len(s['wrong']):>7}")
+    for miss in s["wrong"][:5]:
+      print(f"    {miss['source']} -> {miss['greedy']} (not {miss['reference']})")
+  out = FLAGS.out or os.path.join(FLAGS.workdir, "probes", "probe.json")
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w", encoding="utf-8") as f:
+    json.dump(report, f, indent=1)
+    f.write("\n")
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  _define_flags()
+  app.run(main, flags_parser=parse_flags)
