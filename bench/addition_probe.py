@@ -22,7 +22,6 @@ greedily with eval.py's generation (`evaluate.predict`): exact match on the
 sum, how many of its sources the run trained on, and every wrong answer.
 The JSON holds those with the command, commit, date and machine.
 """
-import copy
 import datetime
 import json
 import os
@@ -88,18 +87,16 @@ def write_tsv(path: str, pairs: list[tasks.Pair], src_field: str, tgt_field: str
   os.replace(path + ".tmp", path)
 
 
-def score(model, config, tok, path: str, trained: set[str]) -> dict:
-  """Greedy exact match of the run on the pairs of `path`, as eval.py generates."""
-  probe = copy.deepcopy(config)
-  evaluate.apply_data_flag(probe, path)
-  rows = seq2seq.load_rows(probe, tok, "validation")
-  greedy = evaluate.predict(model, probe, tok, rows, rows.num_pairs, beam_size=1, alpha=0.0)
-  pairs = list(zip(rows.src_texts, rows.tgt_texts))
-  wrong = [{"source": s, "reference": t, "greedy": g} for (s, t), g in zip(pairs, greedy)
+def score(model, config, tok, pairs: list[tasks.Pair], trained: set[str]) -> dict:
+  """Greedy exact match of the run on `pairs`, generated as eval.py generates."""
+  rows = seq2seq.pair_rows(config, tok, pairs)
+  greedy = evaluate.predict(model, config, tok, rows, rows.num_pairs, beam_size=1, alpha=0.0)
+  kept = list(zip(rows.src_texts, rows.tgt_texts))
+  wrong = [{"source": s, "reference": t, "greedy": g} for (s, t), g in zip(kept, greedy)
            if g != t]
-  return {"pairs": len(pairs), "dropped": rows.num_dropped,
-          "trained_sources": sum(s in trained for s, _ in pairs),
-          "exact_match_greedy": 1 - len(wrong) / len(pairs), "wrong": wrong}
+  return {"pairs": len(kept), "dropped": rows.num_dropped,
+          "trained_sources": sum(s in trained for s, _ in kept),
+          "exact_match_greedy": 1 - len(wrong) / len(kept), "wrong": wrong}
 
 
 def probe(workdir: str, step: int | None, count: int, seed: int) -> dict:
@@ -111,10 +108,10 @@ def probe(workdir: str, step: int | None, count: int, seed: int) -> dict:
   trained = {src for src, _ in tasks.load_pairs(d, "train")}
   results = {}
   for name, sums in probe_sets(d, count, seed).items():
+    pairs = [tasks.addition_pair(a, b, d.task_addition_format, d.task_max_len) for a, b in sums]
     path = os.path.join(workdir, "probes", f"{name}.tsv")
-    write_tsv(path, [tasks.addition_pair(a, b, d.task_addition_format, d.task_max_len)
-                     for a, b in sums], d.src_field, d.tgt_field)
-    results[name] = {"file": path, **score(model, config, tok, path, trained)}
+    write_tsv(path, pairs, d.src_field, d.tgt_field)
+    results[name] = {"file": path, **score(model, config, tok, pairs, trained)}
   return {"command": command_line(), "commit": git_commit(),
           "date": datetime.datetime.now().isoformat(timespec="seconds"),
           "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),

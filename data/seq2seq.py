@@ -166,10 +166,7 @@ def load_rows(config: config_dict.ConfigDict, tokenizer, split: str) -> PairRows
     raise UserError(f"the {split} split of data.task={task} is empty: data.val_percent="
                     f"{config.data.val_percent} leaves it no pairs; change data.val_percent "
                     "or add pairs")
-  rows = PairRows(pairs, tokenizer, family=config.model.family,
-                  seq_len=config.train.seq_len, tgt_seq_len=config.train.tgt_seq_len,
-                  decoder_start=config.model.decoder_start,
-                  specials=config.data.pair_specials)
+  rows = pair_rows(config, tokenizer, pairs)
   if rows.num_dropped:
     logging.warning("data.task=%s: dropped %d of %d %s pairs longer than the rows (%s)",
                     task, rows.num_dropped, len(pairs), split, _lengths(config))
@@ -178,6 +175,13 @@ def load_rows(config: config_dict.ConfigDict, tokenizer, split: str) -> PairRows
                     f"{_lengths(config)}; raise train.seq_len (or data.val_percent, "
                     "or shorten the pairs)")
   return rows
+
+
+def pair_rows(config: config_dict.ConfigDict, tokenizer, pairs: list[tasks.Pair]) -> PairRows:
+  """`pairs` as the rows of a run of `config` (its family, lengths, specials)."""
+  return PairRows(pairs, tokenizer, family=config.model.family, seq_len=config.train.seq_len,
+                  tgt_seq_len=config.train.tgt_seq_len,
+                  decoder_start=config.model.decoder_start, specials=config.data.pair_specials)
 
 
 def _lengths(config: config_dict.ConfigDict) -> str:
