@@ -1,7 +1,7 @@
 """Sums an addition run was not scored on: random sums of every length and carry chains.
 
-  python -m bench.addition_probe --workdir runs/addition [--count 2000] [--seed 0]
-      [--out bench/results/addition_probe.json]
+  python -m bench.addition_probe --workdir runs/addition [--workdir ...] [--count 2000]
+      [--seed 0] [--out bench/results/addition_probe.json]
 
 eval.py scores an addition run on its held-out pairs, drawn like the training
 pairs (`data/tasks.py`). This probes the rule beyond them, with three sets
@@ -20,7 +20,8 @@ Each set goes to `<workdir>/probes/<set>.tsv` (so `eval.py --workdir W --data
 W/probes/carry_chains.tsv` rescores it with beam search too) and is scored
 greedily with eval.py's generation (`evaluate.predict`): exact match on the
 sum, how many of its sources the run trained on, and every wrong answer.
-The JSON holds those with the command, commit, date and machine.
+The JSON (default `<first workdir>/probes/probe.json`) holds those per run,
+with the command, commit, date and machine.
 """
 import datetime
 import json
@@ -42,8 +43,10 @@ SETS = ("random_test_lengths", "random_all_lengths", "carry_chains")
 
 
 def _define_flags() -> None:
-  flags.DEFINE_string("workdir", None, "A run trained with data.task=addition.", required=True)
-  flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
+  flags.DEFINE_multi_string("workdir", None, "A run trained with data.task=addition "
+                            "(repeat for several: each is probed with the same sums).",
+                            required=True)
+  flags.DEFINE_integer("step", None, "Checkpoint step (default: each run's newest).")
   flags.DEFINE_integer("count", 2000, "Sums per random set.", lower_bound=1)
   flags.DEFINE_integer("seed", 0, "Seed of the random sets.")
   flags.DEFINE_string("out", None, "JSON output (default: <workdir>/probes/probe.json).")
@@ -112,12 +115,8 @@ def probe(workdir: str, step: int | None, count: int, seed: int) -> dict:
     path = os.path.join(workdir, "probes", f"{name}.tsv")
     write_tsv(path, pairs, d.src_field, d.tgt_field)
     results[name] = {"file": path, **score(model, config, tok, pairs, trained)}
-  return {"command": command_line(), "commit": git_commit(),
-          "date": datetime.datetime.now().isoformat(timespec="seconds"),
-          "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),
-                      "xla_threads": hardware.xla_cpu_threads()},
-          "workdir": workdir, "step": step, "seed": seed, "count": count,
-          "format": d.task_addition_format, "max_digits": d.task_max_len, "sets": results}
+  return {"workdir": workdir, "step": step, "format": d.task_addition_format,
+          "max_digits": d.task_max_len, "sets": results}
 
 
 def main(argv):
@@ -125,17 +124,24 @@ def main(argv):
   try:
     if argv[1:]:
       raise UserError(f"{argv[1]}: unexpected argument")
-    report = probe(FLAGS.workdir, FLAGS.step, FLAGS.count, FLAGS.seed)
+    runs = [probe(w, FLAGS.step, FLAGS.count, FLAGS.seed) for w in FLAGS.workdir]
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  print(f"{'set':<22}{'pairs':>7}{'trained on':>12}{'greedy exact match':>20}{'wrong':>7}")
-  for name, s in report["sets"].items():
-    print(f"{name:<22}{s['pairs']:>7,}{s['trained_sources']:>12,}"
-          f"{s['exact_match_greedy']:>20.4f}{len(s['wrong']):>7}")
-    for miss in s["wrong"][:5]:
-      print(f"    {miss['source']} -> {miss['greedy']} (not {miss['reference']})")
-  out = FLAGS.out or os.path.join(FLAGS.workdir, "probes", "probe.json")
+  report = {"command": command_line(), "commit": git_commit(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),
+                        "xla_threads": hardware.xla_cpu_threads()},
+            "seed": FLAGS.seed, "count": FLAGS.count, "runs": runs}
+  for run in runs:
+    print(f"\n{run['workdir']} at step {run['step']}:")
+    print(f"{'set':<22}{'pairs':>7}{'trained on':>12}{'greedy exact match':>20}{'wrong':>7}")
+    for name, s in run["sets"].items():
+      print(f"{name:<22}{s['pairs']:>7,}{s['trained_sources']:>12,}"
+            f"{s['exact_match_greedy']:>20.4f}{len(s['wrong']):>7}")
+      for miss in s["wrong"][:5]:
+        print(f"    {miss['source']} -> {miss['greedy']} (not {miss['reference']})")
+  out = FLAGS.out or os.path.join(FLAGS.workdir[0], "probes", "probe.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
   with open(out, "w", encoding="utf-8") as f:
     json.dump(report, f, indent=1)

@@ -1,6 +1,7 @@
 """bench/addition_probe.py: the probe sets (exact sums, digit counts, carries)
 and the probe of a tiny addition run end to end (files, scores, wrong answers,
 the one-line error for a run of another task)."""
+import json
 import subprocess
 import sys
 
@@ -47,6 +48,8 @@ def test_a_tiny_addition_run_is_probed_in_its_own_format(tmp_path):
   loop.train(config, workdir)
   report = addition_probe.probe(workdir, None, count=30, seed=1)
   assert (report["format"], report["max_digits"], report["step"]) == ("aligned", 3, 2)
+  assert report["sets"]["carry_chains"]["pairs"] == len(
+      addition_probe.carry_chains(np.random.default_rng(0), 3))
   assert set(report["sets"]) == set(addition_probe.SETS)
   trained = {src for src, _ in tasks.load_pairs(config.data, "train")}
   for name, result in report["sets"].items():
@@ -58,6 +61,15 @@ def test_a_tiny_addition_run_is_probed_in_its_own_format(tmp_path):
     assert result["trained_sources"] == sum(src in trained for src, _ in pairs)
     assert result["exact_match_greedy"] == 1 - len(result["wrong"]) / result["pairs"]
     assert all(w["greedy"] != w["reference"] for w in result["wrong"])
+  out = tmp_path / "probe.json"
+  command = subprocess.run([sys.executable, "-m", "bench.addition_probe", "--workdir", workdir,
+                            "--workdir", workdir, "--count", "30", "--seed", "1", "--out",
+                            str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           check=False)
+  assert command.returncode == 0, command.stderr
+  saved = json.loads(out.read_text())
+  assert saved["command"].startswith("python -m bench.addition_probe --workdir")
+  assert saved["machine"]["cpus"] >= 1 and saved["runs"] == [report, report]
 
 
 def test_a_run_of_another_task_is_one_line(tmp_path):
