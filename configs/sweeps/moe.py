@@ -5,7 +5,7 @@ each token routed to 1 (top-1), and 8 experts of width 192 routed to 2
 budget gives them the same steps (the router's d x E adds 0.03%); the
 mixtures store 8 and 4 times the dense MLP's parameters.
 
-  python sweep.py run --sweep configs/sweeps/moe.py --seeds 3 --config.train.flop_budget=4.6e12
+  python sweep.py run --sweep configs/sweeps/moe.py --seeds 3 --config.train.flop_budget=2.3e12
   python sweep.py report --root runs/sweeps/moe
 """
 NAME = "moe"
