@@ -110,6 +110,7 @@ def test_wandb_offline_run_holds_the_metrics_and_continues_after_the_resume(run)
   assert train_loss == pytest.approx(logged(workdir, "train", "loss"))
   assert sorted(train_loss) == [5, 10, 15, 20]
   assert history[20]["validation/loss"] == pytest.approx(logged(workdir, "validation", "loss")[20])
+  assert "eval/loss" in history[20], (files, history[20])  # eval.py's record, else what the files held
   assert history[20]["eval/loss"] == pytest.approx(report["loss"])
   assert history[20]["eval/loss_curves/_type"] == "image-file"
   assert config["train"]["num_steps"] == 20 and config["workdir"] == os.path.abspath(workdir)
