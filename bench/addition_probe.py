@@ -24,7 +24,6 @@ The JSON (default `<first workdir>/probes/probe.json`) holds those per run,
 with the command, commit, date and machine.
 """
 import datetime
-import json
 import os
 import sys
 
@@ -52,16 +51,6 @@ def _define_flags() -> None:
   flags.DEFINE_string("out", None, "JSON output (default: <workdir>/probes/probe.json).")
 
 
-def random_sums(rng: np.random.Generator, count: int, min_digits: int,
-                max_digits: int) -> list[tuple[int, int]]:
-  """`count` pairs of numbers whose digit counts are uniform in [min_digits, max_digits]."""
-  def number():
-    digits = int(rng.integers(min_digits, max_digits + 1))
-    low = 10 ** (digits - 1) if digits > 1 else 0
-    return int(rng.integers(low, 10 ** digits))
-  return [(number(), number()) for _ in range(count)]
-
-
 def carry_chains(rng: np.random.Generator, max_digits: int) -> list[tuple[int, int]]:
   """Sums whose carries cross every digit of a k-digit number, k = 1..max_digits."""
   sums = []
@@ -73,13 +62,19 @@ def carry_chains(rng: np.random.Generator, max_digits: int) -> list[tuple[int, i
   return list(dict.fromkeys(sums))
 
 
-def probe_sets(data_config, count: int, seed: int) -> dict[str, list[tuple[int, int]]]:
+def probe_sets(data_config, count: int, seed: int) -> dict[str, list[tasks.Pair]]:
+  """The three sets' pairs, drawn and written as the run's task draws and writes its own."""
+  d = data_config
   rng = np.random.default_rng(seed)
-  width = data_config.task_max_len
-  return {"random_test_lengths": random_sums(
-              rng, count, data_config.task_test_min_len or data_config.task_min_len, width),
-          "random_all_lengths": random_sums(rng, count, 1, width),
-          "carry_chains": carry_chains(rng, width)}
+
+  def draw(min_len: int) -> list[tasks.Pair]:
+    return [tasks.make_example("addition", rng, min_len, d.task_max_len, d.task_addition_format)
+            for _ in range(count)]
+
+  return {"random_test_lengths": draw(d.task_test_min_len or d.task_min_len),
+          "random_all_lengths": draw(1),
+          "carry_chains": [tasks.addition_pair(a, b, d.task_addition_format, d.task_max_len)
+                           for a, b in carry_chains(rng, d.task_max_len)]}
 
 
 def write_tsv(path: str, pairs: list[tasks.Pair], src_field: str, tgt_field: str) -> None:
@@ -110,8 +105,7 @@ def probe(workdir: str, step: int | None, count: int, seed: int) -> dict:
                     f"data.task={d.task}; the probe needs a data.task=addition run")
   trained = {src for src, _ in tasks.load_pairs(d, "train")}
   results = {}
-  for name, sums in probe_sets(d, count, seed).items():
-    pairs = [tasks.addition_pair(a, b, d.task_addition_format, d.task_max_len) for a, b in sums]
+  for name, pairs in probe_sets(d, count, seed).items():
     path = os.path.join(workdir, "probes", f"{name}.tsv")
     write_tsv(path, pairs, d.src_field, d.tgt_field)
     results[name] = {"file": path, **score(model, config, tok, pairs, trained)}
@@ -143,9 +137,7 @@ def main(argv):
         print(f"    {miss['source']} -> {miss['greedy']} (not {miss['reference']})")
   out = FLAGS.out or os.path.join(FLAGS.workdir[0], "probes", "probe.json")
   os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, "w", encoding="utf-8") as f:
-    json.dump(report, f, indent=1)
-    f.write("\n")
+  workdir_lib.write_json_atomic(out, report)
   print(f"wrote {out}")
 
 

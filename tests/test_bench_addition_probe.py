@@ -14,10 +14,16 @@ from data import tasks
 from tests.helpers import ROOT, assert_one_line_error
 
 
-def test_random_sums_have_the_asked_digit_counts():
-  sums = addition_probe.random_sums(np.random.default_rng(0), 500, 2, 4)
-  digits = {len(str(n)) for pair in sums for n in pair}
-  assert len(sums) == 500 and digits == {2, 3, 4}
+def test_random_sets_have_the_asked_digit_counts_and_are_sums():
+  data = base.get_config().data
+  data.update(task="addition", task_addition_format="plain", task_min_len=1, task_max_len=4,
+              task_test_min_len=2)
+  sets = addition_probe.probe_sets(data, 500, seed=0)
+  for name, lengths in (("random_test_lengths", {2, 3, 4}), ("random_all_lengths", {1, 2, 3, 4})):
+    pairs = sets[name]
+    numbers = [src.split("+") for src, _ in pairs]
+    assert len(pairs) == 500 and {len(n) for pair in numbers for n in pair} == lengths
+    assert all(int(tgt) == int(a) + int(b) for (_, tgt), (a, b) in zip(pairs, numbers))
 
 
 def test_carry_chains_carry_across_every_digit():
