@@ -26,6 +26,16 @@ def test_random_sets_have_the_asked_digit_counts_and_are_sums():
     assert all(int(tgt) == int(a) + int(b) for (_, tgt), (a, b) in zip(pairs, numbers))
 
 
+def test_random_sets_are_not_the_training_pairs_at_the_tasks_own_seed():
+  data = base.get_config().data
+  data.update(task="addition", task_addition_format="aligned", task_min_len=1, task_max_len=8,
+              task_test_min_len=6, task_size=50000, task_test_size=500, task_seed=0)
+  trained = {src for src, _ in tasks.load_pairs(data, "train")}
+  sets = addition_probe.probe_sets(data, 2000, seed=0)  # configs/addition.py's sizes
+  # By chance about 4% (short numbers repeat); drawn from the task's stream, over 99%.
+  assert sum(src in trained for src, _ in sets["random_all_lengths"]) < 200
+
+
 def test_carry_chains_carry_across_every_digit():
   chains = addition_probe.carry_chains(np.random.default_rng(0), 3)
   assert len(chains) == len(set(chains))
