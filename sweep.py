@@ -7,6 +7,7 @@
   python sweep.py status --root runs/sweeps/pos_norm
   python sweep.py report --root runs/sweeps/pos_norm [--baseline VARIANT]
       # report.md, report.csv (per run), report_summary.csv (per variant), PNGs
+      [--from_csv]   # only the statistics, from report.csv: for a report whose runs are gone
 
 Running `run` again resumes the unfinished variants and skips the done ones.
 A variant whose workdir was trained with another config than the sweep now
@@ -40,7 +41,10 @@ _SEEDS = flags.DEFINE_integer("seeds", None, "run: train each variant N times, t
                               "0..N-1, in <root>/<variant>,seed=<k> (default: the sweep's "
                               "SEEDS, else once).", lower_bound=1)
 _BASELINE = flags.DEFINE_string("baseline", None, "report: the variant the others are "
-                                "compared with (default: the first).")
+                                "compared with (default: the first; --from_csv: the report's).")
+_FROM_CSV = flags.DEFINE_bool("from_csv", False, "report: recompute only the statistics "
+                              "(report_summary.csv, report.md's statistics section) from "
+                              "<root>/report.csv, for a report whose runs are gone.")
 _RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
                                    "with another config in place (old workdirs set aside).")
 _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
@@ -130,7 +134,8 @@ def main(argv):
     if commands[0] == "status":
       print("\n".join(sweep_lib.status_lines(_ROOT.value)))
     else:
-      print("wrote " + ", ".join(sweep_lib.write_report(_ROOT.value, _BASELINE.value)))
+      write = sweep_lib.rebuild_statistics if _FROM_CSV.value else sweep_lib.write_report
+      print("wrote " + ", ".join(write(_ROOT.value, _BASELINE.value)))
 
 
 if __name__ == "__main__":

@@ -33,10 +33,10 @@ One module per job:
   jobs.py        running a variant (`VariantJob`) and the local launcher
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv, report_summary.csv and the plots
-  stats.py       the statistics over seeds: intervals, Welch's test
+  stats.py       the statistics over seeds: intervals, Welch's and the paired test, Holm
 """
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
-from sweeps.report import write_report
+from sweeps.report import rebuild_statistics, write_report
 from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
 from sweeps.state import (State, changed_fields, check_seeds, read_manifest, read_times,
                           set_aside, status_lines, unfinished, variant_state, write_manifest)

@@ -3,7 +3,10 @@ seed); report_summary.csv, one row per variant (its statistics over its seeds
 against the baseline variant, `sweeps/stats.py`, and its cost); the
 validation-curve plots (against steps, tokens and FLOPs), for a sweep of
 learning rates the loss against the learning rate (`sweeps/lr_transfer.py`),
-and each run's config history."""
+and each run's config history.
+
+`rebuild_statistics` recomputes the statistics alone from report.csv, for a
+report whose runs are gone (the checked-in ablations, docs/ablations/)."""
 import csv
 import os
 
@@ -28,8 +31,13 @@ COST_COLUMNS = ("params", "params_non_embedding", "flops_per_token", "tokens", "
 # Per-run measurements of the loop (metrics.jsonl), summarised like the metrics.
 TIME_COLUMNS = ("wall_s", "tokens_per_s")
 STAT_COLUMNS = (*(key for key, _, _ in REPORT_COLUMNS), *TIME_COLUMNS)
+# Whether a lower value is the better one, per STAT_COLUMNS key (the verdict's word).
+LOWER_IS_BETTER = {"loss": True, "perplexity": True, "token_accuracy": False,
+                   "bits_per_byte": True, "wall_s": True, "tokens_per_s": False}
 STAT_FIELDS = ("n", "mean", "sd", "ci_low", "ci_high", "diff", "diff_ci_low", "diff_ci_high",
-               "p", "verdict")
+               "p", "holm_p", "verdict", "paired_diff", "paired_ci_low", "paired_ci_high",
+               "paired_p", "paired_holm_p", "paired_verdict")
+STATISTICS = "## Statistics over seeds"
 
 
 def write_report(root: str, baseline: str | None = None) -> list[str]:
@@ -38,9 +46,7 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
   manifest, runs = read_manifest(root)
   groups = list(dict.fromkeys(run.group for run in runs))
   baseline = baseline or groups[0]
-  if baseline not in groups:
-    raise UserError(f"--baseline {baseline}: no such variant in {root} (its variants: "
-                    f"{', '.join(groups)})")
+  _check_baseline(baseline, groups, root)
   fields = list(dict.fromkeys(f for v in runs for f in v.overrides))
   rows, files, histories, records = [], [], {}, {}
   for run in runs:
@@ -63,14 +69,14 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
         "batches; the table's val loss is the whole split)", curves)
   summary = _summaries(runs, rows, groups, baseline)
   csv_path = os.path.join(root, "report.csv")
-  _write_csv(csv_path, ["variant", "seed", *fields, "state", "step",
+  _write_csv(csv_path, ["variant", "seed", "data_seed", *fields, "state", "step",
                         *(key for key, _, _ in REPORT_COLUMNS), *COST_COLUMNS, *TIME_COLUMNS,
                         "run"],
              [{**row, **{f: run.overrides.get(f, "") for f in fields}}
               for run, row in zip(runs, rows)])
   summary_path = os.path.join(root, "report_summary.csv")
   _write_csv(summary_path, ["variant", *fields, "runs", "num_steps", *COST_COLUMNS,
-                            *(f"{key}_{s}" for key in STAT_COLUMNS for s in STAT_FIELDS)],
+                            *_stat_header()],
              [{**row, **{f: group_runs[0].overrides.get(f, "") for f in fields}}
               for row, group_runs in summary])
   md_path = os.path.join(root, "report.md")
@@ -86,6 +92,68 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
                       + _cost_section(summary_rows))
             + length_section)
   return [md_path, csv_path, summary_path, *length_files, *files]
+
+
+def rebuild_statistics(root: str, baseline: str | None = None) -> list[str]:
+  """report_summary.csv's statistics and report.md's statistics section
+  recomputed from report.csv alone (every run's seeds and metrics), the rest
+  of both files kept: for a report whose runs are gone. `baseline`: default
+  the one report_summary.csv names."""
+  paths = [os.path.join(root, name) for name in ("report.csv", "report_summary.csv",
+                                                 "report.md")]
+  missing = [p for p in paths if not os.path.exists(p)]
+  if missing:
+    raise UserError(f"{missing[0]} is missing: --from_csv rebuilds the statistics of a report "
+                    "that `sweep.py report` wrote; run that first")
+  rows = _read_csv(paths[0])
+  if rows and "data_seed" not in rows[0]:
+    raise UserError(f"{paths[0]} has no data_seed column (written before it): add one, each "
+                    "run's data.seed, or its seed where data.seed was unset")
+  for row in rows:
+    for key in STAT_COLUMNS:
+      row[key] = float(row[key]) if row.get(key) else None
+  summary = _read_csv(paths[1])
+  groups = [row["variant"] for row in summary]
+  baseline = baseline or next((row["variant"] for row in summary
+                               if row.get("loss_verdict") == stats.BASELINE), groups[0])
+  _check_baseline(baseline, groups, root)
+  columns = _statistics(rows, groups, baseline)
+  header = [c for c in _csv_header(paths[1])
+            if not any(c.startswith(f"{key}_") for key in STAT_COLUMNS)]
+  summary = [{**{c: row[c] for c in header}, **columns[row["variant"]]} for row in summary]
+  with open(paths[2], encoding="utf-8") as f:
+    md = f.read()
+  start = md.find(f"\n{STATISTICS}\n")
+  if start < 0:
+    raise UserError(f"{paths[2]} has no \"{STATISTICS}\" section to rebuild; run `sweep.py "
+                    "report` on the runs")
+  end = md.find("\n## ", start + 1)
+  section = _statistics_section(baseline, summary)
+  md = md[:start] + section.rstrip("\n") + "\n" + (md[end:] if end >= 0 else "")
+  _write_csv(paths[1], header + _stat_header(), summary)
+  with open(paths[2], "w", encoding="utf-8") as f:
+    f.write(md)
+  return paths[1:]
+
+
+def _check_baseline(baseline: str, groups: list[str], root: str) -> None:
+  if baseline not in groups:
+    raise UserError(f"--baseline {baseline}: no such variant in {root} (its variants: "
+                    f"{', '.join(groups)})")
+
+
+def _stat_header() -> list[str]:
+  return [f"{key}_{s}" for key in STAT_COLUMNS for s in STAT_FIELDS]
+
+
+def _csv_header(path: str) -> list[str]:
+  with open(path, encoding="utf-8", newline="") as f:
+    return next(csv.reader(f))
+
+
+def _read_csv(path: str) -> list[dict]:
+  with open(path, encoding="utf-8", newline="") as f:
+    return list(csv.DictReader(f))
 
 
 def _write_csv(path: str, header: list[str], rows: list[dict]) -> None:
@@ -113,6 +181,7 @@ def _run_row(run: Variant, records: list[dict]) -> dict:
          "seed": run.seed if run.seed is not None else (config.train.seed if config else None),
          **{key: report.get(key) for key, _, _ in REPORT_COLUMNS}}
   if config is not None:
+    row["data_seed"] = config.data.seed if config.data.seed is not None else config.train.seed
     row.update(_cost(config, s.step or 0))
   seconds = [r["seconds"] for r in records if r["split"] == "train" and "seconds" in r]
   if seconds:
@@ -173,13 +242,9 @@ def _mean_curve(runs: list[tuple[Variant, list[dict]]]):
 def _summaries(runs: list[Variant], rows: list[dict], groups: list[str],
                baseline: str) -> list[tuple[dict, list[Variant]]]:
   """(report_summary.csv row, the variant's runs) per variant: its statistics
-  over its finished runs (`sweeps/stats.py`) against `baseline`, and its cost
-  at train.num_steps."""
-  done = {group: [row for run, row in zip(runs, rows) if run.group == group
-                  and row["state"] == "done"] for group in groups}
-  summaries = {group: {key: stats.summarize([r[key] for r in done[group]
-                                             if r.get(key) is not None])
-                       for key in STAT_COLUMNS} for group in groups}
+  over its finished runs against `baseline` (`_statistics`), and its cost at
+  train.num_steps."""
+  columns = _statistics(rows, groups, baseline)
   out = []
   for group in groups:
     group_runs = [run for run in runs if run.group == group]
@@ -187,15 +252,59 @@ def _summaries(runs: list[Variant], rows: list[dict], groups: list[str],
     config = _run_config(group_runs[0])
     if config is not None:
       row.update(_cost(config, group_runs[0].num_steps))
-    for key in STAT_COLUMNS:
-      s = summaries[group][key]
-      c = stats.compare(s, summaries[baseline][key], is_baseline=group == baseline)
-      row.update({f"{key}_n": s.n, f"{key}_mean": s.mean, f"{key}_sd": s.sd,
-                  f"{key}_ci_low": s.low, f"{key}_ci_high": s.high, f"{key}_diff": c.diff,
-                  f"{key}_diff_ci_low": c.low, f"{key}_diff_ci_high": c.high,
-                  f"{key}_p": c.p, f"{key}_verdict": c.verdict})
-    out.append((row, group_runs))
+    out.append(({**row, **columns[group]}, group_runs))
   return out
+
+
+def _paired(mine: list[dict], theirs: list[dict], key: str):
+  """(the variant's values, the baseline's of the same seeds) of `key` when
+  every finished run of the variant with a value has a partner in the
+  baseline, a run with the same train.seed and data seed (so the same
+  initialisation and data order); None otherwise."""
+  def by_seed(rows):
+    pairs = [((r["seed"], r.get("data_seed")), r[key]) for r in rows
+             if r.get(key) is not None]
+    keys = [k for k, _ in pairs]
+    if any(None in k or "" in k for k in keys) or len(set(keys)) < len(keys):
+      return None
+    return dict(pairs)
+  mine, theirs = by_seed(mine), by_seed(theirs)
+  if mine is None or theirs is None or not mine or not set(mine) <= set(theirs):
+    return None
+  return list(mine.values()), [theirs[k] for k in mine]
+
+
+def _statistics(rows: list[dict], groups: list[str], baseline: str) -> dict[str, dict]:
+  """{variant: its report_summary.csv statistics}: per metric over its finished
+  runs (`rows`: report.csv's rows, values as numbers or None), n, mean, sd and
+  interval; against `baseline`, Welch's difference, interval, p, Holm's p over
+  the variants, and the verdict; where the seeds pair, the same paired."""
+  done = {group: [r for r in rows if r["variant"] == group and r["state"] == "done"]
+          for group in groups}
+  columns = {group: {} for group in groups}
+  for key in STAT_COLUMNS:
+    lower = LOWER_IS_BETTER[key]
+    summaries = {group: stats.summarize([r[key] for r in done[group]
+                                         if r.get(key) is not None]) for group in groups}
+    welch, paired = {}, {}
+    for group in groups:
+      welch[group] = stats.compare(summaries[group], summaries[baseline], lower,
+                                   is_baseline=group == baseline)
+      pairs = None if group == baseline else _paired(done[group], done[baseline], key)
+      paired[group] = stats.compare_paired(*pairs, lower) if pairs else stats.NONE
+    holm = dict(zip(groups, stats.holm([welch[g].p for g in groups])))
+    paired_holm = dict(zip(groups, stats.holm([paired[g].p for g in groups])))
+    for group in groups:
+      s, c, pc = summaries[group], welch[group], paired[group]
+      columns[group].update({
+          f"{key}_n": s.n, f"{key}_mean": s.mean, f"{key}_sd": s.sd, f"{key}_ci_low": s.low,
+          f"{key}_ci_high": s.high, f"{key}_diff": c.diff, f"{key}_diff_ci_low": c.low,
+          f"{key}_diff_ci_high": c.high, f"{key}_p": c.p, f"{key}_holm_p": holm[group],
+          f"{key}_verdict": c.verdict, f"{key}_paired_diff": pc.diff,
+          f"{key}_paired_ci_low": pc.low, f"{key}_paired_ci_high": pc.high,
+          f"{key}_paired_p": pc.p, f"{key}_paired_holm_p": paired_holm[group],
+          f"{key}_paired_verdict": pc.verdict})
+  return columns
 
 
 def _display(path: str) -> str:
@@ -233,25 +342,61 @@ def _markdown(manifest: dict, fields: list[str], runs: list[Variant], rows: list
   return "\n".join(lines) + "\n"
 
 
+def _bound(value: float, spec: str) -> str:
+  """`value` in `spec`, or in two significant digits where `spec` would
+  print a value that is not 0 as 0 (so an interval whose verdict says it
+  excludes 0 never reads as touching it)."""
+  text = format(value, spec)
+  if value != 0 and float(text) == 0:
+    text = format(value, ("+" if "+" in spec else "") + ".2g")
+  return text
+
+
+def _p(value) -> str:
+  """A p-value in 3 significant digits, more where 3 would round it across
+  stats.ALPHA (0.04998 never reads as 0.05)."""
+  if value is None or value == "":
+    return ""
+  for digits in range(3, 13):
+    text = format(value, f".{digits}g")
+    if (float(text) < stats.ALPHA) == (value < stats.ALPHA):
+      break
+  return text
+
+
 def _interval(low, high, spec: str) -> str:
-  return "" if low is None else f"[{low:{spec}}, {high:{spec}}]"
+  return "" if low is None else f"[{_bound(low, spec)}, {_bound(high, spec)}]"
 
 
 def _statistics_section(baseline: str, summary: list[dict]) -> str:
   """The section of each metric's mean, sd and interval per variant, and its
-  difference from the baseline."""
-  lines = ["", "## Statistics over seeds", "",
-           f"Per variant over its finished runs: n, mean, sample sd and the 95% interval of "
-           f"the mean (Student t); against the baseline `{baseline}`: the difference of means, "
-           "its 95% interval (Welch-Satterthwaite df) and Welch's two-sided p. "
-           f"\"{stats.SAME}\": the variant's interval overlaps the baseline's. Formulas: "
-           "docs/sweeps.md; all numbers in report_summary.csv."]
+  difference from the baseline: unpaired (Welch) and, where some variant's
+  seeds pair with the baseline's, paired."""
+  lines = ["", STATISTICS, "",
+           "Per variant over its finished runs: n, mean, sample sd and the 95% interval of "
+           f"the mean (Student t). Against the baseline `{baseline}`: the difference of means, "
+           "its 95% interval (Welch-Satterthwaite df), Welch's two-sided p and Holm's p "
+           "(adjusted over the variants compared with the baseline on that metric); where "
+           "every seed of a variant has a partner in the baseline (the same train.seed and "
+           "data seed), the paired comparison too: the mean of the per-seed differences, its "
+           "95% interval (Student t), the paired t-test's p and Holm's p. Each verdict is "
+           "that of the interval beside it: \"lower\" or \"higher\" (better or worse for "
+           f"the metric) when it excludes 0, \"{stats.SAME}\" when it contains 0. The "
+           "verdicts are per comparison; a Holm p of 0.05 or more marks a difference that "
+           "does not hold for the family of comparisons. Formulas: docs/sweeps.md; all "
+           "numbers in report_summary.csv."]
   for key, title, spec in REPORT_COLUMNS:
     if not any(row[f"{key}_n"] for row in summary):
       continue
-    lines += ["", f"### {title}", "",
-              "| variant | n | mean | sd | 95% interval | diff vs baseline | 95% interval "
-              "of diff | p | |", "|---|---:|---:|---:|---|---:|---|---:|---|"]
+    paired = any(row[f"{key}_paired_verdict"] for row in summary)
+    titles = ["variant", "n", "mean", "sd", "95% interval", "diff vs baseline",
+              "95% interval of diff", "p", "Holm p", "verdict"]
+    if paired:
+      titles += ["paired diff", "95% interval of paired diff", "paired p", "paired Holm p",
+                 "paired verdict"]
+    lines += ["", f"### {title}", "", "| " + " | ".join(titles) + " |",
+              "|---|" + "---:|" * 3 + "---|---:|---|---:|---:|---|"
+              + ("---:|---|---:|---:|---|" if paired else "")]
     for row in summary:
       n = row[f"{key}_n"]
       interval = (_interval(row[f"{key}_ci_low"], row[f"{key}_ci_high"], spec)
@@ -259,7 +404,14 @@ def _statistics_section(baseline: str, summary: list[dict]) -> str:
       cells = [row["variant"], n, _format(row[f"{key}_mean"], spec),
                _format(row[f"{key}_sd"], spec), interval, _format(row[f"{key}_diff"], "+" + spec),
                _interval(row[f"{key}_diff_ci_low"], row[f"{key}_diff_ci_high"], "+" + spec),
-               _format(row[f"{key}_p"], ".3g"), row[f"{key}_verdict"]]
+               _p(row[f"{key}_p"]), _p(row[f"{key}_holm_p"]),
+               row[f"{key}_verdict"]]
+      if paired:
+        cells += [_format(row[f"{key}_paired_diff"], "+" + spec),
+                  _interval(row[f"{key}_paired_ci_low"], row[f"{key}_paired_ci_high"],
+                            "+" + spec),
+                  _p(row[f"{key}_paired_p"]), _p(row[f"{key}_paired_holm_p"]),
+                  row[f"{key}_paired_verdict"]]
       lines.append("| " + " | ".join(map(str, cells)) + " |")
   return "\n".join(lines) + "\n"
 

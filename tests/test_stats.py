@@ -1,11 +1,15 @@
 """Ablations that answer questions: a sweep's seeds, the report's statistics
-(against scipy) and cost columns, and token/FLOP budgets that set num_steps."""
+(against scipy and by hand: Welch, paired, Holm; verdicts that follow the
+printed intervals) and cost columns, and token/FLOP budgets that set num_steps."""
 import csv
 import json
 import math
 import os
+import re
+import tempfile
 
 from absl import flags
+from hypothesis import given, settings, strategies as st
 import jax
 from ml_collections import config_flags
 import numpy as np
@@ -34,24 +38,167 @@ def test_interval_and_welch_equal_scipys():
   assert (s.n, s.mean, s.sd) == (4, pytest.approx(np.mean(A)), pytest.approx(np.std(A, ddof=1)))
   low, high = scipy_stats.t.interval(0.95, 3, loc=np.mean(A), scale=scipy_stats.sem(A))
   assert (s.low, s.high) == (pytest.approx(low, rel=1e-12), pytest.approx(high, rel=1e-12))
-  c = stats.compare(stats.summarize(B), s)
+  c = stats.compare(stats.summarize(B), s, lower_is_better=True)
   welch = scipy_stats.ttest_ind(B, A, equal_var=False)
   ci = welch.confidence_interval(0.95)
   assert c.diff == pytest.approx(np.mean(B) - np.mean(A))
   assert c.p == pytest.approx(welch.pvalue, rel=1e-10) and c.df == pytest.approx(welch.df)
   assert (c.low, c.high) == (pytest.approx(ci.low, rel=1e-10), pytest.approx(ci.high, rel=1e-10))
-  assert c.verdict == "differs"
-  assert stats.compare(stats.summarize([3.50, 3.56]), s).verdict == "not distinguishable"
-  assert stats.compare(s, s, is_baseline=True).verdict == "baseline"
+  assert c.verdict == "higher (worse)"
+  assert stats.compare(stats.summarize(B), s, lower_is_better=False).verdict == "higher (better)"
+  assert stats.compare(s, stats.summarize(B), lower_is_better=True).verdict == "lower (better)"
+  assert stats.compare(s, stats.summarize(B), lower_is_better=False).verdict == "lower (worse)"
+  same = stats.compare(stats.summarize([3.50, 3.56]), s, lower_is_better=True)
+  assert same.low < 0 < same.high and same.verdict == "not distinguishable"
+  assert stats.compare(s, s, True, is_baseline=True).verdict == "baseline"
+  flat = stats.compare(stats.summarize([3.6, 3.6]), stats.summarize([3.5, 3.5]), True)
+  assert (flat.diff, flat.low, flat.p, flat.verdict) == (
+      pytest.approx(0.1), None, None, "no interval (no spread)")
+
+
+def test_the_verdict_follows_the_differences_interval_not_the_overlap():
+  """RoPE 0.109 below sinusoidal: the two variants' own 95% intervals overlap
+  (the old rule's "not distinguishable"), the difference's interval excludes 0."""
+  rope, sinusoidal = [3.475, 3.500, 3.525], [3.584, 3.609, 3.634]
+  r, s = stats.summarize(rope), stats.summarize(sinusoidal)
+  assert s.low < r.high  # the intervals overlap
+  c = stats.compare(r, s, lower_is_better=True)
+  ci = scipy_stats.ttest_ind(rope, sinusoidal, equal_var=False).confidence_interval(0.95)
+  assert c.diff == pytest.approx(-0.109)
+  assert (c.low, c.high) == (pytest.approx(ci.low), pytest.approx(ci.high))
+  assert c.high < 0 and c.p < 0.05 and c.verdict == "lower (better)"
+
+
+def test_paired_comparison_equals_scipys_ttest_rel():
+  x, b = [3.61, 3.58, 3.66, 3.60], [3.52, 3.50, 3.55, 3.49]
+  c = stats.compare_paired(x, b, lower_is_better=True)
+  rel = scipy_stats.ttest_rel(x, b)
+  ci = rel.confidence_interval(0.95)
+  assert c.diff == pytest.approx(np.mean(np.subtract(x, b)))
+  assert (c.p, c.df) == (pytest.approx(rel.pvalue, rel=1e-10), rel.df)
+  assert (c.low, c.high) == (pytest.approx(ci.low, rel=1e-10), pytest.approx(ci.high, rel=1e-10))
+  assert c.verdict == "higher (worse)"
+  # The seeds move together: paired, the difference is resolved; unpaired it is not.
+  x, b = [3.50, 3.60, 3.70], [3.48, 3.585, 3.675]
+  assert stats.compare(stats.summarize(x), stats.summarize(b), True).verdict == (
+      "not distinguishable")
+  assert stats.compare_paired(x, b, True).verdict == "higher (worse)"
+  assert stats.compare_paired([3.5], [3.4], True) == stats.NONE
+
+
+def test_holm_adjusts_by_hand():
+  """Sorted 0.005, 0.01, 0.03, 0.04 of m = 4: x4, x3, x2, x1 = 0.02, 0.03, 0.06,
+  0.04, each at least the one before: 0.02, 0.03, 0.06, 0.06."""
+  adjusted = stats.holm([0.01, 0.04, 0.03, None, 0.005])
+  assert adjusted[3] is None
+  assert [adjusted[i] for i in (0, 1, 2, 4)] == pytest.approx([0.03, 0.06, 0.06, 0.02])
+  assert stats.holm([0.6, 0.7]) == [1.0, 1.0] and stats.holm([0.2]) == [0.2]
+  assert stats.holm([None, None]) == [None, None]
 
 
 def test_one_value_has_no_interval():
   one = stats.summarize([3.5])
   assert (one.n, one.mean, one.sd, one.low) == (1, 3.5, None, None)
-  c = stats.compare(one, stats.summarize(A))
+  c = stats.compare(one, stats.summarize(A), True)
   assert c.diff == pytest.approx(3.5 - np.mean(A)) and (c.low, c.p) == (None, None)
   assert c.verdict == "no interval (n=1)"
-  assert stats.summarize([]).n == 0 and stats.compare(stats.summarize([]), one).verdict == ""
+  assert stats.summarize([]).n == 0 and stats.compare(stats.summarize([]), one, True).verdict == ""
+
+
+def write_report_files(root: str, runs: list[tuple[str, int, float, float]]) -> None:
+  """A report as `sweep.py report` leaves it, whose runs are gone: report.csv
+  (variant, seed, loss, token accuracy), report_summary.csv and report.md."""
+  variants = list(dict.fromkeys(v for v, _, _, _ in runs))
+  with open(os.path.join(root, "report.csv"), "w", encoding="utf-8", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["variant", "seed", "data_seed", "state", "step", "loss", "token_accuracy",
+                     "run"])
+    writer.writerows([v, k, k, "done", 6, loss, acc, f"{v},seed={k}"] for v, k, loss, acc in runs)
+  with open(os.path.join(root, "report_summary.csv"), "w", encoding="utf-8", newline="") as f:
+    writer = csv.writer(f)
+    writer.writerow(["variant", "runs", "num_steps", "params", "loss_verdict"])
+    writer.writerows([v, 3, 6, 1000, "baseline" if i == 1 else "x"]
+                     for i, v in enumerate(variants))
+  with open(os.path.join(root, "report.md"), "w", encoding="utf-8") as f:
+    f.write("# Sweep s\n\n| runs |\n\n## Statistics over seeds\n\nstale table\n\n## Cost\n\nkept\n")
+
+
+def parse_tables(md: str) -> dict[str, list[dict]]:
+  """{metric title: the rows of its statistics table as {column title: cell}}."""
+  tables = {}
+  for title, body in re.findall(r"### (.+)\n\n((?:\|.*\n)+)", md):
+    lines = [[c.strip() for c in line.strip().strip("|").split("|")]
+             for line in body.splitlines()]
+    tables[title] = [dict(zip(lines[0], line)) for line in lines[2:]]
+  return tables
+
+
+def test_statistics_are_rebuilt_from_report_csv(tmp_path):
+  """The statistics of a report whose runs are gone, from report.csv: the
+  baseline report_summary.csv named, the rest of both files kept."""
+  runs = [(v, k, loss, 0.3) for v, losses in (("a", [3.61, 3.58, 3.66]), ("b", [3.52, 3.50, 3.55]))
+          for k, loss in enumerate(losses)]
+  write_report_files(str(tmp_path), runs)
+  written = sweep_lib.rebuild_statistics(str(tmp_path))
+  assert written == [str(tmp_path / "report_summary.csv"), str(tmp_path / "report.md")]
+  a, b = read_csv(tmp_path / "report_summary.csv")
+  assert (a["variant"], a["params"], b["loss_verdict"]) == ("a", "1000", "baseline")
+  rel = scipy_stats.ttest_rel([3.61, 3.58, 3.66], [3.52, 3.50, 3.55])
+  assert float(a["loss_paired_p"]) == pytest.approx(rel.pvalue)
+  assert a["loss_verdict"] == a["loss_paired_verdict"] == "higher (worse)"
+  assert a["token_accuracy_verdict"] == "no interval (no spread)"
+  md = (tmp_path / "report.md").read_text()
+  assert md.startswith("# Sweep s\n\n| runs |\n\n## Statistics over seeds\n\nPer variant")
+  assert ("| b | 3 | 3.5233 | 0.0252 | [3.4608, 3.5858] |  |  |  |  | baseline |  |  |  |  |  "
+          "|\n") in md
+  assert md.endswith(" |\n\n## Cost\n\nkept\n") and "stale table" not in md
+  sweep_lib.rebuild_statistics(str(tmp_path), "a")
+  assert read_csv(tmp_path / "report_summary.csv")[1]["loss_verdict"] == "lower (better)"
+  with pytest.raises(UserError, match="--baseline c: no such variant"):
+    sweep_lib.rebuild_statistics(str(tmp_path), "c")
+  (tmp_path / "report.md").unlink()
+  with pytest.raises(UserError, match=r"report.md is missing: --from_csv rebuilds the "
+                     "statistics of a report that `sweep.py report` wrote; run that first"):
+    sweep_lib.rebuild_statistics(str(tmp_path))
+
+
+SAMPLES = st.lists(st.floats(-3, 3, allow_nan=False), min_size=1, max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(SAMPLES, min_size=2, max_size=4), st.lists(SAMPLES, min_size=2, max_size=4),
+       st.sampled_from([1e-4, 1.0, 100.0]))
+def test_no_verdict_contradicts_the_interval_printed_beside_it(losses, accuracies, scale):
+  """Whatever the seeds' values: "not distinguishable" only beside a printed
+  interval that contains 0, "lower"/"higher" only beside one wholly below or
+  above it, p < 0.05 exactly with a difference, and "better" by the metric."""
+  runs = [(f"v{i}", k, 3 + scale * x, 0.3 + scale * y)
+          for i, (xs, ys) in enumerate(zip(losses, accuracies)) for k, (x, y) in enumerate(
+              zip(xs, ys))]
+  with tempfile.TemporaryDirectory() as root:
+    write_report_files(root, runs)
+    sweep_lib.rebuild_statistics(root)
+    tables = parse_tables(open(os.path.join(root, "report.md"), encoding="utf-8").read())
+    summary = read_csv(os.path.join(root, "report_summary.csv"))
+  for title, lower_is_better in (("val loss", True), ("token accuracy", False)):
+    for row, csv_row in zip(tables[title], summary):
+      key = "loss" if lower_is_better else "token_accuracy"
+      assert row["verdict"] == csv_row[f"{key}_verdict"]
+      for prefix in ("", "paired "):
+        verdict = row.get(f"{prefix}verdict", "")
+        interval, p = row.get(f"95% interval of {prefix}diff", ""), row.get(f"{prefix}p", "")
+        if not interval:
+          assert verdict in ("", "baseline", "no interval (n=1)", "no interval (no spread)")
+          continue
+        low, high = map(float, interval.strip("[]").split(", "))
+        if verdict == "not distinguishable":
+          assert low <= 0 <= high and float(p) >= 0.05
+        else:
+          direction, goodness = verdict.split()
+          assert (high < 0) if direction == "lower" else (low > 0)
+          assert float(p) < 0.05
+          assert goodness == ("(better)" if (direction == "lower") == lower_is_better
+                              else "(worse)")
 
 
 def test_seeds_make_runs_named_and_seeded_per_variant(tmp_path):
@@ -190,9 +337,14 @@ def test_report_aggregates_the_seeds_of_each_variant(tmp_path):
   low, high = scipy_stats.t.interval(0.95, 2, loc=np.mean(A[:3]), scale=scipy_stats.sem(A[:3]))
   assert float(first["loss_ci_low"]) == pytest.approx(low)
   assert float(first["loss_ci_high"]) == pytest.approx(high)
-  assert first["loss_verdict"] == "baseline" and second["loss_verdict"] == "differs"
+  assert first["loss_verdict"] == "baseline" and second["loss_verdict"] == "higher (worse)"
   welch = scipy_stats.ttest_ind(B, A[:3], equal_var=False)
   assert float(second["loss_p"]) == pytest.approx(welch.pvalue)
+  assert float(second["loss_holm_p"]) == pytest.approx(welch.pvalue)  # a family of one
+  rel = scipy_stats.ttest_rel(B, A[:3])
+  assert float(second["loss_paired_p"]) == pytest.approx(rel.pvalue)
+  assert float(second["loss_paired_ci_low"]) == pytest.approx(rel.confidence_interval().low)
+  assert [r["data_seed"] for r in rows] == ["0", "1", "2"] * 2
   assert float(second["wall_s_mean"]) == pytest.approx(14.0)
   assert int(second["params"]) == accounting.formula_params(
       load_config(runs[3].workdir).model)["params_total"]
@@ -201,7 +353,7 @@ def test_report_aggregates_the_seeds_of_each_variant(tmp_path):
   assert "## Cost" in md and str(root / "validation_curves.png") in written
   assert "6 runs (2 variant(s) x 3 seeds)" in sweep_lib.status_lines(str(root))[0]
   sweep_lib.write_report(str(root), "pos_emb=none,norm_position=post")
-  assert read_csv(root / "report_summary.csv")[0]["loss_verdict"] == "differs"
+  assert read_csv(root / "report_summary.csv")[0]["loss_verdict"] == "lower (better)"
 
 
 def test_a_sweep_without_seeds_reports_single_values(tmp_path):

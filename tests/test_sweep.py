@@ -5,6 +5,7 @@ import csv
 import os
 import pathlib
 import pickle
+import shutil
 import signal
 import sys
 import threading
@@ -190,6 +191,33 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
   for png in ("validation_curves.png", "curves/pos_emb=rope,norm_position=pre.png",
               "curves/pos_emb=none,norm_position=post.png"):
     assert (root / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
+
+
+ABLATIONS = ROOT / "docs" / "ablations"
+
+
+def test_the_ablation_pages_are_the_rendering_of_their_report_csv(tmp_path):
+  """`sweep.py report --from_csv` rebuilds the statistics of a report whose
+  runs are gone: on each checked-in ablation page it rewrites
+  report_summary.csv and report.md as they are (so they follow the code);
+  a root without a report is refused."""
+  for page in sorted(p.name for p in ABLATIONS.iterdir()):
+    shutil.copytree(ABLATIONS / page, tmp_path / page)
+    if page == "heads":
+      result = sweep_cli("report", "--root", str(tmp_path / page), "--from_csv")
+      assert result.returncode == 0, result.stderr
+      assert result.stdout == (f"wrote {tmp_path / page / 'report_summary.csv'}, "
+                               f"{tmp_path / page / 'report.md'}\n")
+    else:
+      sweep_lib.rebuild_statistics(str(tmp_path / page))
+    for name in ("report_summary.csv", "report.md"):
+      assert (tmp_path / page / name).read_bytes() == (ABLATIONS / page / name).read_bytes(), (
+          f"docs/ablations/{page}/{name} is not the rendering of its report.csv: run "
+          f"python sweep.py report --root docs/ablations/{page} --from_csv")
+  with pytest.raises(UserError, match=f"{tmp_path / 'none' / 'report.csv'} is missing: "
+                     "--from_csv rebuilds the statistics of a report that `sweep.py report` "
+                     "wrote; run that first"):
+    sweep_lib.rebuild_statistics(str(tmp_path / "none"))
 
 
 @pytest.mark.slow  # make test-slurm runs submitit jobs on a real cluster
