@@ -1,12 +1,18 @@
 """Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
-[--prompt TEXT --max_new_tokens N] [--beam_size K --length_penalty A --max_examples N]
+[--prompt TEXT --max_new_tokens N [--score]] [--beam_size K --length_penalty A --max_examples N]
 [--seq_len L [--position_buckets N]] [--rope_scaling yarn --rope_scaling_factor 4]
-[--tasks hellaswag,arc_easy [--task_dir DIR] [--task_limit N] [--task_batch_size B]]
+[--tasks hellaswag,arc_easy [--task_dir DIR] [--task_limit N] [--task_batch_size B]] [--out DIR]
 
-Restores the checkpoint with its own config and tokenizer, writes
-eval_report.json, loss_curves.png and attention_maps.png into
-<workdir>/eval/step_<N>/ (or --out DIR); <workdir>/eval_report.json is a copy
-of the newest step's whole-split report.
+Restores the checkpoint with its own config and tokenizer, scores the whole
+validation split (batches done of the total on stderr: a bar on a terminal,
+else a line at every tenth), writes eval_report.json, loss_curves.png and
+attention_maps.png into <workdir>/eval/step_<N>/; <workdir>/eval_report.json
+is a copy of the newest step's whole-split report. With --out DIR everything
+goes to DIR and the workdir is left as it was (nor are the trackers sent it).
+`--prompt TEXT` (repeatable) alone only completes the prompts: it prints the
+completions and writes them to generations.json in that folder, scores
+nothing and leaves eval_report.json alone; `--prompt ... --score` scores as
+well, the completions being the report's samples (next_token runs).
 Seq2seq runs are scored by generation (greedy and beam search), masked-LM
 runs by masked-token accuracy, classify runs by accuracy, macro-F1 and a
 confusion matrix (confusion_matrix.png, predictions.jsonl; --data classifies
@@ -36,7 +42,10 @@ _DATA = flags.DEFINE_string("data", None, "stdlib | pydoc | embedded, or files/g
                             "runs: .tsv/.jsonl pairs to score.")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "A tokenizer to use instead of the "
                                  "run's (refused unless it is the same one).")
-_PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt(s) to complete.")
+_PROMPT = flags.DEFINE_multi_string("prompt", None, "Prompt(s) to complete (next_token runs); "
+                                    "alone, nothing is scored: add --score for the report.")
+_SCORE = flags.DEFINE_bool("score", False, "With --prompt: also score the whole validation "
+                           "split (eval_report.json and the plots, as without --prompt).")
 _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per prompt.")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
@@ -67,6 +76,27 @@ _TASK_BATCH = flags.DEFINE_integer("task_batch_size", 32, "--tasks: rows per for
                                    "(prompts per generation call).")
 flags.mark_flag_as_required("workdir")
 
+# Flags of a scoring: refused with --prompt alone, which scores nothing.
+SCORING_FLAGS = ("data", "seq_len", "position_buckets", "rope_scaling", "rope_scaling_factor",
+                 "beam_size", "length_penalty", "max_examples", "tasks", "task_dir",
+                 "task_limit", "task_batch_size")
+
+
+def complete(evaluate) -> None:
+  """--prompt without --score: the completions, printed and in generations.json."""
+  given = [name for name in SCORING_FLAGS if flags.FLAGS[name].present]
+  if given:
+    raise UserError(f"--{given[0]} is for scoring, and --prompt alone only completes the "
+                    f"prompts; add --score to score as well, or drop --{given[0]}")
+  result = evaluate.complete_prompts(
+      _WORKDIR.value, _PROMPT.value, step=_STEP.value, tokenizer_path=_TOKENIZER.value,
+      max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
+      top_p=_TOP_P.value, out=_OUT.value)
+  for sample in result["samples"]:
+    print(f"--- step {result['step']}, prompt {sample['prompt']!r}:")
+    print(sample["prompt"] + sample["completion"])
+  print("wrote " + ", ".join(result["files"]))
+
 
 def main(argv):
   if len(argv) > 1:
@@ -74,6 +104,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   from training import evaluate  # pylint: disable=import-outside-toplevel
   try:
+    if _PROMPT.value and not _SCORE.value:
+      complete(evaluate)
+      return
     report = evaluate.run_eval(
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
@@ -83,7 +116,8 @@ def main(argv):
         rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value,
         tasks=_TASKS.value, task_dir=_TASK_DIR.value, task_limit=_TASK_LIMIT.value,
         task_batch_size=_TASK_BATCH.value)
-    evaluate.log_to_trackers(_WORKDIR.value, report)
+    if _OUT.value is None:
+      evaluate.log_to_trackers(_WORKDIR.value, report)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -260,7 +260,7 @@ def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   run_command("convert.py", "from_hf", "--hf_dir", save_hf(tiny_gpt2(), tok, tmp_path / "hf"),
       "--workdir", tmp_path / "run")
   run_command("eval.py", "--workdir", tmp_path / "run", "--data", tmp_path / "doc0.txt",
-      "--prompt", "def ", "--max_new_tokens", "4")
+      "--prompt", "def ", "--max_new_tokens", "4", "--score")
   other_data = tmp_path / "run" / "eval" / "step_0_data-doc0.txt"  # a folder of its own
   assert json.loads((other_data / "eval_report.json").read_text())["step"] == 0
   run_command("train.py", f"--config=configs/from_run.py:{tmp_path / 'run'}",

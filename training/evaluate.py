@@ -17,7 +17,13 @@ replaces another's report; `<workdir>/eval_report.json` is a copy of the
 newest step's whole-split report, for tools that read one file (a sweep's
 "done" test). An evaluation of another data file (`data`), length or RoPE
 scaling goes to a folder of its own: `step_<N>_data-<file>`,
-`step_<N>_<length>`.
+`step_<N>_<length>`. With `out` every file goes there and the workdir is
+left as it was (no top-level copy, no eval_lengths.json entry).
+The pass over the split shows its batches done of the total on stderr
+(`training.metrics.Progress`).
+
+`complete_prompts` (eval.py --prompt without --score) only generates: the
+completions of the prompts, in `generations.json`, nothing scored.
 
 With `seq_len` (eval.py --seq_len L) a next_token run is evaluated on rows
 of L tokens, any L a learned table holds, and the report adds the loss by
@@ -78,8 +84,8 @@ from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import (classify_report, compile_cache, downstream,  # pylint: disable=wrong-import-position
                       expert_report, lengths, trackers)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
-from training.metrics import (evaluate, evaluate_mixture,  # pylint: disable=wrong-import-position
-                              read_metrics)
+from training.metrics import (Progress, evaluate,  # pylint: disable=wrong-import-position
+                              evaluate_mixture, read_metrics)
 from training.plots import plot_curves, split_curve  # pylint: disable=wrong-import-position
 from training.steps import jit_eval_step  # pylint: disable=wrong-import-position
 
@@ -193,6 +199,7 @@ def mixture_text_stats(sources: dict[str, dict]) -> dict:
 
 
 REPORT_FILE = "eval_report.json"
+GENERATIONS_FILE = "generations.json"
 EVAL_DIR = "eval"
 ATTENTION_TOKENS = 40  # tokens of the attention-map input (at least 32)
 
@@ -302,14 +309,15 @@ def _out_dir(workdir: str, step: int, data: str | None, length: str | None = Non
   return os.path.join(workdir, EVAL_DIR, name)
 
 
-def _write_report(report: dict, workdir: str, out: str) -> list[str]:
-  """Writes the report into `out`; the workdir's top-level copy when it is the
-  newest whole-split evaluation. Returns the paths written."""
+def _write_report(report: dict, workdir: str, out: str, copy: bool) -> list[str]:
+  """Writes the report into `out`; with `copy` (`out` is the workdir's own
+  folder) also the workdir's top-level copy when it is the newest whole-split
+  evaluation. Returns the paths written."""
   os.makedirs(out, exist_ok=True)
   paths = [os.path.join(out, REPORT_FILE)]
   _write_json(paths[0], report)
   top = os.path.join(workdir, REPORT_FILE)
-  if _whole_split(report):
+  if copy and _whole_split(report):
     try:
       with open(top, encoding="utf-8") as f:
         newest = json.load(f).get("step", -1)
@@ -334,7 +342,8 @@ def log_to_trackers(workdir: str, report: dict) -> None:
   """A whole-split report (`_whole_split`) to the run's trackers, continuing
   their runs (training/trackers.py): its numbers as `eval/<name>` at its step,
   each file it wrote as `eval/<file name>`. Other evaluations (data, length,
-  RoPE scaling) stay in the workdir."""
+  RoPE scaling) stay in the workdir; eval.py does not call it for an
+  evaluation written elsewhere (--out)."""
   if not _whole_split(report):
     return
   numbers = {f"eval/{k}": float(v) for k, v in report.items()
@@ -362,7 +371,9 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              position_buckets: int = 16, tasks: str | None = None, task_dir: str = "",
              task_limit: int = 0, task_batch_size: int = 32) -> dict:
   """Evaluates a checkpoint; writes the report and plots into `out` (default
-  `<workdir>/eval/step_<N>/`), see the module docstring.
+  `<workdir>/eval/step_<N>/`; given, nothing in the workdir changes), see the
+  module docstring. `prompts` (a next_token run's; default three) are
+  completed into the report's samples.
 
   `beam_size`, `alpha` (length penalty) and `max_examples` (0: all) apply to
   seq2seq runs. `seq_len` evaluates on rows of that many tokens and reports
@@ -374,6 +385,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   forward pass.
   """
   saved = workdir_lib.load_config(workdir)
+  if prompts:
+    _check_completes(saved)
   compile_cache.enable(saved.train.compilation_cache_dir)
   task_set = _downstream_tasks(saved, tasks, task_dir, task_limit, task_batch_size)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
@@ -381,7 +394,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     apply_data_flag(config, data)
   if config.train.objective == "classify":
     return _classify_eval(workdir, config, tok, model, step, data,
-                          out or _out_dir(workdir, step, data))
+                          out or _out_dir(workdir, step, data), copy=out is None)
   train_len = config.train.seq_len
   rope_override = None
   if rope_scaling is not None:
@@ -391,17 +404,25 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     lengths.apply_seq_len(config, seq_len)
   if position_buckets < 1:
     raise UserError(f"--position_buckets {position_buckets}: must be a positive integer")
+  folder = out
+  if folder is None:
+    other = seq_len is not None and seq_len != train_len or rope_override
+    folder = _out_dir(workdir, step, data,
+                      lengths.label(seq_len or train_len, rope_override) if other else None)
   graphdef, params = nnx.split(model)
   eval_fn = jit_eval_step(graphdef, config.train.objective)
   mix = mixture.sources(config)
   if mix:
     source_batches = pipeline.make_source_eval_batches(config, tok, None)
-    metrics, by_source = evaluate_mixture(eval_fn, params, source_batches,
-                                          {source.name: source.weight for source in mix})
     batches = [batch for name in source_batches for batch in source_batches[name]]
+    with Progress(len(batches)) as progress:
+      metrics, by_source = evaluate_mixture(eval_fn, params, source_batches,
+                                            {source.name: source.weight for source in mix},
+                                            progress)
   else:
     batches = pipeline.make_eval_batches(config, tok, None)
-    metrics = evaluate(eval_fn, params, batches)
+    with Progress(len(batches)) as progress:
+      metrics = evaluate(eval_fn, params, batches, progress)
   report = {"step": step, "data": config.data.mixture or config.data.source, "data_override": data,
             "split": "validation, whole split", "loss": metrics["loss"],
             "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
@@ -419,27 +440,27 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     name = lengths.label(seq_len, rope_override)
     report["loss_by_position"] = lengths.loss_by_position(
         graphdef, params, batches, seq_len=seq_len, num_buckets=position_buckets)
-    png = os.path.join(workdir, f"loss_by_position_{name}.png")
+    png = os.path.join(workdir if out is None else out, f"loss_by_position_{name}.png")
+    os.makedirs(os.path.dirname(png), exist_ok=True)
     lengths.plot_loss_by_position(
         png, report["loss_by_position"], train_len=train_len,
         title=f"{os.path.basename(os.path.abspath(workdir))} at step {step}, rows of {seq_len}"
               + (f", rope_scaling {rope_scaling} x{rope_scaling_factor:g}" if rope_override
                  else ""))
-    length_files += [png, lengths.record(workdir, name, {
-        "seq_len": seq_len, "step": step, "loss": metrics["loss"],
-        "rope_override": rope_override, "loss_by_position": report["loss_by_position"]})]
+    length_files.append(png)
+    if out is None:
+      length_files.append(lengths.record(workdir, name, {
+          "seq_len": seq_len, "step": step, "loss": metrics["loss"],
+          "rope_override": rope_override, "loss_by_position": report["loss_by_position"]}))
   if config.model.num_experts:
     report.update(expert_report.expert_load(config, graphdef, params, batches))
   attention_prompt = None
   if config.train.objective == "next_token":
     report.update(mixture_text_stats(report["sources"]) if mix
                   else text_stats(config, tok, metrics))
-    prompts = prompts or ["def ", "class ", "import "]
-    outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
-                    max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                    temperature=temperature, top_k=top_k, top_p=top_p,
-                    num_tokens=tok.vocab_size)
-    report["samples"] = [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
+    report["samples"] = _complete(model, config, tok, prompts or ["def ", "class ", "import "],
+                                  max_new_tokens=max_new_tokens, temperature=temperature,
+                                  top_k=top_k, top_p=top_p)
   elif config.train.objective == "mlm":
     report.update(masked_lm_report(config, tok, batches, metrics))
   else:
@@ -448,28 +469,66 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
                                  max_examples=max_examples, task=saved.data.task))
     attention_prompt = rows.prompt(0)
-  if out is None:
-    other = seq_len is not None and seq_len != train_len or rope_override
-    out = _out_dir(workdir, step, data,
-                   lengths.label(seq_len or train_len, rope_override) if other else None)
-  downstream_png = _add_downstream(report, model, config, tok, task_set, out, workdir,
+  downstream_png = _add_downstream(report, model, config, tok, task_set, folder, workdir,
                                     limit=task_limit, batch_size=task_batch_size)
-  files = _write_report(report, workdir, out) + length_files + downstream_png
-  loss_png = os.path.join(out, "loss_curves.png")
+  files = _write_report(report, workdir, folder, copy=out is None) + length_files + downstream_png
+  loss_png = os.path.join(folder, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)
   if config.model.num_experts:
-    load_png = os.path.join(out, "expert_load.png")
+    load_png = os.path.join(folder, "expert_load.png")
     name = os.path.basename(os.path.abspath(workdir))
     expert_report.plot_expert_load(load_png, report,
                                    f"{name} at step {step}: tokens per expert, validation")
     files.append(load_png)
-  attn_png = os.path.join(out, "attention_maps.png")
+  attn_png = os.path.join(folder, "attention_maps.png")
   if config.model.family != "encoder_decoder":
     plot_attention(model, config, tok, attention_ids(config, tok, attention_prompt), attn_png)
     files.append(attn_png)
   report["files"] = files
   return report
+
+
+def _check_completes(config) -> None:
+  """Prompts are completed by next_token runs only: a UserError for another
+  objective, whose evaluation scores what it was trained for."""
+  objective = config.train.objective
+  if objective != "next_token":
+    raise UserError(f"--prompt: a {objective} run does not complete prompts (a next_token run "
+                    "does); evaluate it without --prompt")
+
+
+def _complete(model, config, tok, prompts: list[str], *, max_new_tokens: int,
+              temperature: float, top_k: int, top_p: float) -> list[dict]:
+  """[{"prompt", "completion"}] of `prompts`, generated with the KV cache after BOS."""
+  outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
+                  max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                  temperature=temperature, top_k=top_k, top_p=top_p, num_tokens=tok.vocab_size)
+  return [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
+
+
+def complete_prompts(workdir: str, prompts: list[str], *, step: int | None = None,
+                     tokenizer_path: str | None = None, max_new_tokens: int = 64,
+                     temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                     out: str | None = None) -> dict:
+  """Completions of `prompts` by a next_token run's checkpoint, nothing
+  scored (no data read): {"step", "max_new_tokens", "temperature", "top_k",
+  "top_p", "samples" [{"prompt", "completion"}], "files"}, written without
+  "files" to `<out>/generations.json` (default `<workdir>/eval/step_<N>/`,
+  beside that step's report, which it leaves alone)."""
+  saved = workdir_lib.load_config(workdir)
+  _check_completes(saved)
+  compile_cache.enable(saved.train.compilation_cache_dir)
+  config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
+  result = {"step": step, "max_new_tokens": max_new_tokens, "temperature": temperature,
+            "top_k": top_k, "top_p": top_p,
+            "samples": _complete(model, config, tok, prompts, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, top_k=top_k, top_p=top_p)}
+  folder = out or _out_dir(workdir, step, None)
+  os.makedirs(folder, exist_ok=True)
+  path = os.path.join(folder, GENERATIONS_FILE)
+  _write_json(path, result)
+  return {**result, "files": [path]}
 
 
 def _downstream_tasks(config, tasks: str | None, task_dir: str, limit: int,
@@ -515,9 +574,10 @@ def _add_downstream(report: dict, model, config, tok, task_set, out: str, workdi
 
 
 def _classify_eval(workdir: str, config, tok, model, step: int, data: str | None,
-                   out: str) -> dict:
+                   out: str, copy: bool) -> dict:
   """A classify run's report (`training/classify_report.py`) and plots, into
-  `out`; the workdir's top-level eval_report.json as for a language model."""
+  `out`; with `copy` the workdir's top-level eval_report.json as for a
+  language model."""
   rows = classify.load_rows(config, tok, "validation")
   where = (config.data.paths if config.data.val_percent == 100
            else f"task={config.data.task} validation")
@@ -525,7 +585,7 @@ def _classify_eval(workdir: str, config, tok, model, step: int, data: str | None
   report, files = classify_report.classify_report(
       model, rows, out, os.path.basename(os.path.abspath(workdir)))
   report = {"step": step, "data": where, "data_override": data, **report}
-  files = _write_report(report, workdir, out) + files
+  files = _write_report(report, workdir, out, copy) + files
   loss_png = os.path.join(out, "loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)

@@ -1,36 +1,68 @@
 """Metrics: the loss, perplexity and accuracy of an evaluation (of each source
-of a data.mixture too), and their record in `metrics.jsonl` and the run's
-trackers (training/trackers.py; process 0 only)."""
+of a data.mixture too, with its `Progress` in batches), and their record in
+`metrics.jsonl` and the run's trackers (training/trackers.py; process 0 only)."""
 import json
 import math
 import os
+import sys
+import time
 
 import jax
+from tqdm import tqdm
 
 from training import trackers
 
 
-def evaluate(eval_fn, params, batches) -> dict:
-  """Loss, perplexity and token accuracy over `batches` (sums, then ratios)."""
+class Progress:
+  """Batches done of `total` in an evaluation, on stderr, as the training loop
+  shows its steps: a tqdm bar on a terminal (`disable=None`, the loop's rule),
+  and where there is none (a sweep's log, CI) a line at every tenth of the
+  total and at the end: `eval: 61/122 batches, 3.2 s`. A context manager."""
+
+  def __init__(self, total: int, desc: str = "eval"):
+    self.total, self.desc, self.done = total, desc, 0
+    self._bar = tqdm(total=total, desc=desc, unit="batch", disable=None, file=sys.stderr)
+    self._every = max(1, -(-total // 10))
+    self._start = time.perf_counter()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._bar.close()
+
+  def update(self) -> None:
+    self.done += 1
+    self._bar.update(1)
+    if self._bar.disable and (self.done % self._every == 0 or self.done == self.total):
+      print(f"{self.desc}: {self.done}/{self.total} batches, "
+            f"{time.perf_counter() - self._start:.1f} s", file=sys.stderr, flush=True)
+
+
+def evaluate(eval_fn, params, batches, progress: Progress | None = None) -> dict:
+  """Loss, perplexity and token accuracy over `batches` (sums, then ratios),
+  each batch counted in `progress` (None: none shown)."""
   loss_sum = count = correct = 0.0
   for batch in batches:
     sums = [float(x) for x in jax.device_get(eval_fn(params, batch))]
     loss_sum, count, correct = loss_sum + sums[0], count + sums[1], correct + sums[2]
+    if progress is not None:
+      progress.update()
   loss = loss_sum / max(count, 1.0)
   return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
           "accuracy": correct / max(count, 1.0), "targets": count}
 
 
-def evaluate_mixture(eval_fn, params, batches: dict[str, list],
-                     weights: dict[str, float]) -> tuple[dict, dict]:
+def evaluate_mixture(eval_fn, params, batches: dict[str, list], weights: dict[str, float],
+                     progress: Progress | None = None) -> tuple[dict, dict]:
   """A mixture's validation: (the mixture's metrics, each source's by name).
 
-  Each source's are `evaluate`'s over its own batches. The mixture's loss and
-  accuracy are the sources' weighted by their data.mixture weights (what a
-  row drawn as training draws them scores), its perplexity exp(loss), its
-  targets their sum.
+  Each source's are `evaluate`'s over its own batches (all of them counted
+  in `progress`). The mixture's loss and accuracy are the sources' weighted
+  by their data.mixture weights (what a row drawn as training draws them
+  scores), its perplexity exp(loss), its targets their sum.
   """
-  by_source = {name: evaluate(eval_fn, params, b) for name, b in batches.items()}
+  by_source = {name: evaluate(eval_fn, params, b, progress) for name, b in batches.items()}
   total = sum(weights.values())
   loss = sum(weights[name] * m["loss"] for name, m in by_source.items()) / total
   accuracy = sum(weights[name] * m["accuracy"] for name, m in by_source.items()) / total
