@@ -130,7 +130,8 @@ def get_config() -> config_dict.ConfigDict:
   d.parquet_column = "text"  # the string column of the Parquet files that holds the text
   d.val_percent = 5  # percent of the documents held out for validation
   d.packing = "packed"  # packed (segment ids, per-document positions) | concat (EOS between)
-  d.cache_dir = ""  # tokenised-corpus cache; "": ~/.cache/transformer_lab
+  d.cache_dir = ""  # tokenised-corpus cache (tokens/, index/); "": $TRANSFORMER_LAB_CACHE, else
+  #   ~/.cache/transformer_lab (the machine's cache; `make clean-cache` removes it, docs/install.md)
   d.num_workers = 0  # Grain worker processes (0: in the main process)
   d.tokenize_workers = 0  # tokenisation processes per process; 0: host's cores / its processes
   d.tokenize_wait_s = 3600.0  # longest wait for a shard another process tokenises
@@ -204,8 +205,8 @@ def get_config() -> config_dict.ConfigDict:
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
-  #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE or
-  #   ~/.cache/transformer_lab/jax; "none": compile at every start
+  #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE, else
+  #   jax/ in $TRANSFORMER_LAB_CACHE or ~/.cache/transformer_lab; "none": compile at every start
   tr.reuse_host_memory = True  # CPU runs: glibc keeps freed memory for the next step (no
   #   page faults on XLA's per-step buffers; resident memory stays at its peak); docs/architecture.md
   tr.seed = 0  # parameter init; data order and MLM masking too while data.seed is None

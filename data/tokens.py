@@ -1,15 +1,16 @@
 """Tokenise a corpus once, shard by shard, and cache it on disk.
 
-One cache entry per shard (`sources.Shard`: an input file, a fixed slice of
-a large one, a group of embedded files), in `data.cache_dir` (or
-`~/.cache/transformer_lab` when empty) under `tokens/<key>/`. The key is a
-SHA-256 over the format, the tokenizer's fingerprint, the source kind and
-field, the path, the slice, and the shard's identity: the size and mtime of
-its files. So a warm start stats the input files and reads no corpus text;
-an edited file (new size or mtime) gets a new entry, an added file is the only
-one tokenised, a removed one is left out. `data.verify_cache=True` reads every
-shard again and compares the SHA-256 of its documents with the one recorded,
-re-tokenising those that differ (a file rewritten with its old size and mtime).
+One cache entry per shard (`sources.Shard`: an input file, a fixed slice of a
+large one, a group of embedded files), in `data.cache_dir` (when empty,
+`$TRANSFORMER_LAB_CACHE`, else `~/.cache/transformer_lab`) under
+`tokens/<key>/`. The key is a SHA-256 over the format, the tokenizer's
+fingerprint, the source kind and field, the path, the slice, and the shard's
+identity: the size and mtime of its files. So a warm start stats the input
+files and reads no corpus text; an edited file (new size or mtime) gets a new
+entry, an added file is the only one tokenised, a removed one is left out.
+`data.verify_cache=True` reads every shard again and compares the SHA-256 of
+its documents with the one recorded, re-tokenising those that differ (a file
+rewritten with its old size and mtime).
 
 An entry is a directory of four files:
 
@@ -60,6 +61,9 @@ from data import corpora
 from data import sources
 
 DEFAULT_CACHE_DIR = "~/.cache/transformer_lab"
+# Moves the whole cache: the token cache and packing index (when data.cache_dir is
+# empty) and the compilation cache (training/compile_cache.py). `make clean-cache` removes it.
+CACHE_ENV_VAR = "TRANSFORMER_LAB_CACHE"
 FORMAT_VERSION = 2
 NUM_BUCKETS = 100
 _ENCODE_CHUNK_DOCS = 256  # documents per tokenizer.encode_batch call
@@ -100,9 +104,15 @@ class Share:
   local: int = 1
 
 
+def default_root() -> str:
+  """The cache of this machine: $TRANSFORMER_LAB_CACHE, else ~/.cache/transformer_lab."""
+  return os.path.expanduser(os.environ.get(CACHE_ENV_VAR) or DEFAULT_CACHE_DIR)
+
+
 def cache_root(data_config: config_dict.ConfigDict) -> str:
-  """The directory of the cache (`tokens/` and the packing `index/` below it)."""
-  return os.path.expanduser(data_config.cache_dir or DEFAULT_CACHE_DIR)
+  """The directory of the cache (`tokens/` and the packing `index/` below it):
+  data.cache_dir, else `default_root()`."""
+  return os.path.expanduser(data_config.cache_dir) if data_config.cache_dir else default_root()
 
 
 def cache_dir(data_config: config_dict.ConfigDict) -> str:

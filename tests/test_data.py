@@ -285,6 +285,20 @@ def test_second_load_comes_from_the_cache(tmp_path, monkeypatch):
   assert sum(sum(e.bytes_per_bucket) for e in second) == sum(len(t.encode()) for _, t in docs)
 
 
+def test_the_cache_goes_where_data_cache_dir_or_the_environment_says(tmp_path, monkeypatch):
+  """data.cache_dir="" puts the entries in $TRANSFORMER_LAB_CACHE (else
+  ~/.cache/transformer_lab); a data.cache_dir of its own wins over both."""
+  write_files(tmp_path, {"a.txt": "alpha " * 20})
+  config = make_config(tmp_path, source="files", paths=str(tmp_path / "a.txt"), cache_dir="")
+  monkeypatch.delenv(tokens.CACHE_ENV_VAR, raising=False)
+  assert tokens.cache_root(config.data) == os.path.expanduser("~/.cache/transformer_lab")
+  monkeypatch.setenv(tokens.CACHE_ENV_VAR, str(tmp_path / "machine"))
+  (entry,) = tokens.load_corpus(config.data, ByteTokenizer())
+  assert os.path.dirname(entry.directory) == str(tmp_path / "machine" / "tokens")
+  config.data.cache_dir = str(tmp_path / "own")
+  assert tokens.cache_dir(config.data) == str(tmp_path / "own" / "tokens")
+
+
 def test_other_tokenizer_or_corpus_gets_another_entry(tmp_path):
   write_files(tmp_path, {"a.txt": "alpha " * 20})
   config = make_config(tmp_path, source="files", paths=str(tmp_path / "a.txt"),

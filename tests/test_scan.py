@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs import base, from_run
 from configs.errors import UserError
+from data import tokens as tokens_lib
 from model import accounting, build_model
 from model.config import ModelConfig
 from model.generate import beam_search, generate
@@ -179,6 +180,11 @@ def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
 
 
 def test_compilation_cache_off_by_config_or_environment(monkeypatch, tmp_path):
+  monkeypatch.delenv(compile_cache.ENV_VAR, raising=False)
+  monkeypatch.setenv(tokens_lib.CACHE_ENV_VAR, str(tmp_path / "machine"))
+  assert compile_cache.cache_dir("") == str(tmp_path / "machine" / "jax")
+  monkeypatch.delenv(tokens_lib.CACHE_ENV_VAR, raising=False)
+  assert compile_cache.cache_dir("") == os.path.expanduser("~/.cache/transformer_lab/jax")
   monkeypatch.setenv(compile_cache.ENV_VAR, str(tmp_path / "env"))
   assert compile_cache.cache_dir("") == str(tmp_path / "env")
   assert compile_cache.cache_dir(str(tmp_path / "own")) == str(tmp_path / "own")

@@ -6,15 +6,18 @@ machine (the same jax, XLA flags, devices and program) reads its compiled
 train and eval steps from disk instead of compiling them again. Every
 program is cached, however small or quick to compile. `train.py` and
 `eval.py` call it with `train.compilation_cache_dir`: a directory, "" for
-the default (`$TRANSFORMER_LAB_COMPILATION_CACHE`, else
-`~/.cache/transformer_lab/jax`), or "none" (in either) to compile every start.
+the default (`$TRANSFORMER_LAB_COMPILATION_CACHE`, else `jax/` in the
+machine's cache, `$TRANSFORMER_LAB_CACHE` or `~/.cache/transformer_lab`:
+`data.tokens.default_root`), or "none" (in either) to compile every start.
 """
 import os
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache
 
-DEFAULT_DIR = "~/.cache/transformer_lab/jax"
+from data import tokens
+
+SUBDIR = "jax"  # the compilation cache's directory in the machine's cache
 # Overrides the default directory (the tests point it at a temporary one).
 ENV_VAR = "TRANSFORMER_LAB_COMPILATION_CACHE"
 OFF = "none"
@@ -22,7 +25,7 @@ OFF = "none"
 
 def cache_dir(setting: str) -> str | None:
   """The directory `train.compilation_cache_dir` names (None: off)."""
-  setting = setting or os.environ.get(ENV_VAR) or DEFAULT_DIR
+  setting = setting or os.environ.get(ENV_VAR) or os.path.join(tokens.default_root(), SUBDIR)
   return None if setting == OFF else os.path.abspath(os.path.expanduser(setting))
 
 
