@@ -7,7 +7,7 @@ Prints per device the memory (compiler beside model.accounting), whether it
 fits the chip's HBM, FLOPs per step, the collectives and a roofline bound on
 step time and MFU (`aot/compiler.py`). --step=eval or --step=generate
 compiles the eval step or one KV-cache decoding step instead. TPU targets
-need `pip install -r requirements-tpu.txt`, GPU targets
+need libtpu (`make install-tpu`), GPU targets
 `pip install -r requirements-gpu.txt`; no accelerator is needed.
 """
 import json

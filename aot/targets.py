@@ -4,10 +4,10 @@ A target is `<platform>:<chip>:<shape>`: `tpu:v5p:4x4x4` (a 64-chip v5p
 slice, the shape as Cloud TPU writes it), `tpu:v5e:2x2`, `gpu:h200:8` (one
 node of 8 H200s). `target_devices` returns abstract devices of that slice
 (`jax.experimental.topologies`), which JAX compiles for exactly as for the
-real chips, without them: TPU targets need libtpu (`pip install -r
-requirements-tpu.txt`; run with JAX_PLATFORMS=cpu on a machine without a
-TPU), GPU targets JAX's CUDA plugin (`pip install -r requirements-gpu.txt`,
-4.4 GB, no driver or GPU needed).
+real chips, without them: TPU targets need libtpu (`make install-tpu`,
+which keeps it in .venv/libtpu, or `pip install -r requirements-tpu.txt` and
+JAX_PLATFORMS=cpu on a machine without a TPU), GPU targets JAX's CUDA plugin
+(`pip install -r requirements-gpu.txt`, 4.4 GB, no driver or GPU needed).
 
 Per-chip numbers, each from its maker's page (`Chip.source`): the dense bf16
 peak (from `training/hardware.py`, by the chip's `device_kind`, the table
@@ -29,7 +29,8 @@ GIB = 2**30
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 H200_TARGET_CONFIG = ROOT / "bench" / "h200_target.txtpb"
 LIBTPU_DIR = ROOT / ".venv" / "libtpu"  # `make install` keeps libtpu here, off the default path
-INSTALL = {"tpu": "pip install -r requirements-tpu.txt (and run with JAX_PLATFORMS=cpu)",
+INSTALL = {"tpu": "make install-tpu (or pip install -r requirements-tpu.txt and run with "
+                  "JAX_PLATFORMS=cpu)",
            "gpu": "pip install -r requirements-gpu.txt (its own venv: the CUDA wheels take "
                   "4.4 GB; no GPU or driver needed)"}
 

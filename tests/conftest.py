@@ -41,8 +41,8 @@ def _installed(*modules: str) -> bool:
 # marker: (whether this machine has what the marked tests need, how to get it)
 NEEDS = {
     "hf": (lambda: _installed("transformers", "torch"), "pip install -r requirements-test.txt"),
-    "lm_eval": (lambda: _installed("lm_eval"), "pip install -r requirements-test.txt"),
-    "tpu": (lambda: _installed("libtpu"), "pip install -r requirements-test.txt"),
+    "lm_eval": (lambda: _installed("lm_eval"), "make install-eval (requirements-eval.txt)"),
+    "tpu": (lambda: _installed("libtpu"), "make install-tpu (requirements-libtpu.txt)"),
     "cuda": (lambda: _installed("jax_cuda13_plugin"),
              "run from a venv with pip install -r requirements-gpu.txt"),
     "slurm": (lambda: os.geteuid() == 0, "root, to start a local SLURM (make test-slurm)"),

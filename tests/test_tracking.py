@@ -195,8 +195,8 @@ def test_a_missing_tracker_library_refuses_the_start_in_one_line(tok_dir, tmp_pa
                       lambda name, *a: None if name == "wandb" else real(name, *a))
   c = small_config(tok_dir)
   c.train.trackers = "tensorboard,wandb"
-  with pytest.raises(UserError, match="^train.trackers names wandb, which is not installed: "
-                     "pip install wandb$"):
+  with pytest.raises(UserError, match=r"^train.trackers names wandb, which is not installed: "
+                     r"pip install wandb \(the version tested: requirements-test.txt\)$"):
     loop.train(c, str(tmp_path / "run"))
   assert not (tmp_path / "run").exists()
 

@@ -156,7 +156,7 @@ class MLflow(Tracker):
   (else transformer-lab) of the store MLFLOW_TRACKING_URI: the config as
   parameters and config.json, the workdir as a tag, scalars at their step,
   files as artifacts."""
-  module, package = "mlflow", "mlflow"
+  module, package = "mlflow", "mlflow-skinny"  # the client and file store, without the server
   MAX_PARAMS = 100  # parameters per request (MLflow's limit)
 
   @staticmethod
@@ -255,8 +255,8 @@ def check(names: tuple[str, ...], workdir: str) -> None:
   for name in names:
     tracker = TRACKERS[name]
     if importlib.util.find_spec(tracker.module) is None:
-      raise UserError(f"train.trackers names {name}, which is not installed: "
-                      f"pip install {tracker.package}")
+      raise UserError(f"train.trackers names {name}, which is not installed: pip install "
+                      f"{tracker.package} (the version tested: requirements-test.txt)")
     tracker.check(saved.get(name))
 
 
