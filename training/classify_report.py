@@ -19,11 +19,14 @@ import numpy as np
 from flax import nnx
 from matplotlib.figure import Figure
 
+from training.metrics import Progress
+
 BATCH = 64  # examples per classification call
 
 
 def predict_logits(model, rows) -> np.ndarray:
-  """Float32 logits [N, num_labels] of every example of `rows` (ClassifyRows)."""
+  """Float32 logits [N, num_labels] of every example of `rows` (ClassifyRows),
+  the batches done shown on stderr (`training.metrics.Progress`)."""
   graphdef, params = nnx.split(model)
 
   @jax.jit
@@ -32,10 +35,12 @@ def predict_logits(model, rows) -> np.ndarray:
                                                 batch["token_types"])
 
   out = []
-  for start in range(0, rows.num_examples, BATCH):
-    batch = [rows(i) for i in range(start, start + BATCH)]  # past the end: filler rows
-    stacked = {k: jnp.asarray(np.stack([row[k] for row in batch])) for k in batch[0]}
-    out.append(np.asarray(logits(params, stacked))[:min(BATCH, rows.num_examples - start)])
+  with Progress(-(-rows.num_examples // BATCH)) as progress:
+    for start in range(0, rows.num_examples, BATCH):
+      batch = [rows(i) for i in range(start, start + BATCH)]  # past the end: filler rows
+      stacked = {k: jnp.asarray(np.stack([row[k] for row in batch])) for k in batch[0]}
+      out.append(np.asarray(logits(params, stacked))[:min(BATCH, rows.num_examples - start)])
+      progress.update()
   return np.concatenate(out)
 
 
