@@ -4,12 +4,22 @@
       [--root runs/sweeps/pos_norm] [--launcher local|slurm] [--parallel N] [--dry_run]
       [--seeds N]                            # each variant N times, train.seed 0..N-1
       [--config.train.num_steps=200 ...]     # overrides for every variant
+      [--grid model.pos_emb=rope --variants NAME[,NAME]]   # only the variants picked
+  python sweep.py run --grid model.pos_emb=rope,sinusoidal --grid model.norm_position=pre,post
+      [--config configs/tiny.py] [--root runs/sweeps/grid-pos_emb-norm_position] [...]
+      # a sweep without a file: every combination, the first --grid varying slowest
   python sweep.py status --root runs/sweeps/pos_norm
   python sweep.py report --root runs/sweeps/pos_norm [--baseline VARIANT]
       # report.md, report.csv (per run), report_summary.csv (per variant), PNGs
       [--from_csv]   # only the statistics, from report.csv: for a report whose runs are gone
 
 Running `run` again resumes the unfinished variants and skips the done ones.
+Locally, `run` says each run's start, its warnings, its result as it ends
+(`[3/8] done ...`: state, step, val loss, wall time) with an ETA, and every
+30 s of silence where the running runs are. Its exit status: 0 when every run
+is done, 1 when one failed or stopped, 130 on Ctrl-C and 143 on SIGTERM
+(passed on to the runs, which save first), 2 for a mistake on the command
+line (one line, nothing written).
 A variant whose workdir was trained with another config than the sweep now
 asks for (another global flag, say) is `changed`: `run` refuses such a sweep;
 use a new --root, or --rerun_changed to retrain those variants in place
@@ -29,9 +39,18 @@ from sweeps.common import command_exits
 from training.workdir import describe_changes
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "run: the base config (default: the "
-                                          "sweep's CONFIG); --config.a.b=v for every variant.")
-_ROOT = flags.DEFINE_string("root", None, "The sweep's directory (run: runs/sweeps/<name>).")
+_GRID = flags.DEFINE_multi_string("grid", [], "run: field=v1,v2 (repeatable): without --sweep, "
+                                  "every combination of the values is a variant (the first "
+                                  "--grid varies slowest); with it, only the file's variants "
+                                  "with one of the values.")
+_VARIANTS = flags.DEFINE_multi_string("variants", [], "run, with --sweep: only the variants of "
+                                      "these names (NAME[,NAME...], repeatable).")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "run: the base config (default: the sweep file's CONFIG; for --grid "
+    f"without --sweep, {sweep_lib.DEFAULT_GRID_CONFIG}); --config.a.b=v for every variant.")
+_ROOT = flags.DEFINE_string("root", None, "The sweep's directory (run: runs/sweeps/<name>, "
+                            "the sweep file's NAME, or for --grid without --sweep "
+                            "grid-<its fields>, e.g. grid-pos_emb-norm_position).")
 _LAUNCHER = flags.DEFINE_enum("launcher", "local", ["local", "slurm"], "Where variants run.")
 _PARALLEL = flags.DEFINE_integer("parallel", None, "Variants at once: local processes "
                                  "(default 1) or the SLURM array's %N.", lower_bound=1)
@@ -72,24 +91,44 @@ def _parse(argv: list[str]) -> list[str]:
   return parse_flags(argv) + [arg for arg in argv if arg.startswith("--config.")]
 
 
-def run(overrides: list[str]) -> int:
+def _sweep(config: str) -> tuple[sweep_lib.Sweep, list[str] | None]:
+  """The sweep of --sweep or --grid, and the names of the variants that
+  --grid and --variants pick from a sweep file (None: all)."""
   if _SWEEP.value is None:
-    raise UserError("run needs --sweep (a configs/sweeps/*.py file)")
+    if _VARIANTS.value:
+      raise UserError("--variants picks variants of a --sweep file; with --grid alone, give "
+                      "only the values to run")
+    return sweep_lib.grid_sweep(_GRID.value, config), None
   sweep = sweep_lib.load_sweep(_SWEEP.value)
+  if not (_GRID.value or _VARIANTS.value):
+    return sweep, None
+  picked = sweep_lib.select(sweep, _GRID.value, _VARIANTS.value, config)
+  print(f"{len(picked)} of the {len(sweep.overrides)} variants of {sweep.where}: "
+        + ", ".join(picked))
+  return sweep, picked
+
+
+def run(overrides: list[str]) -> int:
+  if _SWEEP.value is None and not _GRID.value:
+    raise UserError("run needs --sweep (a configs/sweeps/*.py file) or --grid field=v1,v2")
   if _CONFIG.value is None:
     raise UserError("run needs --config (or CONFIG in the sweep file)")
   config = config_flags.get_config_filename(flags.FLAGS["config"])
+  sweep, picked = _sweep(config)
   root = _ROOT.value or os.path.join("runs", "sweeps", sweep.name)
   seeds = _SEEDS.value or sweep.seeds
   sweep_lib.check_seeds(root, seeds)
-  variants = sweep_lib.make_variants(sweep, config, overrides, root, seeds)
+  every = sweep_lib.make_variants(sweep, config, overrides, root, seeds)
+  # The manifest holds every variant of the sweep (status and report show
+  # them all); a part picked by --grid or --variants is what runs now.
+  variants = every if picked is None else [v for v in every if v.group in picked]
   for line in sweep_lib.few_points(variants):
     print(line, file=sys.stderr)
   changed = [(v, sweep_lib.changed_fields(v)) for v in variants]
   changed = [(v, c) for v, c in changed if c]
   if changed and not _DRY_RUN.value:
     if not _RERUN_CHANGED.value:
-      sweep_lib.write_manifest(root, sweep, config, overrides, variants, seeds)
+      sweep_lib.write_manifest(root, sweep, config, overrides, every, seeds)
       first, fields = changed[0]
       raise UserError(
           f"{len(changed)} variant(s) in {root} were trained with another config than this "
@@ -110,9 +149,15 @@ def run(overrides: list[str]) -> int:
     return 0
   if _LAUNCHER.value == "slurm" and todo:
     sweep_lib.check_fits(params)
-  sweep_lib.write_manifest(root, sweep, config, overrides, variants, seeds)
+  sweep_lib.write_manifest(root, sweep, config, overrides, every, seeds)
+  if not todo:
+    print(f"every run is done; the report: python sweep.py report --root {root}")
+    return 0
   if _LAUNCHER.value == "local":
-    return 1 if sweep_lib.run_local(todo, _PARALLEL.value or 1) else 0
+    not_done = sweep_lib.run_local(todo, _PARALLEL.value or 1)
+    print(f"status: python sweep.py status --root {root}; report: python sweep.py report "
+          f"--root {root}")
+    return 1 if not_done else 0
   for job, variant in zip(sweep_lib.submit_slurm(todo, folder, params, _MAX_TIMEOUTS.value), todo):
     print(f"submitted {job.job_id}  {variant.name}")
   print(f"job files and logs in {folder}; follow with: python sweep.py status --root {root}")
@@ -127,6 +172,9 @@ def main(argv):
   if overrides and commands[0] != "run":
     raise app.UsageError(f"{commands[0]} takes no --config.* overrides")
   with command_exits("variants"):
+    if commands[0] != "run" and (_GRID.value or _VARIANTS.value):
+      raise UserError(f"{commands[0]} takes no --grid or --variants (flags of run); give "
+                      "--root")
     if commands[0] == "run":
       sys.exit(run(overrides))
     if _ROOT.value is None:

@@ -5,7 +5,10 @@ grid, `{"model.pos_emb": ["none", "rope"], "model.norm_position": ["pre",
 "post"]}` (every combination; the first field varies slowest), or a list of
 override dicts (one variant each). It may also set `NAME` (default: the file's
 name), `CONFIG` (the base config used when `--config` is not given) and
-`SEEDS` (runs per variant; `sweep.py run --seeds N` overrides it).
+`SEEDS` (runs per variant; `sweep.py run --seeds N` overrides it). A grid
+may be given on the command line instead (`sweep.py run --grid
+model.pos_emb=none,rope --grid ...`: a `Sweep` without a file, named
+`grid-<fields>`), and `--grid`/`--variants` beside a file pick a part of it.
 
 Each variant is named after its overrides (`pos_emb=rope,norm_position=pre`)
 and is two commands run in `<root>/<name>`: `train.py` (which resumes from the
@@ -17,6 +20,8 @@ before anything starts. Running a sweep again skips the finished variants and
 resumes the others; a variant whose workdir was trained with another config
 than the sweep now asks for is `changed` (never `done`), and `run` refuses
 the sweep unless told to retrain such variants in place (see sweep.py).
+train.py's exit status says how a run ended: 0 finished, 130 or 143 (saved
+on SIGINT or SIGTERM) stopped, to be resumed, anything else failed.
 
 `<root>/sweep.json`               the variants and their commands (written by run)
 `<root>/<name>/sweep.log`         the output of the variant's train.py and eval.py
@@ -28,18 +33,23 @@ the sweep unless told to retrain such variants in place (see sweep.py).
 
 One module per job:
   sweep_file.py  sweep files: loading, expansion, variant names
+  grid.py        --grid and --variants: a sweep from the command line, a part of a file's
   variants.py    config parsing and validation: `Variant` and its commands
   state.py       the manifest and where each variant stands (status)
-  jobs.py        running a variant (`VariantJob`) and the local launcher
+  jobs.py        running a variant (`VariantJob`), exit statuses, the local launcher
+  console.py     the local launcher's lines: results, ETA, progress, the runs' warnings
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv, report_summary.csv and the plots
   stats.py       the statistics over seeds: intervals, Welch's and the paired test, Holm
 """
+from sweeps.common import Terminated, command_exits
+from sweeps.console import Console
 from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
 from sweeps.report import rebuild_statistics, write_report
 from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
 from sweeps.state import (State, changed_fields, check_seeds, read_manifest, read_times,
                           set_aside, status_lines, unfinished, variant_state, write_manifest)
-from sweeps.sweep_file import (Sweep, expand, format_value, load_sweep, variant_name,
-                                        with_default_config)
+from sweeps.grid import grid_sweep, parse_grid, select
+from sweeps.sweep_file import (DEFAULT_GRID_CONFIG, Sweep, expand, format_value, load_sweep,
+                               variant_name, with_default_config)
 from sweeps.variants import Variant, describe, few_points, load_config, make_variants

@@ -1,5 +1,13 @@
 """Running one variant (`VariantJob`, the same callable locally and on SLURM)
-and the local launcher."""
+and the local launcher.
+
+A command's exit status decides how its run ended: 0, finished (a train.py
+short of num_steps: stopped, as train.py exited 0 after saving on a signal
+before it exited 128 + the signal); 130 or 143 (train.py saved on SIGINT or
+SIGTERM), or killed by either signal: stopped, resumed by running the sweep
+again; anything else (2: train.py's one-line user error): failed, with the
+log's last line in sweep_error.json.
+"""
 import concurrent.futures
 import datetime
 import json
@@ -9,16 +17,20 @@ import resource
 import signal
 import socket
 import subprocess
+import threading
 import time
 
 import submitit
 
-from sweeps.common import REPO
+from sweeps.common import REPO, Terminated
+from sweeps.console import PROGRESS_EVERY_S, Console
 from sweeps.state import ERROR, LOG, REPORT, TIMES, last_step, read_json, write_json
 from sweeps.variants import Variant
 from training import hardware
 
 STOP_TIMEOUT_S = 60  # how long checkpoint() waits for train.py to save and exit
+POLL_S = 1.0  # how often the local launcher reads its runs' logs for warnings
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # a command ended by one is stopped, not failed
 
 
 class VariantFailed(Exception):
@@ -47,29 +59,47 @@ class VariantJob(submitit.helpers.Checkpointable):
 
   def __init__(self):
     self._child = None  # the running subprocess.Popen
+    self._stop = None  # the signal stop() passed on: no command starts after it
 
   def __getstate__(self):
-    return {"_child": None}  # a process does not travel with a requeued job
+    return {"_child": None, "_stop": None}  # a process does not travel with a requeued job
 
   def __call__(self, variant: Variant) -> dict:
+    """{"name", "state": "done", "step", "report"} or {"name", "state":
+    "stopped", "step", "how"} (`train.py saved and stopped on SIGTERM`, ...);
+    VariantFailed if a command failed."""
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     os.makedirs(variant.workdir, exist_ok=True)
     error_path = os.path.join(variant.workdir, ERROR)
     if rank == 0 and os.path.exists(error_path):
       os.remove(error_path)
     log = os.path.join(variant.workdir, LOG if rank == 0 else f"sweep.rank{rank}.log")
-    self._run(variant, "train.py", variant.train_command, log)
+    stopped = self._run(variant, "train.py", variant.train_command, log)
     step = last_step(variant.workdir) or 0
-    if step < variant.num_steps:  # train.py was stopped (SIGTERM/SIGINT) and saved
-      return {"name": variant.name, "state": "stopped", "step": step}
-    if rank == 0:
-      self._run(variant, "eval.py", variant.eval_command, log)
+    if stopped is None and step >= variant.num_steps and rank == 0:
+      stopped = self._run(variant, "eval.py", variant.eval_command, log)
+    if stopped is None and step < variant.num_steps:  # a train.py that exits 0 when stopped
+      stopped = "train.py saved and stopped"
+    if stopped is not None:
+      return {"name": variant.name, "state": "stopped", "step": step, "how": stopped}
     return {"name": variant.name, "state": "done", "step": step,
             "report": read_json(os.path.join(variant.workdir, REPORT))}
 
-  def _run(self, variant: Variant, what: str, command: list[str], log_path: str) -> None:
+  def stop(self, signum: int) -> None:
+    """Passes `signum` (SIGINT, SIGTERM) on to the running command (train.py
+    saves and exits) and starts no other: the call returns `stopped`."""
+    self._stop = signum
+    child = self._child
+    if child is not None and child.returncode is None:  # not reaped: its pid is its own
+      os.kill(child.pid, signum)
+
+  def _run(self, variant: Variant, what: str, command: list[str], log_path: str) -> str | None:
     """Runs a command, its output appended to the log, its times to the
-    workdir's sweep_times.jsonl (task 0); VariantFailed if it fails."""
+    workdir's sweep_times.jsonl (task 0). None when it finished; how it
+    stopped when SIGINT or SIGTERM ended it (or stop() came first: it does
+    not start); VariantFailed if it failed."""
+    if self._stop is not None:
+      return f"{what} not started ({signal.Signals(self._stop).name})"
     env = {**os.environ, **variant.env}
     with open(log_path, "a", encoding="utf-8") as log:
       log.write(f"$ {variant.shell(command)}\n")
@@ -84,6 +114,8 @@ class VariantJob(submitit.helpers.Checkpointable):
                                        env=env)
       finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+      if self._stop is not None:  # stop() came while it started
+        self._child.send_signal(self._stop)
       try:
         returncode, usage = _wait(self._child)
       finally:
@@ -96,6 +128,11 @@ class VariantJob(submitit.helpers.Checkpointable):
           "host": socket.gethostname(), "cpu_model": hardware.cpu_model(),
           "cpus": hardware.usable_cpus(), "xla_cpu_threads": hardware.xla_cpu_threads(env),
           "env": variant.env})
+    if returncode - 128 in STOP_SIGNALS:  # train.py saved first
+      saved = "saved and " if what == "train.py" else ""
+      return f"{what} {saved}stopped on {signal.Signals(returncode - 128).name}"
+    if -returncode in STOP_SIGNALS:
+      return f"{what} killed by {signal.Signals(-returncode).name}"
     if returncode:
       how = (f"exited with status {returncode}" if returncode > 0
              else f"was killed by {signal.Signals(-returncode).name}")
@@ -103,6 +140,7 @@ class VariantJob(submitit.helpers.Checkpointable):
                "error": _last_line(log_path), "log": log_path}
       write_json(os.path.join(variant.workdir, ERROR), error)
       raise VariantFailed(f"{variant.name}: {error['command']} {how}: {error['error']}")
+    return None
 
   def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
     """Stops train.py with SIGTERM (it saves), then resubmits this same call."""
@@ -140,27 +178,66 @@ def _record_times(workdir: str, record: dict) -> None:
     f.write(json.dumps(record) + "\n")
 
 
-def run_local(variants: list[Variant], parallel: int, out=print) -> int:
-  """Runs the variants here, `parallel` at a time; returns how many failed."""
-  out(f"running {len(variants)} variant(s), {parallel} at a time; each logs to "
-      f"<workdir>/{LOG}")
-  failures = 0
-  with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-    futures = {pool.submit(VariantJob(), variant): variant for variant in variants}
+def _outcome(variant: Variant, result: dict) -> tuple[str, str]:
+  """The state a run ended in and what its console line says after the name."""
+  step = f"step {result['step']}/{variant.num_steps}"
+  if result["state"] == "done":
+    return "done", f"{step}, val loss {result['report']['loss']:.4f}"
+  return "stopped", f"{step}, {result['how']}; run the same command to resume"
+
+
+def _raise_terminated(*_):
+  raise Terminated()
+
+
+def run_local(variants: list[Variant], parallel: int, out=print,
+              every_s: float = PROGRESS_EVERY_S) -> int:
+  """Runs the variants here, `parallel` at a time, saying how they go
+  (sweeps/console.py); returns how many did not end done (failed or
+  stopped). Ctrl-C (KeyboardInterrupt) or SIGTERM (Terminated) is passed on to
+  the running commands (train.py saves and exits) and no other starts; once
+  they have ended, it is raised again."""
+  console = Console(variants, parallel, out, every_s)
+  jobs = {variant.name: VariantJob() for variant in variants}
+
+  def run_one(variant: Variant) -> None:
+    console.started(variant)
     try:
-      for future in concurrent.futures.as_completed(futures):
-        variant = futures[future]
-        try:
-          result = future.result()
-        except VariantFailed as e:
-          failures += 1
-          out(f"failed  {e}")
-          continue
-        detail = (f", val loss {result['report']['loss']:.4f}" if result["state"] == "done"
-                  else "; run the sweep again to resume")
-        out(f"{result['state']:7s} {variant.name}: step {result['step']}{detail}")
-    except KeyboardInterrupt:  # train.py got the SIGINT too: it saves and stops
-      for future in futures:
-        future.cancel()
-      raise
-  return failures
+      result = jobs[variant.name](variant)
+    except VariantFailed as e:
+      console.ended(variant, "failed", str(e)[len(variant.name) + 2:])
+    else:
+      console.ended(variant, *_outcome(variant, result))
+
+  def wait_for(left: set) -> None:
+    """Waits for the futures of `left`, with the console's ticks meanwhile."""
+    while left:
+      done, _ = concurrent.futures.wait(left, timeout=POLL_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+      for future in done:
+        left.remove(future)
+        future.result()  # a bug's traceback
+      console.tick()
+
+  main = threading.current_thread() is threading.main_thread()
+  previous = signal.signal(signal.SIGTERM, _raise_terminated) if main else None
+  pool = concurrent.futures.ThreadPoolExecutor(max_workers=parallel)
+  futures = {pool.submit(run_one, variant): variant for variant in variants}
+  left = set(futures)
+  try:
+    wait_for(left)
+  except (KeyboardInterrupt, Terminated) as e:
+    signum = signal.SIGTERM if isinstance(e, Terminated) else signal.SIGINT
+    left -= {future for future in left if future.cancel()}
+    console.stopping(signum.name)
+    for job in jobs.values():
+      job.stop(signum)
+    wait_for(left)
+    out(console.summary())
+    raise
+  finally:
+    pool.shutdown(wait=True, cancel_futures=True)
+    if main:
+      signal.signal(signal.SIGTERM, previous)
+  out(console.summary())
+  return sum(n for state, n in console.counts.items() if state != "done")

@@ -67,11 +67,11 @@ def last_step(workdir: str) -> int | None:
 
 def write_manifest(root: str, sweep: Sweep, config_path: str, extra_flags: list[str],
                    variants: list[Variant], seeds: int | None = None) -> None:
-  """sweep.json: the sweep, its flags, `seeds` (runs per variant; None: one,
-  unnamed by seed) and every run."""
+  """sweep.json: the sweep (its file, or its --grid flags), its flags, `seeds`
+  (runs per variant; None: one, unnamed by seed) and every run."""
   os.makedirs(root, exist_ok=True)
   write_json(os.path.join(root, MANIFEST), {
-      "name": sweep.name, "sweep": os.path.abspath(sweep.path),
+      "name": sweep.name, "sweep": sweep.source, "grid": sweep.grid,
       "config": os.path.abspath(config_path), "extra_flags": extra_flags, "seeds": seeds,
       "variants": [dataclasses.asdict(v) for v in variants]})
 

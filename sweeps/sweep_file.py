@@ -1,5 +1,6 @@
 """Sweep files: `get_sweep()` expanded into one override dict per variant, and
-the variants' names."""
+the variants' names. (A grid given on the command line is a `Sweep` too:
+sweeps/grid.py.)"""
 import dataclasses
 import importlib.util
 import itertools
@@ -11,15 +12,33 @@ from configs.errors import UserError, first_line
 VALUE_TYPES = (str, int, float, bool)
 
 
+DEFAULT_GRID_CONFIG = "configs/tiny.py"  # the base config of a --grid sweep without --config
+
+
 @dataclasses.dataclass
 class Sweep:
   """A loaded sweep file: its name, its CONFIG (or None), one dict per variant,
-  its SEEDS (runs per variant, or None: one run with the config's train.seed)."""
-  path: str
+  its SEEDS (runs per variant, or None: one run with the config's train.seed).
+  A sweep given by `--grid` flags has no file: `path` None, `grid` the flags."""
+  path: str | None
   name: str
   config: str | None
   overrides: list[dict]
   seeds: int | None = None
+  grid: list[str] | None = None  # `field=v1,v2` of each --grid flag of a command-line sweep
+
+  @property
+  def where(self) -> str:
+    """What the sweep's errors name: `sweep <file>`, or `--grid`."""
+    return "--grid" if self.path is None else f"sweep {self.path}"
+
+  @property
+  def source(self) -> str:
+    """What sweep.json and the report name: the file's absolute path, or the
+    --grid flags."""
+    if self.path is None:
+      return " ".join(f"--grid {flag}" for flag in self.grid)
+    return os.path.abspath(self.path)
 
 
 def load_sweep(path: str) -> Sweep:
@@ -43,17 +62,21 @@ def load_sweep(path: str) -> Sweep:
 
 
 def with_default_config(argv: list[str]) -> list[str]:
-  """Command-line arguments with `--config=<the sweep file's CONFIG>` added when
-  they name a --sweep but no --config."""
+  """Command-line arguments with a `--config` added when they give none: the
+  --sweep file's CONFIG, or configs/tiny.py for --grid without --sweep."""
   if any(arg == "--config" or arg.startswith("--config=") for arg in argv):
     return argv
-  path = None
+  path, grid = None, False
   for arg, following in zip(argv, argv[1:] + [None]):
     if arg.startswith("--sweep="):
       path = arg[len("--sweep="):]
     elif arg == "--sweep":
       path = following
-  config = load_sweep(path).config if path else None
+    grid = grid or arg == "--grid" or arg.startswith("--grid=")
+  if path:
+    config = load_sweep(path).config
+  else:
+    config = DEFAULT_GRID_CONFIG if grid else None
   return argv if config is None else [argv[0], f"--config={config}", *argv[1:]]
 
 

@@ -69,10 +69,11 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
   variants = []
   for overrides in sweep.overrides:
     for field in overrides:
-      check_field(field, fields, f"sweep {sweep.path}")
+      check_field(field, fields, sweep.where)
       if field in extra_fields:
-        raise UserError(f"{field} is set both by sweep {sweep.path} and on the command line")
-    _seeds_check(seeds, list(overrides), f"by sweep {sweep.path}")
+        raise UserError(f"{field} is set both by {sweep.where} and by --config.{field}; drop "
+                        "one of them")
+    _seeds_check(seeds, list(overrides), f"by {sweep.where}")
     group = variant_name({**env, **overrides})
     config_flags_ = extra_flags + [f"--config.{field}={format_value(value)}"
                                    for field, value in overrides.items()]
@@ -97,7 +98,7 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
   names = [v.name for v in variants]
   for name in names:
     if names.count(name) > 1:
-      raise UserError(f"sweep {sweep.path}: {names.count(name)} variants are named {name} "
+      raise UserError(f"{sweep.where}: {names.count(name)} variants are named {name} "
                       "(the same overrides?)")
   return variants
 

@@ -277,7 +277,7 @@ def test_the_command_trains_evaluates_aggregates_and_writes_the_page(smoke):
       tasks.render_headlines({"seq2seq_reverse": preset}) + "\n")
   # Run again: both runs are done, so nothing trains and the figures are the same.
   again, preset_again = _bench(tmp, "a", 2)
-  assert "skip PJRT_NPROC=2,seed=0: done" in again.stdout and "running 0 variant(s)" in again.stdout
+  assert "skip PJRT_NPROC=2,seed=0: done" in again.stdout and "running 0 run(s)" in again.stdout
   assert preset_again["runs"] == preset["runs"]
   assert sweep_lib.status_lines(str(tmp / "a" / "seq2seq_reverse"))[0].endswith("(2 done)")
 

@@ -211,6 +211,14 @@ def test_a_variant_timed_out_and_requeued_resumes_to_the_uninterrupted_parameter
   wait_until_idle(timeout_s=420)
   text = log.read_text()
   assert saves() == 2 and text.count(", resuming to ") == 2, text
+  # The commands the job recorded: the train.py that `scontrol requeue`'s
+  # SIGTERM stopped (143 = 128 + 15; 0 from a train.py of before that status;
+  # unrecorded if SLURM's KillWait of 5 s ended the job first), a stopped run,
+  # not a failure (no sweep_error.json); then the resumed train.py and
+  # eval.py. (checkpoint()'s SIGTERM ends with the job, before a record.)
+  codes = [r["returncode"] for r in sweep_lib.read_times(str(workdir))]
+  assert codes[-2:] == [0, 0] and all(c in (143, 0) for c in codes[:-2]), codes
+  assert not (workdir / "sweep_error.json").exists()
   for label in jobs:
     state = sweep_lib.variant_state(sweep_lib.read_manifest(str(tmp_path / label))[1][0])
     assert (state.state, state.step) == ("done", 6000), state.detail

@@ -1,10 +1,14 @@
-"""Sweeps: expansion into named variants, one-line errors for bad sweep files, a
-2-variant local sweep with status and report, a variant run as a submitit job,
-and the requeue path (checkpoint() stops train.py with SIGTERM)."""
+"""Sweeps: expansion into named variants, one-line errors for bad sweep files,
+--grid and --variants, a 2-variant --grid sweep run locally with its console
+lines, status and report, how each exit status of train.py ends a run, the
+local launcher's lines and its stop on SIGINT/SIGTERM, a variant run as a
+submitit job, and the requeue path (checkpoint() stops train.py with SIGTERM)."""
 import csv
+import json
 import os
 import pathlib
 import pickle
+import re
 import shutil
 import signal
 import sys
@@ -16,7 +20,7 @@ import submitit
 
 from configs.errors import UserError
 import sweeps as sweep_lib
-from tests.helpers import ROOT, small_flags, sweep_cli, TINY, TWO_VARIANTS, write_sweep
+from tests.helpers import ROOT, small_flags, sweep_cli, TINY, write_sweep
 
 POS_NORM = str(ROOT / "configs" / "sweeps" / "pos_norm.py")
 def test_grid_expands_in_order_with_deterministic_names(tmp_path):
@@ -124,32 +128,60 @@ def test_slurm_dry_run_prints_the_commands_and_submitits_sbatch_script(tmp_path)
   assert not (tmp_path / "r").exists()
 
 
+GRID = ["--grid", "model.pos_emb=rope,none", "--grid", "model.norm_position=pre"]
+NAMES = ["pos_emb=rope,norm_position=pre", "pos_emb=none,norm_position=pre"]
+
+
 @pytest.fixture(scope="module")
 def local_sweep(tmp_path_factory):
-  """A 2-variant sweep run with the local launcher, 2 at a time."""
+  """A 2-variant --grid sweep run with the local launcher, 2 at a time; its
+  warm-up as long as the run, so that train.py warns."""
   tmp = tmp_path_factory.mktemp("sweep")
-  path = write_sweep(tmp, TWO_VARIANTS)
   root = tmp / "root"
-  args = ["--config", TINY, "--sweep", path, "--root", str(root), *small_flags(tmp / "cache")]
+  args = [*GRID, "--config", TINY, "--root", str(root), *small_flags(tmp / "cache"),
+          "--config.train.warmup_steps=6"]
   result = sweep_cli("run", *args, "--parallel", "2")
   return root, args, result
 
 
-def test_local_sweep_runs_every_variant_and_skips_them_when_run_again(local_sweep):
+def test_local_grid_sweep_runs_every_variant_and_skips_them_when_run_again(local_sweep):
   root, args, result = local_sweep
   assert result.returncode == 0, result.stdout + result.stderr
-  assert "done    pos_emb=rope,norm_position=pre: step 6, val loss" in result.stdout
-  for name in ("pos_emb=rope,norm_position=pre", "pos_emb=none,norm_position=post"):
+  out = result.stdout.splitlines()
+  assert out[0] == ("running 2 run(s), 2 at a time (each logs to <workdir>/sweep.log); ETA "
+                    "after the first run")
+  for name in NAMES:
+    assert f"start   {name}" in out
     assert (root / name / "eval_report.json").exists() and (root / name / "sweep.log").exists()
+    # train.py's warning, echoed once after the run's name
+    [warning] = [line for line in out if line.startswith(f"{name}: ")]
+    assert "warning: below train.learning_rate=" in warning
+    assert warning[len(name) + 2:] in (root / name / "sweep.log").read_text()
+  first, last = [line for line in out if re.match(r"\[\d/2\] (done|failed|stopped) ", line)]
+  assert re.fullmatch(r"\[1/2\] done    pos_emb=\S+: step 6/6, val loss \d\.\d{4} \(\S+\); "
+                      r"ETA \S+", first), first
+  assert re.fullmatch(r"\[2/2\] done    pos_emb=\S+: step 6/6, val loss \d\.\d{4} \(\S+\)",
+                      last), last
+  for line in out:  # where the runs stand, after 30 s without a line (on a slow machine)
+    assert " running " not in line or re.fullmatch(
+        r"\[[01]/2\] running (pos_emb=\S+: (starting|step \d/6) \(\S+\); )+ETA .+", line), line
+  assert re.fullmatch(r"2 run\(s\) in \S+: 2 done", out[-2]), out[-2]
+  assert out[-1] == (f"status: python sweep.py status --root {root}; report: python sweep.py "
+                     f"report --root {root}")
+  manifest, variants = sweep_lib.read_manifest(str(root))
+  assert manifest["name"] == "grid-pos_emb-norm_position"
+  assert manifest["sweep"] == "--grid model.pos_emb=rope,none --grid model.norm_position=pre"
+  assert [v.name for v in variants] == NAMES
   again = sweep_cli("run", *args)
   assert again.returncode == 0, again.stderr
-  assert "skip pos_emb=rope,norm_position=pre: done" in again.stdout
-  assert "running 0 variant(s)" in again.stdout
+  assert again.stdout.splitlines() == [f"skip {name}: done" for name in NAMES] + [
+      f"every run is done; the report: python sweep.py report --root {root}"]
 
 
 def test_status_reports_done_failed_partial_and_not_started(local_sweep, tmp_path):
   root, _, _ = local_sweep
   out = sweep_cli("status", "--root", str(root)).stdout.splitlines()
+  assert out[0].startswith("sweep grid-pos_emb-norm_position: 2 variants in ")
   assert "(2 done)" in out[0]
   assert out[1].split()[:3] == ["done", "pos_emb=rope,norm_position=pre", "step"]
   # A sweep whose variants failed, stopped part-way or never started.
@@ -176,9 +208,8 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
   assert result.returncode == 0, result.stderr
   with open(root / "report.csv", encoding="utf-8") as f:
     rows = list(csv.DictReader(f))
-  assert [r["variant"] for r in rows] == ["pos_emb=rope,norm_position=pre",
-                                          "pos_emb=none,norm_position=post"]
-  assert rows[1]["model.pos_emb"] == "none" and rows[1]["model.norm_position"] == "post"
+  assert [r["variant"] for r in rows] == NAMES
+  assert rows[1]["model.pos_emb"] == "none" and rows[1]["model.norm_position"] == "pre"
   for row in rows:
     assert row["state"] == "done" and row["step"] == "6"
     assert 0 < float(row["loss"]) < 7 and float(row["perplexity"]) > 1
@@ -187,10 +218,118 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
   assert ("| variant | model.pos_emb | model.norm_position | state | step | val loss | "
           "perplexity | token accuracy | bits per byte |") in md
   loss = float(rows[1]["loss"])
-  assert f"| pos_emb=none,norm_position=post | none | post | done | 6 | {loss:.4f} |" in md
+  assert f"| pos_emb=none,norm_position=pre | none | pre | done | 6 | {loss:.4f} |" in md
+  assert "sweep `--grid model.pos_emb=rope,none --grid model.norm_position=pre`" in md
   for png in ("validation_curves.png", "curves/pos_emb=rope,norm_position=pre.png",
-              "curves/pos_emb=none,norm_position=post.png"):
+              "curves/pos_emb=none,norm_position=pre.png"):
     assert (root / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
+
+
+def test_grid_flags_are_every_combination_typed_as_the_config_fields(tmp_path):
+  sweep = sweep_lib.grid_sweep(["model.pos_emb=rope,sinusoidal", "train.learning_rate=1e-3,0.01",
+                                "model.use_bias=true"], TINY)
+  assert (sweep.name, sweep.path, sweep.where) == (
+      "grid-pos_emb-learning_rate-use_bias", None, "--grid")
+  assert sweep.source == ("--grid model.pos_emb=rope,sinusoidal --grid "
+                          "train.learning_rate=1e-3,0.01 --grid model.use_bias=true")
+  assert sweep.overrides == [  # the first --grid varies slowest
+      {"model.pos_emb": p, "train.learning_rate": lr, "model.use_bias": True}
+      for p in ("rope", "sinusoidal") for lr in (0.001, 0.01)]
+  variants = sweep_lib.make_variants(sweep, TINY, [], str(tmp_path))
+  assert variants[1].name == "pos_emb=rope,learning_rate=0.01,use_bias=true"
+  assert variants[1].train_command[-3:] == [
+      "--config.model.pos_emb=rope", "--config.train.learning_rate=0.01",
+      "--config.model.use_bias=true"]
+  # Two fields of one last name are named in full.
+  assert sweep_lib.grid_sweep(["model.vocab_size=320", "tokenizer.vocab_size=300"],
+                              TINY).name == "grid-model.vocab_size-tokenizer.vocab_size"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["model.pos_emb"], "--grid model.pos_emb: give field=value[,value...]"),
+    (["model.pos_emb="], "--grid model.pos_emb=: an empty value"),
+    (["model.pos_emb=rope,"], "--grid model.pos_emb=rope,: an empty value"),
+    (["model.pos_emb=rope", "model.pos_emb=none"], "--grid model.pos_emb: given twice"),
+    (["model.pos_embb=rope"], "--grid: model.pos_embb: no such config field (did you mean "
+     "model.pos_emb?)"),
+    (["train.num_steps=20,abc"], "--grid train.num_steps: takes an int, not 'abc'"),
+    (["model.use_bias=maybe"], "--grid model.use_bias: takes a bool (true or false), not "
+     "'maybe'"),
+    (["train.learning_rate=1e-3,0.001"], "--grid train.learning_rate=1e-3,0.001: 0.001 given "
+     "twice"),
+    (["model.moe_layers=1"], "--grid model.moe_layers: a tuple field"),
+    (["config.model.pos_emb=rope"], "give the field without 'config.' (--grid "
+     "model.pos_emb=rope)"),
+])
+def test_bad_grid_flags_are_one_line_user_errors(flags, message):
+  with pytest.raises(UserError) as err:
+    sweep_lib.grid_sweep(flags, TINY)
+  assert message in str(err.value) and "\n" not in str(err.value)
+
+
+POS_NORM_NAMES = [f"pos_emb={p},norm_position={n}" for p in ("none", "sinusoidal", "learned",
+                                                             "rope") for n in ("pre", "post")]
+
+
+def test_grid_and_variants_pick_a_part_of_a_sweep_file(tmp_path):
+  sweep = sweep_lib.load_sweep(POS_NORM)
+  assert sweep_lib.select(sweep, ["model.pos_emb=rope,none", "model.norm_position=post"], [],
+                          TINY) == ["pos_emb=none,norm_position=post",
+                                    "pos_emb=rope,norm_position=post"]
+  # one name, two names joined by commas, and a --grid beside them
+  assert sweep_lib.select(sweep, [], ["pos_emb=rope,norm_position=pre",
+                                      "pos_emb=none,norm_position=post,pos_emb=learned,"
+                                      "norm_position=pre"], TINY) == [
+      "pos_emb=none,norm_position=post", "pos_emb=learned,norm_position=pre",
+      "pos_emb=rope,norm_position=pre"]
+  assert sweep_lib.select(sweep, ["model.norm_position=pre"], [",".join(POS_NORM_NAMES[:4])],
+                          TINY) == ["pos_emb=none,norm_position=pre",
+                                    "pos_emb=sinusoidal,norm_position=pre"]
+  # a file's values are read as the --grid's: 1e-3 there is 0.001 here
+  lr = write_sweep(tmp_path, "def get_sweep():\n  return {'train.learning_rate': [1e-3, 2e-3]}\n")
+  assert sweep_lib.select(sweep_lib.load_sweep(lr), ["train.learning_rate=0.002"], [],
+                          TINY) == ["learning_rate=0.002"]
+  for grid, variants, message in [
+      (["model.pos_emb=alibi"], [], f"--grid model.pos_emb=alibi: sweep {POS_NORM} has no "
+       "variant with it (its values: none, sinusoidal, learned, rope)"),
+      (["model.d_model=64"], [], f"--grid model.d_model: sweep {POS_NORM} does not set it (it "
+       "sets model.norm_position, model.pos_emb)"),
+      ([], ["pos_emb=rope,norm_position=prE"], "--variants pos_emb=rope,norm_position=prE: "
+       f"sweep {POS_NORM} has no such variant (did you mean pos_emb=rope,norm_position=pre?); "
+       "its variants: pos_emb=none,norm_position=pre, "),
+      (["model.pos_emb=none"], ["pos_emb=rope,norm_position=pre"], "--grid model.pos_emb=none "
+       f"--variants pos_emb=rope,norm_position=pre: no variant of sweep {POS_NORM} has all of "
+       "them")]:
+    with pytest.raises(UserError) as err:
+      sweep_lib.select(sweep, grid, variants, TINY)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_mistake_in_grid_or_variants_exits_2_with_one_line_and_writes_nothing(tmp_path):
+  root = tmp_path / "r"
+  result = sweep_cli("run", "--grid", "model.pos_emb=rope", "--grid", "train.num_steps=20,x",
+                     "--root", str(root))
+  assert result.returncode == 2 and not root.exists()
+  assert result.stderr.splitlines() == ["error: --grid train.num_steps: takes an int, not 'x'"]
+  result = sweep_cli("run", "--sweep", POS_NORM, "--variants", "pos_emb=rope", "--root",
+                     str(root))
+  assert result.returncode == 2 and not root.exists()
+  assert result.stderr.splitlines()[0].startswith(
+      f"error: --variants pos_emb=rope: sweep {POS_NORM} has no such variant")
+  assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_grid_dry_run_defaults_to_tiny_and_a_root_named_after_its_fields():
+  result = sweep_cli("run", "--grid", "model.pos_emb=rope,sinusoidal", "--grid",
+                     "model.norm_position=pre,post", "--seeds", "2", "--dry_run")
+  assert result.returncode == 0, result.stderr
+  runs = [line[:-1] for line in result.stdout.splitlines() if not line.startswith(" ")]
+  assert runs == [f"pos_emb={p},norm_position={n},seed={k}" for p in ("rope", "sinusoidal")
+                  for n in ("pre", "post") for k in (0, 1)]
+  workdir = ROOT / "runs" / "sweeps" / "grid-pos_emb-norm_position" / runs[0]
+  assert (f"train.py --config {ROOT / 'configs' / 'tiny.py'} --workdir {workdir} "
+          "--config.model.pos_emb=rope --config.model.norm_position=pre "
+          "--config.train.seed=0") in result.stdout
 
 
 ABLATIONS = ROOT / "docs" / "ablations"
@@ -237,23 +376,174 @@ def test_a_variant_runs_to_completion_as_a_submitit_job(tmp_path, monkeypatch):
   assert sweep_lib.variant_state(variants[0]).state == "done"
 
 
-def fake_trainer() -> list[str]:
-  """A train.py stand-in: prints READY, and SAVED on SIGTERM, then exits 0 (the
-  words are built at run time so that the command line in the log lacks them)."""
+FAKE_TRAIN = """\
+import json, os, sys, time
+workdir, steps, pause, status = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+for line in sys.argv[5:]:
+  print(line, flush=True)
+for step in range(1, steps + 1):
+  with open(os.path.join(workdir, "metrics.jsonl"), "a") as f:
+    f.write(json.dumps({"step": step, "split": "train", "loss": 1.0}) + "\\n")
+  time.sleep(pause)
+if status < 0:
+  os.kill(os.getpid(), -status)
+sys.exit(status)
+"""
+FAKE_EVAL = ("import json, os, sys; json.dump({'step': int(sys.argv[2]), 'loss': 1.25}, "
+             "open(os.path.join(sys.argv[1], 'eval_report.json'), 'w'))")
+
+
+def fake_run(tmp_path, name: str, steps: int, status: int = 0, *lines: str, pause: float = 0,
+             num_steps: int = 2) -> sweep_lib.Variant:
+  """A variant whose train.py logs `steps` steps and `lines`, then exits
+  `status` (negative: killed by that signal), and whose eval.py writes a report."""
+  script = tmp_path / "fake_train.py"
+  script.write_text(FAKE_TRAIN)
+  workdir = str(tmp_path / name)
+  return sweep_lib.Variant(
+      name, {}, workdir, num_steps,
+      [sys.executable, str(script), workdir, str(steps), str(pause), str(status), *lines],
+      [sys.executable, "-c", FAKE_EVAL, workdir, str(num_steps)])
+
+
+@pytest.mark.parametrize("steps,status,how", [
+    (2, 143, "train.py saved and stopped on SIGTERM"),  # train.py saved on SIGTERM
+    (1, 130, "train.py saved and stopped on SIGINT"),  # ... on Ctrl-C
+    (1, 0, "train.py saved and stopped"),  # a train.py from before 130/143
+    (1, -signal.SIGTERM, "train.py killed by SIGTERM"),  # before its handler
+])
+def test_train_py_stopped_by_a_signal_is_a_stopped_run_not_a_failure(tmp_path, steps, status,
+                                                                     how):
+  variant = fake_run(tmp_path, "v", steps, status)
+  assert sweep_lib.VariantJob()(variant) == {"name": "v", "state": "stopped", "step": steps,
+                                             "how": how}
+  assert not (tmp_path / "v" / "eval_report.json").exists()  # eval.py not run
+  assert not (tmp_path / "v" / "sweep_error.json").exists()
+  assert sweep_lib.variant_state(variant).state == "running/partial"
+
+
+def test_train_py_exit_0_is_done_and_exit_2_a_failure_with_its_error_line(tmp_path):
+  done = fake_run(tmp_path, "done", 2, 0)
+  result = sweep_lib.VariantJob()(done)
+  assert (result["state"], result["step"], result["report"]) == (
+      "done", 2, {"step": 2, "loss": 1.25})
+  failed = fake_run(tmp_path, "failed", 0, 2, "error: train.data.paths: no such file")
+  with pytest.raises(sweep_lib.VariantFailed) as err:
+    sweep_lib.VariantJob()(failed)
+  assert str(err.value) == ("failed: train.py exited with status 2: error: train.data.paths: "
+                            "no such file")
+  state = sweep_lib.variant_state(failed)
+  assert state.state == "failed"
+  assert state.detail.startswith("error: train.data.paths: no such file (train.py exited with "
+                                 "status 2; log ")
+
+
+def test_the_local_launcher_says_each_start_warning_result_eta_and_progress(tmp_path):
+  """One at a time: a run that warns (twice, once echoed) and is done, a slow
+  one (its progress line), one that fails, one stopped."""
+  warning = "schedule    peaks at 0.01; warning: below train.learning_rate=0.03"
+  absl = "W0612 10:11:{}.123456 140000 seq2seq.py:171] dropped 3 pairs"
+  variants = [fake_run(tmp_path, "a", 2, 0, warning, warning, absl.format(12), absl.format(13)),
+              fake_run(tmp_path, "b", 2, 0, pause=1.5),
+              fake_run(tmp_path, "c", 0, 2, "error: bad"),
+              fake_run(tmp_path, "d", 1, 143)]
+  lines = []
+  assert sweep_lib.run_local(variants, 1, out=lines.append, every_s=1) == 2  # not done
+  lines = [re.sub(r"\d+s\b", "Ns", line) for line in lines]  # wall times and ETAs
+  progress = [line for line in lines if line.startswith("[1/4] running")]
+  assert progress and progress[0] in ("[1/4] running b: step 1/2 (Ns); ETA Ns",
+                                      "[1/4] running b: step 2/2 (Ns); ETA Ns")
+  assert [line for line in lines if line not in progress] == [
+      "running 4 run(s), 1 at a time (each logs to <workdir>/sweep.log); ETA after the first run",
+      "start   a",
+      f"a: {warning}",
+      f"a: {absl.format(12)}",
+      "[1/4] done    a: step 2/2, val loss 1.2500 (Ns); ETA Ns",
+      "start   b",
+      "[2/4] done    b: step 2/2, val loss 1.2500 (Ns); ETA Ns",
+      "start   c",
+      "[3/4] failed  c: train.py exited with status 2: error: bad (Ns); ETA Ns",
+      "start   d",
+      "[4/4] stopped d: step 1/2, train.py saved and stopped on SIGTERM; run the same command "
+      "to resume (Ns)",
+      "4 run(s) in Ns: 2 done, 1 failed, 1 stopped"]
+
+
+def test_the_console_eta_counts_the_runs_left_and_the_parallel_slots(tmp_path):
+  now = [0.0]
+  lines = []
+  variants = [fake_run(tmp_path, name, 0) for name in "abc"]
+  console = sweep_lib.Console(variants, 2, lines.append, every_s=30, clock=lambda: now[0])
+  console.started(variants[0])
+  console.started(variants[1])
+  now[0] = 10
+  console.tick()  # 10 s of silence: nothing
+  now[0] = 45
+  console.tick()
+  console.ended(variants[0], "done", "step 2/2, val loss 1.2500")  # a run takes 45 s
+  now[0] = 50
+  console.ended(variants[1], "failed", "train.py exited with status 2: error: bad")
+  assert lines[3:] == [
+      "[0/3] running a: starting (45s); b: starting (45s); ETA after the first run",
+      "[1/3] done    a: step 2/2, val loss 1.2500 (45s); ETA 45s",  # c after a, b at 45 s
+      "[2/3] failed  b: train.py exited with status 2: error: bad (50s); ETA 45s"]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_the_local_launcher_passes_sigint_and_sigterm_on_and_starts_nothing_more(
+    tmp_path, signum):
+  """What `sweep.py run` does when Ctrl-C'd or sent SIGTERM: the running
+  train.py gets the signal (it saves), the others do not start, and the
+  signal is raised again once train.py has ended: sweep.py exits 130 or 143."""
+  first = sweep_lib.Variant("first", {}, str(tmp_path / "first"), 6, fake_trainer(), [])
+  second = fake_run(tmp_path, "second", 2)
+  log = tmp_path / "first" / "sweep.log"
+
+  def stop():
+    while not (log.exists() and "READY" in log.read_text()):
+      time.sleep(0.1)
+    os.kill(os.getpid(), signum)
+
+  threading.Thread(target=stop, daemon=True).start()
+  lines = []
+  raised = KeyboardInterrupt if signum == signal.SIGINT else sweep_lib.Terminated
+  with pytest.raises(raised):
+    sweep_lib.run_local([first, second], 1, out=lines.append)
+  assert "SAVED" in log.read_text() and not (tmp_path / "second").exists()
+  name = signal.Signals(signum).name
+  assert lines[2:] == [
+      f"{name}: passed on to the 1 running run(s), which save and stop; no other starts",
+      f"[1/2] stopped first: step 0/6, train.py saved and stopped on {name}; run the same "
+      f"command to resume ({lines[3].rsplit('(', 1)[1]}",
+      f"1 run(s) in {lines[4].split(' in ')[1].split(':')[0]}: 1 stopped"]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  with pytest.raises(SystemExit) as exit_:
+    with sweep_lib.command_exits("runs"):
+      raise raised()
+  assert exit_.value.code == 128 + signum
+
+
+def fake_trainer(signal_status: bool = True) -> list[str]:
+  """A train.py stand-in: prints READY, and SAVED on SIGTERM or SIGINT, then
+  exits 128 + the signal, as train.py does (`signal_status` False: 0, as it
+  did before) (the words are built at run time so that the command line in
+  the log lacks them)."""
   return [sys.executable, "-c",
           "import signal, sys, time\n"
-          "def save(*_):\n"
+          "def save(signum, _):\n"
           "  print('saved'.upper(), flush=True)\n"
-          "  sys.exit(0)\n"
+          f"  sys.exit(128 + signum if {signal_status} else 0)\n"
           "signal.signal(signal.SIGTERM, save)\n"
+          "signal.signal(signal.SIGINT, save)\n"
           "print('ready'.upper(), flush=True)\n"
           "time.sleep(60)\n"]
 
 
-def test_checkpoint_stops_train_py_with_sigterm_and_resubmits_the_same_call(tmp_path):
+@pytest.mark.parametrize("status", [143, 0])  # train.py's, and its status before 143
+def test_checkpoint_stops_train_py_with_sigterm_and_resubmits_the_same_call(tmp_path, status):
   """As under submitit: checkpoint() runs as a signal handler in the thread
   that is waiting for train.py."""
-  variant = sweep_lib.Variant("v", {}, str(tmp_path / "v"), 6, fake_trainer(), [])
+  variant = sweep_lib.Variant("v", {}, str(tmp_path / "v"), 6, fake_trainer(status == 143), [])
   job, delayed, alive_after_usr2 = sweep_lib.VariantJob(), [], []
   log = tmp_path / "v" / "sweep.log"
 
@@ -274,7 +564,10 @@ def test_checkpoint_stops_train_py_with_sigterm_and_resubmits_the_same_call(tmp_
     signal.signal(signal.SIGUSR1, previous)
   assert time.time() - start < sweep_lib.STOP_TIMEOUT_S / 2
   assert alive_after_usr2 == [True] and "SAVED" in log.read_text()
-  assert result == {"name": "v", "state": "stopped", "step": 0}
+  how = "train.py saved and stopped" + (" on SIGTERM" if status else "")
+  assert result == {"name": "v", "state": "stopped", "step": 0, "how": how}
+  assert not (tmp_path / "v" / "sweep_error.json").exists()
+  assert sweep_lib.read_times(variant.workdir)[0]["returncode"] == status
   assert isinstance(delayed[0], submitit.helpers.DelayedSubmission)
   assert delayed[0].function is job and delayed[0].args == (variant,)
   assert pickle.loads(pickle.dumps(delayed[0])).function._child is None
