@@ -1,8 +1,9 @@
 """Step 3 of the lesson, scores to weights: one `SCORES` entry per `model.attention_score`.
 
-An entry's `weights(scores, valid)` turns the float32 scores [B, K, G, T, S]
-(scaled, soft-capped, biased) into attention weights, with `valid` the
-boolean mask broadcastable to them (None: every key visible); a fully masked
+An entry's `weights(scores, valid)` turns the float32 scores [B, K, T*G, S]
+(row t*G + g: query t of head k*G + g; scaled, soft-capped, biased) into
+attention weights over the last axis, with `valid` the boolean mask
+broadcastable to them (None: every key visible); a fully masked
 query row gets zeros. `reference` computes every entry; the other
 implementations declare which they take (`model/attention.py`).
 """

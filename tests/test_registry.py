@@ -2,7 +2,8 @@
 or unregistered choice is one line, and every entry is walked through the
 checks a new variant must pass (parameter count, causality, KV-cache decoding,
 scanned layers, the Hugging Face export refusal), so that adding an entry is
-what tests it. Also the attention options each implementation declares."""
+what tests it. What the entries declare of their math and of the attention
+features they take: tests/test_declarations.py."""
 import pathlib
 
 import jax
@@ -15,7 +16,6 @@ from configs import base, validation
 from configs.errors import UserError
 from hf import convert as hf_convert
 from model import accounting, build_model
-from model.attention import FEATURES, IMPLEMENTATIONS, AttentionOptions, attention
 from model.choices import choices_markdown
 from model.config import REGISTRIES, ModelConfig
 from tests.test_scan import loop_and_scanned, model_cfg
@@ -113,42 +113,3 @@ def test_export_maps_or_names_the_choice(field, name):
     assert any(f"llama: model.{key}={value!r}" in str(err) for key, value in overrides.items())
   else:
     assert not hf_convert.round_trip_mismatch(arch, cfg)
-
-
-def _options_using(feature):
-  """AttentionOptions of a [1, 4, 2, 8] call that use `feature`."""
-  if feature.startswith("score:"):
-    return AttentionOptions(score=feature.split(":")[1])
-  values = dict(mask=jnp.eye(4, dtype=bool)[None] | jnp.eye(4, k=-2, dtype=bool)[None], window=2, bias=jnp.zeros((1, 2, 4, 4)),
-                softcap=5.0)
-  return AttentionOptions(causal=True, **{feature: values[feature]})
-
-
-ALL_FEATURES = tuple(FEATURES) + tuple(f"score:{s}" for s in REGISTRIES["model.attention_score"])
-
-
-@pytest.mark.parametrize("impl,feature", [
-    (name, feature) for name, entry in IMPLEMENTATIONS.items() if entry.run is not None
-    for feature in ALL_FEATURES if feature not in entry.takes])
-def test_an_undeclared_option_is_refused_by_name(impl, feature):
-  q = jnp.zeros((1, 4, 2, 8), jnp.bfloat16)
-  option = feature.split(":")[0]
-  with pytest.raises(UserError, match=rf"^attention_impl={impl} takes no .*\(option `{option}`\)"):
-    attention(q, q, q, _options_using(feature), implementation=impl)
-
-
-@pytest.mark.parametrize("feature", ALL_FEATURES)
-def test_every_declared_option_changes_what_xla_computes(feature):
-  """Each option xla declares reaches it (never dropped): xla equals the
-  reference with it, and differs from the call without it."""
-  q, k, v = (jax.random.normal(jax.random.key(i), (1, 4, 2, 8)) for i in range(3))
-  options = _options_using(feature)
-  if options.bias is not None:
-    options = AttentionOptions(causal=True, bias=jax.random.normal(jax.random.key(4), (1, 2, 4, 4)))
-  if options.softcap is not None:
-    options = AttentionOptions(causal=True, softcap=0.5)
-  got = attention(q, k, v, options, implementation="xla")
-  np.testing.assert_allclose(got, attention(q, k, v, options), atol=1e-5)
-  if feature != "score:softmax":
-    plain = attention(q, k, v, AttentionOptions(causal=options.causal))
-    assert np.abs(np.asarray(got - plain)).max() > 1e-3

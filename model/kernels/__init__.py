@@ -18,7 +18,9 @@ MOSAIC_GPU_HEAD_DIMS = (64, 128)
 # every kernel takes, forward and backward, beside the causal and segment-id
 # masks: the causal sliding window, the soft-cap, and the softmax score. No
 # dense mask, additive bias or other score function: `attention_impl=pallas`
-# refuses those by name.
+# refuses those by name. Each feature here is a promise that every kernel
+# computes it: tests/test_declarations.py runs each, in every lowering,
+# against the reference attention with that feature.
 KERNEL_TAKES = frozenset({"window", "softcap", "score:softmax"})
 
 
