@@ -11,8 +11,10 @@ Every function takes the `model` section (a ConfigDict) or a resolved
 
 Parameters are counted twice: `measured_params` reads the parameter tree of
 the real module under `jax.eval_shape` (nothing is allocated, so the 7B
-preset takes seconds on a CPU) and `formula_params` writes the closed form;
-the tests hold them equal. Both return the same dict:
+preset takes a tenth of a second on a CPU) and `formula_params` writes the
+closed form; the tests hold them equal, and so does every entry point at
+start-up (`check_formula`, through `with_budget`), naming the registry entry
+whose count is off. Both return the same dict:
 
 - `params_total`: every parameter once (a shared embedding counts once).
 - `params_active`: those one token uses: the total less, in each
@@ -232,6 +234,45 @@ def formula_params(model_cfg) -> dict:
                    params_final_norms=final_norms)
 
 
+def _entry_parts(counts: dict) -> dict[str, dict[str, int]]:
+  """The parts of a params dict that a registry entry's closed form counts:
+  config field of the entry -> {what the part is: its count}."""
+  layer, encoder_layer = counts["params_per_layer"], counts.get("params_per_encoder_layer", {})
+  return {"model.mlp": {"a layer's MLP": layer.get("mlp", 0),
+                        "an encoder layer's MLP": encoder_layer.get("mlp", 0)},
+          "model.norm": {"a layer's norms": layer.get("norms", 0),
+                         "an encoder layer's norms": encoder_layer.get("norms", 0),
+                         "the final norms": counts["params_final_norms"]},
+          "model.pos_emb": {"the position tables": counts["params_position_table"]}}
+
+
+def check_formula(model_cfg) -> None:
+  """Raises `UserError` where the closed form (`formula_params`) differs from
+  the module's parameters (`measured_params`, read under `jax.eval_shape`:
+  nothing is allocated, about 0.1 s for configs/llama2_7b.py), in one line
+  naming the registry entry whose count is off (its `params`), or this
+  module's formula when no entry's part differs. Every count the start-up
+  summary, the FLOPs and the budgets print rests on the closed form;
+  `with_budget` calls this first."""
+  m = ModelConfig.resolve(model_cfg)
+  formula, measured = formula_params(m), measured_params(m)
+  if formula == measured:
+    return
+  totals = f"(model total {formula['params_total']:,} against {measured['params_total']:,})"
+  ours, theirs = _entry_parts(formula), _entry_parts(measured)
+  for field, registry in (("model.mlp", MLPS), ("model.norm", NORMS), ("model.pos_emb", POSITIONS)):
+    for part, count in ours[field].items():
+      if count != theirs[field][part]:
+        name = getattr(m, field.split(".")[1])
+        raise UserError(
+            f"config field {field}={name!r}: its closed-form parameter count of {part}, "
+            f"{count:,}, differs from the module's {theirs[field][part]:,} {totals}; fix the "
+            f"entry's params in {registry.source(name)}")
+  key = next(k for k in formula if formula[k] != measured.get(k))
+  raise UserError(f"model/accounting.py's closed-form parameter count differs from the "
+                  f"module's in {key} {totals}; fix formula_params for this config")
+
+
 def kv_cache_bytes_per_token(model_cfg) -> int:
   """2 (K and V) x decoder layers x KV heads x head dim x bytes of model.dtype.
 
@@ -281,10 +322,12 @@ def flops_per_step(config) -> int:
 def with_budget(config):
   """`config` with train.num_steps set by its budget: floor(train.token_budget /
   tokens per step) or floor(train.flop_budget / training FLOPs per step); the
-  config itself when neither is set. train.py, sweep.py and compile.py apply
-  it after `validate`, before anything reads num_steps (the schedule, the
-  start-up summary, config.json), so that they agree. A budget short of one
-  step is a UserError."""
+  config itself when neither is set. train.py, sweep.py, compile.py and
+  model.summary apply it after `validate`, before anything reads num_steps
+  (the schedule, the start-up summary, config.json), so that they agree. It
+  first checks the closed form those counts rest on (`check_formula`). A
+  budget short of one step is a UserError."""
+  check_formula(config.model)
   given = validation.budget(config.train)
   if given is None:
     return config

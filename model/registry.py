@@ -9,10 +9,18 @@ what it needs of the attention. Generic code (the blocks, the stacks, the
 accounting, `ModelConfig.forward_fields`, the attention dispatcher) reads the
 entries instead of comparing names, so a new choice is its entry plus its
 name in `CHOICES` (docs/extending.md); `python -m model.choices` prints
-the table of them all that docs/models.md shows. `tests/test_registry.py` holds every
-registry's names equal to `CHOICES` and walks every entry through the
-parameter count, causality, KV-cache decoding, scanned layers and the Hugging
-Face export check.
+the table of them all that docs/models.md shows.
+
+What an entry says is a promise the tests hold, each generated from the
+registries so that a new entry is tested by being added (docs/extending.md):
+`tests/test_registry.py` holds every registry's names equal to `CHOICES` and
+walks every entry through the parameter count, causality, KV-cache decoding,
+scanned layers and the Hugging Face export check; `tests/test_declarations.py`
+runs every attention implementation on every feature it declares against
+`reference`, and every norm and score against its definition;
+`tests/test_mlp.py` every activation against transformers' `ACT2FN`. At
+start-up `model.accounting.check_formula` refuses an entry whose closed-form
+parameter count differs from its module's.
 """
 from configs.errors import UserError
 
@@ -43,6 +51,14 @@ class Registry(dict):
                       f"(registered: {', '.join(self)}); add one in the module that "
                       "registers them (docs/extending.md)")
     return super().__getitem__(name)
+
+  def source(self, name: str) -> str:
+    """The file that defines the kind of entry `name` (its dataclass, or the
+    one that dataclass derives from), which is where its registry lives:
+    "model/mlp.py" for an `MLPS` entry. Where a message sends the reader to
+    fix the entry."""
+    kind = type(self[name]).__mro__[-2]  # the base below `object`
+    return kind.__module__.replace(".", "/") + ".py"
 
   def reads(self, chosen: str) -> set[str]:
     """The config fields (without `model.`) that entries other than `chosen`

@@ -2,9 +2,13 @@
 or unregistered choice is one line, and every entry is walked through the
 checks a new variant must pass (parameter count, causality, KV-cache decoding,
 scanned layers, the Hugging Face export refusal), so that adding an entry is
-what tests it. What the entries declare of their math and of the attention
+what tests it. A closed-form count that is off is refused at start-up, naming
+the entry. What the entries declare of their math and of the attention
 features they take: tests/test_declarations.py."""
+import dataclasses
 import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ from hf import convert as hf_convert
 from model import accounting, build_model
 from model.choices import choices_markdown
 from model.config import REGISTRIES, ModelConfig
+from model.mlp import MLPKind
 from tests.test_scan import loop_and_scanned, model_cfg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -82,6 +87,65 @@ def test_measured_parameters_equal_the_formula(field, name):
   for family in ("decoder",) if experts else ("decoder", "encoder_decoder"):
     m = model_cfg(False, family=family, **entry_overrides(field, name))
     assert accounting.measured_params(m) == accounting.formula_params(m), family
+
+
+def _miscounted(entry):
+  """`entry` with a closed-form parameter count one too many."""
+  if isinstance(entry, MLPKind):  # its count is a method
+    class Miscounted(MLPKind):
+      def params(self, d: int, f: int, bias: bool) -> int:
+        return super().params(d, f, bias) + 1
+    return Miscounted(**{f.name: getattr(entry, f.name) for f in dataclasses.fields(entry)})
+  return dataclasses.replace(entry, params=lambda *args: entry.params(*args) + 1)
+
+
+@pytest.mark.parametrize("field,name,source", [("model.mlp", "swiglu", "model/mlp.py"),
+                                               ("model.norm", "rmsnorm", "model/norms.py"),
+                                               ("model.pos_emb", "learned", "model/positions.py")])
+def test_a_wrong_closed_form_is_refused_naming_the_entry(monkeypatch, field, name, source):
+  """Every entry point's `with_budget` checks the closed form against the
+  module (`check_formula`) and names the entry whose count is off."""
+  registry = REGISTRIES[field]
+  m = model_cfg(False, mlp="swiglu", norm="rmsnorm", pos_emb="learned")
+  accounting.check_formula(m)
+  monkeypatch.setitem(registry, name, _miscounted(registry[name]))
+  c = base.get_config()
+  c.model = m
+  with pytest.raises(UserError, match=rf"^config field {field}='{name}': its closed-form "
+                     r"parameter count of [a-zA-Z' ]+, [\d,]+, differs from the module's [\d,]+ "
+                     rf"\(model total [\d,]+ against [\d,]+\); fix the entry's params in "
+                     rf"{source}$") as err:
+    accounting.with_budget(c)
+  assert "\n" not in str(err.value)
+
+
+def test_a_wrong_formula_outside_the_entries_names_the_accounting(monkeypatch):
+  monkeypatch.setattr(accounting, "_attention_params", lambda m: 1)
+  with pytest.raises(UserError, match=r"^model/accounting.py's closed-form parameter count "
+                     r"differs from the module's in params_total \(model total"):
+    accounting.check_formula(model_cfg(False))
+
+
+# train.py with one entry's closed form off by one: refused before the workdir exists.
+MISCOUNTED_TRAIN = """
+import dataclasses, runpy, sys
+from model.norms import NORMS
+NORMS["rmsnorm"] = dataclasses.replace(NORMS["rmsnorm"], params=lambda dim: dim + 1)
+sys.argv = ["train.py", "--config", "configs/tiny.py", "--workdir", sys.argv[1]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_train_refuses_a_wrong_closed_form_in_one_line(tmp_path):
+  workdir = tmp_path / "run"
+  result = subprocess.run([sys.executable, "-c", MISCOUNTED_TRAIN, str(workdir)], cwd=ROOT,
+                          capture_output=True, text=True, check=False)
+  assert result.returncode == 2, result.stderr
+  assert result.stderr.startswith("error: config field model.norm='rmsnorm': its closed-form "
+                                  "parameter count of a layer's norms, 258, differs from the "
+                                  "module's 256 "), result.stderr
+  assert result.stderr.count("\n") == 1, result.stderr
+  assert not workdir.exists()
 
 
 @pytest.mark.parametrize("field,name", ENTRIES)
