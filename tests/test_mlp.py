@@ -1,4 +1,7 @@
-"""Every model.mlp kind against transformers' activations and its gated MLP."""
+"""Every model.mlp kind against transformers' activations (`ACT2FN`) and its
+gated MLP. The kinds come from `MLPS`, so a new one is checked by being
+added: under its own name where `ACT2FN` has it (relu, gelu, relu2, ...), or
+under the name `ACT2FN_NAMES` maps it to; a kind found in neither fails."""
 import jax
 import numpy as np
 import pytest
@@ -10,13 +13,26 @@ from transformers.models.llama.modeling_llama import LlamaMLP
 
 from configs import base
 from model.config import ModelConfig
-from model.mlp import MLP
+from model.mlp import MLP, MLPS
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
-# model.mlp -> transformers' hidden_act of the same function.
-HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "swiglu": "silu",
-          "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
+# model.mlp kinds whose activation `ACT2FN` spells otherwise (a gated kind:
+# its gate's activation); every other kind's name is its `ACT2FN` key.
+ACT2FN_NAMES = {"gelu_tanh": "gelu_pytorch_tanh", "swiglu": "silu", "geglu": "gelu",
+                "geglu_tanh": "gelu_pytorch_tanh"}
+
+# A float32 grid, with large |x| (where an activation's tails and overflow show).
+GRID = np.concatenate([np.linspace(-10, 10, 201), [-3e4, -1e4, -1e3, -1e2, 1e2, 1e3, 1e4, 3e4]]
+                      ).astype(np.float32)
+
+
+def hf_activation(kind: str) -> str:
+  """The `ACT2FN` key of model.mlp=`kind`'s activation."""
+  name = ACT2FN_NAMES.get(kind, kind)
+  assert name in ACT2FN, (f"model.mlp={kind!r}: transformers' ACT2FN has no {name!r}; map the "
+                          "kind to the ACT2FN name of its activation in ACT2FN_NAMES")
+  return name
 
 
 def _mlp(kind):
@@ -30,7 +46,17 @@ def _torch(weight):
   return torch.from_numpy(np.asarray(weight[...]).T.copy())
 
 
-@pytest.mark.parametrize("kind", sorted(HF_ACT))
+@pytest.mark.parametrize("kind", list(MLPS))
+def test_activation_is_transformers(kind):
+  """The kind's activation equals `ACT2FN`'s on the grid, large |x| included
+  (ReLU for relu2, or an exp that overflows, fails here)."""
+  want = ACT2FN[hf_activation(kind)](torch.from_numpy(GRID)).numpy()
+  got = np.asarray(MLPS[kind].activation(jax.numpy.asarray(GRID)))
+  assert np.isfinite(got).all()
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", list(MLPS))
 def test_mlp_matches_transformers(kind):
   mlp = _mlp(kind)
   x = 3 * jax.random.normal(jax.random.key(1), (2, 5, 16))
@@ -38,12 +64,13 @@ def test_mlp_matches_transformers(kind):
   with torch.no_grad():
     if mlp.gate is not None:
       ref = LlamaMLP(LlamaConfig(hidden_size=16, num_attention_heads=2, intermediate_size=24,
-                                 hidden_act=HF_ACT[kind]))
+                                 hidden_act=hf_activation(kind)))
       for name, ours in (("gate_proj", mlp.gate), ("up_proj", mlp.up), ("down_proj", mlp.down)):
         getattr(ref, name).weight.copy_(_torch(ours.kernel))
       want = ref(x_torch)
     else:
-      want = ACT2FN[HF_ACT[kind]](x_torch @ _torch(mlp.up.kernel).T) @ _torch(mlp.down.kernel).T
+      hidden = ACT2FN[hf_activation(kind)](x_torch @ _torch(mlp.up.kernel).T)
+      want = hidden @ _torch(mlp.down.kernel).T
   np.testing.assert_allclose(np.asarray(mlp(x)), want.numpy(), atol=1e-6, rtol=1e-5)
 
 
