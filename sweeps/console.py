@@ -7,7 +7,7 @@ up in SLURM logs and CI logs as often as on a terminal):
   [1/4] done    pos_emb=rope: step 200/200, val loss 4.1234 (2m05s); ETA 4m10s
   [1/4] running pos_emb=none: step 120/200 (1m30s); ETA 3m40s
   [2/4] failed  pos_emb=learned: train.py exited with status 2: error: ... (3s); ETA 2m05s
-  [3/4] stopped pos_emb=sinusoidal: step 80/200, train.py saved and stopped on SIGTERM; run
+  [3/4] stopped pos_emb=sinusoidal: step 80/200, train.py stopped on SIGTERM; run
         the same command to resume (50s)
   4 run(s) in 6m10s: 2 done, 1 failed, 1 stopped
 

@@ -66,7 +66,7 @@ class VariantJob(submitit.helpers.Checkpointable):
 
   def __call__(self, variant: Variant) -> dict:
     """{"name", "state": "done", "step", "report"} or {"name", "state":
-    "stopped", "step", "how"} (`train.py saved and stopped on SIGTERM`, ...);
+    "stopped", "step", "how"} (`train.py stopped on SIGTERM`, ...);
     VariantFailed if a command failed."""
     rank = int(os.environ.get("SLURM_PROCID", "0"))
     os.makedirs(variant.workdir, exist_ok=True)
@@ -79,7 +79,7 @@ class VariantJob(submitit.helpers.Checkpointable):
     if stopped is None and step >= variant.num_steps and rank == 0:
       stopped = self._run(variant, "eval.py", variant.eval_command, log)
     if stopped is None and step < variant.num_steps:  # a train.py that exits 0 when stopped
-      stopped = "train.py saved and stopped"
+      stopped = "train.py stopped"
     if stopped is not None:
       return {"name": variant.name, "state": "stopped", "step": step, "how": stopped}
     return {"name": variant.name, "state": "done", "step": step,
@@ -128,9 +128,8 @@ class VariantJob(submitit.helpers.Checkpointable):
           "host": socket.gethostname(), "cpu_model": hardware.cpu_model(),
           "cpus": hardware.usable_cpus(), "xla_cpu_threads": hardware.xla_cpu_threads(env),
           "env": variant.env})
-    if returncode - 128 in STOP_SIGNALS:  # train.py saved first
-      saved = "saved and " if what == "train.py" else ""
-      return f"{what} {saved}stopped on {signal.Signals(returncode - 128).name}"
+    if returncode - 128 in STOP_SIGNALS:  # train.py saved first (or had not started training)
+      return f"{what} stopped on {signal.Signals(returncode - 128).name}"
     if -returncode in STOP_SIGNALS:
       return f"{what} killed by {signal.Signals(-returncode).name}"
     if returncode:

@@ -407,9 +407,9 @@ def fake_run(tmp_path, name: str, steps: int, status: int = 0, *lines: str, paus
 
 
 @pytest.mark.parametrize("steps,status,how", [
-    (2, 143, "train.py saved and stopped on SIGTERM"),  # train.py saved on SIGTERM
-    (1, 130, "train.py saved and stopped on SIGINT"),  # ... on Ctrl-C
-    (1, 0, "train.py saved and stopped"),  # a train.py from before 130/143
+    (2, 143, "train.py stopped on SIGTERM"),  # train.py saved on SIGTERM
+    (1, 130, "train.py stopped on SIGINT"),  # ... on Ctrl-C
+    (1, 0, "train.py stopped"),  # a train.py from before 130/143
     (1, -signal.SIGTERM, "train.py killed by SIGTERM"),  # before its handler
 ])
 def test_train_py_stopped_by_a_signal_is_a_stopped_run_not_a_failure(tmp_path, steps, status,
@@ -464,7 +464,7 @@ def test_the_local_launcher_says_each_start_warning_result_eta_and_progress(tmp_
       "start   c",
       "[3/4] failed  c: train.py exited with status 2: error: bad (Ns); ETA Ns",
       "start   d",
-      "[4/4] stopped d: step 1/2, train.py saved and stopped on SIGTERM; run the same command "
+      "[4/4] stopped d: step 1/2, train.py stopped on SIGTERM; run the same command "
       "to resume (Ns)",
       "4 run(s) in Ns: 2 done, 1 failed, 1 stopped"]
 
@@ -513,7 +513,7 @@ def test_the_local_launcher_passes_sigint_and_sigterm_on_and_starts_nothing_more
   name = signal.Signals(signum).name
   assert lines[2:] == [
       f"{name}: passed on to the 1 running run(s), which save and stop; no other starts",
-      f"[1/2] stopped first: step 0/6, train.py saved and stopped on {name}; run the same "
+      f"[1/2] stopped first: step 0/6, train.py stopped on {name}; run the same "
       f"command to resume ({lines[3].rsplit('(', 1)[1]}",
       f"1 run(s) in {lines[4].split(' in ')[1].split(':')[0]}: 1 stopped"]
   assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
@@ -564,7 +564,7 @@ def test_checkpoint_stops_train_py_with_sigterm_and_resubmits_the_same_call(tmp_
     signal.signal(signal.SIGUSR1, previous)
   assert time.time() - start < sweep_lib.STOP_TIMEOUT_S / 2
   assert alive_after_usr2 == [True] and "SAVED" in log.read_text()
-  how = "train.py saved and stopped" + (" on SIGTERM" if status else "")
+  how = "train.py stopped" + (" on SIGTERM" if status else "")
   assert result == {"name": "v", "state": "stopped", "step": 0, "how": how}
   assert not (tmp_path / "v" / "sweep_error.json").exists()
   assert sweep_lib.read_times(variant.workdir)[0]["returncode"] == status
