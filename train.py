@@ -3,7 +3,14 @@
 Any field can be overridden: --config.model.pos_emb=rope. The workdir
 defaults to runs/<config file stem>. Running the same command on the same
 workdir resumes from its newest checkpoint.
+
+Exit status: 0, trained to train.num_steps (or it already was); 130 or 143
+(128 + the signal), stopped by SIGINT or SIGTERM: after the first step with
+that step saved, before it with the workdir left as it was (a new one
+removed); 2, a user error (one line on stderr); 1, a bug (a traceback).
 """
+import os
+import signal
 import sys
 
 from absl import app, flags, logging
@@ -21,12 +28,29 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    print(f"error: unexpected arguments: {' '.join(argv[1:])} (train.py takes --config, "
+          "--workdir and --config.<field>=<value> flags only)", file=sys.stderr)
+    sys.exit(2)
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO.
+  sys.exit(_train())
+
+
+def _stop_at_start(signum, _frame):
+  """SIGINT or SIGTERM before the training loop handles them (reading the
+  flags and the config, importing JAX, the checks): nothing is written yet, so
+  exit at once. Python's KeyboardInterrupt is no way out: raised inside a
+  garbage-collection callback of JAX it is printed and ignored."""
+  print(f"{signal.Signals(signum).name} during start-up: stopped before training, nothing "
+        "written", file=sys.stderr, flush=True)
+  os._exit(128 + signum)
+
+
+def _train() -> int:
+  """Trains; the exit status."""
   if _CONFIG.value.train.reuse_host_memory:  # before JAX starts its threads
     from training.host_memory import reuse_freed_memory  # pylint: disable=import-outside-toplevel
     reuse_freed_memory()
-  from training.loop import train  # pylint: disable=import-outside-toplevel
+  from training.loop import Stopped, train  # pylint: disable=import-outside-toplevel
   from training.workdir import default_workdir  # pylint: disable=import-outside-toplevel
   workdir = _WORKDIR.value
   if workdir is None:
@@ -36,8 +60,13 @@ def main(argv):
     train(_CONFIG.value, workdir)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    return 2
+  except Stopped as e:  # the step is saved, and the loop said so
+    return e.exit_status
+  return 0
 
 
 if __name__ == "__main__":
+  for stop_signal in (signal.SIGINT, signal.SIGTERM):  # training.loop installs its own
+    signal.signal(stop_signal, _stop_at_start)
   app.run(main, flags_parser=parse_flags)

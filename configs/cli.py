@@ -10,7 +10,10 @@ exit status 2, not a traceback:
   spelling (`--config.train.num_steps=100`);
 - a misspelt config override (`--config.model.colour=red`): no such field,
   and the closest one;
-- a config file that cannot be loaded, or a value of the wrong type;
+- a config file that does not exist (the presets listed), one that fails to
+  import or whose get_config() fails (the error's last line);
+- an override's value that is not of the field's type (`--config.train.batch_size=abc:
+  expected an int, got 'abc'`);
 - `--config.train.num_steps` beside a token or FLOP budget, which sets it.
 
 Each is checked against the defined flags and the loaded config itself,
@@ -18,11 +21,14 @@ never by reading a library's error message.
 """
 import ast
 import difflib
+import importlib.machinery
+import importlib.util
 import os
 import sys
 
 from absl import flags
 from ml_collections import config_dict, config_flags
+from ml_collections.config_flags import tuple_parser
 
 from configs import validation
 from configs.errors import UserError, first_line
@@ -82,24 +88,91 @@ def _check_spelling(argv: list[str], values: flags.FlagValues) -> None:
         raise UserError(f"--{name}: flags are snake_case: --{snake}")
 
 
+def _last_line(error: BaseException) -> str:
+  """What a traceback of `error` ends with: `ModuleNotFoundError: No module
+  named 'x'` (a SyntaxError's names the file and line)."""
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def check_config_file(config_path: str) -> None:
+  """UserError unless `config_path` (`FILE` or `FILE:ARG`, as ml_collections
+  reads it) is a file that imports and whose `get_config(ARG)` returns a
+  ConfigDict. Checked by running it here, before ml_collections does (which
+  lets an import error through as a traceback and wraps one of get_config in
+  a page of text)."""
+  path, *args = config_path.split(":", 1)
+  if not os.path.isfile(path):
+    raise UserError(f"no such config file: {path} (the presets: {', '.join(presets())})")
+  loader = importlib.machinery.SourceFileLoader("config_check", path)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  try:
+    loader.exec_module(module)
+  except Exception as e:  # whatever the file raises, it is the file's
+    raise UserError(f"{path} failed to import: {_last_line(e)}") from e
+  if not callable(getattr(module, "get_config", None)):
+    raise UserError(f"{path} has no get_config(): a config file defines one that returns "
+                    "the config (see configs/tiny.py)")
+  try:
+    config = module.get_config(*args)
+  except Exception as e:
+    raise UserError(f"{config_path}: get_config({', '.join(map(repr, args))}) failed: "
+                    f"{_last_line(e)}") from e
+  if not isinstance(config, config_dict.ConfigDict):
+    raise UserError(f"{config_path}: get_config() returned {type(config).__name__}, not a "
+                    "ConfigDict")
+
+
 def load_config(config_path: str, overrides: list[str] = ()) -> config_dict.ConfigDict:
   """The config that `--config config_path *overrides` gives, through the
   same ml_collections parser the tools use (so what passes here passes
   there)."""
+  check_config_file(config_path)
   argv = ["prog", "--config", config_path, *overrides]
   values = flags.FlagValues()
   holder = config_flags.DEFINE_config_file("config", None, flag_values=values,
                                            lock_config=True, sys_argv=argv)
   try:
     values(argv)
-    config = holder.value
-    config.keys()  # a file that failed to load raises OSError here, not on first use
-    return config
-  except OSError as e:
-    raise UserError(f"--config {config_path}: cannot load it (no such file, or it "
-                    f"fails to import); the presets: {', '.join(presets())}") from e
+    return holder.value
   except (flags.Error, AttributeError, KeyError, TypeError, ValueError) as e:
     raise UserError(first_line(e)) from e
+
+
+# What `--config.<field>=<text>` parses a field's text with, as ml_collections
+# does, and the type named when it fails. A str field takes any text.
+_PARSERS = {int: (flags.IntegerParser(), "an int"), float: (flags.FloatParser(), "a float"),
+            bool: (flags.BooleanParser(), "a bool (true or false)"),
+            tuple: (tuple_parser.TupleParser(), "a tuple, e.g. (1, 2) or ('a', 'b')")}
+
+
+def field_type(config: config_dict.ConfigDict, field: str) -> type:
+  """The type of a dotted field; a None field's is its placeholder's."""
+  *sections, last = field.split(".")
+  for section in sections:
+    config = config[section]
+  return config.get_type(last)
+
+
+def _parses(parser, text: str) -> bool:
+  """Whether `parser` takes `text`. A tuple's text that does not read as a
+  Python literal is one element: refused when it has a comma (`neg,pos`,
+  meant as two)."""
+  try:
+    value = parser.parse(text)
+  except ValueError:
+    return False
+  return not (isinstance(parser, tuple_parser.TupleParser) and value == (text,) and "," in text)
+
+
+def check_value(config: config_dict.ConfigDict, field: str, text: str) -> None:
+  """UserError unless `--config.<field>=<text>` gives the field a value of its
+  type, parsed as ml_collections parses it."""
+  parser, wanted = _PARSERS.get(field_type(config, field), (None, None))
+  if parser is not None and not _parses(parser, text):
+    hint = (" (a field is set to None in a config file, not on the command line)"
+            if text.strip().lower() == "none" else "")
+    raise UserError(f"{OVERRIDE}{field}={text}: expected {wanted}, got {text!r}{hint}")
 
 
 def check_budget_overrides(config: config_dict.ConfigDict, fields: list[str]) -> None:
@@ -138,13 +211,26 @@ def _unknown_flag(arg: str, fields: list[str]) -> UserError:
   return UserError(f"--{name}: no such flag (see --help)")
 
 
+def _override_text(argv: list[str], i: int, kind: type) -> str | None:
+  """The text that `argv[i]`, `--config.<field>[=text]`, gives its field of
+  type `kind`: after the `=`, else the next argument (absl's `--flag value`);
+  None for a bare bool flag (`--config.train.remat`, true)."""
+  arg = argv[i]
+  if "=" in arg:
+    return arg.split("=", 1)[1]
+  if kind is bool or i + 1 >= len(argv):
+    return None
+  return argv[i + 1]
+
+
 def _check(argv: list[str], values: flags.FlagValues) -> None:
-  """Every flag is defined, spelt snake_case, and every override names a
-  field of the config; raises UserError otherwise."""
+  """Every flag is defined, spelt snake_case, every override names a field of
+  the config and gives it a value of its type; raises UserError otherwise."""
   _check_spelling(argv, values)
   path = _config_path(argv) if "config" in values else None
-  fields = config_fields(load_config(path)) if path else []
-  for arg in argv[1:]:
+  config = load_config(path) if path else None
+  fields = config_fields(config) if config is not None else []
+  for i, arg in enumerate(argv[1:], start=1):
     if arg == "--":
       return
     name = _flag_name(arg)
@@ -153,7 +239,11 @@ def _check(argv: list[str], values: flags.FlagValues) -> None:
     if arg.startswith(OVERRIDE):
       if not fields:
         raise UserError(f"--{name}: give --config first")
-      check_field(name[len("config."):], fields, "command line")
+      field = name[len("config."):]
+      check_field(field, fields, "command line")
+      text = _override_text(argv, i, field_type(config, field))
+      if text is not None:
+        check_value(config, field, text)
     elif not _is_defined(name, values) and name not in _SPECIAL:
       raise _unknown_flag(arg, fields)
 

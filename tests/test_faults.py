@@ -1,7 +1,8 @@
 """Nothing lost under faults: damaged checkpoints are skipped and moved aside,
 never loaded; eval of a damaged step is one line; a second run on a live
-workdir is refused; runs SIGKILLed at random moments (inside saves too) and
-resumed end bit-identical to an uninterrupted run."""
+workdir is refused; a run stopped by SIGINT or SIGTERM saves its step and
+names its exit status; runs SIGKILLed at random moments (inside saves too)
+and resumed end bit-identical to an uninterrupted run."""
 import json
 import os
 import pathlib
@@ -209,6 +210,46 @@ def test_failed_save_names_the_cause_keeps_every_checkpoint_and_resumes(
   assert {k: v for k, v in after.items() if not k.startswith("6.")} == before
   loop.train(c, str(run))  # the same command, once the disk has room
   assert_trees_equal(final_params(run)[1], final_params(reference)[1])
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
+                         ids=["SIGINT", "SIGTERM"])
+def test_a_signal_saves_its_step_and_the_same_config_resumes_identical(
+    tok_dir, reference, tmp_path, monkeypatch, capsys, sig, status):
+  """SIGINT (Ctrl-C) or SIGTERM at step 3 saves step 3 (between the checkpoints
+  of 2 and 4) and stops with 128 + the signal for train.py's exit status;
+  training again ends as the uninterrupted run did."""
+  write = loop.MetricsWriter.write
+
+  def write_then_signal(self, step, split, scalars):
+    write(self, step, split, scalars)
+    if (step, split) == (3, "train"):
+      os.kill(os.getpid(), sig)  # Python runs the handler before this returns
+
+  monkeypatch.setattr(loop.MetricsWriter, "write", write_then_signal)
+  c, run = fault_config(tok_dir), tmp_path / "run"
+  with pytest.raises(loop.Stopped) as stopped:
+    loop.train(c, str(run))
+  assert (stopped.value.exit_status, stopped.value.step) == (status, 3)
+  assert (f"{sig.name} received: saved step 3; exit status {status}. Resume with the same "
+          "command: ") in capsys.readouterr().out
+  assert _committed(run / "checkpoints") == [2, 3]
+  monkeypatch.setattr(loop.MetricsWriter, "write", write)
+  loop.train(c, str(run))
+  assert_trees_equal(final_params(run)[1], final_params(reference)[1])
+
+
+def test_a_process_stopped_by_anothers_signal_takes_its_exit_status(monkeypatch):
+  """Of several processes, one without a signal stops with the signal of the
+  lowest process that got one, at the steps where they agree (every 5)."""
+  monkeypatch.setattr(loop.jax, "process_count", lambda: 3)
+  gathered = []
+  monkeypatch.setattr(loop.multihost_utils, "process_allgather",
+                      lambda mine: gathered.append(int(mine)) or np.array([0, 15, 2]))
+  stop = loop.StopRequest(5, on_startup_signal=None)
+  assert not stop.should_stop(3) and not gathered  # no collective between
+  assert stop.should_stop(5) and gathered == [0]
+  assert (stop.signal_name, stop.exit_status) == ("SIGTERM (on another process)", 143)
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Runs a researcher can trust: the config record and its history on resume,
-the memory pre-flight, start-up signals, the start-up summary and `step k/N`,
-eval reports per step, sweeps of a changed config, and the one-line errors."""
+the memory pre-flight, start-up signals, the start-up summary and `step k/N`
+(its ETA without compilation), eval reports per step, sweeps of a changed
+config, and the one-line errors."""
 import json
 import os
 import signal
@@ -109,12 +110,69 @@ def test_cli_summary_progress_and_no_libtpu_noise(tok_dir, tmp_path):
                "restored    nothing (new run from step 0)",
                "schedule    learning rate peaks at 0.003 at step 2/2\n"):
     assert head in run.stdout, run.stdout
-  assert "step 1/2: loss=" in run.stdout and ", eta=" in run.stdout
+  lines = run.stdout.splitlines()
+  step_1 = next(l for l in lines if l.startswith("step 1/2: loss="))
+  step_2 = next(l for l in lines if l.startswith("step 2/2: loss="))
+  assert "eta=" not in step_1  # only the compiled step so far: no pace to go by
+  assert step_2.endswith(", eta=0s"), step_2
   assert "step 2/2: val1_loss=" in run.stdout
   again = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
   assert again.stdout.strip() == (
       f"{workdir} is complete: trained 2/2 steps; nothing to do (evaluate it: python eval.py "
       f"--workdir {workdir}; train longer: --config.train.num_steps=<more>)")
+
+
+class FakeClock:
+  """time.perf_counter for `loop.Eta`: the seconds the test says have passed."""
+
+  def __init__(self):
+    self.now = 0.0
+
+  def __call__(self) -> float:
+    return self.now
+
+
+def test_the_eta_leaves_out_compilation_and_counts_validation_apart():
+  """1000 steps of 0.1 s, validated every 100 steps (5 s a pass, 20 s the first,
+  which compiles); step 1 compiles for 300 s."""
+  clock = FakeClock()
+  eta = loop.Eta(1000, lambda at: loop.validations_from(at, 100, 1000), clock=clock)
+  clock.now = 300.1  # the compiled step
+  assert eta.seconds_left(1) is None
+  eta.start(1)
+  assert eta.seconds_left(1) is None  # no step timed yet
+  clock.now += 9 * 0.1
+  assert eta.seconds_left(10) == pytest.approx(990 * 0.1)  # no validation timed yet
+  clock.now += 90 * 0.1
+  with eta.validation():  # at step 100
+    clock.now += 20.0
+  clock.now += 10 * 0.1
+  assert eta.seconds_left(110) == pytest.approx(890 * 0.1 + 9 * 20.0)
+  clock.now += 90 * 0.1
+  with eta.validation():  # at step 200
+    clock.now += 5.0
+  clock.now += 100 * 0.1
+  # steps 201..300 and the validation at 300 ahead of the step line, 8 passes in all
+  assert eta.seconds_left(300) == pytest.approx(700 * 0.1 + 8 * 5.0)
+
+
+def test_the_eta_of_a_resumed_run_starts_at_its_first_step():
+  clock = FakeClock()
+  eta = loop.Eta(600, lambda at: 0, clock=clock)
+  clock.now = 50.0
+  eta.start(401)  # resumed from 400; its first step compiled
+  clock.now += 19 * 0.2
+  assert eta.seconds_left(420) == pytest.approx(180 * 0.2)
+
+
+@pytest.mark.parametrize("step,eval_every,num_steps,passes", [
+    (1, 100, 1000, 10), (100, 100, 1000, 10), (101, 100, 1000, 9), (1000, 100, 1000, 1),
+    (1, 100, 1050, 11), (1001, 100, 1050, 1), (1050, 100, 1050, 1), (3, 1, 5, 3),
+])
+def test_validations_from(step, eval_every, num_steps, passes):
+  assert loop.validations_from(step, eval_every, num_steps) == passes
+  assert passes == sum(1 for s in range(step, num_steps + 1)
+                       if s % eval_every == 0 or s == num_steps)
 
 
 def test_sigint_during_compilation_exits_at_once(tok_dir, tmp_path):
@@ -204,10 +262,9 @@ def test_changed_sweep_is_refused_and_status_says_changed(tmp_path):
     (["--config", "configs/tiny.py", "--num_steps=100"],
      "error: --num_steps: no such flag; the config field is --config.train.num_steps=100"),
     (["--config", "configs/nope.py"],
-     "error: --config configs/nope.py: cannot load it (no such file, or it fails to import); "
-     "the presets: configs/addition.py, "),
+     "error: no such config file: configs/nope.py (the presets: configs/addition.py, "),
     (["--config", "configs/tiny.py", "--config.train.remat=yes"],
-     "error: flag --config.train.remat=yes: Non-boolean argument to boolean flag: yes"),
+     "error: --config.train.remat=yes: expected a bool (true or false), got 'yes'"),
 ])
 def test_flag_mistakes_are_one_line(args, message):
   run = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,

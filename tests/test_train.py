@@ -1,5 +1,6 @@
-"""End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM, NaN,
-leftover temporary checkpoints, train.restore_from, and one-line errors for bad input."""
+"""End-to-end training: loss falls, exact resume after SIGKILL, SIGTERM (exit
+143), NaN, leftover temporary checkpoints, train.restore_from, and one-line
+errors for bad input."""
 import signal
 import subprocess
 import sys
@@ -48,7 +49,9 @@ def test_sigkill_then_resume_is_bit_identical(tok_dir, tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_sigterm_saves_exits_zero_and_resumes(tok_dir, tmp_path):
+def test_sigterm_saves_exits_143_and_resumes(tok_dir, tmp_path):
+  """SIGTERM (SLURM's) saves the step and exits 128 + 15, so that a stopped run
+  does not look finished; the resumed run that finishes exits 0."""
   c = small_config(tok_dir)
   c.train.update(num_steps=100_000, checkpoint_every=100_000, log_every=100_000,
                  eval_every=100_000)
@@ -60,9 +63,11 @@ def test_sigterm_saves_exits_zero_and_resumes(tok_dir, tmp_path):
     time.sleep(0.05)
   time.sleep(2)  # the handler is installed right after metrics.jsonl is opened
   proc.send_signal(signal.SIGTERM)
-  out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0
-  assert "SIGTERM received: saved step" in out and "Resume with the same command" in out
+  out, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err
+  assert "Traceback" not in err, err
+  assert "SIGTERM received: saved step" in out
+  assert "; exit status 143. Resume with the same command" in out
   saved = Checkpointer(str(workdir), asynchronous=False).latest_step()
   assert 0 < saved < 100_000
   c.train.num_steps = saved + 3

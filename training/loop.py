@@ -3,9 +3,10 @@
 Resumes from the newest checkpoint of the workdir that restores whole (state
 and data position; a damaged newer one is moved aside, see
 training/checkpoint.py), runs the jitted step, logs metrics, validates, checkpoints, and stops
-cleanly: SIGTERM or SIGINT finish the current step, save and return; a
-non-finite loss stops the run naming the step, with the last good checkpoint
-kept (no checkpoint is written after a bad step).
+cleanly: SIGTERM or SIGINT finish the current step, save and raise `Stopped`
+(train.py exits 128 + the signal: 143 or 130); a non-finite loss stops the
+run naming the step, with the last good checkpoint kept (no checkpoint is
+written after a bad step).
 
 The train state lives sharded on the device mesh of `config.mesh`
 (`training/sharding.py`): it is created in its shards, checkpoints are
@@ -13,6 +14,7 @@ restored straight onto the current mesh (so a run saved on 8 devices resumes
 or evaluates on 1), and each process puts its own rows of every batch on the
 mesh. On one device the mesh is 1x1x1 and nothing is split.
 """
+import contextlib
 import math
 import os
 import shlex
@@ -65,6 +67,20 @@ def peak_flops(config) -> float | None:
   return per_device * 1e12 * jax.device_count()
 
 
+class Stopped(Exception):
+  """A signal stopped the run after its step was saved; the same command resumes it.
+
+  `exit_status` is 128 + the signal's number (SIGINT 130, SIGTERM 143), what a
+  shell or SLURM reports for a process that the signal ended: a stopped run
+  does not look finished.
+  """
+
+  def __init__(self, signal_name: str, exit_status: int, step: int):
+    super().__init__(f"{signal_name} received: saved step {step}")
+    self.exit_status = exit_status
+    self.step = step
+
+
 class StopRequest:
   """Turns SIGTERM/SIGINT into a flag the loop checks after each step.
 
@@ -76,11 +92,14 @@ class StopRequest:
   With several processes the decision must be collective (every process
   saves the same step): `should_stop(step)` then agrees on it with an
   all-gather every `every` steps only, so that steps between stay
-  asynchronous; SLURM's `--signal=TERM@<seconds>` leaves time for that.
+  asynchronous; SLURM's `--signal=TERM@<seconds>` leaves time for that. A
+  process stopped by another's signal takes that signal's number (of the
+  lowest process that got one) for its exit status.
   """
 
   def __init__(self, every: int, on_startup_signal):
-    self.signal_name = None
+    self.signum = None  # the signal received (or another process's), None without
+    self._elsewhere = False
     self._every = every
     self._previous = {}
     self._on_startup_signal = on_startup_signal
@@ -92,15 +111,26 @@ class StopRequest:
   def starting(self) -> bool:
     return self._on_startup_signal is not None
 
+  @property
+  def signal_name(self) -> str:
+    return (signal.Signals(self.signum).name
+            + " (on another process)" * self._elsewhere)
+
+  @property
+  def exit_status(self) -> int:
+    """128 + the signal's number."""
+    return 128 + self.signum
+
   def should_stop(self, step: int) -> bool:
     if jax.process_count() == 1:
-      return self.signal_name is not None
+      return self.signum is not None
     if step % self._every:
       return False
-    flags = multihost_utils.process_allgather(np.array(self.signal_name is not None))
-    if flags.any() and self.signal_name is None:
-      self.signal_name = "SIGTERM (on another process)"
-    return bool(flags.any())
+    received = [int(s) for s in multihost_utils.process_allgather(np.int32(self.signum or 0))
+                if s]
+    if received and self.signum is None:
+      self.signum, self._elsewhere = received[0], True
+    return bool(received)
 
   def __enter__(self):
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -110,7 +140,8 @@ class StopRequest:
   def _handle(self, signum, _frame):
     if self._on_startup_signal is not None:
       self._on_startup_signal(signum)
-    self.signal_name = signal.Signals(signum).name
+    if self.signum is None:  # the first one decides
+      self.signum = signum
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
@@ -162,6 +193,7 @@ def train(config, workdir: str) -> dict:
 
   The run holds the workdir's lock (training/faults/lock.py) from before it writes
   anything there until it returns: a second run on the same workdir is refused.
+  SIGINT or SIGTERM after the first step saves the step and raises `Stopped`.
   """
   lock = WorkdirLock(workdir)
   try:
@@ -334,12 +366,15 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
   draws = mixture.Draws(mix) if mix else None
   last = {}
-  step = start
+  step, stopping = start, False
+  eta = Eta(tc.num_steps, lambda at: validations_from(at, eval_every, tc.num_steps))
   watchdog = PeerWatchdog(tc.peer_timeout_s).start() if jax.process_count() > 1 else None
   hide_bar = None if jax.process_index() == 0 else True  # None: shown on a terminal
   try:
+    # tqdm's own rate and remaining time would count the compilation: Eta's in the postfix.
     with tqdm(total=tc.num_steps, initial=start, desc="train", unit="step", disable=hide_bar,
-              file=sys.stderr) as bar:
+              file=sys.stderr, bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+              "[{elapsed}{postfix}]") as bar:
       window_start, window_steps, window_metrics = time.perf_counter(), 0, []
       while step < tc.num_steps:
         profiler.begin(step + 1, state)
@@ -350,6 +385,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
           stop.started()
           workdir_lib.record_config(config, workdir, start, changes)
           writer = MetricsWriter(workdir, config)
+          jax.block_until_ready(metrics)  # the compiled step has run: the ETA's clock starts
+          eta.start(step)
         if watchdog:
           watchdog.progress(step)
         window_steps += 1
@@ -365,41 +402,44 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
               for name, rows in draws.rows(step * tc.batch_size).items()}
           # seconds: the wall time of the window
           writer.write(step, "train", {**last, **drawn, "seconds": seconds})
-          bar.set_postfix(loss=f"{last['loss']:.3f}")
-          eta = (tc.num_steps - step) * seconds / window_steps
+          left = eta.seconds_left(step)  # None before a step after the compiled one
+          shown = {} if left is None else {"eta": _duration(left)}
+          bar.set_postfix(loss=f"{last['loss']:.3f}", **shown)
           _print(f"step {step}/{tc.num_steps}: "
-                 + ", ".join(f"{k}={v:.4g}" for k, v in last.items())
-                 + f", eta={_duration(eta)}")
+                 + ", ".join([*(f"{k}={v:.4g}" for k, v in last.items()),
+                              *(f"{k}={v}" for k, v in shown.items())]))
           window_start, window_steps, window_metrics = time.perf_counter(), 0, []
         if step % eval_every == 0 or step == tc.num_steps:
-          if mix:
-            val, by_source = evaluate_mixture(eval_fn, state["params"], eval_batches, mix)
-            val |= by_name(by_source)
-          else:
-            val = evaluate(eval_fn, state["params"], eval_batches)
-          writer.write(step, "validation", {**val, "batches": tc.eval_steps})
-          each = "".join(f"{val_name}_loss/{name}={val[f'loss/{name}']:.4f} " for name in mix)
-          _print(f"step {step}/{tc.num_steps}: {val_name}_loss={val['loss']:.4f} "
-                 f"{val_name}_perplexity={val['perplexity']:.2f} {each}(validation, "
-                 f"{tc.eval_steps} batches{' of each source' * bool(mix)}; eval.py scores the "
-                 "whole split)")
-          last.update({f"{val_name}_{k}": v for k, v in val.items()})
-          if downstream_tasks is not None:
-            results = downstream.evaluate(
-                nnx.merge(graphdef, state["params"]), config, tokenizer, downstream_tasks,
-                limit=tc.downstream_limit, batch_size=tc.downstream_batch_size,
-                where="train.downstream_tasks")
-            writer.write(step, "downstream", downstream.scalars(results))
-            _print(f"step {step}/{tc.num_steps}: {downstream.summary(results)}")
-            last.update(downstream.scalars(results))
-        stopping = stop.should_stop(step)
+          with eta.validation():  # timed apart from the steps
+            if mix:
+              val, by_source = evaluate_mixture(eval_fn, state["params"], eval_batches, mix)
+              val |= by_name(by_source)
+            else:
+              val = evaluate(eval_fn, state["params"], eval_batches)
+            writer.write(step, "validation", {**val, "batches": tc.eval_steps})
+            each = "".join(f"{val_name}_loss/{name}={val[f'loss/{name}']:.4f} " for name in mix)
+            _print(f"step {step}/{tc.num_steps}: {val_name}_loss={val['loss']:.4f} "
+                   f"{val_name}_perplexity={val['perplexity']:.2f} {each}(validation, "
+                   f"{tc.eval_steps} batches{' of each source' * bool(mix)}; eval.py scores the "
+                   "whole split)")
+            last.update({f"{val_name}_{k}": v for k, v in val.items()})
+            if downstream_tasks is not None:
+              results = downstream.evaluate(
+                  nnx.merge(graphdef, state["params"]), config, tokenizer, downstream_tasks,
+                  limit=tc.downstream_limit, batch_size=tc.downstream_batch_size,
+                  where="train.downstream_tasks")
+              writer.write(step, "downstream", downstream.scalars(results))
+              _print(f"step {step}/{tc.num_steps}: {downstream.summary(results)}")
+              last.update(downstream.scalars(results))
+        # A signal at the last step changes nothing: the run is complete.
+        stopping = step < tc.num_steps and stop.should_stop(step)
         if step % tc.checkpoint_every == 0 or step == tc.num_steps or stopping:
           _check_finite(state)
           checkpointer.save(step, state, data_iter, _meta(config, tokenizer), force=stopping)
         if stopping:
           checkpointer.wait()
-          _print(f"{stop.signal_name} received: saved step {step}. Resume with the same "
-                 f"command: {resume_command(workdir)}")
+          _print(f"{stop.signal_name} received: saved step {step}; exit status "
+                 f"{stop.exit_status}. Resume with the same command: {resume_command(workdir)}")
           break
   except Exception as e:
     failed = True
@@ -414,6 +454,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
     checkpointer.close()
     if writer:
       writer.close(failed)
+  if stopping:
+    raise Stopped(stop.signal_name, stop.exit_status, step)
   return last
 
 
@@ -423,6 +465,61 @@ def resume_command(workdir: str) -> str:
   if not any(a == "--workdir" or a.startswith("--workdir=") for a in argv):
     argv += ["--workdir", workdir]
   return shlex.join(argv)
+
+
+class Eta:
+  """The time the run has left (its steps and validation passes), shown as `eta=`
+  in the step lines and the progress bar.
+
+  Compilation is left out: the clock starts once the first step of this
+  process (the compiled one) has run, `start(step)`; before a later step has
+  been timed there is no estimate (`seconds_left` is None, and no `eta=`).
+  The pace of a step is the time since then over the steps since, the
+  validation passes taken out (`validation()` times them): one is long
+  beside a step, and the first compiles the eval step, so counting them as
+  step time would swing the estimate after each. Checkpoint saves stay in
+  the pace: they write in the background, so only a brief copy stops the
+  loop, at a fixed interval of steps. The time left is the steps left at
+  that pace, plus the validation passes left (`validations_left(step)`) at
+  the length of the last one (none counted before one has run).
+
+  Steps are dispatched asynchronously: read `seconds_left` where the device
+  has finished the step (the loop does after fetching the window's metrics).
+  `clock` is injectable for tests.
+  """
+
+  def __init__(self, num_steps: int, validations_left, clock=time.perf_counter):
+    self._num_steps = num_steps
+    self._validations_left = validations_left
+    self._clock = clock
+    self._first = self._since = None  # the compiled step and when it had run
+    self._validating_s = 0.0  # the validation passes since then, together
+    self._last_validation_s = None
+
+  def start(self, step: int) -> None:
+    self._first, self._since = step, self._clock()
+
+  @contextlib.contextmanager
+  def validation(self):
+    began = self._clock()
+    yield
+    self._last_validation_s = self._clock() - began
+    self._validating_s += self._last_validation_s
+
+  def seconds_left(self, step: int) -> float | None:
+    if self._first is None or step <= self._first:
+      return None
+    pace = (self._clock() - self._since - self._validating_s) / (step - self._first)
+    left = (self._num_steps - step) * pace
+    if self._last_validation_s is not None:
+      left += self._validations_left(step) * self._last_validation_s
+    return left
+
+
+def validations_from(step: int, eval_every: int, num_steps: int) -> int:
+  """The validation passes at `step` and after it: every `eval_every` steps
+  and at `num_steps`."""
+  return num_steps // eval_every - (step - 1) // eval_every + bool(num_steps % eval_every)
 
 
 def _duration(seconds: float) -> str:
