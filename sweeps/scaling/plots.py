@@ -1,0 +1,112 @@
+"""The plots of a scaling analysis (matplotlib's object API, as training/plots.py):
+isoFLOP curves with their parabolas, loss against compute with the frontier,
+predicted against measured loss."""
+import numpy as np
+from matplotlib import colormaps
+from matplotlib.figure import Figure
+
+from sweeps.scaling import fit
+
+_LEVEL_PERCENTILES = (2.5, 97.5)
+
+
+def plot_isoflop(path: str, result) -> None:
+  """One panel per variant: each budget's runs (held out: hollow) against N,
+  its parabola, and its minimum (star; a cross where flagged)."""
+  fig = Figure(figsize=(6 * len(result.fits) + 1, 4.8))
+  axes = fig.subplots(1, len(result.fits), squeeze=False)[0]
+  for ax, f in zip(axes, result.fits):
+    budgets = sorted(set(f.runs.budget.tolist()))
+    colours = colormaps["viridis"](np.linspace(0, 0.9, len(budgets)))
+    for colour, c in zip(colours, budgets):
+      at = f.runs.budget == c
+      fitted, held = at & ~f.runs.held_out, at & f.runs.held_out
+      ax.plot(f.runs.n[fitted], f.runs.loss[fitted], "o", color=colour, markersize=4,
+              label=f"C={c:.2g}")
+      ax.plot(f.runs.n[held], f.runs.loss[held], "o", color=colour, fillstyle="none",
+              markersize=6, label=f"C={c:.2g} (held out)" if not fitted.any() else None)
+      if c not in f.parabolas:
+        continue
+      centre, (c0, c1, c2) = f.parabolas[c]
+      x = np.linspace(np.log(f.runs.n[fitted].min()) - 0.2, np.log(f.runs.n[fitted].max()) + 0.2,
+                      100)
+      u = x - centre
+      ax.plot(np.exp(x), c0 + c1 * u + c2 * u * u, color=colour, linewidth=1)
+      row = next(r for r in f.budgets if r["budget"] == c)
+      if row["N_opt"]["value"] is not None:
+        ax.plot(row["N_opt"]["value"], row["loss_opt"]["value"], "*" if row["usable"] else "x",
+                color=colour, markersize=11, markeredgecolor="black")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"N ({f.runs.params})")
+    ax.set_title(f"{f.name}: isoFLOP parabolas (star: minimum; x: flagged)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+  axes[0].set_ylabel("loss")
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def plot_compute(path: str, result) -> None:
+  """Every run's loss against 6 N D (held out: hollow, black edge), each
+  variant's parametric frontier out to the target with its 95% band."""
+  fig = Figure(figsize=(8, 5))
+  ax = fig.subplots()
+  low = min(float((6 * f.runs.n * f.runs.d).min()) for f in result.fits)
+  grid = np.geomspace(low / 2, result.target * 1.5, 80)
+  for k, f in enumerate(result.fits):
+    colour = f"C{k}"
+    flops = 6 * f.runs.n * f.runs.d
+    held = f.runs.held_out
+    ax.plot(flops[~held], f.runs.loss[~held], ".", color=colour, alpha=0.5,
+            label=f"{f.name}: fitted runs")
+    if held.any():
+      ax.plot(flops[held], f.runs.loss[held], "o", color=colour, fillstyle="none",
+              markeredgecolor="black", label=f"{f.name}: held out")
+    ax.plot(grid, fit.frontier(f.law["theta"], grid)[2], color=colour,
+            label=f"{f.name}: frontier (approach 3)")
+    band = np.nanpercentile(fit.frontier(f.thetas, grid)[2], _LEVEL_PERCENTILES, axis=0)
+    ax.fill_between(grid, band[0], band[1], color=colour, alpha=0.2, linewidth=0)
+  ax.axvline(result.target, color="grey", linestyle=":", label=f"target {result.target:.2g}")
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("compute 6·N·D (FLOPs)")
+  ax.set_ylabel("loss")
+  ax.set_title("loss against compute, compute-optimal frontier with its 95% band", fontsize=10)
+  ax.grid(alpha=0.3, which="both")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def plot_predicted(path: str, result) -> None:
+  """The parametric law's prediction against the measured loss, one colour
+  per variant; held-out runs with their 95% prediction intervals, outlined."""
+  fig = Figure(figsize=(6, 6))
+  ax = fig.subplots()
+  lows, highs = [], []
+  for k, f in enumerate(result.fits):
+    colour = f"C{k}"
+    predicted = np.exp(fit.log_loss(f.law["theta"], np.log(f.runs.n), np.log(f.runs.d)))
+    held = f.runs.held_out
+    ax.plot(f.runs.loss[~held], predicted[~held], ".", color=colour, alpha=0.5,
+            label=f"{f.name}: fitted")
+    if f.held_out:
+      loss = np.array([r["loss"] for r in f.held_out])
+      mid = np.array([r["predicted"]["value"] for r in f.held_out])
+      err = np.abs(np.array([[r["predicted"]["low"], r["predicted"]["high"]]
+                             for r in f.held_out]).T - mid)
+      ax.errorbar(loss, mid, yerr=err, fmt="o", color=colour, markeredgecolor="black",
+                  capsize=3, label=f"{f.name}: held out (95% prediction interval)")
+      highs.append((mid + err[1]).max())
+      lows.append((mid - err[0]).min())
+    lows.append(min(f.runs.loss.min(), predicted.min()))
+    highs.append(max(f.runs.loss.max(), predicted.max()))
+  span = [min(lows) * 0.98, max(highs) * 1.02]
+  ax.plot(span, span, color="grey", linestyle=":", label="predicted = measured")
+  ax.set_xlabel("measured loss")
+  ax.set_ylabel("predicted loss (approach 3)")
+  ax.set_title("predicted against measured", fontsize=10)
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
