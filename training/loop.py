@@ -404,7 +404,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
           writer.write(step, "train", {**last, **drawn, "seconds": seconds})
           left = eta.seconds_left(step)  # None before a step after the compiled one
           shown = {} if left is None else {"eta": _duration(left)}
-          bar.set_postfix(loss=f"{last['loss']:.3f}", **shown)
+          bar.set_postfix({"loss": f"{last['loss']:.3f}", **shown})  # in this order
           _print(f"step {step}/{tc.num_steps}: "
                  + ", ".join([*(f"{k}={v:.4g}" for k, v in last.items()),
                               *(f"{k}={v}" for k, v in shown.items())]))
