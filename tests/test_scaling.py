@@ -13,30 +13,12 @@ from scipy import optimize, stats
 from configs.errors import UserError
 from sweeps import scaling
 from sweeps.scaling import __main__ as cli
-from sweeps.scaling import bootstrap, fit, report
+from sweeps.scaling import bootstrap, fit, report, synthetic
 from sweeps.scaling.runs import group_budgets, make_runs
 
-# Hoffmann et al.'s approach-3 estimates, used as a synthetic truth.
-TRUTH = {"E": 1.69, "A": 406.4, "B": 410.7, "alpha": 0.34, "beta": 0.28}
-THETA = np.array([np.log(406.4), np.log(410.7), np.log(1.69), 0.34, 0.28])
-A_OPT = 0.28 / (0.34 + 0.28)  # N_opt ∝ C^a
-
-
-def ladder(rng, *, budgets=np.logspace(18, 21, 7), sizes=9, seeds=1, sigma=0.01,
-           theta=THETA, centre=1.0, variant="base") -> list[dict]:
-  """Runs at each budget C (FLOPs = 6 N D), `sizes` sizes spanning +-0.6
-  decades about centre x the true N_opt(C), the true law's loss times
-  exp(N(0, sigma)) per seed."""
-  n_opt = fit.frontier(theta, budgets)[0]
-  rows = []
-  for c, n_mid in zip(budgets, n_opt):
-    for n in centre * n_mid * np.logspace(-0.6, 0.6, sizes):
-      for seed in range(seeds):
-        d = c / (6 * n)
-        loss = np.exp(fit.log_loss(theta, np.log(n), np.log(d))[0] + rng.normal(0, sigma))
-        rows.append({"params": n, "tokens": d, "loss": loss, "budget": c, "seed": seed,
-                     "variant": variant})
-  return rows
+TRUTH, THETA = synthetic.TRUTH, synthetic.THETA
+A_OPT = TRUTH["beta"] / (TRUTH["alpha"] + TRUTH["beta"])  # N_opt ∝ C^a
+ladder = synthetic.ladder
 
 
 def runs_of(rows, **kw):
@@ -97,6 +79,7 @@ def test_the_grid_strategy_finds_the_whole_grids_optimum():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1200)  # about 2 minutes; 5 on a loaded 2-core machine
 def test_95_percent_intervals_cover_the_truth_at_about_that_rate():
   """Over 100 synthetic draws, each interval holds the truth in a count no
   binomial(100, 0.95) falls outside of with probability over 0.1% each side;

@@ -15,6 +15,7 @@ One module per job:
   bootstrap.py  the resampling, every estimate's interval, the variants' differences
   report.py     scaling.json, scaling.md, written all or nothing
   plots.py      isoflop.png, compute.png, predicted.png
+  synthetic.py  runs drawn from a known law (the tests, bench/scaling.py)
   __main__.py   the command line
 """
 from sweeps.scaling.bootstrap import Result, analyse

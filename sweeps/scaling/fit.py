@@ -92,15 +92,26 @@ def minimise(starts: np.ndarray, ln_n, ln_d, ln_loss, weights) -> tuple[np.ndarr
   """L-BFGS-B from each start: the optima (K, 5) and their objectives (K,).
   Runs of weight 0 are left out of the sums (a bootstrap resample's unpicked).
 
+  The optimiser sees ln N and ln D centred on their means, and a, b shifted
+  to match (a - alpha ln N = (a - alpha m) - alpha (ln N - m)): the same
+  objective and optimum, better conditioned (about half the evaluations).
   BLAS runs on one thread here: L-BFGS-B's five-parameter steps call it, and
   its threads only wait on each other (one start took 2.4 s with them and
   0.026 s without on a busy 2-core machine)."""
   keep = weights > 0
-  args = (ln_n[keep], ln_d[keep], ln_loss[keep], weights[keep].astype(np.float64))
+  m_n, m_d = ln_n[keep].mean(), ln_d[keep].mean()
+  args = (ln_n[keep] - m_n, ln_d[keep] - m_d, ln_loss[keep], weights[keep].astype(np.float64))
   with _blas().limit(limits=1, user_api="blas"):
-    results = [optimize.minimize(objective, start, args=args, jac=True, method="L-BFGS-B",
-                                 options=_OPTIONS) for start in starts]
-  return np.array([r.x for r in results]), np.array([r.fun for r in results])
+    results = [optimize.minimize(objective, _shifted(start, -m_n, -m_d), args=args, jac=True,
+                                 method="L-BFGS-B", options=_OPTIONS) for start in starts]
+  return (np.array([_shifted(r.x, m_n, m_d) for r in results]),
+          np.array([r.fun for r in results]))
+
+
+def _shifted(theta: np.ndarray, m_n: float, m_d: float) -> np.ndarray:
+  """theta with a += alpha m_n, b += beta m_d (to and from centred logs)."""
+  a, b, e, alpha, beta = theta
+  return np.array([a + alpha * m_n, b + beta * m_d, e, alpha, beta])
 
 
 def rival_optima(optima: np.ndarray, values: np.ndarray) -> np.ndarray:
