@@ -58,12 +58,18 @@ def _train() -> int:
     print(f"workdir: {workdir} (no --workdir given)", flush=True)
   try:
     train(_CONFIG.value, workdir)
+    status = 0
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    return 2
+    status = 2
   except Stopped as e:  # the step is saved, and the loop said so
-    return e.exit_status
-  return 0
+    status = e.exit_status
+  # Decided, and everything written and closed: a signal now only hurries the exit
+  # (not `_stop_at_start`'s, which would misreport it).
+  sys.stdout.flush()
+  for stop_signal in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(stop_signal, lambda *_: os._exit(status))
+  return status
 
 
 if __name__ == "__main__":
