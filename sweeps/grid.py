@@ -10,18 +10,11 @@ Values are read as `--config.<field>=<value>` would be, in the field's type.
 """
 import difflib
 
-from configs.cli import check_field, config_fields, load_config
+from configs.cli import check_field, config_fields, field_type, load_config
 from configs.errors import UserError
 from sweeps.sweep_file import VALUE_TYPES, Sweep, expand, format_value, variant_name
 
 _TYPE_NAMES = {bool: "a bool (true or false)", int: "an int", float: "a float", str: "a str"}
-
-
-def _field_type(config, field: str) -> type:
-  *sections, last = field.split(".")
-  for section in sections:
-    config = config[section]
-  return config.get_ref(last).get_type()
 
 
 def _typed(config_path: str, field: str, text: str, kind: type):
@@ -29,7 +22,7 @@ def _typed(config_path: str, field: str, text: str, kind: type):
   try:
     config = load_config(config_path, [f"--config.{field}={text}"])
   except UserError as e:
-    raise UserError(f"--grid {field}: takes {_TYPE_NAMES[kind]}, not {text!r}") from e
+    raise UserError(f"--grid {field}={text}: expected {_TYPE_NAMES[kind]}, got {text!r}") from e
   for part in field.split("."):
     config = config[part]
   return config
@@ -56,7 +49,7 @@ def parse_grid(flags: list[str], config_path: str) -> dict[str, list]:
     if not values or "" in texts:
       raise UserError(f"--grid {flag}: an empty value; give field=value[,value...] without "
                       "empty ones")
-    kind = _field_type(config, field)
+    kind = field_type(config, field)
     if kind not in VALUE_TYPES:
       raise UserError(f"--grid {field}: a {kind.__name__} field, whose values hold commas; "
                       "list its variants in a sweep file (--sweep), each value a string")
@@ -124,7 +117,7 @@ def select(sweep: Sweep, grid_flags: list[str], variant_flags: list[str],
   if grid_flags:
     grid, config = parse_grid(grid_flags, config_path), load_config(config_path, [])
     for field, values in grid.items():
-      kind = _field_type(config, field)
+      kind = field_type(config, field)
       swept = [o[field] for o in sweep.overrides if field in o]
       if not swept:
         varied = sorted({f for overrides in sweep.overrides for f in overrides})

@@ -252,9 +252,9 @@ def test_grid_flags_are_every_combination_typed_as_the_config_fields(tmp_path):
     (["model.pos_emb=rope", "model.pos_emb=none"], "--grid model.pos_emb: given twice"),
     (["model.pos_embb=rope"], "--grid: model.pos_embb: no such config field (did you mean "
      "model.pos_emb?)"),
-    (["train.num_steps=20,abc"], "--grid train.num_steps: takes an int, not 'abc'"),
-    (["model.use_bias=maybe"], "--grid model.use_bias: takes a bool (true or false), not "
-     "'maybe'"),
+    (["train.num_steps=20,abc"], "--grid train.num_steps=abc: expected an int, got 'abc'"),
+    (["model.use_bias=maybe"], "--grid model.use_bias=maybe: expected a bool (true or false), "
+     "got 'maybe'"),
     (["train.learning_rate=1e-3,0.001"], "--grid train.learning_rate=1e-3,0.001: 0.001 given "
      "twice"),
     (["model.moe_layers=1"], "--grid model.moe_layers: a tuple field"),
@@ -310,7 +310,8 @@ def test_a_mistake_in_grid_or_variants_exits_2_with_one_line_and_writes_nothing(
   result = sweep_cli("run", "--grid", "model.pos_emb=rope", "--grid", "train.num_steps=20,x",
                      "--root", str(root))
   assert result.returncode == 2 and not root.exists()
-  assert result.stderr.splitlines() == ["error: --grid train.num_steps: takes an int, not 'x'"]
+  assert result.stderr.splitlines() == [
+      "error: --grid train.num_steps=x: expected an int, got 'x'"]
   result = sweep_cli("run", "--sweep", POS_NORM, "--variants", "pos_emb=rope", "--root",
                      str(root))
   assert result.returncode == 2 and not root.exists()
