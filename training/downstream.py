@@ -45,8 +45,11 @@ from flax import nnx
 from configs import validation
 from configs.errors import UserError
 from model.generate import generate
+from training import downstream_sources
 
-INSTALL = "pip install lm-eval"
+INSTALL = "make install-eval (pip install -r requirements-eval.txt)"
+# The repository's own tasks (python_next_line), on lm-eval's include path always.
+TASK_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_eval_tasks")
 MIN_WIDTH = 16  # the narrowest padded row
 DEFAULT_MAX_GEN_TOKS = 256  # new tokens of a generate_until task that names none (lm-eval's)
 _SAMPLING = ("temperature", "top_k", "top_p")  # generation arguments our sampler takes
@@ -58,7 +61,7 @@ def require_lm_eval(where: str):
     import lm_eval  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise UserError(f"{where} runs lm-evaluation-harness tasks, which is not installed: "
-                    f"{INSTALL}") from None
+                    f"run {INSTALL}") from None
   return lm_eval
 
 
@@ -70,28 +73,35 @@ class Tasks(NamedTuple):
 
 def load_tasks(value: str, task_dir: str = "", *, field: str = "train.downstream_tasks",
                dir_field: str = "train.downstream_task_dir") -> Tasks:
-  """The tasks named in the comma-separated `value`: lm-eval's own and the
-  YAMLs of `task_dir`. A name lm-eval does not know is one line, naming
-  `field` and the closest names. When `task_dir` holds every task named,
-  lm-eval's own tasks (about 15,000 YAMLs, seconds to index) are not read."""
+  """The tasks named in the comma-separated `value`: lm-eval's own, the
+  repository's (TASK_DIR) and the YAMLs of `task_dir`. A name lm-eval does not
+  know is one line, naming `field` and the closest names; so is a task whose
+  Hugging Face data is neither cached nor reachable (`downstream_sources`).
+  Both are known before lm-eval's own tasks (about 15,000 YAMLs, seconds to
+  index) are indexed, which they are only to run one of them."""
   names = validation.downstream_task_names(value, field)
   require_lm_eval(field)
   from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
   if task_dir and not os.path.isdir(task_dir):
     raise UserError(f"{dir_field}={task_dir!r}: no such directory; give the directory that "
                     "holds your task YAMLs")
-  manager = TaskManager(include_path=task_dir, include_defaults=False) if task_dir else None
-  if manager is None or not set(names) <= set(manager.all_tasks):
-    manager = TaskManager(include_path=task_dir or None)
+  local = [TASK_DIR] + ([task_dir] if task_dir else [])
+  manager = TaskManager(include_path=local, include_defaults=False)
+  index = manager.task_index
+  if not set(names) <= set(manager.all_tasks):
+    index = downstream_sources.QuickIndex(manager.task_index)
   for name in names:
-    if name not in manager.all_tasks:
-      close = difflib.get_close_matches(name, manager.all_tasks, n=3)
+    if name not in index:
+      close = difflib.get_close_matches(name, TaskManager(include_path=local).all_tasks, n=3)
       what = (f"neither a task of {dir_field}={task_dir!r} nor an lm-eval task" if task_dir
               else "not an lm-eval task")
       raise UserError(f"{field}: {name!r} is {what}"
                       + (f" (closest: {', '.join(close)})" if close else "")
                       + "; `lm-eval ls tasks` lists lm-eval's"
                       + ("" if task_dir else f", {dir_field} adds your own task YAMLs"))
+  downstream_sources.check(index, names, field=field, dir_field=dir_field)
+  if index is not manager.task_index:  # lm-eval's own tasks: its whole index, to run them
+    manager = TaskManager(include_path=local)
   return Tasks(names, manager)
 
 
