@@ -396,16 +396,11 @@ def test_eval_py_refuses_a_hub_task_it_cannot_reach_in_one_line_within_seconds(t
 @pytest.mark.lm_eval
 def test_train_refuses_a_hub_task_it_cannot_reach_at_start_up(tmp_path):
   """train.downstream_tasks: before anything is trained or written."""
-  tasks = tmp_path / "tasks"
-  tasks.mkdir()
-  (tasks / "hub_mc.yaml").write_text(HUB_YAML)
   result, seconds = _run(["train.py", "--config", TINY, "--workdir", tmp_path / "run",
-                          "--config.train.downstream_tasks=hub_mc",
-                          f"--config.train.downstream_task_dir={tasks}"],
-                         _hf_env(tmp_path / "hf"))
+                          "--config.train.downstream_tasks=arc_easy"], _hf_env(tmp_path / "hf"))
   line = _one_line(result)
-  assert line.startswith("error: train.downstream_tasks: hub_mc needs myorg/mydata from the "
-                         "Hugging Face Hub, not in the local cache"), line
+  assert line.startswith("error: train.downstream_tasks: arc_easy needs allenai/ai2_arc "
+                         "(ARC-Easy) from the Hugging Face Hub, not in the local cache"), line
   assert f"the Hub ({CLOSED_HUB}, HF_ENDPOINT) does not answer" in line
   assert "train.downstream_task_dir with your task YAMLs" in line
   assert seconds < 15
