@@ -87,7 +87,7 @@ def coverage(draws: int) -> dict:
               "N_opt at target": (f.frontier[-1]["N_opt"], n_opt[0]),
               "loss at target": (f.frontier[-1]["loss"], loss[0])}
     for key, (e, value) in values.items():
-      hits[key] += e["low"] <= value <= e["high"]
+      hits[key] += int(e["low"] <= value <= e["high"])
     held += len(f.held_out)
     inside += sum(not row["outside"] for row in f.held_out)
   return {"draws": draws, "covered": hits, "held_out": held, "held_out_inside": inside}

@@ -15,6 +15,7 @@ nothing written. docs/scaling.md has the method.
 """
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from absl import flags
@@ -56,6 +57,7 @@ flags.mark_flags_as_required(["csv", "params", "tokens", "loss"], flag_values=FL
 
 def run() -> None:
   """Reads, fits, writes, prints the summary."""
+  start = time.perf_counter()
   out = FLAGS.out or os.path.join("runs", "scaling",
                                   os.path.splitext(os.path.basename(FLAGS.csv))[0])
   if os.path.exists(out) and not os.path.isdir(out):
@@ -75,7 +77,8 @@ def run() -> None:
   for line in scaling.report.flags(result):
     print(f"flag: {line}")
   print(f"fitted {len(result.runs.n)} runs, {result.resamples} resamples, in "
-        f"{result.seconds:.1f} s; wrote {', '.join(paths)}")
+        f"{result.seconds:.1f} s ({time.perf_counter() - start:.1f} s with reading and "
+        f"writing); wrote {', '.join(paths)}")
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -22,7 +22,9 @@ of Huber_delta(predicted - ln loss), delta = 1e-3, minimised by L-BFGS-B
 {0, 0.5, ..., 2}, e in {-1, -0.5, ..., 1}, a, b in {0, 5, ..., 25}: 4,500
 points) is evaluated at once, and L-BFGS-B runs from its `starts` best points
 (all 4,500 with starts=4500). Tolerances are tight (ftol 1e-15, gtol 1e-10):
-the default ones stop this objective early, parameters off by up to 0.4.
+looser ones stop this small, flat objective early (at ftol 1e-10, gtol 1e-6,
+already tighter than scipy's defaults, three starts on one resample stopped
+up to 0.4 apart in a parameter; at these, 5e-5 apart).
 
 **Compute-optimal frontier.** With C = 6 N D (Hoffmann's FLOP model, N the
 count the fit uses), L(N, C / (6N)) is least at
