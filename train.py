@@ -9,8 +9,6 @@ Exit status: 0, trained to train.num_steps (or it already was); 130 or 143
 that step saved, before it with the workdir left as it was (a new one
 removed); 2, a user error (one line on stderr); 1, a bug (a traceback).
 """
-import os
-import signal
 import sys
 
 from absl import app, flags, logging
@@ -18,6 +16,7 @@ from ml_collections import config_flags
 
 from configs.cli import parse_flags
 from configs.errors import UserError
+from training import interrupts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                           lock_config=True)
@@ -33,16 +32,6 @@ def main(argv):
     sys.exit(2)
   logging.set_verbosity(logging.WARNING)  # Orbax logs every file it writes at INFO.
   sys.exit(_train())
-
-
-def _stop_at_start(signum, _frame):
-  """SIGINT or SIGTERM before the training loop handles them (reading the
-  flags and the config, importing JAX, the checks): nothing is written yet, so
-  exit at once. Python's KeyboardInterrupt is no way out: raised inside a
-  garbage-collection callback of JAX it is printed and ignored."""
-  print(f"{signal.Signals(signum).name} during start-up: stopped before training, nothing "
-        "written", file=sys.stderr, flush=True)
-  os._exit(128 + signum)
 
 
 def _train() -> int:
@@ -65,14 +54,14 @@ def _train() -> int:
   except Stopped as e:  # the step is saved, and the loop said so
     status = e.exit_status
   # Decided, and everything written and closed: a signal now only hurries the exit
-  # (not `_stop_at_start`'s, which would misreport it).
-  sys.stdout.flush()
-  for stop_signal in (signal.SIGINT, signal.SIGTERM):
-    signal.signal(stop_signal, lambda *_: os._exit(status))
+  # (not the start-up line's, which would misreport it).
+  interrupts.exit_quietly(status)
   return status
 
 
 if __name__ == "__main__":
-  for stop_signal in (signal.SIGINT, signal.SIGTERM):  # training.loop installs its own
-    signal.signal(stop_signal, _stop_at_start)
+  # Before the training loop handles them (reading the flags and the config,
+  # importing JAX, the checks) nothing is written yet: a signal exits at once.
+  interrupts.exit_on_signal(lambda name: f"{name} during start-up: stopped before training, "
+                            "nothing written")
   app.run(main, flags_parser=parse_flags)
