@@ -25,14 +25,27 @@ RoPE run's context for this evaluation only. Both are in eval_report.json.
 eval_report.json and into downstream.png (docs/downstream.md).
 A whole-split report also goes to the run's trackers (train.trackers,
 docs/tracking.md), into the tracker runs its training used.
+
+The files are written into a temporary folder beside their destination and
+moved into place once all are written (the workdir's eval_report.json copy
+last): a stopped or failed evaluation leaves the previous outputs as they
+were and none of its own.
+
+Exit status: 0, evaluated (or completed) and written; 130 or 143 (128 + the
+signal), stopped by SIGINT or SIGTERM, with one line saying what was
+stopped, what is kept and the command to run again (once the files are
+moved into place, they are kept whole); 2, a user error (one line on
+stderr); 1, a bug (a traceback).
 """
 import json
+import os
 import sys
 
 from absl import app, flags, logging
 
 from configs.cli import parse_flags
 from configs.errors import UserError
+from training import interrupts
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory to evaluate.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest).")
@@ -92,6 +105,7 @@ def complete(evaluate) -> None:
       _WORKDIR.value, _PROMPT.value, step=_STEP.value, tokenizer_path=_TOKENIZER.value,
       max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
       top_p=_TOP_P.value, out=_OUT.value)
+  interrupts.exit_quietly(0)  # written: what is left is printing it
   for sample in result["samples"]:
     print(f"--- step {result['step']}, prompt {sample['prompt']!r}:")
     print(sample["prompt"] + sample["completion"])
@@ -102,11 +116,16 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
+  sys.exit(_eval())
+
+
+def _eval() -> int:
+  """Evaluates (or completes the prompts) and prints the result; the exit status."""
   from training import evaluate  # pylint: disable=import-outside-toplevel
   try:
     if _PROMPT.value and not _SCORE.value:
       complete(evaluate)
-      return
+      return 0
     report = evaluate.run_eval(
         _WORKDIR.value, step=_STEP.value, data=_DATA.value, tokenizer_path=_TOKENIZER.value,
         prompts=_PROMPT.value, max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value,
@@ -117,10 +136,16 @@ def main(argv):
         tasks=_TASKS.value, task_dir=_TASK_DIR.value, task_limit=_TASK_LIMIT.value,
         task_batch_size=_TASK_BATCH.value)
     if _OUT.value is None:
+      interrupts.on_signal(lambda name: f"{name} while sending the report to the run's "
+                           f"trackers: {os.path.dirname(report['files'][0])} written (complete, "
+                           "kept), the trackers may lack it; run the same command again to redo "
+                           f"it: {interrupts.command()}")
       evaluate.log_to_trackers(_WORKDIR.value, report)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    interrupts.exit_quietly(2)
+    return 2
+  interrupts.exit_quietly(0)  # written and sent: what is left is printing it
   files = report.pop("files")
   print(json.dumps(report, indent=2))
   for line in report.get("config_history", []):
@@ -132,7 +157,13 @@ def main(argv):
       loss = "-" if bucket["loss"] is None else f"{bucket['loss']:.4f}"
       print(f"  {bucket['start']:>7}-{bucket['end'] - 1:<7} {loss}")
   print("wrote " + ", ".join(files))
+  return 0
 
 
 if __name__ == "__main__":
+  # From the start (flags, JAX's import, the checkpoint's restore) a signal
+  # exits 130/143 with one line; training/evaluate.py says what it stopped.
+  interrupts.exit_on_signal(lambda name: f"{name} during start-up: stopped before evaluating, "
+                            "nothing written; run the same command again: "
+                            f"{interrupts.command()}")
   app.run(main, flags_parser=parse_flags)

@@ -20,7 +20,10 @@ scaling goes to a folder of its own: `step_<N>_data-<file>`,
 `step_<N>_<length>`. With `out` every file goes there and the workdir is
 left as it was (no top-level copy, no eval_lengths.json entry).
 The pass over the split shows its batches done of the total on stderr
-(`training.metrics.Progress`).
+(`training.metrics.Progress`). Every file is written into a temporary folder
+beside its destination and moved into place at the end (`Staged`): an
+evaluation stopped (SIGINT, SIGTERM: `training/interrupts.py`) or failed
+before that leaves the previous outputs as they were and none of its own.
 
 `complete_prompts` (eval.py --prompt without --score) only generates: the
 completions of the prompts, in `generations.json`, nothing scored.
@@ -62,10 +65,14 @@ lm-eval task's metrics with their stderr (`training/downstream.py`,
 docs/downstream.md), kept beside those of other tasks evaluated on the same
 step before, and `downstream.png`.
 """
+import contextlib
+import functools
 import json
 import math
 import os
 import re
+import shutil
+import tempfile
 
 import matplotlib
 import numpy as np
@@ -82,7 +89,7 @@ from data import (classify, mixture, pipeline,  # pylint: disable=wrong-import-p
 from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import (classify_report, compile_cache, downstream,  # pylint: disable=wrong-import-position
-                      expert_report, lengths, trackers)
+                      expert_report, interrupts, lengths, trackers)
 from training import workdir as workdir_lib  # pylint: disable=wrong-import-position
 from training.metrics import (Progress, evaluate,  # pylint: disable=wrong-import-position
                               evaluate_mixture, read_metrics)
@@ -309,30 +316,146 @@ def _out_dir(workdir: str, step: int, data: str | None, length: str | None = Non
   return os.path.join(workdir, EVAL_DIR, name)
 
 
-def _write_report(report: dict, workdir: str, out: str, copy: bool) -> list[str]:
-  """Writes the report into `out`; with `copy` (`out` is the workdir's own
-  folder) also the workdir's top-level copy when it is the newest whole-split
-  evaluation. Returns the paths written."""
-  os.makedirs(out, exist_ok=True)
-  paths = [os.path.join(out, REPORT_FILE)]
-  _write_json(paths[0], report)
-  top = os.path.join(workdir, REPORT_FILE)
-  if copy and _whole_split(report):
-    try:
-      with open(top, encoding="utf-8") as f:
-        newest = json.load(f).get("step", -1)
-    except (FileNotFoundError, json.JSONDecodeError):
-      newest = -1
-    if report["step"] >= newest:
-      _write_json(top, report)
-      paths.append(top)
+class Staged:
+  """An evaluation's outputs, written into a temporary folder beside their
+  destination and moved into place by `commit` only: a stopped or failed
+  evaluation leaves nothing of its own, and the outputs it would replace as
+  they were. A context manager: leaving it uncommitted removes what it staged.
+
+  `folder` is where the files go; they are written into `staging`
+  (`path(name)`). The workdir's own folder (`workdir` given,
+  `eval/step_<N>...`) is replaced whole by a rename, the files of the one it
+  replaces that this evaluation does not write (generations.json beside a
+  report) carried over; eval.py --out's folder (`workdir` None) is made by a
+  rename when it does not exist, else each file is renamed into it (it may
+  hold other things). The workdir's top-level files (`top_path`, `later`)
+  follow the folder, the report's copy last. The moves are one
+  `interrupts.held` block, which SIGINT and SIGTERM do not cut; before it
+  they remove the temporary folder (and any folder made to hold it), and
+  eval.py's line says `what` was stopped (`evaluating step 40`).
+  """
+
+  def __init__(self, folder: str, workdir: str | None, what: str):
+    if os.path.exists(folder) and not os.path.isdir(folder):
+      raise UserError(f"{folder} is a file, and eval.py writes a folder there; give --out a "
+                      "directory, or move the file")
+    self.folder, self.workdir = folder, workdir
+    self._merge = workdir is None and os.path.isdir(folder)
+    parent = folder if self._merge else os.path.dirname(os.path.abspath(folder))
+    self._made = []  # the folders made to hold the temporary one, deepest first
+    missing = parent
+    while not os.path.exists(missing):
+      self._made.append(missing)
+      missing = os.path.dirname(missing)
+    kept = workdir if workdir is not None else folder
+    stopped = f"nothing written ({kept} {'as it was' if os.path.isdir(kept) else 'not made'})"
+    with interrupts.held():
+      os.makedirs(parent, exist_ok=True)
+      prefix = ".eval" if self._merge else "." + os.path.basename(os.path.abspath(folder))
+      self._root = tempfile.mkdtemp(prefix=prefix + ".tmp-", dir=parent)
+      self.staging = os.path.join(self._root, "out")
+      os.mkdir(self.staging)
+      interrupts.on_signal(lambda name: f"{name} while {what}: stopped, {stopped}; run the same "
+                           f"command again: {interrupts.command()}", self.discard)
+    self._tops = {}  # staged path -> the workdir's top-level path
+    self._later = []  # writes into the workdir's top level, in order
+    self._committed = False
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    if not self._committed:
+      self.discard()
+
+  def path(self, name: str) -> str:
+    """The staged path of `name` in the folder."""
+    return os.path.join(self.staging, name)
+
+  def top_path(self, name: str) -> str:
+    """The staged path of `name` in the workdir's top level."""
+    staged = os.path.join(self._root, name)
+    self._tops[staged] = os.path.join(self.workdir, name)
+    return staged
+
+  def later(self, write) -> None:
+    """`write()` (a file of the workdir's top level, written atomically) at the commit."""
+    self._later.append(write)
+
+  def final(self, path: str) -> str:
+    """Where a staged path will be (others: as they are)."""
+    if path in self._tops:
+      return self._tops[path]
+    if path.startswith(self.staging + os.sep):
+      return os.path.join(self.folder, os.path.relpath(path, self.staging))
+    return path
+
+  def commit(self, paths: list[str]) -> list[str]:
+    """Moves everything into place; returns `paths` where they now are."""
+    with interrupts.held():
+      if not os.path.isdir(self.folder):
+        os.rename(self.staging, self.folder)
+      elif self._merge:
+        for name in os.listdir(self.staging):
+          os.replace(os.path.join(self.staging, name), os.path.join(self.folder, name))
+      else:
+        for name in os.listdir(self.folder):
+          carried = os.path.join(self.staging, name)
+          if not os.path.lexists(carried):
+            _copy(os.path.join(self.folder, name), carried)
+        replaced = os.path.join(self._root, "replaced")
+        os.rename(self.folder, replaced)
+        try:
+          os.rename(self.staging, self.folder)
+        except OSError:
+          os.rename(replaced, self.folder)  # not removed with the rest
+          raise
+      for staged, top in self._tops.items():
+        os.replace(staged, top)
+      for write in self._later:
+        write()
+      shutil.rmtree(self._root)
+      self._committed = True
+      interrupts.on_signal(lambda name: f"{name} after writing {self.folder} (complete, kept): "
+                           "stopped before eval.py's end; run the same command again to redo it: "
+                           f"{interrupts.command()}")
+    return [self.final(p) for p in paths]
+
+  def discard(self) -> None:
+    """Removes what was staged, and the folders made to hold it; never raises
+    (a signal handler calls it)."""
+    shutil.rmtree(self._root, ignore_errors=True)
+    for made in self._made:
+      with contextlib.suppress(OSError):
+        os.rmdir(made)
+
+
+def _copy(source: str, target: str) -> None:
+  """A file, link or folder copied as it is."""
+  if os.path.isdir(source) and not os.path.islink(source):
+    shutil.copytree(source, target, symlinks=True)
+  else:
+    shutil.copy2(source, target, follow_symlinks=False)
+
+
+def _write_report(report: dict, staged: Staged) -> list[str]:
+  """Writes the report into the staged folder and, into the workdir's own
+  one, also the workdir's top-level copy when it is the newest whole-split
+  evaluation (at the commit, last). Returns the paths written (staged)."""
+  paths = [staged.path(REPORT_FILE)]
+  workdir_lib.write_json_atomic(paths[0], report)
+  if staged.workdir is None or not _whole_split(report):
+    return paths
+  top = os.path.join(staged.workdir, REPORT_FILE)
+  try:
+    with open(top, encoding="utf-8") as f:
+      newest = json.load(f).get("step", -1)
+  except (FileNotFoundError, json.JSONDecodeError):
+    newest = -1
+  if report["step"] >= newest:
+    staged.later(functools.partial(workdir_lib.write_json_atomic, top, dict(report)))
+    paths.append(top)
   return paths
-
-
-def _write_json(path: str, obj) -> None:
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    json.dump(obj, f, indent=2)
-  os.replace(path + ".tmp", path)
 
 
 NOT_METRICS = ("step", "seq_len", "train_seq_len")  # numbers of a report that describe it
@@ -393,8 +516,9 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   if data:
     apply_data_flag(config, data)
   if config.train.objective == "classify":
-    return _classify_eval(workdir, config, tok, model, step, data,
-                          out or _out_dir(workdir, step, data), copy=out is None)
+    with Staged(out or _out_dir(workdir, step, data), None if out else workdir,
+                f"evaluating step {step}") as staged:
+      return _classify_eval(workdir, config, tok, model, step, data, staged)
   train_len = config.train.seq_len
   rope_override = None
   if rope_scaling is not None:
@@ -409,84 +533,86 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     other = seq_len is not None and seq_len != train_len or rope_override
     folder = _out_dir(workdir, step, data,
                       lengths.label(seq_len or train_len, rope_override) if other else None)
-  graphdef, params = nnx.split(model)
-  eval_fn = jit_eval_step(graphdef, config.train.objective)
-  mix = mixture.sources(config)
-  if mix:
-    source_batches = pipeline.make_source_eval_batches(config, tok, None)
-    batches = [batch for name in source_batches for batch in source_batches[name]]
-    with Progress(len(batches)) as progress:
-      metrics, by_source = evaluate_mixture(eval_fn, params, source_batches,
-                                            {source.name: source.weight for source in mix},
-                                            progress)
-  else:
-    batches = pipeline.make_eval_batches(config, tok, None)
-    with Progress(len(batches)) as progress:
-      metrics = evaluate(eval_fn, params, batches, progress)
-  report = {"step": step, "data": config.data.mixture or config.data.source, "data_override": data,
-            "split": "validation, whole split", "loss": metrics["loss"],
-            "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
-            "targets": int(metrics["targets"]), "seq_len": config.train.seq_len,
-            "train_seq_len": train_len}
-  if rope_override:
-    report["rope_override"] = rope_override
-  if mix:
-    report["sources"] = source_reports(config, tok, by_source)
-  history = workdir_lib.read_history(workdir)
-  if history:
-    report["config_history"] = workdir_lib.history_lines(history)
-  length_files = []
-  if seq_len is not None:
-    name = lengths.label(seq_len, rope_override)
-    report["loss_by_position"] = lengths.loss_by_position(
-        graphdef, params, batches, seq_len=seq_len, num_buckets=position_buckets)
-    png = os.path.join(workdir if out is None else out, f"loss_by_position_{name}.png")
-    os.makedirs(os.path.dirname(png), exist_ok=True)
-    lengths.plot_loss_by_position(
-        png, report["loss_by_position"], train_len=train_len,
-        title=f"{os.path.basename(os.path.abspath(workdir))} at step {step}, rows of {seq_len}"
-              + (f", rope_scaling {rope_scaling} x{rope_scaling_factor:g}" if rope_override
-                 else ""))
-    length_files.append(png)
-    if out is None:
-      length_files.append(lengths.record(workdir, name, {
-          "seq_len": seq_len, "step": step, "loss": metrics["loss"],
-          "rope_override": rope_override, "loss_by_position": report["loss_by_position"]}))
-  if config.model.num_experts:
-    report.update(expert_report.expert_load(config, graphdef, params, batches))
-  attention_prompt = None
-  if config.train.objective == "next_token":
-    report.update(mixture_text_stats(report["sources"]) if mix
-                  else text_stats(config, tok, metrics))
-    report["samples"] = _complete(model, config, tok, prompts or ["def ", "class ", "import "],
-                                  max_new_tokens=max_new_tokens, temperature=temperature,
-                                  top_k=top_k, top_p=top_p)
-  elif config.train.objective == "mlm":
-    report.update(masked_lm_report(config, tok, batches, metrics))
-  else:
-    rows = seq2seq.load_rows(config, tok, "validation")
-    report["data"] = f"task={config.data.task}"
-    report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
-                                 max_examples=max_examples, task=saved.data.task))
-    attention_prompt = rows.prompt(0)
-  downstream_png = _add_downstream(report, model, config, tok, task_set, folder, workdir,
-                                    limit=task_limit, batch_size=task_batch_size)
-  files = _write_report(report, workdir, folder, copy=out is None) + length_files + downstream_png
-  loss_png = os.path.join(folder, "loss_curves.png")
-  if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
-    files.append(loss_png)
-  if config.model.num_experts:
-    load_png = os.path.join(folder, "expert_load.png")
-    name = os.path.basename(os.path.abspath(workdir))
-    expert_report.plot_expert_load(load_png, report,
-                                   f"{name} at step {step}: tokens per expert, validation")
-    files.append(load_png)
-  attn_png = os.path.join(folder, "attention_maps.png")
-  if config.model.family != "encoder_decoder":
-    plot_attention(model, config, tok, attention_ids(config, tok, attention_prompt), attn_png)
-    files.append(attn_png)
-  report["files"] = files
-  return report
+  with Staged(folder, None if out else workdir, f"evaluating step {step}") as staged:
+    graphdef, params = nnx.split(model)
+    eval_fn = jit_eval_step(graphdef, config.train.objective)
+    mix = mixture.sources(config)
+    if mix:
+      source_batches = pipeline.make_source_eval_batches(config, tok, None)
+      batches = [batch for name in source_batches for batch in source_batches[name]]
+      with Progress(len(batches)) as progress:
+        metrics, by_source = evaluate_mixture(eval_fn, params, source_batches,
+                                              {source.name: source.weight for source in mix},
+                                              progress)
+    else:
+      batches = pipeline.make_eval_batches(config, tok, None)
+      with Progress(len(batches)) as progress:
+        metrics = evaluate(eval_fn, params, batches, progress)
+    report = {"step": step, "data": config.data.mixture or config.data.source,
+              "data_override": data, "split": "validation, whole split", "loss": metrics["loss"],
+              "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
+              "targets": int(metrics["targets"]), "seq_len": config.train.seq_len,
+              "train_seq_len": train_len}
+    if rope_override:
+      report["rope_override"] = rope_override
+    if mix:
+      report["sources"] = source_reports(config, tok, by_source)
+    history = workdir_lib.read_history(workdir)
+    if history:
+      report["config_history"] = workdir_lib.history_lines(history)
+    length_files = []
+    if seq_len is not None:
+      name = lengths.label(seq_len, rope_override)
+      report["loss_by_position"] = lengths.loss_by_position(
+          graphdef, params, batches, seq_len=seq_len, num_buckets=position_buckets)
+      png_name = f"loss_by_position_{name}.png"
+      png = staged.path(png_name) if out is not None else staged.top_path(png_name)
+      lengths.plot_loss_by_position(
+          png, report["loss_by_position"], train_len=train_len,
+          title=f"{os.path.basename(os.path.abspath(workdir))} at step {step}, rows of {seq_len}"
+                + (f", rope_scaling {rope_scaling} x{rope_scaling_factor:g}" if rope_override
+                   else ""))
+      length_files.append(png)
+      if out is None:
+        entry = {"seq_len": seq_len, "step": step, "loss": metrics["loss"],
+                 "rope_override": rope_override, "loss_by_position": report["loss_by_position"]}
+        staged.later(functools.partial(lengths.record, workdir, name, entry))
+        length_files.append(os.path.join(workdir, lengths.LENGTHS_FILE))
+    if config.model.num_experts:
+      report.update(expert_report.expert_load(config, graphdef, params, batches))
+    attention_prompt = None
+    if config.train.objective == "next_token":
+      report.update(mixture_text_stats(report["sources"]) if mix
+                    else text_stats(config, tok, metrics))
+      report["samples"] = _complete(model, config, tok, prompts or ["def ", "class ", "import "],
+                                    max_new_tokens=max_new_tokens, temperature=temperature,
+                                    top_k=top_k, top_p=top_p)
+    elif config.train.objective == "mlm":
+      report.update(masked_lm_report(config, tok, batches, metrics))
+    else:
+      rows = seq2seq.load_rows(config, tok, "validation")
+      report["data"] = f"task={config.data.task}"
+      report.update(seq2seq_report(model, config, tok, rows, beam_size=beam_size, alpha=alpha,
+                                   max_examples=max_examples, task=saved.data.task))
+      attention_prompt = rows.prompt(0)
+    downstream_png = _add_downstream(report, model, config, tok, task_set, staged, workdir,
+                                      limit=task_limit, batch_size=task_batch_size)
+    files = _write_report(report, staged) + length_files + downstream_png
+    loss_png = staged.path("loss_curves.png")
+    if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
+      files.append(loss_png)
+    if config.model.num_experts:
+      load_png = staged.path("expert_load.png")
+      name = os.path.basename(os.path.abspath(workdir))
+      expert_report.plot_expert_load(load_png, report,
+                                     f"{name} at step {step}: tokens per expert, validation")
+      files.append(load_png)
+    attn_png = staged.path("attention_maps.png")
+    if config.model.family != "encoder_decoder":
+      plot_attention(model, config, tok, attention_ids(config, tok, attention_prompt), attn_png)
+      files.append(attn_png)
+    report["files"] = staged.commit(files)
+    return report
 
 
 def _check_completes(config) -> None:
@@ -520,15 +646,15 @@ def complete_prompts(workdir: str, prompts: list[str], *, step: int | None = Non
   _check_completes(saved)
   compile_cache.enable(saved.train.compilation_cache_dir)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
-  result = {"step": step, "max_new_tokens": max_new_tokens, "temperature": temperature,
-            "top_k": top_k, "top_p": top_p,
-            "samples": _complete(model, config, tok, prompts, max_new_tokens=max_new_tokens,
-                                 temperature=temperature, top_k=top_k, top_p=top_p)}
   folder = out or _out_dir(workdir, step, None)
-  os.makedirs(folder, exist_ok=True)
-  path = os.path.join(folder, GENERATIONS_FILE)
-  _write_json(path, result)
-  return {**result, "files": [path]}
+  with Staged(folder, None if out else workdir, f"completing prompts at step {step}") as staged:
+    result = {"step": step, "max_new_tokens": max_new_tokens, "temperature": temperature,
+              "top_k": top_k, "top_p": top_p,
+              "samples": _complete(model, config, tok, prompts, max_new_tokens=max_new_tokens,
+                                   temperature=temperature, top_k=top_k, top_p=top_p)}
+    path = staged.path(GENERATIONS_FILE)
+    workdir_lib.write_json_atomic(path, result)
+    return {**result, "files": staged.commit([path])}
 
 
 def _downstream_tasks(config, tasks: str | None, task_dir: str, limit: int,
@@ -548,13 +674,14 @@ def _downstream_tasks(config, tasks: str | None, task_dir: str, limit: int,
   return downstream.load_tasks(tasks, task_dir, field="--tasks", dir_field="--task_dir")
 
 
-def _add_downstream(report: dict, model, config, tok, task_set, out: str, workdir: str, *,
+def _add_downstream(report: dict, model, config, tok, task_set, staged: Staged, workdir: str, *,
                     limit: int, batch_size: int) -> list[str]:
   """Runs `task_set` (None: none) into `report["downstream"]`, beside the
-  results of other tasks already in `out`'s report of this step; plots them
-  in downstream.png. Returns the plot's path, if any."""
+  results of other tasks already in the report of this step that `staged`
+  replaces; plots them in downstream.png. Returns the plot's path (staged),
+  if any."""
   try:
-    with open(os.path.join(out, REPORT_FILE), encoding="utf-8") as f:
+    with open(os.path.join(staged.folder, REPORT_FILE), encoding="utf-8") as f:
       previous = json.load(f)
   except (FileNotFoundError, json.JSONDecodeError):
     previous = {}
@@ -565,8 +692,7 @@ def _add_downstream(report: dict, model, config, tok, task_set, out: str, workdi
   if not results:
     return []
   report["downstream"] = results
-  os.makedirs(out, exist_ok=True)
-  png = os.path.join(out, "downstream.png")
+  png = staged.path("downstream.png")
   name = os.path.basename(os.path.abspath(workdir))
   downstream.plot(png, f"{name} at step {report['step']}: lm-eval tasks", results,
                   read_metrics(workdir))
@@ -574,22 +700,21 @@ def _add_downstream(report: dict, model, config, tok, task_set, out: str, workdi
 
 
 def _classify_eval(workdir: str, config, tok, model, step: int, data: str | None,
-                   out: str, copy: bool) -> dict:
-  """A classify run's report (`training/classify_report.py`) and plots, into
-  `out`; with `copy` the workdir's top-level eval_report.json as for a
-  language model."""
+                   staged: Staged) -> dict:
+  """A classify run's report (`training/classify_report.py`) and plots,
+  staged and committed; into the workdir's own folder also its top-level
+  eval_report.json, as for a language model."""
   rows = classify.load_rows(config, tok, "validation")
   where = (config.data.paths if config.data.val_percent == 100
            else f"task={config.data.task} validation")
-  os.makedirs(out, exist_ok=True)
   report, files = classify_report.classify_report(
-      model, rows, out, os.path.basename(os.path.abspath(workdir)))
+      model, rows, staged.staging, os.path.basename(os.path.abspath(workdir)))
   report = {"step": step, "data": where, "data_override": data, **report}
-  files = _write_report(report, workdir, out, copy) + files
-  loss_png = os.path.join(out, "loss_curves.png")
+  files = _write_report(report, staged) + files
+  loss_png = staged.path("loss_curves.png")
   if plot_loss_curves(workdir, loss_png, report, config.train.eval_steps):
     files.append(loss_png)
-  report["files"] = files
+  report["files"] = staged.commit(files)
   return report
 
 
