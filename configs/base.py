@@ -23,6 +23,19 @@ def get_config() -> config_dict.ConfigDict:
   m.num_heads = 4  # query heads h
   m.num_kv_heads = config_dict.placeholder(int)  # KV heads g: h MHA, <h GQA, 1 MQA; None: h
   m.head_dim = config_dict.placeholder(int)  # d_k; None: d_model // num_heads
+  m.attention = "mha"  # self-attention: a model/attention_kinds.py ATTENTIONS entry: mha (h
+  #   query heads over num_kv_heads KV heads: MHA, GQA, MQA) | mla (DeepSeek's multi-head latent
+  #   attention, decoders with pos_emb=rope: the five fields below, no num_kv_heads or head_dim;
+  #   docs/models.md, "Multi-head latent attention")
+  m.q_lora_rank = config_dict.placeholder(int)  # mla: queries through a latent this wide and its
+  #   RMSNorm (DeepSeek-V3: 1536); None or 0: one projection from d (DeepSeek-V2-Lite)
+  m.kv_lora_rank = config_dict.placeholder(int)  # mla: the latent each head's keys and values are
+  #   expanded from; the KV cache keeps it and the rope key instead of K and V (DeepSeek-V3: 512)
+  m.qk_nope_head_dim = config_dict.placeholder(int)  # mla: each head's query and key width
+  #   without RoPE, the key's expanded from the latent (DeepSeek-V3: 128)
+  m.qk_rope_head_dim = config_dict.placeholder(int)  # mla: each head's query width with RoPE,
+  #   and the one rotated key every head shares (DeepSeek-V3: 64; even)
+  m.v_head_dim = config_dict.placeholder(int)  # mla: each head's value width (DeepSeek-V3: 128)
   m.d_ff = 512  # MLP hidden width (4d for gelu, about 8/3 d for the gated swiglu, geglu)
   m.max_len = 256  # longest sequence (size of a learned position table)
   m.pos_emb = "rope"  # position scheme: a model/positions.py POSITIONS entry (every choice of
@@ -55,13 +68,15 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_capacity_factor = 0.0  # MoE: each expert takes at most ceil(this x tokens x k / E) of a
   #   device's tokens, the rest dropped (Switch, GShard); 0: dropless
   m.use_bias = False  # biases in the attention and MLP projections (all or none)
-  m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); None: use_bias
+  m.qkv_bias = config_dict.placeholder(bool)  # biases of W_Q, W_K, W_V (Qwen2); mla: of q_a_proj
+  #   and kv_a_proj (DeepSeek's attention_bias; its q_proj has none); None: use_bias
   m.out_bias = config_dict.placeholder(bool)  # bias of the attention output W_O; None: use_bias
   m.mlp_bias = config_dict.placeholder(bool)  # biases of the MLP matrices; None: use_bias
   m.scale_embeddings = config_dict.placeholder(bool)  # token embeddings times sqrt(d_model)
   #   (Gemma, the original transformer); None: True for pos_emb=sinusoidal, else False
-  m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim);
-  #   1.0: unscaled (T5)
+  m.attention_scale = config_dict.placeholder(float)  # multiplies Q K^T; None: 1/sqrt(head_dim)
+  #   (mla: 1/sqrt(qk_nope_head_dim + qk_rope_head_dim); DeepSeek's yarn mscale_all_dim m times
+  #   (0.1 m ln(rope_scaling_factor) + 1)^2, docs/models.md); 1.0: unscaled (T5)
   m.tie_embeddings = True  # output head = embedding^T
   m.decoder_start = "bos"  # encoder_decoder: the decoder's first input token, in training and
   #   generation: bos | pad (T5 starts from the pad id) | eos (BART starts from the eos id)

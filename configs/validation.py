@@ -23,6 +23,7 @@ from configs.errors import UserError
 CHOICES = {
     "model.family": ("decoder", "encoder", "encoder_decoder"),
     "model.pos_emb": ("none", "sinusoidal", "learned", "rope", "relative", "alibi"),
+    "model.attention": ("mha", "mla"),
     "model.attention_score": ("softmax", "sigmoid"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
     "model.norm": ("layernorm", "rmsnorm", "dyt"),
@@ -104,14 +105,33 @@ def _check_positive(config, field: str, prefix: str = "", allow_none=False,
     _fail(field, value, "must be a positive integer" + (" or 0" if allow_zero else ""))
 
 
+# The fields of model.attention=mla (DeepSeek's multi-head latent attention),
+# with DeepSeek-V3's values; q_lora_rank may be None or 0 (queries projected
+# directly), the others are required.
+MLA_FIELDS = {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+              "qk_rope_head_dim": 64, "v_head_dim": 128}
+
+
 def num_kv_heads(m) -> int:
-  """KV heads g (None means g = h, multi-head attention)."""
-  return m.num_heads if m.num_kv_heads is None else m.num_kv_heads
+  """KV heads g (None means g = h, multi-head attention). MLA's training
+  attention has a key and a value per query head (expanded from the shared
+  latent): h."""
+  if m.attention == "mla" or m.num_kv_heads is None:
+    return m.num_heads
+  return m.num_kv_heads
 
 
 def head_dim(m) -> int:
-  """Per-head width d_k (None means d_model // num_heads)."""
+  """Per-head width d_k of the queries and keys (None means d_model //
+  num_heads); MLA's is qk_nope_head_dim + qk_rope_head_dim."""
+  if m.attention == "mla":
+    return m.qk_nope_head_dim + m.qk_rope_head_dim
   return m.d_model // m.num_heads if m.head_dim is None else m.head_dim
+
+
+def v_head_dim(m) -> int:
+  """Per-head width of the values: head_dim, or MLA's v_head_dim."""
+  return m.v_head_dim if m.attention == "mla" else head_dim(m)
 
 
 def num_decoder_layers(m) -> int:
@@ -380,13 +400,14 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           f"must be <= model.vocab_size={m.vocab_size} (the rows past it are padding)")
   _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
   _validate_classifier(m)
-  if m.head_dim is None and m.d_model % m.num_heads:
+  _validate_mla(m)
+  if m.attention == "mha" and m.head_dim is None and m.d_model % m.num_heads:
     _fail("model.d_model", m.d_model,
           f"must be divisible by model.num_heads={m.num_heads} (or set model.head_dim)")
   if m.num_heads % num_kv_heads(m):
     _fail("model.num_kv_heads", m.num_kv_heads,
           f"must divide model.num_heads={m.num_heads} (h query heads share g KV heads)")
-  if m.pos_emb == "rope" and head_dim(m) % 2:
+  if m.attention == "mha" and m.pos_emb == "rope" and head_dim(m) % 2:
     _fail("model.head_dim", head_dim(m), "must be even for pos_emb=rope (RoPE rotates pairs)")
   if m.pos_emb == "sinusoidal" and m.d_model % 2:
     _fail("model.d_model", m.d_model, "must be even for pos_emb=sinusoidal (sin/cos pairs)")
@@ -422,6 +443,42 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   if m.attention_scale is not None and m.attention_scale <= 0:
     _fail("model.attention_scale", m.attention_scale,
           "must be positive (1.0 for unscaled, as T5) or None for 1/sqrt(head_dim)")
+
+
+def _validate_mla(m: config_dict.ConfigDict) -> None:
+  """model.attention=mla (DeepSeek's multi-head latent attention): its fields
+  set, the MHA head fields and qk_norm unset, a RoPE decoder under sp; with
+  mha, no MLA field set."""
+  if m.attention != "mla":
+    for field in MLA_FIELDS:
+      if m[field] is not None:
+        _fail(f"model.{field}", m[field], f"is for model.attention=mla (multi-head latent "
+              f"attention), not {m.attention}; unset it")
+    return
+  for field, deepseek in MLA_FIELDS.items():
+    if field != "q_lora_rank" and m[field] is None:
+      _fail(f"model.{field}", None, f"is required by model.attention=mla; set it "
+            f"(DeepSeek-V3: {deepseek})")
+    _check_positive(m, f"model.{field}", "model.", allow_none=field == "q_lora_rank",
+                    allow_zero=field == "q_lora_rank")
+  if m.qk_rope_head_dim % 2:
+    _fail("model.qk_rope_head_dim", m.qk_rope_head_dim, "must be even (RoPE rotates pairs)")
+  if m.family != "decoder":
+    _fail("model.attention", m.attention, f"is a decoder's self-attention (DeepSeek's); "
+          f"model.family={m.family} is not supported: use model.attention=mha")
+  if m.pos_emb != "rope":
+    _fail("model.pos_emb", m.pos_emb, "must be rope for model.attention=mla (its queries and "
+          "its shared key rotate qk_rope_head_dim pairs); set model.pos_emb=rope")
+  unset = {"num_kv_heads": "MLA's keys and values come from one latent (kv_lora_rank)",
+           "head_dim": "MLA's heads are qk_nope_head_dim + qk_rope_head_dim wide (queries, "
+                       "keys) and v_head_dim (values)",
+           "qk_norm": "MLA normalises its latents instead (q_a and kv_a RMSNorms)"}
+  for field, why in unset.items():
+    if m[field] not in (None, False):
+      _fail(f"model.{field}", m[field], f"is for model.attention=mha: {why}; unset it")
+  if m.parametrization == "mup":
+    _fail("model.parametrization", m.parametrization, "with model.attention=mla is not "
+          "supported (μP's rules have no case for the latent ranks); use sp")
 
 
 def _validate_classifier(m: config_dict.ConfigDict) -> None:

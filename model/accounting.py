@@ -48,6 +48,7 @@ from configs.errors import UserError
 from model import build_model
 from model import context_parallel
 from model.attention import model_implementation
+from model.attention_kinds import ATTENTIONS
 from model.config import ModelConfig
 from model.mlp import MLPS
 from model.norms import NORMS
@@ -135,12 +136,12 @@ def measured_params(model_cfg) -> dict:
 
 
 def _attention_params(m) -> int:
-  """W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K, W_V [d, g, d_k]; the biases
-  of q, k, v (qkv_bias) and of o (out_bias); the two RMSNorm scales [d_k] of
-  qk_norm."""
-  d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
-  biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
-  return 2 * d * h * dk + 2 * d * g * dk + biases + (2 * dk if m.qk_norm else 0)
+  """An attention sublayer: the `model.attention` entry's count (mha: W_Q
+  [d, h, d_k] and W_O [h, d_k, d], W_K, W_V [d, g, d_k], the biases of q, k,
+  v (qkv_bias) and of o (out_bias), the two RMSNorm scales [d_k] of qk_norm;
+  mla: `model.mla.mla_params`). Cross-attention is multi-head (MLA is a
+  decoder's)."""
+  return ATTENTIONS[m.attention].params(m)
 
 
 def _mlp_params(m) -> int:
@@ -243,7 +244,10 @@ def _entry_parts(counts: dict) -> dict[str, dict[str, int]]:
           "model.norm": {"a layer's norms": layer.get("norms", 0),
                          "an encoder layer's norms": encoder_layer.get("norms", 0),
                          "the final norms": counts["params_final_norms"]},
-          "model.pos_emb": {"the position tables": counts["params_position_table"]}}
+          "model.pos_emb": {"the position tables": counts["params_position_table"]},
+          "model.attention": {"a layer's attention": layer.get("attention", 0),
+                              "a layer's cross-attention": layer.get("cross_attention", 0),
+                              "an encoder layer's attention": encoder_layer.get("attention", 0)}}
 
 
 def check_formula(model_cfg) -> None:
@@ -260,7 +264,8 @@ def check_formula(model_cfg) -> None:
     return
   totals = f"(model total {formula['params_total']:,} against {measured['params_total']:,})"
   ours, theirs = _entry_parts(formula), _entry_parts(measured)
-  for field, registry in (("model.mlp", MLPS), ("model.norm", NORMS), ("model.pos_emb", POSITIONS)):
+  for field, registry in (("model.mlp", MLPS), ("model.norm", NORMS), ("model.pos_emb", POSITIONS),
+                          ("model.attention", ATTENTIONS)):
     for part, count in ours[field].items():
       if count != theirs[field][part]:
         name = getattr(m, field.split(".")[1])
@@ -274,7 +279,9 @@ def check_formula(model_cfg) -> None:
 
 
 def kv_cache_bytes_per_token(model_cfg) -> int:
-  """2 (K and V) x decoder layers x KV heads x head dim x bytes of model.dtype.
+  """Decoder layers x the `model.attention` entry's cache per token and
+  layer x bytes of model.dtype: 2 (K and V) x KV heads x head dim (mha), or
+  kv_lora_rank + qk_rope_head_dim (mla: the latent and the shared rope key).
 
   An encoder-only model does not generate, so it has no cache (0). For an
   encoder-decoder this is the decoder's self-attention cache, as in
@@ -284,7 +291,8 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
   if m.family == "encoder":
     return 0
   layers = m.num_decoder_layers if m.family == "encoder_decoder" else m.num_layers
-  return 2 * layers * m.num_kv_heads * m.head_dim * _itemsize(m.dtype)
+  per_layer = sum(math.prod(shape) for shape in ATTENTIONS[m.attention].cache(m).values())
+  return layers * per_layer * _itemsize(m.dtype)
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
@@ -293,7 +301,12 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   Forward = 2 N + 4 L S d_attn, with N the parameters without the position
   tables (for a mixture of experts the active ones, `params_active`: a token
   runs k experts, not E), S = `seq_len` (QK^T and AV, not halved for causal) and d_attn =
-  heads x head_dim; train = 3 x forward = 6 N + 12 L S d_attn. L counts
+  heads x head_dim; train = 3 x forward = 6 N + 12 L S d_attn. Under
+  attention=mla, whose queries and keys are head_dim = qk_nope_head_dim +
+  qk_rope_head_dim wide and values v_head_dim, 4 d_attn is 2 heads x
+  (head_dim + v_head_dim), and 2 N counts every MLA matrix once per token,
+  as training and scoring run it (expanded keys and values; the absorbed
+  decoding step differs: docs/models.md). L counts
   attention sublayers: the layers of a decoder or encoder; for an
   encoder-decoder the encoder's self-attention plus the decoder's self- and
   cross-attention, a "token" then being one source and one target token of
@@ -303,7 +316,7 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   params = formula_params(m)
   n = params["params_active"] - params["params_position_table"]
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
-  forward = 2 * n + 4 * attention_layers * seq_len * m.num_heads * m.head_dim
+  forward = 2 * n + 2 * attention_layers * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
   return 3 * forward if train else forward
 
 
@@ -348,11 +361,10 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
                                context: int = 1, moe: bool = False, expert: int = 1) -> int:
   """Elements one layer keeps per token for the backward pass (no remat);
   `moe`: its MLP is a mixture of experts, over `expert` devices."""
-  d, h, g, dk, f = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim, m.d_ff
+  d, f = m.d_model, m.d_ff
   materialised = context == 1 and model_implementation(m, backend) in _MATERIALISED_SCORES
-  scores = h * seq_len if materialised else 0
-  qk_norm_inputs = h * dk + g * dk if m.qk_norm else 0
-  attention = d + 2 * h * dk + 2 * g * dk + scores + qk_norm_inputs
+  scores = m.num_heads * seq_len if materialised else 0
+  attention = ATTENTIONS[m.attention].activations(m) + scores
   mlp = d + 2 * (MLPS[m.mlp].matrices - 1) * f
   if moe:
     k, hidden = m.experts_per_token, 2 * (MLPS[m.mlp].matrices - 1)
@@ -384,7 +396,11 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
                `auto` as the dispatcher resolves it on `backend`, default
                JAX's default backend: cudnn for 16-bit on a GPU, else xla;
                none with `context` > 1, whose ring recomputes its tiles)
-               + h d_k + g d_k (the inputs of the qk_norm RMSNorms)
+               + h d_k + g d_k (the inputs of the qk_norm RMSNorms);
+               under attention=mla, d + 2 q_lora_rank + 2 kv_lora_rank
+               (the latents' norm inputs and up-projections' inputs) + 2 h
+               (d_n + d_r) (Q, K) + 2 h d_v (V, input of o_proj) + h S
+               (`model.mla.mla_activation_elements`)
     mlp        d (input) + 2 d_ff (plain: the activation's input and output)
                          or 4 d_ff (gated: gate, act(gate), up, product)
     experts    (a mixture-of-experts layer's MLP, `model/moe.py`) d (input) +
@@ -462,12 +478,13 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
 def context_attention_flops(model_cfg, seq_len: int, n: int) -> dict:
   """Training attention FLOPs of one row per step on each of the `n` devices
   of the context axis (`model/context_parallel.py`): the (query, key) pairs a
-  device computes (`causal_work`: hidden chunk pairs skipped) x 4 head_dim
-  (Q K^T and P V, 2 FLOPs a multiply-add) x heads x layers x 3 (forward and
+  device computes (`causal_work`: hidden chunk pairs skipped) x 2 (head_dim
+  + v_head_dim) (Q K^T and P V, 2 FLOPs a multiply-add; 4 head_dim but under
+  MLA) x heads x layers x 3 (forward and
   backward), with the zig-zag layout the model uses and, for comparison,
   the contiguous split."""
   m = ModelConfig.resolve(model_cfg)
-  per_pair = 4 * m.head_dim * m.num_heads * m.num_layers * 3
+  per_pair = 2 * (m.head_dim + m.v_head_dim) * m.num_heads * m.num_layers * 3
   return {layout: [int(pairs) * per_pair for pairs in context_parallel.causal_work(seq_len, n,
                                                                                    layout)]
           for layout in ("zigzag", "contiguous")}

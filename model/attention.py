@@ -33,14 +33,21 @@ scores s by c tanh(s / c), before the bias and the mask, so no score leaves
 `xla` with a soft-cap computes the reference's einsums (XLA compiles them;
 `jax.nn.dot_product_attention` has no soft-cap), and `cudnn` refuses it.
 
+Values may be narrower or wider than queries and keys: v [B, S, K, D_v]
+with D_v != D gives [B, T, H, D_v] (DeepSeek's multi-head latent attention,
+`model/mla.py`). `reference` and `xla` take it (`xla` then runs the
+reference's einsums: `jax.nn.dot_product_attention` wants v shaped as k);
+`cudnn` and `pallas` refuse it.
+
 Every option travels as one `AttentionOptions` value, from `Attention` to the
 dispatcher and into the implementation, prefill and decode alike. Each
 implementation is an `IMPLEMENTATIONS` entry that declares the optional
-features it takes (`takes`); `Implementation.refusal` is the one check behind
+features it takes (`takes`) and the shapes beyond q, k, v of one head width
+(`shapes`); `Implementation.refusal` is the one check behind
 the start-up refusal (`check_support`), the trace-time refusal (`attention`),
 `auto` (`auto_implementation`) and the memory estimate
-(`model_implementation`). An option an implementation does not declare is
-refused in one line naming it, never dropped.
+(`model_implementation`). An option or a shape an implementation does not
+declare is refused in one line naming it, never dropped.
 """
 import dataclasses
 import functools
@@ -73,12 +80,28 @@ FEATURES = {"mask": "dense mask (option `mask`)",
             "softcap": "soft-cap (option `softcap`)"}
 
 
+# What the arrays of a call may be beyond q, k and v of one head width D, as
+# `call_features` finds them, with the words a message uses: declared apart
+# from the options' features, in `Implementation.shapes`.
+SHAPES = {"value_head_dim": "value head width other than the query and key width (v's D_v "
+                            "!= q's D: multi-head latent attention)"}
+
+
+def call_features(q_BTHD, v_BSKD, o: "AttentionOptions") -> tuple[str, ...]:
+  """The features a call on these arrays with options `o` uses: `o`'s
+  (`AttentionOptions.features`) and its arrays' (`SHAPES`)."""
+  shapes = ("value_head_dim",) if v_BSKD.shape[-1] != q_BTHD.shape[-1] else ()
+  return o.features() + shapes
+
+
 def score_feature(score: str) -> str:
   """The feature of attention score `score` (an `SCORES` name)."""
   return f"score:{score}"
 
 
 def _feature_words(feature: str) -> str:
+  if feature in SHAPES:
+    return SHAPES[feature]
   if feature.startswith("score:"):
     return f"attention score {feature[len('score:'):]!r} (option `score`)"
   return FEATURES[feature]
@@ -111,18 +134,21 @@ class AttentionOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Implementation:
-  """A `model.attention_impl` choice: `run(q, k, v, options, lowering)` and
-  the optional features it `takes` (`AttentionOptions.features`); `auto` has
-  no `run` (it resolves to another entry)."""
+  """A `model.attention_impl` choice: `run(q, k, v, options, lowering)`, the
+  optional features it `takes` (`AttentionOptions.features`) and the
+  `shapes` it takes (`SHAPES`); `auto` has no `run` (it resolves to another
+  entry)."""
   name: str
   doc: str
   run: Callable | None
   takes: frozenset
   reads: tuple[str, ...] = ()
+  shapes: frozenset = frozenset()
 
   def refusal(self, features) -> str | None:
-    """The first of `features` this implementation does not take, or None."""
-    return next((f for f in features if f not in self.takes), None)
+    """The first of `features` (options' and shapes': `call_features`) this
+    implementation does not take, or None."""
+    return next((f for f in features if f not in self.takes and f not in self.shapes), None)
 
 
 def _split_segment_ids(segment_ids):
@@ -214,14 +240,15 @@ def attention_weights(q_BTHD, k_BSKD, options: AttentionOptions | None = None, *
 
 def reference_attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None,
                         **fields):
-  """The lesson's math: the weights of `attention_weights`, times V.
+  """The lesson's math: the weights of `attention_weights`, times V (whose
+  head width may differ from q's and k's: the output has V's).
 
   Under softmax a fully masked query row is set to zero in the output
   [B, T, H, D] rather than in the weights [.., T, S]: the same result (its
   weights are zeros either way) with one pass fewer over the weights."""
   o = _options(options, fields)
-  B, T, H, D = q_BTHD.shape
-  K = k_BSKD.shape[2]
+  B, T, H, _ = q_BTHD.shape
+  K, D = k_BSKD.shape[2], v_BSKD.shape[3]
   scores, valid = _grouped_scores(q_BTHD, k_BSKD, o)
   if o.score == "softmax" and valid is not None:
     weights = jax.nn.softmax(jnp.where(valid, scores, jnp.finfo(jnp.float32).min), axis=-1)
@@ -241,11 +268,12 @@ def _jax_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementation: 
 
   The window goes in as its `local_window_size` (window - 1 keys to the left;
   to the right too unless causal). The bias goes in in q's dtype (cuDNN
-  takes no other). It has no soft-cap and only the softmax score: `xla` with
-  either runs the reference einsums (which XLA compiles); `cudnn` declares
-  neither, so the dispatcher refuses them before this runs.
+  takes no other). It has no soft-cap, only the softmax score and values as
+  wide as the keys: `xla` with any of them runs the reference einsums (which
+  XLA compiles); `cudnn` declares none, so the dispatcher refuses them
+  before this runs.
   """
-  if o.softcap is not None or o.score != "softmax":
+  if o.softcap is not None or o.score != "softmax" or v_BSKD.shape[-1] != k_BSKD.shape[-1]:
     return reference_attention(q_BTHD, k_BSKD, v_BSKD, o)
   T, S = q_BTHD.shape[1], k_BSKD.shape[1]
   valid = combined_mask(T, S, mask=o.mask, segment_ids=o.segment_ids)
@@ -356,10 +384,11 @@ _EVERY_SCORE = frozenset(score_feature(name) for name in SCORES)
 
 IMPLEMENTATIONS = Registry("model.attention_impl", [
     Implementation("reference", "the lesson's math in float32 einsums; the tests' oracle",
-                   _reference_run, frozenset(FEATURES) | _EVERY_SCORE),
+                   _reference_run, frozenset(FEATURES) | _EVERY_SCORE, shapes=frozenset(SHAPES)),
     Implementation("xla", "jax.nn.dot_product_attention (XLA); the reference einsums for a "
-                   "soft-cap or another score", lambda q, k, v, o, _: _jax_attention(
-                       q, k, v, o, "xla"), frozenset(FEATURES) | _EVERY_SCORE),
+                   "soft-cap, another score or another value width", lambda q, k, v, o, _:
+                   _jax_attention(q, k, v, o, "xla"), frozenset(FEATURES) | _EVERY_SCORE,
+                   shapes=frozenset(SHAPES)),
     Implementation("cudnn", "jax.nn.dot_product_attention's cuDNN fused attention (GPU)",
                    lambda q, k, v, o, _: _jax_attention(q, k, v, o, "cudnn"),
                    frozenset({"mask", "window", "bias", score_feature("softmax")})),
@@ -373,15 +402,16 @@ IMPLEMENTATIONS = Registry("model.attention_impl", [
 def refusal_message(implementation: str, feature: str, source: str | None = None) -> str:
   """One line: `implementation` takes no `feature`, and which do; `source`
   names the config field that asked for it."""
-  takers = [n for n, e in IMPLEMENTATIONS.items() if e.run is None or feature in e.takes]
+  takers = [n for n, e in IMPLEMENTATIONS.items() if e.run is None or e.refusal((feature,)) is None]
   prefix = "" if source is None else f"config field {source}: "
   return (f"{prefix}attention_impl={implementation} takes no {_feature_words(feature)}; use "
           f"attention_impl {', '.join(takers[:-1])} or {takers[-1]}")
 
 
-def check_options(implementation: str, o: AttentionOptions) -> None:
-  """Raises `UserError` when `implementation` does not take a feature `o` uses."""
-  refused = IMPLEMENTATIONS[implementation].refusal(o.features())
+def check_options(implementation: str, features: tuple[str, ...]) -> None:
+  """Raises `UserError` when `implementation` does not take one of
+  `features` (a call's: `call_features`)."""
+  refused = IMPLEMENTATIONS[implementation].refusal(features)
   if refused is not None:
     raise UserError(refusal_message(implementation, refused))
 
@@ -437,10 +467,11 @@ def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementati
   block (batch and heads split as `sharded_kernel` splits them), its blocks
   our Pallas kernels for `pallas` (and for `auto` where it chooses them),
   the JAX blocks otherwise."""
+  features = call_features(q_BTHD, v_BSKD, o)
   if implementation == "auto":
-    chosen = choose_implementation(q_BTHD, o.features(), o.segment_ids is not None)
+    chosen = choose_implementation(q_BTHD, features, o.segment_ids is not None)
     implementation = "pallas" if chosen == "pallas" else "xla"
-  refusal = _context_refusal(implementation, o.features())
+  refusal = _context_refusal(implementation, features)
   if refusal is not None:
     raise UserError(f"mesh.context={n} takes no {refusal[1]} ({refusal[2]})")
   strategy = context_parallel.choose_strategy(context_parallel.current_strategy(),
@@ -545,7 +576,8 @@ def choose_implementation(q_BTHD, features: tuple[str, ...], segments: bool = Fa
 def config_features(cfg) -> dict[str, str]:
   """The optional features the model's training attention uses -> the config
   field (with its value) that asks for each: the position scheme's bias,
-  the sliding window (causal), the soft-cap and the score function."""
+  the sliding window (causal), the soft-cap, the score function, and values
+  of another width than the keys (MLA's v_head_dim)."""
   out = {}
   if POSITIONS[cfg.pos_emb].bias is not None:
     out["bias"] = f"model.pos_emb={cfg.pos_emb!r}"
@@ -554,6 +586,9 @@ def config_features(cfg) -> dict[str, str]:
   if cfg.attn_softcap is not None:
     out["softcap"] = f"model.attn_softcap={cfg.attn_softcap}"
   out[score_feature(cfg.attention_score)] = f"model.attention_score={cfg.attention_score!r}"
+  if cfg.v_head_dim != cfg.head_dim:
+    out["value_head_dim"] = (f"model.v_head_dim={cfg.v_head_dim} (model.attention="
+                             f"{cfg.attention!r}, queries and keys {cfg.head_dim} wide)")
   return out
 
 
@@ -596,10 +631,11 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
               implementation: str = "reference", pallas_lowering: str = "auto", **fields):
   """Scaled dot-product attention over H query heads and K <= H KV heads.
 
-  q [B, T, H, D], k and v [B, S, K, D] with H % K == 0 (MHA, GQA, MQA);
-  returns [B, T, H, D] in q's dtype. `options` (an `AttentionOptions`; its
-  fields may also be given, or replaced, as keywords: `causal=True`, ...) says
-  what is computed: see the module docstring for the masks, the additive
+  q [B, T, H, D], k [B, S, K, D] and v [B, S, K, D_v] with H % K == 0 (MHA,
+  GQA, MQA); returns [B, T, H, D_v] in q's dtype (D_v != D: the
+  `value_head_dim` shape, which not every implementation takes). `options`
+  (an `AttentionOptions`; its fields may also be given, or replaced, as
+  keywords: `causal=True`, ...) says what is computed: see the module docstring for the masks, the additive
   `bias` [1 or B, H, T, S], the `softcap` and the `score`. An implementation
   that does not take one of them refuses it in one line (`UserError`).
   `pallas_lowering` (auto, triton, mosaic_gpu, mosaic_tpu) picks our kernel when
@@ -612,9 +648,10 @@ def attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None, *
   n = context_parallel.context_size()
   if n > 1:
     return _context_attention(q_BTHD, k_BSKD, v_BSKD, o, implementation, pallas_lowering, n)
+  features = call_features(q_BTHD, v_BSKD, o)
   if IMPLEMENTATIONS[implementation].run is None:
-    implementation = choose_implementation(q_BTHD, o.features(), o.segment_ids is not None)
-  check_options(implementation, o)
+    implementation = choose_implementation(q_BTHD, features, o.segment_ids is not None)
+  check_options(implementation, features)
   with jax.named_scope("attention"):
     return IMPLEMENTATIONS[implementation].run(q_BTHD, k_BSKD, v_BSKD, o, pallas_lowering)
 
@@ -735,12 +772,44 @@ class Attention(nnx.Module):
                  v=cache["v"].at[slot].set(v_BTKD.astype(cache["v"].dtype)))
     k_BLKD, v_BLKD = ((cache["k"], cache["v"]) if layer is None
                       else (cache["k"][layer], cache["v"][layer]))
-    slots_L = jnp.arange(k_BLKD.shape[1])
-    mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
-    if self.window is not None:
-      mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - self.window)
-    impl = "reference" if self.implementation == "reference" else "xla"
+    mask_BTL = cache_slot_mask(positions_BT, k_BLKD.shape[1], self.window)
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
     out_BTHD = attention(q_BTHD, k_BLKD.astype(q_BTHD.dtype), v_BLKD.astype(q_BTHD.dtype),
-                         options, implementation=impl)
+                         options, implementation=decode_implementation(self.implementation))
     return self.o_proj(out_BTHD), cache
+
+
+def cache_slot_mask(positions_BT, length: int, window: int | None):
+  """The decoding mask [B, T, L] over `length` cache slots: query t of row b
+  sees slots 0..positions_BT[b, t], the last `window` of them with a
+  sliding window."""
+  slots_L = jnp.arange(length)
+  mask_BTL = slots_L[None, None, :] <= positions_BT[:, :, None]
+  if window is not None:
+    mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - window)
+  return mask_BTL
+
+
+def decode_implementation(implementation: str) -> str:
+  """The implementation a KV-cache decoding step runs for the model's
+  `attention_impl`: `reference` for reference, else `xla` (the slot mask is
+  dense; see `Attention.decode`)."""
+  return "reference" if implementation == "reference" else "xla"
+
+
+def mha_params(m) -> int:
+  """One `Attention`'s parameters: W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K,
+  W_V [d, g, d_k]; the biases of q, k, v (qkv_bias) and of o (out_bias); the
+  two RMSNorm scales [d_k] of qk_norm."""
+  d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
+  return 2 * d * h * dk + 2 * d * g * dk + biases + (2 * dk if m.qk_norm else 0)
+
+
+def mha_activation_elements(m) -> int:
+  """Elements per token one `Attention` keeps for its backward pass, the
+  scores aside (`model.accounting.activation_bytes_per_token`): d (input of
+  W_Q, W_K, W_V) + 2 h d_k (Q; input of W_O) + 2 g d_k (K, V) + h d_k + g
+  d_k (the inputs of the qk_norm RMSNorms)."""
+  d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
+  return d + 2 * h * dk + 2 * g * dk + (h * dk + g * dk if m.qk_norm else 0)

@@ -3,13 +3,15 @@
 Pre-norm: x = x + Sublayer(Norm(x)) (an unnormalised residual stream).
 Post-norm (the original paper): x = Norm(x + Sublayer(x)).
 Depth-μP (model.mup_base_depth): x = x + sqrt(base depth / num_layers) Sublayer(Norm(x)).
-A block is self-attention, then cross-attention (decoder of an
-encoder-decoder only), then the MLP (or a mixture of experts,
+A block is self-attention (the `model.attention` entry's: multi-head or
+DeepSeek's latent attention), then cross-attention (decoder of an
+encoder-decoder only; multi-head), then the MLP (or a mixture of experts,
 `model/moe.py`), each wrapped that way.
 """
 from flax import nnx
 
 from model.attention import Attention
+from model.attention_kinds import ATTENTIONS
 from model.mlp import MLP
 from model.moe import MoE
 from model.norms import make_norm
@@ -23,7 +25,7 @@ class Block(nnx.Module):
     `moe`: its MLP is a mixture of experts."""
     self.pre_norm = cfg.norm_position == "pre"
     self.branch_mult = cfg.branch_mult  # depth-μP: sqrt(base depth / num_layers), or None
-    self.attn = Attention(cfg, rope=rope, window=window, rngs=rngs)
+    self.attn = ATTENTIONS[cfg.attention].module(cfg, rope=rope, window=window, rngs=rngs)
     self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
     self.norm_cross = make_norm(cfg.d_model, cfg=cfg, rngs=rngs) if cross else None

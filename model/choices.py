@@ -6,7 +6,7 @@ from model.config import REGISTRIES
 
 
 def _describe(entry) -> str:
-  takes = getattr(entry, "takes", None)
+  takes = getattr(entry, "takes", frozenset()) | getattr(entry, "shapes", frozenset())
   if not takes:
     return entry.doc
   return f"{entry.doc}; takes {', '.join(sorted(takes))}"

@@ -2,7 +2,7 @@
 
 `ModelConfig.resolve(config.model)` validates the section (the rules of
 `configs/validation.py`), computes the derived values (`head_dim`,
-`num_kv_heads`, `num_decoder_layers`, `real_vocab_size`, the
+`v_head_dim`, `num_kv_heads`, `q_lora_rank`, `num_decoder_layers`, `real_vocab_size`, the
 per-projection and classifier biases, the layers with the sliding window, the
 layout of the layers (`scan_layers`),
 `scale_embeddings`, `attention_scale`), looks every option up in its
@@ -17,6 +17,7 @@ from typing import Any
 
 from configs import validation
 from model.attention import IMPLEMENTATIONS, check_support
+from model.attention_kinds import ATTENTIONS
 from model.embeddings import ROPE_SCALINGS
 from model.layers import DTYPES
 from model.mlp import MLPS
@@ -34,7 +35,7 @@ _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std",
 # a config looks each chosen name up, so a name in CHOICES without an entry is
 # one line at start-up; `forward_fields` drops the fields that only unchosen
 # entries read.
-REGISTRIES = {r.field: r for r in (NORMS, POSITIONS, MLPS, SCORES, IMPLEMENTATIONS,
+REGISTRIES = {r.field: r for r in (NORMS, POSITIONS, MLPS, ATTENTIONS, SCORES, IMPLEMENTATIONS,
                                    ROPE_SCALINGS, ROUTERS)}
 
 
@@ -46,7 +47,11 @@ class ModelConfig:
   `sliding_window_layers` is always the sorted tuple of the windowed layers
   (every layer when the section leaves it None; none without a window), and
   `moe_layers` of the layers with experts (none for a dense model);
-  `moe_d_ff` is d_ff when the section leaves it None;
+  `moe_d_ff` is d_ff when the section leaves it None; under
+  `attention=mla`, `head_dim` is the query/key width qk_nope_head_dim +
+  qk_rope_head_dim and `num_kv_heads` is num_heads (the training
+  attention's expanded keys), under mha `v_head_dim` is head_dim;
+  `q_lora_rank` is 0 for None (queries projected directly);
   `scan_layers` is resolved to a bool (`configs.validation.scan_layers`)."""
   family: str
   vocab_size: int
@@ -57,6 +62,12 @@ class ModelConfig:
   num_heads: int
   num_kv_heads: int
   head_dim: int
+  attention: str
+  q_lora_rank: int
+  kv_lora_rank: int | None
+  qk_nope_head_dim: int | None
+  qk_rope_head_dim: int | None
+  v_head_dim: int
   d_ff: int
   max_len: int
   pos_emb: str
@@ -167,6 +178,8 @@ class ModelConfig:
     values = {field.name: section[field.name] for field in dataclasses.fields(cls)}
     values.update(num_kv_heads=validation.num_kv_heads(section),
                   head_dim=validation.head_dim(section),
+                  v_head_dim=validation.v_head_dim(section),
+                  q_lora_rank=section.q_lora_rank or 0,
                   num_decoder_layers=validation.num_decoder_layers(section),
                   real_vocab_size=validation.real_vocab_size(section),
                   sliding_window_layers=validation.sliding_window_layers(section),
@@ -185,6 +198,12 @@ class ModelConfig:
     cfg = cls(**values)
     check_support(cfg)
     return cfg
+
+  @property
+  def rotary_dim(self) -> int:
+    """The width RoPE rotates in each query and key head: head_dim, or MLA's
+    qk_rope_head_dim (the `model.attention` entry's)."""
+    return ATTENTIONS[self.attention].rotary_dim(self)
 
   @property
   def width_mult(self) -> float:

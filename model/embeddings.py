@@ -207,8 +207,10 @@ def llama3_frequencies(inv_freq, factor: float, original_max_len: int, *,
 
 
 def rope_from_config(cfg):
-  """`rope_frequencies` for the resolved model config: (inv_freq, attention_factor)."""
-  return rope_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling,
+  """`rope_frequencies` for the resolved model config: (inv_freq, attention_factor)
+  over the width each head rotates (`rotary_dim`: head_dim, or MLA's
+  qk_rope_head_dim)."""
+  return rope_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling,
                           cfg.rope_scaling_factor, cfg.rope_original_max_len,
                           beta_fast=cfg.rope_beta_fast, beta_slow=cfg.rope_beta_slow,
                           attention_factor=cfg.rope_attention_factor,

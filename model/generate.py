@@ -80,8 +80,9 @@ def _check_length(model_cfg, total: int) -> None:
 
 def _cache_rows(fn, cache):
   """`fn(array, axis)` on the batch axis of every cache array: k and v are
-  [..., B, L, g, d_k] and cross-attention k and v [..., B, S, g, d_k], with a
-  leading layers axis in a scanned stack's cache."""
+  [..., B, L, g, d_k] (MLA's latent [..., B, L, 1, r + d_r]) and
+  cross-attention k and v [..., B, S, g, d_k], with a leading layers axis in
+  a scanned stack's cache."""
   return jax.tree.map(lambda c: fn(c, c.ndim - 4), cache)
 
 

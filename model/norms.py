@@ -39,8 +39,9 @@ class LayerNorm(nnx.Module):
 
 class RMSNorm(nnx.Module):
 
-  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
-    self.eps = cfg.norm_eps
+  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs, eps: float | None = None):
+    """`eps`: None for model.norm_eps (MLA's latent norms have DeepSeek's own)."""
+    self.eps = cfg.norm_eps if eps is None else eps
     self.scale = param(rngs, jax.nn.initializers.ones, (dim,), ("norm",),
                        cfg.param_dtype)
 

@@ -27,6 +27,7 @@ from configs.errors import UserError
 from configs import validation
 from configs.validation import validate
 from model import accounting
+from model.attention_kinds import ATTENTIONS
 from model.config import ModelConfig
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
@@ -92,8 +93,8 @@ def format_table(config, report: dict) -> str:
     shared = f" + {m.num_shared_experts} shared" if m.num_shared_experts else ""
     mlp = (f"{m.mlp} experts: {m.num_experts}{shared} of d_ff={m.moe_d_ff}, top "
            f"{m.experts_per_token} ({m.moe_router}) in {where}")
-  lines = [f"{m.family}: d={m.d_model}, {m.num_heads} heads ({m.num_kv_heads} KV) of "
-           f"{m.head_dim}, {mlp}, {m.norm} {m.norm_position}-norm, "
+  lines = [f"{m.family}: d={m.d_model}, {ATTENTIONS[m.attention].describe(m)}, "
+           f"{mlp}, {m.norm} {m.norm_position}-norm, "
            f"pos_emb={m.pos_emb}, V={m.vocab_size}, {head}", ""]
   params = []
   if "params_per_encoder_layer" in report:
@@ -118,7 +119,9 @@ def format_table(config, report: dict) -> str:
          f"bytes = {_bytes(report['kv_cache_bytes_at_max_len'])}")]
   lines += _rows(f"KV cache ({config.model.dtype})", kv) + [""]
   n = "2N" if report["params_active"] == total else "2N (N active)"
-  flops = [("forward", report["flops_per_token_forward"], f"{n} + 4 L S d_attn"),
+  attention = ("4 L S d_attn" if m.v_head_dim == m.head_dim
+               else "2 L S h (d_qk + d_v)")  # MLA: values narrower than queries and keys
+  flops = [("forward", report["flops_per_token_forward"], f"{n} + {attention}"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
   budget = validation.budget(t)

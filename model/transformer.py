@@ -38,6 +38,7 @@ from jax.sharding import PartitionSpec as P
 
 from model import context_parallel
 from model.attention import soft_cap
+from model.attention_kinds import ATTENTIONS
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, TokenTypes, rope_from_config
@@ -110,7 +111,9 @@ class _Stack(nnx.Module):
     self.num_layers = num_layers
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
-    self.kv_shape = (cfg.num_kv_heads, cfg.head_dim)
+    # The KV cache per token and layer: array name -> trailing shape (the
+    # `model.attention` entry's: k and v [g, d_k], or MLA's latent [1, r + d_r]).
+    self.cache_shapes = tuple(ATTENTIONS[cfg.attention].cache(cfg).items())
 
   def embed_tokens(self, tokens_BT, positions_BT, token_types_BT=None):
     """Token embeddings (times sqrt(d_model) when `scale_embeddings`) plus
@@ -170,13 +173,16 @@ class _Stack(nnx.Module):
     return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-    """Zeros for every layer: k, v [batch, length, g, d_k]; scanned, one
-    dict of them stacked [layers, batch, length, g, d_k]."""
-    shape = (batch, length, *self.kv_shape)
-    if self.scan:
-      shape = (self.num_layers, *shape)
-      return dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
-    return [dict(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype)) for _ in self.layers]
+    """Zeros for every layer: the self-attention's arrays [batch, length,
+    ...] (k, v [batch, length, g, d_k]; MLA's latent [batch, length, 1, r +
+    d_r]); scanned, one dict of them stacked [layers, batch, length, ...]."""
+    lead = (self.num_layers,) if self.scan else ()
+
+    def layer_cache():
+      return {name: jnp.zeros((*lead, batch, length, *shape), dtype)
+              for name, shape in self.cache_shapes}
+
+    return layer_cache() if self.scan else [layer_cache() for _ in self.layers]
 
   def cross_kv(self, context_BSM):
     """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder
@@ -201,7 +207,7 @@ class _Stack(nnx.Module):
     """
     blocks = self.blocks() if blocks is None else blocks
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
-    length = (cache if self.scan else cache[0])["k"].shape[-3]
+    length = next(iter((cache if self.scan else cache[0]).values())).shape[-3]
     bias = self.self_bias(positions_BT, positions_row(length))
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):

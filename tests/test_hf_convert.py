@@ -349,7 +349,7 @@ _OTHER_VALUES = dict(
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
     sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
     final_softcap=30.0, attention_score="sigmoid", num_experts=4, moe_layers=(1,),
-    parametrization="mup")
+    parametrization="mup", attention="mla")
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
@@ -371,6 +371,8 @@ def test_export_check_names_every_field_llama_does_not_map(field):
   named = field
   if field == "moe_layers":  # experts in layer 1 only: named by the experts, first
     config.model.num_experts, named = 4, "num_experts"
+  if field == "attention":  # DeepSeek's latent attention needs its fields
+    config.model.update(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
   reason = hf_convert.round_trip_mismatch(hf_mappings.ARCHITECTURES[arch],
                                           ModelConfig.resolve(config.model))
   if field in _LLAMA_MAPS:

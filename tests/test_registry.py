@@ -120,7 +120,7 @@ def test_a_wrong_closed_form_is_refused_naming_the_entry(monkeypatch, field, nam
 
 
 def test_a_wrong_formula_outside_the_entries_names_the_accounting(monkeypatch):
-  monkeypatch.setattr(accounting, "_attention_params", lambda m: 1)
+  monkeypatch.setattr(accounting, "_head_params", lambda m: 1)
   with pytest.raises(UserError, match=r"^model/accounting.py's closed-form parameter count "
                      r"differs from the module's in params_total \(model total"):
     accounting.check_formula(model_cfg(False))
