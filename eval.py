@@ -114,7 +114,9 @@ def complete(evaluate) -> None:
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    print(f"error: unexpected arguments: {' '.join(argv[1:])} (eval.py takes --workdir and "
+          "its other flags only; --help lists them)", file=sys.stderr)
+    sys.exit(2)
   logging.set_verbosity(logging.WARNING)
   sys.exit(_eval())
 

@@ -149,3 +149,12 @@ def test_train_py_exits_2_with_one_line(tmp_path, args, message):
   assert run.stderr.startswith(message.format(bad=bad)), run.stderr
   assert run.stderr.count("\n") == 1 and not run.stdout, run.stderr
   assert not (tmp_path / "run").exists()
+
+
+def test_eval_py_extra_arguments_exit_2_with_one_line(tmp_path):
+  run = subprocess.run([sys.executable, "eval.py", "--workdir", str(tmp_path), "extra"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert run.returncode == 2, run.stderr
+  assert run.stderr == ("error: unexpected arguments: extra (eval.py takes --workdir and its "
+                        "other flags only; --help lists them)\n")
+  assert not run.stdout and not list(tmp_path.iterdir())
