@@ -81,16 +81,18 @@ def test_the_grid_strategy_finds_the_whole_grids_optimum():
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # about 2 minutes; 5 on a loaded 2-core machine
 def test_95_percent_intervals_cover_the_truth_at_about_that_rate():
-  """Over 100 synthetic draws, each interval holds the truth in a count no
-  binomial(100, 0.95) falls outside of with probability over 0.1% each side;
-  likewise the held-out runs inside their prediction intervals."""
-  draws, covered = 100, {}
-  held_inside = held_total = 0
+  """Over 100 synthetic draws (7 budgets of 7 sizes, the largest held out),
+  each interval holds the truth in at least 87 of them: Binomial(100,
+  0.95)'s 0.1% quantile, so too narrow intervals fail. The other end is not
+  asserted: 100 draws cannot tell 95% from 99% there (bench.scaling
+  --coverage measured 97 to 99 of 100). The held-out runs inside their
+  prediction intervals: a mean fraction over the draws (runs of one draw
+  share its fitted law, so the draws are the independent units) within 3.3
+  standard errors of 0.95."""
+  draws, covered, inside_held = 100, {}, []
   truth = {**TRUTH, "a": A_OPT, "b": 1 - A_OPT}
-  budgets = np.logspace(18, 21, 7)
   for i in range(draws):
-    runs = runs_of(ladder(np.random.default_rng(100 + i), budgets=budgets, sizes=7),
-                   holdout="budget>=1e21")
+    runs = runs_of(ladder(np.random.default_rng(100 + i), sizes=7), holdout="budget>=1e21")
     f = bootstrap.analyse(runs, resamples=200, starts=16, seed=i).fits[0]
     target = fit.frontier(THETA, [f.frontier[-1]["C"]])
     checks = {**{k: inside(f.estimates[k], v) for k, v in truth.items()},
@@ -98,13 +100,10 @@ def test_95_percent_intervals_cover_the_truth_at_about_that_rate():
               "loss at target": inside(f.frontier[-1]["loss"], target[2][0])}
     for key, hit in checks.items():
       covered[key] = covered.get(key, 0) + hit
-    held_inside += sum(not row["outside"] for row in f.held_out)
-    held_total += len(f.held_out)
-  low, high = stats.binom.ppf([0.001, 0.999], draws, 0.95)
-  assert all(low <= hits <= high for hits in covered.values()), covered
-  low, high = stats.binom.ppf([0.001, 0.999], held_total, 0.95)
-  # Runs of one draw share its law: a looser count than independent ones.
-  assert low - 0.05 * held_total <= held_inside <= high, (held_inside, held_total)
+    inside_held.append(np.mean([not row["outside"] for row in f.held_out]))
+  assert min(covered.values()) >= stats.binom.ppf(0.001, draws, 0.95), covered
+  se = np.std(inside_held, ddof=1) / np.sqrt(draws)
+  assert abs(np.mean(inside_held) - 0.95) <= 3.3 * se, (np.mean(inside_held), se)
 
 
 # IsoFLOP parabolas.
@@ -227,7 +226,7 @@ def test_the_command_line_writes_every_file(tmp_path, capsys):
             "--holdout", "held", "--resamples", "100", "--starts", "8", "--out", str(out)])
   printed = capsys.readouterr().out
   assert sorted(os.listdir(out)) == sorted(report.FILES)  # no staging directory left
-  assert "fitted 36 runs, 100 resamples, in" in printed
+  assert "fitted 30 runs (6 held out), 100 resamples, in" in printed
   data = json.loads((out / "scaling.json").read_text())
   assert data["params"] == "params_nonembed" and data["budget_from"].startswith("6·N·D grouped")
   variant = data["variants"]["all"]

@@ -76,7 +76,9 @@ def run() -> None:
           f"{e['a']} (approach 3), {e['isoflop a']} (approach 2)")
   for line in scaling.report.flags(result):
     print(f"flag: {line}")
-  print(f"fitted {len(result.runs.n)} runs, {result.resamples} resamples, in "
+  held = int(result.runs.held_out.sum())
+  print(f"fitted {len(result.runs.n) - held} runs ({held} held out), {result.resamples} "
+        f"resamples, in "
         f"{result.seconds:.1f} s ({time.perf_counter() - start:.1f} s with reading and "
         f"writing); wrote {', '.join(paths)}")
 
