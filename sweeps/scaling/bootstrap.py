@@ -213,6 +213,16 @@ def analyse_variant(runs: Runs, name: str, resamples: int, starts: int, target: 
     thetas[r] = optima[np.argmin(values)]
   law.update(refit_seconds=time.perf_counter() - start, refit_starts=len(refit_from))
 
+  # An extreme resample (a flat parabola, a vanishing term) overflows exp to
+  # inf: not an error, `estimate` leaves non-finite values out and says so.
+  with np.errstate(over="ignore", invalid="ignore"):
+    return _summarise(name, runs, fitted, law, weights, thetas, rng, target)
+
+
+def _summarise(name: str, runs: Runs, fitted: Runs, law: dict, weights: np.ndarray,
+               thetas: np.ndarray, rng: np.random.Generator, target: float) -> VariantFit:
+  """The estimates of one variant from its full fit and its refits."""
+  ln_n, ln_d, ln_loss = np.log(fitted.n), np.log(fitted.d), np.log(fitted.loss)
   full_iso, iso = _isoflop(fitted, np.ones((1, len(ln_n)))), _isoflop(fitted, weights)
   full_named, named = fit.named(law["theta"]), fit.named(thetas)
   samples = {key: named[key] for key in PARAMETRIC}

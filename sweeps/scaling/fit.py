@@ -146,7 +146,7 @@ def fit_law(ln_n, ln_d, ln_loss, starts: int) -> dict:
 def named(theta: np.ndarray) -> dict[str, np.ndarray]:
   """E, A, B, alpha, beta and the frontier's exponents a, b of thetas (..., 5)."""
   a, b, e, alpha, beta = (theta[..., i] for i in range(5))
-  with np.errstate(invalid="ignore", divide="ignore"):
+  with np.errstate(invalid="ignore", divide="ignore", over="ignore"):  # inf: undefined
     ok = (alpha > 0) & (beta > 0)
     return {"E": np.exp(e), "A": np.exp(a), "B": np.exp(b), "alpha": alpha, "beta": beta,
             "a": np.where(ok, beta / (alpha + beta), np.nan),
@@ -159,7 +159,7 @@ def frontier(theta: np.ndarray, flops) -> tuple[np.ndarray, np.ndarray, np.ndarr
   theta = np.asarray(theta)
   a, b, e, alpha, beta = (theta[..., i, None] for i in range(5))
   ln_c6 = np.log(np.asarray(flops, dtype=np.float64) / 6)
-  with np.errstate(invalid="ignore", divide="ignore"):
+  with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
     ok = (alpha > 0) & (beta > 0)
     ln_g = (np.log(np.where(ok, alpha, 1)) + a - np.log(np.where(ok, beta, 1)) - b) / (alpha + beta)
     ln_n = np.where(ok, ln_g + beta / (alpha + beta) * ln_c6, np.nan)

@@ -8,11 +8,13 @@ from matplotlib.figure import Figure
 from sweeps.scaling import fit
 
 _LEVEL_PERCENTILES = (2.5, 97.5)
+_REACH = 1.0  # a minimum farther than this in ln N from a budget's sizes is not drawn
 
 
 def plot_isoflop(path: str, result) -> None:
   """One panel per variant: each budget's runs (held out: hollow) against N,
-  its parabola, and its minimum (star; a cross where flagged)."""
+  its parabola, and its minimum (star; a cross where flagged, none where it
+  lies far outside the sizes: scaling.md says where)."""
   fig = Figure(figsize=(6 * len(result.fits) + 1, 4.8))
   axes = fig.subplots(1, len(result.fits), squeeze=False)[0]
   for ax, f in zip(axes, result.fits):
@@ -28,13 +30,16 @@ def plot_isoflop(path: str, result) -> None:
       if c not in f.parabolas:
         continue
       centre, (c0, c1, c2) = f.parabolas[c]
-      x = np.linspace(np.log(f.runs.n[fitted].min()) - 0.2, np.log(f.runs.n[fitted].max()) + 0.2,
-                      100)
-      u = x - centre
-      ax.plot(np.exp(x), c0 + c1 * u + c2 * u * u, color=colour, linewidth=1)
       row = next(r for r in f.budgets if r["budget"] == c)
-      if row["N_opt"]["value"] is not None:
-        ax.plot(row["N_opt"]["value"], row["loss_opt"]["value"], "*" if row["usable"] else "x",
+      lo, hi = np.log(row["smallest"]), np.log(row["largest"])
+      n_opt = row["N_opt"]["value"]
+      shown = n_opt is not None and lo - _REACH <= np.log(n_opt) <= hi + _REACH
+      if shown:
+        lo, hi = min(lo, np.log(n_opt)), max(hi, np.log(n_opt))
+      u = np.linspace(lo - 0.2, hi + 0.2, 100) - centre
+      ax.plot(np.exp(u + centre), c0 + c1 * u + c2 * u * u, color=colour, linewidth=1)
+      if shown:
+        ax.plot(n_opt, row["loss_opt"]["value"], "*" if row["usable"] else "x",
                 color=colour, markersize=11, markeredgecolor="black")
     ax.set_xscale("log")
     ax.set_xlabel(f"N ({f.runs.params})")
