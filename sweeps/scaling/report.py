@@ -63,39 +63,44 @@ def _variant_section(f: bootstrap.VariantFit, result: Result) -> list[str]:
   r = result.resamples
   law = f.law
   held = int(f.runs.held_out.sum())
+
+  def est(e: dict, digits: int = 4) -> str:
+    return format_estimate(e, digits, r)
+
   lines = ["", f"## Variant `{f.name}`", "",
            f"{len(f.runs.n) - held} fitted runs, {held} held out.", "",
            "### Approach 3: L(N, D) = E + A/N^α + B/D^β", "",
            "| parameter | estimate [95% interval] |", "|---|---|"]
-  lines += [f"| {_SYMBOLS[k]} | {format_estimate(f.estimates[k], resamples=r)} |" for k in bootstrap.PARAMETRIC]
-  lines += ["", f"Huber (δ = {fit.DELTA:g}) on ln loss, L-BFGS-B from the {law['starts']} best "
-            f"of Hoffmann's {len(fit.hoffmann_grid()):,} grid points: {law['reached']} reached the "
-            f"optimum (objective {law['objective']:.6g}); {len(law['optima']) - 1} rival optima "
-            f"(within 25% of it); each resample refitted from {law['refit_starts']} start(s). Log-residual sd "
+  lines += [f"| {_SYMBOLS[k]} | {est(f.estimates[k])} |" for k in bootstrap.PARAMETRIC]
+  lines += ["", f"Huber (δ = {fit.DELTA:g}) on ln loss, L-BFGS-B from the {law['starts']} "
+            f"best of Hoffmann's {len(fit.hoffmann_grid()):,} grid points: {law['reached']} "
+            f"reached the optimum (objective {law['objective']:.6g}); "
+            f"{len(law['optima']) - 1} rival optima (within {fit.RIVAL - 1:.0%} of it); each "
+            f"resample refitted from {law['refit_starts']} start(s). Log-residual sd "
             f"{f.residual_sd:.4g} (the scatter of the prediction intervals)."]
   lines += ["", "### Approach 2: isoFLOP parabolas", "",
             "| budget C | runs | sizes | N from–to | N_opt [95%] | D_opt [95%] | loss at N_opt "
             "| usable in resamples | flag |", "|---:|---:|---:|---|---|---|---|---:|---|"]
   for row in f.budgets:
     lines.append(f"| {row['budget']:.3g} | {row['runs']} | {row['sizes']} | "
-                 f"{row['smallest']:.3g}–{row['largest']:.3g} | {format_estimate(row['N_opt'], 3)} | "
-                 f"{format_estimate(row['D_opt'], 3)} | {format_estimate(row['loss_opt'])} | "
-                 f"{row['N_opt']['resamples']} of {r} | {row['flag'] or 'usable'} |")
+                 f"{row['smallest']:.3g}–{row['largest']:.3g} | "
+                 f"{format_estimate(row['N_opt'], 3)} | {format_estimate(row['D_opt'], 3)} | "
+                 f"{format_estimate(row['loss_opt'])} | {row['N_opt']['resamples']} of {r} | "
+                 f"{row['flag'] or 'usable'} |")
   usable = sum(row["usable"] for row in f.budgets)
+  e = f.estimates
   lines += ["", f"Power laws over the {usable} usable budget(s): N_opt = k_N C^a with a = "
-            f"{format_estimate(f.estimates['isoflop a'], resamples=r)}, k_N = "
-            f"{format_estimate(f.estimates['isoflop k_N'], 3, r)}; D_opt = k_D C^b with b = "
-            f"{format_estimate(f.estimates['isoflop b'], resamples=r)}, k_D = "
-            f"{format_estimate(f.estimates['isoflop k_D'], 3, r)}. D_opt is interpolated in ln N "
-            "between the budget's own runs."]
+            f"{est(e['isoflop a'])}, k_N = {est(e['isoflop k_N'], 3)}; D_opt = k_D C^b with "
+            f"b = {est(e['isoflop b'])}, k_D = {est(e['isoflop k_D'], 3)}. D_opt is "
+            "interpolated in ln N between the budget's own runs."]
   lines += ["", "### Compute-optimal frontier", "",
             "| C | N_opt (3) | D_opt (3) | loss (3) | N_opt (2) | D_opt (2) |",
             "|---:|---|---|---|---|---|"]
   for k, row in enumerate(f.frontier):
     name = f"**{row['C']:.3g}** (target)" if k == len(f.frontier) - 1 else f"{row['C']:.3g}"
-    lines.append(f"| {name} | {format_estimate(row['N_opt'], 3, r)} | {format_estimate(row['D_opt'], 3, r)} | "
-                 f"{format_estimate(row['loss'], 4, r)} | {format_estimate(row['isoflop N_opt'], 3, r)} | "
-                 f"{format_estimate(row['isoflop D_opt'], 3, r)} |")
+    lines.append(f"| {name} | {est(row['N_opt'], 3)} | {est(row['D_opt'], 3)} | "
+                 f"{est(row['loss'])} | {est(row['isoflop N_opt'], 3)} | "
+                 f"{est(row['isoflop D_opt'], 3)} |")
   if f.held_out:
     outside = [row for row in f.held_out if row["outside"]]
     lines += ["", "### Held-out runs", "",
