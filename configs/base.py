@@ -63,6 +63,11 @@ def get_config() -> config_dict.ConfigDict:
   m.moe_d_ff = config_dict.placeholder(int)  # MoE: each expert's hidden width; None: d_ff
   m.num_shared_experts = 0  # MoE: always-on experts (DeepSeek), one MLP of this many x moe_d_ff
   m.moe_router = "softmax_topk_norm"  # MoE: a model/moe.py ROUTERS entry
+  m.moe_n_group = 1  # moe_router=deepseek: the experts in this many groups (DeepSeek-V3's n_group)
+  m.moe_topk_group = 1  # moe_router=deepseek: tokens choose among the experts of this many
+  #   groups, those with the best sums of their two best affinities (DeepSeek-V3's topk_group)
+  m.moe_routed_scaling_factor = 1.0  # moe_router=deepseek: the chosen experts' weights, which
+  #   sum to 1, times this (DeepSeek-V3's routed_scaling_factor, 2.5)
   m.moe_layers = config_dict.placeholder(tuple)  # MoE: the layers (0-based) with experts, the
   #   others dense (DeepSeek's first dense layers: (1, 2, ...)); None: every layer
   m.moe_capacity_factor = 0.0  # MoE: each expert takes at most ceil(this x tokens x k / E) of a

@@ -31,7 +31,7 @@ CHOICES = {
     "model.pooling": ("cls", "mean", "last"),
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
-    "model.moe_router": ("softmax_topk_norm", "softmax_topk"),
+    "model.moe_router": ("softmax_topk_norm", "softmax_topk", "deepseek"),
     "model.parametrization": ("sp", "mup"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
@@ -565,6 +565,13 @@ def _validate_moe(m: config_dict.ConfigDict) -> None:
     if m.num_shared_experts:
       _fail("model.num_shared_experts", m.num_shared_experts,
             "needs model.num_experts > 0 (a mixture of experts); set it to 0")
+    if m.moe_router == "deepseek":
+      _fail("model.moe_router", m.moe_router, "needs model.num_experts > 0 (a mixture of "
+            "experts); set model.num_experts")
+    for field, default in _DEEPSEEK_ROUTER.items():
+      if m[field] != default:
+        _fail(f"model.{field}", m[field], "needs model.num_experts > 0 and "
+              f"model.moe_router=deepseek; set it to {default}")
     return
   if m.family != "decoder":
     _fail("model.num_experts", m.num_experts,
@@ -579,6 +586,38 @@ def _validate_moe(m: config_dict.ConfigDict) -> None:
           "must be >= 0 (0: dropless; else each expert's capacity in tokens x k / E)")
   if m.moe_layers is not None:
     _validate_layer_tuple(m, "moe_layers")
+  _validate_deepseek_router(m)
+
+
+# The fields only `model.moe_router=deepseek` reads, with their defaults.
+_DEEPSEEK_ROUTER = {"moe_n_group": 1, "moe_topk_group": 1, "moe_routed_scaling_factor": 1.0}
+
+
+def _validate_deepseek_router(m: config_dict.ConfigDict) -> None:
+  """DeepSeek-V3's router fields (model/moe.py `route_sigmoid`): set only
+  under `moe_router=deepseek`; groups that split the experts, at least two
+  experts each, enough eligible experts for the top k."""
+  if m.moe_router != "deepseek":
+    for field, default in _DEEPSEEK_ROUTER.items():
+      if m[field] != default:
+        _fail(f"model.{field}", m[field], "is read by model.moe_router=deepseek only (not "
+              f"{m.moe_router}); set it to {default} or use moe_router=deepseek")
+    return
+  _check_positive(m, "model.moe_n_group", "model.")
+  _check_positive(m, "model.moe_topk_group", "model.")
+  if m.num_experts % m.moe_n_group or (m.moe_n_group > 1 and m.num_experts < 2 * m.moe_n_group):
+    _fail("model.moe_n_group", m.moe_n_group, f"must split model.num_experts={m.num_experts} "
+          "into equal groups of at least 2 experts (a group scores by its best two)")
+  if m.moe_topk_group > m.moe_n_group:
+    _fail("model.moe_topk_group", m.moe_topk_group,
+          f"must be <= model.moe_n_group={m.moe_n_group} (the groups a token may use)")
+  eligible = m.moe_topk_group * m.num_experts // m.moe_n_group
+  if m.experts_per_token > eligible:
+    _fail("model.experts_per_token", m.experts_per_token,
+          f"must be <= the {eligible} experts of model.moe_topk_group={m.moe_topk_group} groups")
+  if not (isinstance(m.moe_routed_scaling_factor, (int, float))
+          and m.moe_routed_scaling_factor > 0):
+    _fail("model.moe_routed_scaling_factor", m.moe_routed_scaling_factor, "must be positive")
 
 
 def _validate_rope_scaling(m: config_dict.ConfigDict) -> None:

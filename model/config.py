@@ -93,6 +93,9 @@ class ModelConfig:
   moe_d_ff: int
   num_shared_experts: int
   moe_router: str
+  moe_n_group: int
+  moe_topk_group: int
+  moe_routed_scaling_factor: float
   moe_layers: tuple[int, ...]
   moe_capacity_factor: float
   use_bias: bool

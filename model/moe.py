@@ -7,7 +7,8 @@ a layer's parameters. A mixture-of-experts layer keeps E such MLPs
 `model.mlp` activation) and a router, a d x E matrix: for each token the
 router's softmax over the experts picks the k best (`model.experts_per_token`)
 and the layer returns their outputs weighted by the router's probabilities
-(`ROUTERS`: renormalised over the k, as Mixtral, or not). A token then costs
+(`ROUTERS`: renormalised over the k, as Mixtral, or not; or DeepSeek-V3's
+sigmoid affinities, group-limited and scaled: `route_sigmoid`). A token then costs
 k experts' FLOPs while the layer stores E experts' parameters: more
 knowledge at the same compute (Switch, Mixtral, Qwen3-MoE, DeepSeek).
 `model.num_shared_experts` adds always-on experts (DeepSeek; Qwen2-MoE's
@@ -60,11 +61,13 @@ from model.registry import Registry
 @dataclasses.dataclass(frozen=True)
 class Router:
   """A `model.moe_router` choice: softmax over the experts, the top k, and
-  whether their weights are renormalised to sum to 1."""
+  whether their weights are renormalised to sum to 1; with `sigmoid`,
+  DeepSeek-V3's group-limited sigmoid routing instead (`route_sigmoid`)."""
   name: str
   doc: str
   normalize: bool
   reads: tuple[str, ...] = ()
+  sigmoid: bool = False
 
 
 ROUTERS = Registry("model.moe_router", [
@@ -72,6 +75,10 @@ ROUTERS = Registry("model.moe_router", [
            "(Mixtral; Qwen3-MoE with norm_topk_prob)", True),
     Router("softmax_topk", "softmax over the experts, the top k weighted by their "
            "probabilities (Switch, Qwen2-MoE; Qwen3-MoE without norm_topk_prob)", False),
+    Router("deepseek", "sigmoid affinities, the top k of the best moe_topk_group of "
+           "moe_n_group expert groups, renormalised to sum 1 and scaled by "
+           "moe_routed_scaling_factor (DeepSeek-V3)", True,
+           reads=("moe_n_group", "moe_topk_group", "moe_routed_scaling_factor"), sigmoid=True),
 ])
 
 
@@ -93,6 +100,41 @@ def route(logits_NE, k: int, normalize: bool):
   if normalize:
     weights_NK = weights_NK / weights_NK.sum(axis=-1, keepdims=True)
   return weights_NK, experts_NK.astype(jnp.int32), probs_NE
+
+
+def route_sigmoid(logits_NE, k: int, *, n_group: int, topk_group: int, scale: float,
+                  bias_E=None):
+  """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter), as `route`
+  returns it: sigmoid affinities s [N, E]; the experts in `n_group` groups of
+  E / n_group, a group scored by the sum of its two best s + `bias_E`, only
+  the best `topk_group` groups eligible; the top k of s + `bias_E` among
+  them; their weights s (the bias selects, it does not weigh) renormalised to
+  sum 1 and times `scale`. The probabilities returned are s / sum s, each
+  token's affinities normalised (what the balance statistics read)."""
+  scores_NE = jax.nn.sigmoid(logits_NE.astype(jnp.float32))
+  choice_NE = scores_NE if bias_E is None else scores_NE + bias_E.astype(jnp.float32)
+  N, E = scores_NE.shape
+  if n_group > 1:
+    group_NG = jax.lax.top_k(choice_NE.reshape(N, n_group, E // n_group), 2)[0].sum(-1)
+    best_NG = jax.lax.top_k(group_NG, topk_group)[1]
+    eligible_NG = jnp.zeros((N, n_group), bool).at[jnp.arange(N)[:, None], best_NG].set(True)
+    choice_NE = jnp.where(jnp.repeat(eligible_NG, E // n_group, axis=1), choice_NE, -jnp.inf)
+  experts_NK = jax.lax.top_k(choice_NE, k)[1]
+  weights_NK = jnp.take_along_axis(scores_NE, experts_NK, axis=1)
+  weights_NK = weights_NK / (weights_NK.sum(axis=-1, keepdims=True) + 1e-20) * scale
+  probs_NE = scores_NE / scores_NE.sum(axis=-1, keepdims=True)
+  return weights_NK, experts_NK.astype(jnp.int32), probs_NE
+
+
+def routing(cfg):
+  """The routing function of a model config's `model.moe_router`: logits
+  [N, E] -> (weights [N, k], experts [N, k], probabilities [N, E])."""
+  entry = ROUTERS[cfg.moe_router]
+  if entry.sigmoid:
+    return functools.partial(route_sigmoid, k=cfg.experts_per_token, n_group=cfg.moe_n_group,
+                             topk_group=cfg.moe_topk_group,
+                             scale=cfg.moe_routed_scaling_factor)
+  return functools.partial(route, k=cfg.experts_per_token, normalize=entry.normalize)
 
 
 def _sums(logits_NE, probs_NE, counts_E, kept_E, real_N):
@@ -157,10 +199,12 @@ def grouped_mlp(rows_RM, groups_E, up_EMF, gate_EMF, down_EFM, *, activation, dt
   return grouped(h_RF, down_EFM).astype(jnp.float32)
 
 
-def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize: bool,
-               activation, dtype, capacity_factor: float = 0.0, experts=None, real_N=None):
+def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize: bool = True,
+               activation, dtype, capacity_factor: float = 0.0, experts=None, real_N=None,
+               router=None):
   """The experts' output for tokens [N, M] (float32) and their statistics'
-  `_sums`: route, sort the N k assignments by expert (`sort_by_expert`), run
+  `_sums`: route (`router`, a `routing` function; None: `route` with
+  `normalize`), sort the N k assignments by expert (`sort_by_expert`), run
   each expert's group through its matrices, scatter back and weigh.
   `experts`: how the sorted rows reach their experts; None: `grouped_mlp`
   here (every expert's weights on this device), else `expert_parallel`.
@@ -168,7 +212,8 @@ def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize
   (their output is zero), take no capacity and count in no statistic."""
   N, M = x_NM.shape
   logits_NE = jnp.dot(x_NM.astype(jnp.float32), router_ME.astype(jnp.float32))
-  weights_NK, experts_NK, probs_NE = route(logits_NE, k, normalize)
+  weights_NK, experts_NK, probs_NE = (route(logits_NE, k, normalize) if router is None
+                                      else router(logits_NE))
   E = probs_NE.shape[-1]
   real_A = None if real_N is None else jnp.repeat(real_N, k)
   order_A, kept_E, counts_E = sort_by_expert(experts_NK.reshape(-1), E,
@@ -295,7 +340,7 @@ class MoE(nnx.Module):
     kind = MLPS[cfg.mlp]
     self.activation = kind.activation
     self.k = cfg.experts_per_token
-    self.normalize = ROUTERS[cfg.moe_router].normalize
+    self.routing = routing(cfg)
     self.capacity_factor = cfg.moe_capacity_factor
     self.dtype = cfg.dtype
     self.router = Dense(d, (E,), ("embed", None), use_bias=False, cfg=cfg, rngs=rngs,
@@ -312,7 +357,7 @@ class MoE(nnx.Module):
     real_BT = jnp.ones((B, T), bool) if real_BT is None else real_BT
     weights = (self.router.kernel[...], self.up.kernel[...],
                None if self.gate is None else self.gate.kernel[...], self.down.kernel[...])
-    tokens = functools.partial(moe_tokens, k=self.k, normalize=self.normalize,
+    tokens = functools.partial(moe_tokens, k=self.k, router=self.routing,
                                activation=self.activation, dtype=self.dtype,
                                capacity_factor=self.capacity_factor)
 

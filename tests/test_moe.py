@@ -14,7 +14,7 @@ from configs.validation import validate
 from model import accounting, build_model
 from model.config import ModelConfig
 from model.mlp import MLPS
-from model.moe import MoE, ROUTERS
+from model.moe import MoE, ROUTERS, routing
 from training import steps
 
 
@@ -47,9 +47,12 @@ def test_moe_layer_equals_a_loop_over_each_tokens_experts(router, mlp, shared):
   for b in range(2):
     for t in range(5):
       x_m = np.asarray(x[b, t])
-      probs = np.asarray(jax.nn.softmax(x_m @ router_w))
-      chosen = np.argsort(-probs)[:cfg.experts_per_token]
-      weights = probs[chosen] / (probs[chosen].sum() if ROUTERS[router].normalize else 1.0)
+      if ROUTERS[router].sigmoid:  # its routing against transformers': test_router_deepseek.py
+        weights, chosen, _ = (np.asarray(a[0]) for a in routing(cfg)(x_m[None] @ router_w))
+      else:
+        probs = np.asarray(jax.nn.softmax(x_m @ router_w))
+        chosen = np.argsort(-probs)[:cfg.experts_per_token]
+        weights = probs[chosen] / (probs[chosen].sum() if ROUTERS[router].normalize else 1.0)
       for e, w in zip(chosen, weights):
         hidden = np.asarray(act(x_m @ gate[e])) * (x_m @ up[e]) if gate is not None else (
             np.asarray(act(x_m @ up[e])))

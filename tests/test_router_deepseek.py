@@ -1,0 +1,114 @@
+"""`model.moe_router=deepseek` (`model/moe.py` `route_sigmoid`): DeepSeek-V3's
+group-limited sigmoid routing equals transformers' DeepseekV3TopkRouter on
+the same weights (and selection bias), in a layer and in training, and its
+fields' mistakes are one line."""
+import jax
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+from configs import base
+from configs.errors import UserError
+from configs.validation import validate
+from model.config import ModelConfig
+from model.moe import MoE, route_sigmoid, routing
+
+
+def _config(**fields):
+  c = base.get_config()
+  c.tokenizer.vocab_size = 64
+  c.model.update(vocab_size=64, d_model=32, num_heads=4, d_ff=48, num_experts=8,
+                 experts_per_token=3, moe_d_ff=24, moe_router="deepseek", **fields)
+  return c
+
+
+@pytest.mark.parametrize("n_group,topk_group,scale", [(1, 1, 1.0), (4, 2, 2.5), (2, 1, 1.5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_routing_equals_transformers(n_group, topk_group, scale, bias):
+  """The chosen experts and their weights are transformers': the group
+  limit (only topk_group of n_group groups, a group scored by its best two
+  affinities plus bias), the bias selecting but not weighing, the k weights
+  renormalised and scaled by routed_scaling_factor."""
+  E, k, d, N = 8, 2 if topk_group == 1 and n_group == 4 else 3, 16, 64
+  hf = DeepseekV3TopkRouter(DeepseekV3Config(
+      hidden_size=d, n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
+      topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=scale))
+  gen = np.random.default_rng(0)
+  weight = gen.normal(size=(E, d)).astype(np.float32)
+  x = gen.normal(size=(N, d)).astype(np.float32)
+  bias_E = (gen.normal(size=E) * 0.3).astype(np.float32) if bias else None
+  with torch.no_grad():
+    hf.weight.copy_(torch.from_numpy(weight))
+    if bias:
+      hf.e_score_correction_bias.copy_(torch.from_numpy(bias_E))
+    _, want_w, want_i = hf(torch.from_numpy(x))
+  logits = x @ weight.T
+  got_w, got_i, probs = route_sigmoid(logits, k, n_group=n_group, topk_group=topk_group,
+                                      scale=scale, bias_E=bias_E)
+  # transformers' topk is unsorted: compare each token's (expert, weight) pairs as sets.
+  order_got, order_want = np.argsort(np.asarray(got_i)), np.argsort(want_i.numpy())
+  got_i_s = np.take_along_axis(np.asarray(got_i), order_got, 1)
+  want_i_s = np.take_along_axis(want_i.numpy(), order_want, 1)
+  np.testing.assert_array_equal(got_i_s, want_i_s)
+  np.testing.assert_allclose(np.take_along_axis(np.asarray(got_w), order_got, 1),
+                             np.take_along_axis(want_w.numpy(), order_want, 1), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got_w).sum(-1), scale, rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(probs).sum(-1), 1.0, rtol=1e-6)
+  if n_group > 1:  # the group limit binds: some token's chosen experts differ without it
+    free_i = np.sort(np.asarray(route_sigmoid(logits, k, n_group=1, topk_group=1, scale=scale,
+                                              bias_E=bias_E)[1]), axis=1)
+    assert (free_i != got_i_s).any()
+    groups = got_i_s // (E // n_group)
+    assert all(len(set(row)) <= topk_group for row in groups)
+
+
+def test_layer_routes_as_transformers():
+  """The MoE layer under moe_router=deepseek routes with the config's group
+  fields: its `routing` is transformers' router on the layer's weights."""
+  cfg = ModelConfig.resolve(_config(moe_n_group=4, moe_topk_group=2,
+                                    moe_routed_scaling_factor=2.5).model)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  x = np.array(jax.random.normal(jax.random.key(1), (10, cfg.d_model)))
+  w = np.asarray(layer.router.kernel[...])
+  hf = DeepseekV3TopkRouter(DeepseekV3Config(
+      hidden_size=cfg.d_model, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+      topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5))
+  with torch.no_grad():
+    hf.weight.copy_(torch.from_numpy(w.T.copy()))
+    _, want_w, want_i = hf(torch.from_numpy(x))
+  got_w, got_i, _ = routing(cfg)(x @ w)
+  np.testing.assert_array_equal(np.sort(np.asarray(got_i), 1), np.sort(want_i.numpy(), 1))
+  np.testing.assert_allclose(np.sort(np.asarray(got_w), 1), np.sort(want_w.numpy(), 1),
+                             rtol=1e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(moe_router="softmax_topk_norm", moe_n_group=2),
+     "model.moe_n_group=2: is read by model.moe_router=deepseek only"),
+    (dict(moe_router="softmax_topk", moe_routed_scaling_factor=2.5),
+     "model.moe_routed_scaling_factor=2.5: is read by model.moe_router=deepseek only"),
+    (dict(num_experts=0, moe_d_ff=None),
+     "model.moe_router='deepseek': needs model.num_experts > 0"),
+    (dict(num_experts=0, moe_d_ff=None, moe_router="softmax_topk_norm", moe_topk_group=2),
+     "model.moe_topk_group=2: needs model.num_experts > 0 and model.moe_router=deepseek"),
+    (dict(moe_n_group=3), "model.moe_n_group=3: must split model.num_experts=8"),
+    (dict(moe_n_group=8), "model.moe_n_group=8: must split model.num_experts=8 into equal "
+     "groups of at least 2"),
+    (dict(moe_n_group=2, moe_topk_group=3), "model.moe_topk_group=3: must be <= "
+     "model.moe_n_group=2"),
+    (dict(moe_n_group=4, moe_topk_group=1), "model.experts_per_token=3: must be <= the 2 "
+     "experts of model.moe_topk_group=1 groups"),
+    (dict(moe_routed_scaling_factor=0.0), "model.moe_routed_scaling_factor=0.0: must be "
+     "positive"),
+    (dict(moe_n_group=0), "model.moe_n_group=0: must be a positive integer"),
+])
+def test_bad_deepseek_router_settings_are_one_line(overrides, message):
+  c = _config()
+  c.model.update(**overrides)
+  with pytest.raises(UserError, match="^config field " + message.replace("(", r"\(").replace(
+      ")", r"\)")) as err:
+    validate(c)
+  assert "\n" not in str(err.value)
