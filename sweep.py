@@ -1,4 +1,4 @@
-"""Ablation sweeps: python sweep.py run | status | report
+"""Ablation sweeps: python sweep.py run | status | report | scaling
 
   python sweep.py run --sweep configs/sweeps/pos_norm.py [--config configs/tiny.py]
       [--root runs/sweeps/pos_norm] [--launcher local|slurm] [--parallel N] [--dry_run]
@@ -12,6 +12,10 @@
   python sweep.py report --root runs/sweeps/pos_norm [--baseline VARIANT]
       # report.md, report.csv (per run), report_summary.csv (per variant), PNGs
       [--from_csv]   # only the statistics, from report.csv: for a report whose runs are gone
+  python sweep.py scaling --root runs/sweeps/ladder [--params params|params_non_embedding]
+      [--holdout 'budget>=1e13'] [--resamples 1000] [--out runs/sweeps/ladder/scaling]
+      # scaling laws fitted to a ladder's finished runs (configs/sweeps/ladder.py,
+      # docs/scaling.md): scaling.json, scaling.md and plots in --out
 
 Running `run` again resumes the unfinished variants and skips the done ones.
 Locally, `run` says each run's start, its warnings, its result as it ends
@@ -28,6 +32,7 @@ The library is sweeps/; SLURM details in docs/slurm.md.
 """
 import os
 import sys
+import time
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -36,6 +41,7 @@ from configs.cli import parse_flags
 from configs.errors import UserError
 import sweeps as sweep_lib
 from sweeps.common import command_exits
+from sweeps.scaling import report as scaling_report
 from training.workdir import describe_changes
 
 _SWEEP = flags.DEFINE_string("sweep", None, "run: a configs/sweeps/*.py file.")
@@ -66,6 +72,14 @@ _FROM_CSV = flags.DEFINE_bool("from_csv", False, "report: recompute only the sta
                               "<root>/report.csv, for a report whose runs are gone.")
 _RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
                                    "with another config in place (old workdirs set aside).")
+_PARAMS = flags.DEFINE_enum("params", "params", list(sweep_lib.SCALING_PARAMS), "scaling: the parameter count N "
+                            "the laws use: every parameter (Chinchilla's) or the "
+                            "non-embedding ones (Kaplan's).")
+_HOLDOUT = flags.DEFINE_string("holdout", None, "scaling: runs predicted, not fitted: "
+                               "'budget>=X' (FLOPs).")
+_RESAMPLES = flags.DEFINE_integer("resamples", 1000, "scaling: bootstrap resamples.",
+                                  lower_bound=100)
+_OUT = flags.DEFINE_string("out", None, "scaling: output directory (default: <root>/scaling).")
 _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
 _TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
@@ -164,11 +178,33 @@ def run(overrides: list[str]) -> int:
   return 0
 
 
+def scaling() -> None:
+  """Fits the laws to the sweep's finished runs; prints the exponents, the
+  flags, what was fitted and the time."""
+  start = time.perf_counter()
+  out = _OUT.value or os.path.join(_ROOT.value, "scaling")
+  result, paths, unfinished = sweep_lib.fit_sweep(_ROOT.value, out, _PARAMS.value,
+                                                  _HOLDOUT.value, _RESAMPLES.value)
+  for f in result.fits:
+    e = {key: scaling_report.format_estimate(f.estimates[key], 3)
+         for key in ("alpha", "beta", "a", "isoflop a")}
+    print(f"{f.name}: alpha {e['alpha']}, beta {e['beta']}; N_opt ∝ C^a with a "
+          f"{e['a']} (approach 3), {e['isoflop a']} (approach 2)")
+  for line in scaling_report.flags(result):
+    print(f"flag: {line}")
+  held = int(result.runs.held_out.sum())
+  if unfinished:
+    print(f"left out {unfinished} unfinished run(s); `python sweep.py status --root "
+          f"{_ROOT.value}` says where they stand")
+  print(f"fitted {len(result.runs.n) - held} runs ({held} held out), {result.resamples} "
+        f"resamples, in {time.perf_counter() - start:.1f} s; wrote {', '.join(paths)}")
+
+
 def main(argv):
   commands = [arg for arg in argv[1:] if not arg.startswith("--config.")]
   overrides = argv[1 + len(commands):]
-  if len(commands) != 1 or commands[0] not in ("run", "status", "report"):
-    raise app.UsageError("give one command: run, status or report")
+  if len(commands) != 1 or commands[0] not in ("run", "status", "report", "scaling"):
+    raise app.UsageError("give one command: run, status, report or scaling")
   if overrides and commands[0] != "run":
     raise app.UsageError(f"{commands[0]} takes no --config.* overrides")
   with command_exits("variants"):
@@ -181,6 +217,8 @@ def main(argv):
       raise UserError(f"{commands[0]} needs --root (the sweep's directory)")
     if commands[0] == "status":
       print("\n".join(sweep_lib.status_lines(_ROOT.value)))
+    elif commands[0] == "scaling":
+      scaling()
     else:
       write = sweep_lib.rebuild_statistics if _FROM_CSV.value else sweep_lib.write_report
       print("wrote " + ", ".join(write(_ROOT.value, _BASELINE.value)))

@@ -41,6 +41,7 @@ One module per job:
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv, report_summary.csv and the plots
   stats.py       the statistics over seeds: intervals, Welch's and the paired test, Holm
+  scaling/       scaling laws fitted to a ladder's runs (from_sweep.py: `sweep.py scaling`)
 """
 from sweeps.common import Terminated, command_exits
 from sweeps.console import Console
@@ -53,3 +54,4 @@ from sweeps.grid import grid_sweep, parse_grid, select
 from sweeps.sweep_file import (DEFAULT_GRID_CONFIG, Sweep, expand, format_value, load_sweep,
                                variant_name, with_default_config)
 from sweeps.variants import Variant, describe, few_points, load_config, make_variants
+from sweeps.scaling.from_sweep import PARAMS as SCALING_PARAMS, fit_sweep, sweep_rows

@@ -1,0 +1,129 @@
+"""A compute ladder on configs/tiny.py for scaling laws: at each FLOP budget of
+BUDGETS, SIZES models spaced evenly in log N around the budget's
+compute-optimal size, each trained for exactly that budget
+(`train.flop_budget`); `sweep.py scaling` fits the laws to the runs
+(docs/scaling.md).
+
+  python sweep.py run --sweep configs/sweeps/ladder.py [--seeds 3] [--parallel 2]
+  python sweep.py scaling --root runs/sweeps/ladder
+
+The size family is one rule: width k (2 <= k <= 64) is d_model = 8k, d_ff =
+3 d_model (tiny's ratio), and tiny's 2 layers and 4 heads (head_dim = 2k).
+Only the width grows, with the head count fixed, as μP widens a model
+(docs/models.md, "μP"). N is a size's every parameter, embeddings included
+(Chinchilla's count), by the closed forms of model/accounting.py, which also
+give its training FLOPs per token F(N) (attention included).
+
+A budget C's compute-optimal size is the N at which C buys D = C / F(N) =
+TOKENS_PER_PARAM x N tokens (Chinchilla's ~20 tokens per parameter,
+interpolated in log N between widths); its sizes aim at that N times
+SPACING^j, j = -2..2 for five sizes, each the width nearest in log N. A
+budget whose aims the family cannot meet (a size farther than SPACING^(1/4)
+from its aim, two aims on one width) or whose cells would train fewer than
+1 or more than MAX_STEPS steps at CONFIG's batch is refused in one line that
+names the budgets the family can take. Each cell (budget, size; x seed with
+--seeds) is named `flop_budget=<C>,d_model=<d>,d_ff=<f>`, from which
+`sweep.py scaling` reads the budget and the size.
+
+VARIANTS (empty: one ladder) makes one sweep of several ladders, an
+override dict each, e.g. [{"model.pos_emb": "rope"}, {"model.pos_emb":
+"learned"}]: every cell runs under each, named
+`pos_emb=rope,flop_budget=...`, and `sweep.py scaling` fits one law per
+variant and compares them. The sizes are chosen on CONFIG alone; a variant
+or --config.* override that changes a model's parameters or FLOPs moves its
+cells off the aims (its budgets stay exact: train.flop_budget).
+
+The learning rate is tiny's at every size. Under
+`--config.model.parametrization=mup --config.model.mup_base_width=128` the
+learning rate tuned at the base width serves every width: in the transfer
+sweep of docs/models.md ("μP"; configs/sweeps/mup_transfer.py, one seed,
+200 steps) the best AdamW rate under μP was the same, 2^-9, at widths 128,
+256 and 512, where under the standard parametrization it moved. That was
+measured from 128 to 512 only; this ladder's widths reach below it.
+"""
+import math
+
+from configs import tiny
+from configs.errors import UserError
+
+NAME = "ladder"
+CONFIG = "configs/tiny.py"
+BUDGETS = (1e12, 3e12, 1e13, 3e13)  # training FLOPs per run
+SIZES = 5  # sizes per budget
+SPACING = 2.0  # N of a budget's neighbouring sizes, one over the other
+TOKENS_PER_PARAM = 20.0  # Chinchilla's compute-optimal D / N
+WIDTHS = range(2, 65)  # k: d_model = 8k
+MAX_STEPS = 100_000
+VARIANTS = []
+
+
+def size(k: int) -> dict:
+  """Width k's overrides of CONFIG: the family's one rule."""
+  return {"model.d_model": 8 * k, "model.d_ff": 24 * k}
+
+
+def family(config) -> list[tuple[dict, int, int]]:
+  """(overrides, N, training FLOPs per token) of each width of `config`."""
+  # Imported here: configs/ never imports model/ (tests/test_layering.py), and
+  # the sweep file is a module of configs/.
+  from model import accounting  # pylint: disable=import-outside-toplevel
+  out = []
+  for k in WIDTHS:
+    model = config.model.copy_and_resolve_references()
+    for field, value in size(k).items():
+      model[field.split(".", 1)[1]] = value
+    out.append((size(k), accounting.formula_params(model)["params_total"],
+                accounting.flops_per_token(model, config.train.seq_len, train=True)))
+  return out
+
+
+def optimal_params(budget: float, sizes: list[tuple[dict, int, int]]) -> float:
+  """The N at which `budget` buys TOKENS_PER_PARAM tokens per parameter,
+  log-linear between the widths around it (extrapolated past the ends)."""
+  ratios = [math.log(budget / f / n / TOKENS_PER_PARAM) for _, n, f in sizes]  # falls with N
+  i = next((i for i in range(1, len(sizes) - 1) if ratios[i] <= 0), len(sizes) - 1)
+  (_, n0, _), (_, n1, _) = sizes[i - 1], sizes[i]
+  t = ratios[i - 1] / (ratios[i - 1] - ratios[i])
+  return math.exp(math.log(n0) + t * (math.log(n1) - math.log(n0)))
+
+
+def _cells(budget: float, sizes: list, tokens_per_step: int) -> tuple[list | None, str]:
+  """The budget's sizes (overrides, N, steps), or None and why not."""
+  n_opt = optimal_params(budget, sizes)
+  picked = []
+  for j in range(SIZES):
+    aim = n_opt * SPACING ** (j - (SIZES - 1) / 2)
+    overrides, n, f = min(sizes, key=lambda s, aim=aim: abs(math.log(s[1] / aim)))
+    if abs(math.log(n / aim)) > math.log(SPACING) / 4:
+      return None, f"no width of the family is within {SPACING ** 0.25:.2f}x of N={aim:.3g}"
+    if picked and picked[-1][0] == overrides:
+      return None, f"N={aim:.3g} and its neighbour fall on one width"
+    steps = int(budget // (f * tokens_per_step))
+    if not 1 <= steps <= MAX_STEPS:
+      return None, f"N={n:.3g} would train {steps} steps (1 to MAX_STEPS={MAX_STEPS})"
+    picked.append((overrides, n, steps))
+  return picked, ""
+
+
+def ladder(budgets, variants: list[dict], config) -> list[dict]:
+  """The sweep's override dicts: each variant x budget x size."""
+  sizes = family(config)
+  tokens_per_step = config.train.batch_size * config.train.seq_len
+  rows = []
+  for budget in budgets:
+    cells, why = _cells(budget, sizes, tokens_per_step)
+    if cells is None:
+      takes = [f * TOKENS_PER_PARAM * n for _, n, f in sizes]
+      takes = [c for c in takes if _cells(c, sizes, tokens_per_step)[0] is not None]
+      span = (f"from {min(takes):.2g} to {max(takes):.2g} FLOPs" if takes else "none")
+      raise UserError(f"ladder budget {budget:g}: {why}; the family (d_model 16 to 512) "
+                      f"takes budgets {span}: change BUDGETS")
+    # The budget as text ("1e+12", parsed as the float field) keeps the names short.
+    rows += [{"train.flop_budget": f"{budget:g}", **overrides} for overrides, _, _ in cells]
+  if not variants:
+    return rows
+  return [{**extra, **row} for extra in variants for row in rows]
+
+
+def get_sweep():
+  return ladder(BUDGETS, VARIANTS, tiny.get_config())

@@ -1,0 +1,129 @@
+"""The ladder sweep (configs/sweeps/ladder.py) and `sweep.py scaling`: five
+sizes per budget spaced evenly in log N around the compute-optimal one, a
+budget the family cannot take refused in one line, the dry run's commands,
+the laws fitted to a ladder's finished runs (the unfinished counted out),
+and a small ladder run end to end."""
+import importlib.util
+import json
+import math
+import os
+
+import numpy as np
+from ml_collections import config_dict
+import pytest
+
+from configs import tiny
+from configs.errors import UserError
+from model import accounting
+import sweeps as sweep_lib
+from sweeps.scaling import synthetic
+from sweeps.state import REPORT
+from tests.helpers import ROOT, small_flags, sweep_cli, TINY, write_sweep
+
+LADDER = str(ROOT / "configs" / "sweeps" / "ladder.py")
+
+
+@pytest.fixture(scope="module")
+def ladder():
+  spec = importlib.util.spec_from_file_location("ladder", LADDER)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
+  family = ladder.family(tiny.get_config())
+  params = {json.dumps(overrides): n for overrides, n, _ in family}
+  sweep = ladder.get_sweep()
+  budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep))
+  assert len(budgets) >= 4 and budgets[-1] / budgets[0] >= 30
+  for budget in budgets:
+    cells = [v for v in sweep if float(v["train.flop_budget"]) == budget]
+    n = sorted(params[json.dumps({f: v for f, v in c.items() if f != "train.flop_budget"})]
+               for c in cells)
+    assert len(n) >= 5
+    gaps = np.diff(np.log(n)) / math.log(ladder.SPACING)
+    assert np.all((gaps > 0.5) & (gaps < 1.5)), (budget, n)
+    n_opt = ladder.optimal_params(budget, family)
+    assert n[1] < n_opt < n[-2], (budget, n, n_opt)
+    # At the optimum the budget buys TOKENS_PER_PARAM tokens a parameter.
+    f = np.interp(math.log(n_opt), np.log([s[1] for s in family]), [s[2] for s in family])
+    assert budget / f / n_opt == pytest.approx(ladder.TOKENS_PER_PARAM, rel=0.02)
+
+
+def test_a_variant_axis_runs_every_cell_under_each_variant(ladder):
+  rows = ladder.ladder([1e13], [{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}],
+                       tiny.get_config())
+  assert len(rows) == 10
+  assert [r["model.pos_emb"] for r in rows] == ["rope"] * 5 + ["learned"] * 5
+  assert len({sweep_lib.variant_name(r) for r in rows}) == 10
+
+
+def test_a_budget_the_family_cannot_take_is_one_line_exit_2(ladder, tmp_path):
+  with pytest.raises(UserError, match=r"ladder budget 1e\+09: .* takes budgets from "):
+    ladder.ladder([1e9], [], tiny.get_config())
+  text = open(LADDER, encoding="utf-8").read()
+  assert "BUDGETS = (1e12, 3e12, 1e13, 3e13)" in text
+  path = write_sweep(tmp_path, text.replace("BUDGETS = (1e12, 3e12, 1e13, 3e13)",
+                                            "BUDGETS = (1e12, 1e17)"))
+  result = sweep_cli("run", "--sweep", path, "--dry_run", "--root", str(tmp_path / "root"))
+  assert result.returncode == 2, result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert len(lines) == 1 and "ladder budget 1e+17" in lines[0] and "BUDGETS" in lines[0]
+  assert not (tmp_path / "root").exists()
+
+
+def test_the_dry_run_prints_each_cells_train_and_eval_commands(tmp_path):
+  result = sweep_cli("run", "--sweep", LADDER, "--dry_run", "--root", str(tmp_path))
+  assert result.returncode == 0, result.stderr
+  names = [line[:-1] for line in result.stdout.splitlines() if line.endswith(":")]
+  assert len(names) == 20 and names[0] == "flop_budget=1e+12,d_model=16,d_ff=48"
+  train = result.stdout.splitlines()[1]
+  assert ("--config.train.flop_budget=1e+12 --config.model.d_model=16 "
+          "--config.model.d_ff=48") in train and "/configs/tiny.py" in train
+  assert not os.listdir(tmp_path)
+
+
+def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path):
+  """The ladder's manifest, every run but one given an eval report whose loss
+  follows a known law: `sweep.py scaling` fits 19 runs, says 1 is left out."""
+  root = str(tmp_path / "root")
+  sweep = sweep_lib.load_sweep(LADDER)
+  variants = sweep_lib.make_variants(sweep, TINY, [], root)
+  sweep_lib.write_manifest(root, sweep, TINY, [], variants, None)
+  rng = np.random.default_rng(0)
+  law = synthetic.TRUTH
+  for variant in variants[1:]:
+    config = config_dict.ConfigDict(variant.config)
+    n = accounting.formula_params(config.model)["params_total"]
+    d = variant.num_steps * config.train.batch_size * config.train.seq_len
+    loss = (law["E"] + law["A"] / n ** law["alpha"] + law["B"] / d ** law["beta"]) * float(
+        np.exp(rng.normal(0, 0.005)))
+    os.makedirs(variant.workdir)
+    with open(os.path.join(variant.workdir, REPORT), "w", encoding="utf-8") as f:
+      json.dump({"step": variant.num_steps, "loss": loss}, f)
+  result = sweep_cli("scaling", "--root", root, "--resamples", "100")
+  assert result.returncode == 0, result.stderr
+  assert "left out 1 unfinished run(s)" in result.stdout
+  assert "fitted 19 runs (0 held out)" in result.stdout
+  out = json.load(open(os.path.join(root, "scaling", "scaling.json"), encoding="utf-8"))
+  text = json.dumps(out)
+  assert "params" in text and "base" in text
+  wrong = sweep_cli("scaling", "--root", root, "--params", "tokens")
+  assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # 12 runs of train.py and eval.py: about 3 minutes on 2 loaded cores
+def test_a_small_ladder_runs_end_to_end_into_scaling_json(tmp_path):
+  sizes = [{"model.d_model": d, "model.d_ff": 2 * d} for d in (16, 24, 32, 48)]
+  body = ("def get_sweep():\n  return [" + ", ".join(
+      repr({"train.flop_budget": c, **s}) for c in (4e7, 8e7, 1.6e8) for s in sizes) + "]\n")
+  path = write_sweep(tmp_path, body)
+  flags = [f for f in small_flags(tmp_path / "cache") if "num_steps" not in f]
+  root = str(tmp_path / "root")
+  result = sweep_cli("run", "--sweep", path, "--config", TINY, "--root", root, *flags)
+  assert result.returncode == 0, result.stdout + result.stderr
+  result = sweep_cli("scaling", "--root", root, "--resamples", "100")
+  assert result.returncode == 0, result.stderr
+  assert "fitted 12 runs" in result.stdout
+  assert os.path.isfile(os.path.join(root, "scaling", "scaling.json"))
