@@ -222,6 +222,8 @@ def get_config() -> config_dict.ConfigDict:
   tr.z_loss = 0.0  # weight of the z-loss, mean log^2 Z of the softmax normaliser (PaLM: 1e-4)
   tr.moe_aux_loss = 0.0  # mixture of experts: weight of the load-balancing loss (Mixtral: 0.02)
   tr.router_z_loss = 0.0  # mixture of experts: weight of the router z-loss (ST-MoE: 1e-3)
+  tr.moe_seq_aux_loss = 0.0  # mixture of experts: weight of DeepSeek-V3's sequence-wise balance
+  #   loss, sum_e f_e P_e per sequence (its alpha, 1e-4)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same

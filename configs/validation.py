@@ -684,7 +684,7 @@ def validate(config: config_dict.ConfigDict) -> None:
     _fail("data.tokenize_wait_s", config.data.tokenize_wait_s, "must be positive")
   if not config.train.z_loss >= 0:
     _fail("train.z_loss", config.train.z_loss, "must be >= 0 (0: no z-loss)")
-  for field in ("moe_aux_loss", "router_z_loss"):
+  for field in ("moe_aux_loss", "router_z_loss", "moe_seq_aux_loss"):
     if not config.train[field] >= 0:
       _fail(f"train.{field}", config.train[field], "must be >= 0 (0: none)")
     if config.train[field] and not config.model.num_experts:

@@ -39,7 +39,8 @@ and the fraction of assignments dropped (0 when dropless), all over the
 real tokens: padding tokens (segment id 0) reach no expert, take no
 capacity and count in no statistic. Training adds
 `train.moe_aux_loss` x the first and `train.router_z_loss` x the second,
-averaged over the MoE layers.
+averaged over the MoE layers, and `train.moe_seq_aux_loss` x DeepSeek-V3's
+sequence-wise balance loss, the same product per sequence (`_seq_sums`).
 """
 import dataclasses
 import functools
@@ -84,12 +85,14 @@ ROUTERS = Registry("model.moe_router", [
 
 class MoEStats(NamedTuple):
   """One layer's router statistics (float32; see the module docstring): four
-  scalars and `share`, each expert's fraction of the assignments [E]."""
+  scalars, `share`, each expert's fraction of the assignments [E], and
+  `seq_aux_loss`, DeepSeek-V3's sequence-wise balance loss (`_seq_sums`)."""
   aux_loss: jax.Array
   z_loss: jax.Array
   load: jax.Array
   dropped: jax.Array
   share: jax.Array
+  seq_aux_loss: jax.Array
 
 
 def route(logits_NE, k: int, normalize: bool):
@@ -148,15 +151,43 @@ def _sums(logits_NE, probs_NE, counts_E, kept_E, real_N):
           jnp.sum(counts_E - kept_E).astype(jnp.float32))
 
 
-def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped) -> MoEStats:
-  """The load-balancing loss, router z-loss, load and dropped fraction
-  (`MoEStats`) from `_sums` (of one device, or added over devices)."""
+def _seq_parts(experts_NK, probs_NE, real_N, rows: int):
+  """What `_seq_sums` is made of, per sequence of `rows` sequences of N / rows
+  tokens: tokens routed to each expert [rows, E], the probabilities' sums
+  [rows, E] and the real tokens [rows] (sums over the tokens, so that the
+  devices holding parts of a sequence add them up)."""
+  (N, _), E = experts_NK.shape, probs_NE.shape[-1]
+  real_N = real_N.astype(jnp.float32)
+  chosen_NE = jax.nn.one_hot(experts_NK, E, dtype=jnp.float32).sum(axis=1) * real_N[:, None]
+  return (chosen_NE.reshape(rows, N // rows, E).sum(axis=1),
+          (probs_NE * real_N[:, None]).reshape(rows, N // rows, E).sum(axis=1),
+          real_N.reshape(rows, N // rows).sum(axis=1))
+
+
+def _seq_sums(counts_RE, probs_RE, tokens_R, k: int):
+  """(sum over the sequences of DeepSeek-V3's sequence-wise balance loss,
+  the sequences) from `_seq_parts`: for a sequence of T real tokens,
+  sum_e f_e P_e with f_e = E / (k T) x its tokens routed to e (1 when
+  uniform) and P_e its mean probability of e (for the deepseek router the
+  affinities normalised per token, s_e / sum_j s_j): 1 when balanced. A
+  sequence of padding only counts in neither."""
+  E = counts_RE.shape[-1]
+  loss_R = E / k * jnp.sum(counts_RE * probs_RE, axis=-1) / jnp.maximum(tokens_R, 1.0) ** 2
+  return loss_R.sum(), (tokens_R > 0).sum().astype(jnp.float32)
+
+
+def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped, seq_sum=0.0,
+                  sequences=0.0) -> MoEStats:
+  """The load-balancing loss, router z-loss, load, dropped fraction and
+  sequence-wise balance loss (`MoEStats`) from `_sums` and `_seq_sums` (of
+  one device, or added over devices)."""
   E = counts_E.shape[0]
   tokens = jnp.maximum(tokens, 1.0)  # a batch of padding only
   aux = E * jnp.sum((counts_E / tokens) * (probs_E / tokens))
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
   assignments = jnp.maximum(counts_E.sum(), 1.0)
-  return MoEStats(aux, z_sum / tokens, load, dropped / assignments, counts_E / assignments)
+  return MoEStats(aux, z_sum / tokens, load, dropped / assignments, counts_E / assignments,
+                  seq_sum / jnp.maximum(sequences, 1.0))
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int | None:
@@ -201,15 +232,16 @@ def grouped_mlp(rows_RM, groups_E, up_EMF, gate_EMF, down_EFM, *, activation, dt
 
 def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize: bool = True,
                activation, dtype, capacity_factor: float = 0.0, experts=None, real_N=None,
-               router=None):
-  """The experts' output for tokens [N, M] (float32) and their statistics'
-  `_sums`: route (`router`, a `routing` function; None: `route` with
+               router=None, rows: int = 1):
+  """The experts' output for tokens [N, M] (float32), their statistics'
+  `_sums` and their sequences' `_seq_parts`: route (`router`, a `routing` function; None: `route` with
   `normalize`), sort the N k assignments by expert (`sort_by_expert`), run
   each expert's group through its matrices, scatter back and weigh.
   `experts`: how the sorted rows reach their experts; None: `grouped_mlp`
   here (every expert's weights on this device), else `expert_parallel`.
   `real_N` (False: padding, None: all real): padding tokens reach no expert
-  (their output is zero), take no capacity and count in no statistic."""
+  (their output is zero), take no capacity and count in no statistic.
+  `rows`: the sequences the N tokens are, for `_seq_parts`."""
   N, M = x_NM.shape
   logits_NE = jnp.dot(x_NM.astype(jnp.float32), router_ME.astype(jnp.float32))
   weights_NK, experts_NK, probs_NE = (route(logits_NE, k, normalize) if router is None
@@ -224,7 +256,8 @@ def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize
   out_NKM = jnp.zeros_like(out_AM).at[order_A].set(out_AM).reshape(N, k, M)
   real = jnp.ones((N,), jnp.float32) if real_N is None else real_N.astype(jnp.float32)
   return (jnp.einsum("nkm,nk->nm", out_NKM, weights_NK),
-          _sums(logits_NE, probs_NE, counts_E, kept_E, real))
+          _sums(logits_NE, probs_NE, counts_E, kept_E, real),
+          _seq_parts(experts_NK, probs_NE, real, rows))
 
 
 def _all_to_all_rows(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
@@ -363,12 +396,14 @@ class MoE(nnx.Module):
 
     def local(x, real, *w, experts=None):
       b, t, _ = x.shape
-      y, sums = tokens(x.reshape(b * t, M), *w, experts=experts, real_N=real.reshape(b * t))
-      return y.reshape(b, t, M), sums
+      y, sums, parts = tokens(x.reshape(b * t, M), *w, experts=experts,
+                              real_N=real.reshape(b * t), rows=b)
+      return y.reshape(b, t, M), sums, parts
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      y_BTM, sums = local(x_BTM, real_BT, *weights)
+      y_BTM, sums, parts = local(x_BTM, real_BT, *weights)
+      sums += _seq_sums(*parts, self.k)
     else:
       rows = batch_axes(mesh)
       seq = "context" if "context" in mesh.axis_names and mesh.shape["context"] > 1 else None
@@ -391,7 +426,12 @@ class MoE(nnx.Module):
 
       def on_device(x, real, *w):
         w = [None if a is None else _gather(a, sp) for a, sp in zip(w, w_specs)]
-        y, sums = local(x, real, *w, experts=experts)
+        y, sums, parts = local(x, real, *w, experts=experts)
+        if seq:  # each sequence's parts whole on each of its devices, its loss counted once
+          parts = jax.lax.psum(parts, seq)
+          sums += tuple(s / mesh.shape[seq] for s in _seq_sums(*parts, self.k))
+        else:
+          sums += _seq_sums(*parts, self.k)
         return y, jax.tree.map(lambda s: jax.lax.psum(s, axes), sums)
 
       # check_vma=False: the gathered weights make every tensor device compute the

@@ -67,7 +67,8 @@ def test_moe_layer_equals_a_loop_over_each_tokens_experts(router, mlp, shared):
 def test_padding_tokens_reach_no_expert_and_count_in_no_statistic():
   """Rows with padding (segment id 0): the real tokens' outputs are those of
   the unpadded layer, the padding's are zero (no shared expert here), and
-  the statistics equal those of the real tokens alone."""
+  the statistics equal those of the real tokens alone (the sequence-wise
+  balance loss: of each row's real tokens)."""
   cfg = ModelConfig.resolve(_model_config().model)
   layer = MoE(cfg, rngs=nnx.Rngs(0))
   x = jax.random.normal(jax.random.key(2), (2, 6, cfg.d_model))
@@ -76,8 +77,11 @@ def test_padding_tokens_reach_no_expert_and_count_in_no_statistic():
   alone, alone_stats = layer(x[real][None])
   np.testing.assert_allclose(np.asarray(got[real]), np.asarray(alone[0]), atol=1e-6)
   assert float(jnp.abs(got[~real]).max()) == 0.0
-  for a, b in zip(stats, alone_stats):
+  for a, b in zip(stats[:-1], alone_stats[:-1]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
+  # The sequence-wise balance loss is each row's over its real tokens, averaged.
+  rows = [layer(x[:1])[1].seq_aux_loss, layer(x[1:, :3])[1].seq_aux_loss]
+  np.testing.assert_allclose(float(stats.seq_aux_loss), np.mean(rows), rtol=1e-5)
 
 
 def test_capacity_drops_each_experts_latest_assignments():
@@ -129,7 +133,8 @@ def test_router_statistics():
 @pytest.mark.parametrize("scan", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_train_step_weighs_and_reports_the_router_losses(scan):
   """A train step of configs/tiny_moe.py: the router's losses are reported
-  (the load-balancing loss near k = 2 at initialisation), and their weights
+  (the load-balancing loss near k = 2 at initialisation, the sequence-wise
+  one near 1), and their weights
   change the router's gradient and nothing when zero."""
   c = tiny_moe.get_config()
   c.model.update(scan_layers=scan, vocab_size=128)
@@ -141,16 +146,18 @@ def test_train_step_weighs_and_reports_the_router_losses(scan):
                positions=np.tile(np.arange(16, dtype=np.int32), (2, 1)),
                loss_mask=np.ones((2, 16), np.float32))
   grads = {}
-  for weights in [(0.0, 0.0), (1.0, 0.0), (0.0, 1.0)]:
+  for weights in [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)]:
     g, (sums, router) = jax.jit(lambda p, b, w=weights: steps._grads(
         graphdef, p, b, "next_token", 1, router_losses=w))(params, batch)
     grads[weights] = g
-    aux, z, load, dropped = (float(r / sums[1]) for r in router)
+    aux, z, load, dropped, seq = (float(r / sums[1]) for r in router)
     assert 1.5 < aux < 2.5 and z > 0 and 1.0 <= load <= 4.0 and dropped == 0.0
+    assert 0.75 < seq < 1.25  # DeepSeek-V3's sequence-wise balance loss: 1 when balanced
   router_grad = lambda w: jax.tree.leaves(nnx.state(
       nnx.merge(graphdef, grads[w]).decoder.layers, nnx.Param))
-  for w in [(1.0, 0.0), (0.0, 1.0)]:
-    assert any(not np.allclose(a, b) for a, b in zip(router_grad(w), router_grad((0.0, 0.0))))
+  for w in [(1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)]:
+    assert any(not np.allclose(a, b) for a, b in zip(router_grad(w),
+                                                       router_grad((0.0, 0.0, 0.0))))
 
 
 def test_mixtral_counts_as_transformers():
@@ -239,7 +246,8 @@ batch = dict(inputs=tokens, targets=np.roll(tokens, -1, 1), segment_ids=np.ones_
              loss_mask=np.ones((8, 32), np.float32))
 graphdef, _ = steps.abstract_state(c)
 params = nnx.state(build_model(c.model, nnx.Rngs(0)), nnx.Param)
-grads = lambda p, b: steps._grads(graphdef, p, b, "next_token", 1, router_losses=(0.02, 0.001))
+grads = lambda p, b: steps._grads(graphdef, p, b, "next_token", 1,
+                                  router_losses=(0.02, 0.001, 0.0001))
 want_g, (want_sums, want_router) = jax.jit(grads)(params, batch)
 out = {}
 for mesh in MESHES:

@@ -1,8 +1,9 @@
 """`model.moe_router=deepseek` (`model/moe.py` `route_sigmoid`): DeepSeek-V3's
 group-limited sigmoid routing equals transformers' DeepseekV3TopkRouter on
-the same weights (and selection bias), in a layer and in training, and its
-fields' mistakes are one line."""
+the same weights (and selection bias), in a layer; the sequence-wise balance
+loss (`train.moe_seq_aux_loss`) is the paper's; mistakes are one line."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -104,11 +105,48 @@ def test_layer_routes_as_transformers():
     (dict(moe_routed_scaling_factor=0.0), "model.moe_routed_scaling_factor=0.0: must be "
      "positive"),
     (dict(moe_n_group=0), "model.moe_n_group=0: must be a positive integer"),
+    (dict(num_experts=0, moe_d_ff=None, moe_router="softmax_topk_norm", seq_aux=1e-4),
+     "train.moe_seq_aux_loss=0.0001: weighs a mixture of experts' router loss, but "
+     "model.num_experts=0"),
+    (dict(seq_aux=-1.0), "train.moe_seq_aux_loss=-1.0: must be >= 0"),
 ])
 def test_bad_deepseek_router_settings_are_one_line(overrides, message):
   c = _config()
+  c.train.moe_seq_aux_loss = overrides.pop("seq_aux", 0.0)
   c.model.update(**overrides)
   with pytest.raises(UserError, match="^config field " + message.replace("(", r"\(").replace(
       ")", r"\)")) as err:
     validate(c)
   assert "\n" not in str(err.value)
+
+
+def test_sequence_wise_balance_loss_is_deepseeks():
+  """L_Bal of DeepSeek-V3 (eq. 17-20), per sequence of T real tokens:
+  sum_i f_i P_i, f_i = N_r / (K_r T) x the tokens choosing i, P_i the mean
+  over the tokens of s_i / sum_j s_j; averaged over the sequences, padding
+  in none, and a sequence split over two devices adds up to the whole."""
+  from model.moe import _seq_parts, _seq_sums  # pylint: disable=import-outside-toplevel
+  gen = np.random.default_rng(0)
+  E, k, rows, T = 6, 2, 3, 5
+  s = gen.uniform(size=(rows * T, E)).astype(np.float32)
+  experts = np.argsort(-s, axis=1)[:, :k]
+  probs = s / s.sum(1, keepdims=True)
+  real = np.ones(rows * T, bool)
+  real[-2:] = False  # the last sequence has 3 real tokens
+  want = []
+  for r in range(rows):
+    t = [i for i in range(r * T, (r + 1) * T) if real[i]]
+    f = np.array([E / (k * len(t)) * sum(e in experts[i] for i in t) for e in range(E)])
+    p = probs[t].mean(0)
+    want.append((f * p).sum())
+  total, sequences = _seq_sums(*_seq_parts(jnp.asarray(experts), jnp.asarray(probs),
+                                           jnp.asarray(real), rows), k)
+  assert float(sequences) == rows
+  np.testing.assert_allclose(float(total) / rows, np.mean(want), rtol=1e-6)
+  first = _seq_sums(*_seq_parts(jnp.asarray(experts[:T]), jnp.asarray(probs[:T]),
+                                jnp.asarray(real[:T]), 1), k)
+  parts = jax.tree.map(lambda a, b: a + b, *[
+      _seq_parts(jnp.asarray(experts[:T][i::2]), jnp.asarray(probs[:T][i::2]),
+                 jnp.asarray(real[:T][i::2]), 1) for i in (0, 1)])
+  np.testing.assert_allclose(float(_seq_sums(*parts, k)[0]), float(first[0]), rtol=1e-6)
+  np.testing.assert_allclose(float(first[0]), want[0], rtol=1e-6)

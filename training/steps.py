@@ -63,25 +63,35 @@ def _loss_sums(graphdef, params, batch, objective, router: bool = False):
 
 
 # The metrics of a mixture of experts' router, `MoEStats` averaged over its layers.
-ROUTER_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load", "moe_dropped")
+ROUTER_METRICS = ("moe_aux_loss", "router_z_loss", "expert_load", "moe_dropped",
+                  "moe_seq_aux_loss")
 
 
 def router_losses(config):
-  """(train.moe_aux_loss, train.router_z_loss) of a mixture of experts
-  (`model.num_experts` > 0): what `train_step` weighs its router losses by;
-  None for a dense model."""
+  """(train.moe_aux_loss, train.router_z_loss, train.moe_seq_aux_loss) of a
+  mixture of experts (`model.num_experts` > 0): what `train_step` weighs its
+  router losses by (`weighed_router_sum`); None for a dense model."""
   if not config.model.num_experts:
     return None
-  return (config.train.moe_aux_loss, config.train.router_z_loss)
+  return (config.train.moe_aux_loss, config.train.router_z_loss, config.train.moe_seq_aux_loss)
+
+
+def weighed_router_sum(router_losses, router):
+  """The router's losses to add to the training loss: `router_losses`'
+  weights times their terms of `router_sums` (the load-balancing loss, the
+  z-loss and the sequence-wise balance loss)."""
+  terms = (router[0], router[1], router[4])
+  return sum(w * term for w, term in zip(router_losses, terms))
 
 
 def router_sums(model, count) -> tuple:
-  """(load-balancing loss, router z-loss, load) of the model's MoE layers
-  (`model/moe.py`), each the mean over the layers times `count`, so that
-  micro-batches add up like the loss sums."""
+  """(load-balancing loss, router z-loss, load, dropped fraction,
+  sequence-wise balance loss) of the model's MoE layers (`model/moe.py`),
+  each the mean over the layers times `count`, so that micro-batches add up
+  like the loss sums."""
   stats = model.decoder.router_stats.get_value()
   return tuple(jnp.mean(x) * count for x in (stats.aux_loss, stats.z_loss, stats.load,
-                                              stats.dropped))
+                                              stats.dropped, stats.seq_aux_loss))
 
 
 def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None):
@@ -95,8 +105,7 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
       sums = _loss_sums(graphdef, p, micro, objective)
       return training_loss_sum(sums, z_loss), sums
     sums, router = _loss_sums(graphdef, p, micro, objective, router=True)
-    total = training_loss_sum(sums, z_loss) + router_losses[0] * router[0] + (
-        router_losses[1] * router[1])
+    total = training_loss_sum(sums, z_loss) + weighed_router_sum(router_losses, router)
     return total, (sums, router)
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
@@ -135,10 +144,11 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
   of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
   `router_losses`: for a mixture of experts, the weights (train.moe_aux_loss,
-  train.router_z_loss) of its router's losses, which are reported (unweighted)
-  as `moe_aux_loss`, `router_z_loss`, `expert_load` (the most tokens an
-  expert got over the mean) and `moe_dropped` (the fraction of assignments
-  dropped at capacity), each averaged over the MoE layers."""
+  train.router_z_loss, train.moe_seq_aux_loss) of its router's losses, which
+  are reported (unweighted) as `moe_aux_loss`, `router_z_loss`,
+  `moe_seq_aux_loss`, `expert_load` (the most tokens an expert got over the
+  mean) and `moe_dropped` (the fraction of assignments dropped at capacity),
+  each averaged over the MoE layers."""
   grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
                        router_losses)
   router = None
