@@ -224,6 +224,10 @@ def get_config() -> config_dict.ConfigDict:
   tr.router_z_loss = 0.0  # mixture of experts: weight of the router z-loss (ST-MoE: 1e-3)
   tr.moe_seq_aux_loss = 0.0  # mixture of experts: weight of DeepSeek-V3's sequence-wise balance
   #   loss, sum_e f_e P_e per sequence (its alpha, 1e-4)
+  tr.mtp_depth = 0  # multi-token prediction (DeepSeek-V3): D modules after the decoder, module
+  #   k predicting token i+k+1 through the shared embedding and head; 0: off (next_token only)
+  tr.mtp_weight = 0.3  # lambda of the MTP loss, lambda / D x the sum of the D depths' mean
+  #   cross-entropies, added to the main loss (DeepSeek-V3: 0.3, then 0.1)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same

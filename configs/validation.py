@@ -691,6 +691,7 @@ def validate(config: config_dict.ConfigDict) -> None:
       _fail(f"train.{field}", config.train[field],
             "weighs a mixture of experts' router loss, but model.num_experts=0 (a dense "
             "model); set it to 0")
+  _validate_mtp(config)
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "context", "tensor"):
@@ -714,6 +715,31 @@ def _validate_expert(config) -> None:
   if m.num_experts % n:
     _fail("mesh.expert", n, f"must divide model.num_experts={m.num_experts} (each device "
           "holds num_experts / expert of them)")
+
+
+def _validate_mtp(config) -> None:
+  """train.mtp_depth / mtp_weight: multi-token prediction modules after a
+  next_token decoder (model/mtp.py)."""
+  t, m = config.train, config.model
+  if not isinstance(t.mtp_depth, int) or t.mtp_depth < 0:
+    _fail("train.mtp_depth", t.mtp_depth,
+          "must be an integer >= 0 (0: no multi-token prediction)")
+  if not t.mtp_weight >= 0:
+    _fail("train.mtp_weight", t.mtp_weight, "must be >= 0 (DeepSeek-V3: 0.3, then 0.1)")
+  if not t.mtp_depth:
+    return
+  if m.family != "decoder" or t.objective != "next_token":
+    _fail("train.mtp_depth", t.mtp_depth, f"predicts further tokens of a next_token decoder, "
+          f"not model.family={m.family} with train.objective={t.objective}; set it to 0")
+  if t.mtp_depth >= t.seq_len:
+    _fail("train.mtp_depth", t.mtp_depth,
+          f"must be below train.seq_len={t.seq_len} (depth k predicts k + 1 tokens ahead)")
+  if config.mesh.context != 1:
+    _fail("train.mtp_depth", t.mtp_depth, f"does not run with rows split over mesh.context="
+          f"{config.mesh.context}; set mesh.context=1 or train.mtp_depth=0")
+  if m.num_labels:
+    _fail("train.mtp_depth", t.mtp_depth, "needs a language-model head, but model.num_labels="
+          f"{m.num_labels} makes a classifier; set it to 0")
 
 
 def _validate_context(config) -> None:

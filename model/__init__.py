@@ -7,11 +7,16 @@ from model.transformer import Decoder, Encoder, EncoderDecoder
 FAMILIES = {"decoder": Decoder, "encoder": Encoder, "encoder_decoder": EncoderDecoder}
 
 
-def build_model(model_config, rngs: nnx.Rngs, *, remat: bool = False) -> nnx.Module:
+def build_model(model_config, rngs: nnx.Rngs, *, remat: bool = False,
+                mtp_depth: int = 0) -> nnx.Module:
   """Builds the family of `model_config` (the `model` ConfigDict section,
   validated and resolved by `ModelConfig.resolve`, or a `ModelConfig`).
 
-  `remat=True` recomputes each block's activations in the backward pass.
+  `remat=True` recomputes each block's activations in the backward pass;
+  `mtp_depth` (train.mtp_depth, decoders only) adds that many multi-token
+  prediction modules (`model/mtp.py`).
   """
   cfg = ModelConfig.resolve(model_config)
+  if mtp_depth:
+    return FAMILIES[cfg.family](cfg, rngs=rngs, remat=remat, mtp_depth=mtp_depth)
   return FAMILIES[cfg.family](cfg, rngs=rngs, remat=remat)

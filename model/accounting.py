@@ -32,6 +32,9 @@ whose count is off. Both return the same dict:
 - `params_position_table`: the learned position tables alone (T5's relative
   bias tables with `pos_emb=relative`).
 - `params_final_norms`: the norm after each stack (pre-norm only).
+- `params_mtp` (only with `mtp_depth` > 0, train.mtp_depth): DeepSeek-V3's
+  multi-token prediction modules (`model/mtp.py`), in `params_total` and
+  `params_active` (they run in every training step).
 
 FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
 estimate is documented at `activation_bytes_per_token`. A token or FLOP
@@ -90,19 +93,20 @@ def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
   return out
 
 
-def parameter_shapes(model_cfg) -> dict[str, tuple[int, ...]]:
+def parameter_shapes(model_cfg, mtp_depth: int = 0) -> dict[str, tuple[int, ...]]:
   """Path ("decoder/layers/0/attn/q_proj/kernel"; scanned,
   "decoder/layers/attn/q_proj/kernel" of shape [layers, ...]) -> shape of
   every parameter.
 
   Built under `jax.eval_shape`, so no parameter is allocated.
   """
-  state = jax.eval_shape(lambda: nnx.state(build_model(model_cfg, nnx.Rngs(0)), nnx.Param))
+  state = jax.eval_shape(lambda: nnx.state(
+      build_model(model_cfg, nnx.Rngs(0), mtp_depth=mtp_depth), nnx.Param))
   return {"/".join(map(str, path)): tuple(variable.shape)
           for path, variable in nnx.to_flat_state(state)}
 
 
-def measured_params(model_cfg) -> dict:
+def measured_params(model_cfg, mtp_depth: int = 0) -> dict:
   """Parameter counts read off the real module's tree (see module docstring).
 
   The per-layer breakdown is layer 0's (scanned: a stacked leaf over its
@@ -111,13 +115,15 @@ def measured_params(model_cfg) -> dict:
   """
   model_cfg = ModelConfig.resolve(model_cfg)
   counts = dict(params_total=0, params_embedding=0, params_position_table=0,
-                params_final_norms=0)
+                params_final_norms=0, **({"params_mtp": 0} if mtp_depth else {}))
   per_layer = {stack: {} for stack, _, _ in _layer_stacks(model_cfg)}
-  for path, shape in parameter_shapes(model_cfg).items():
+  for path, shape in parameter_shapes(model_cfg, mtp_depth).items():
     size = math.prod(shape)
     parts = path.split("/")
     counts["params_total"] += size
-    if len(parts) > 2 and parts[1] == "layers":
+    if parts[0] == "mtp":
+      counts["params_mtp"] += size
+    elif len(parts) > 2 and parts[1] == "layers":
       stacked = not parts[2].isdigit()  # a scanned stack: [layers, ...] under layers/<component>
       if stacked or parts[2] == "0":
         layer = per_layer[parts[0]]
@@ -218,7 +224,15 @@ def _layer_params(m, cross: bool, moe: bool = False) -> dict[str, int]:
   return layer
 
 
-def formula_params(model_cfg) -> dict:
+def mtp_module_params(m) -> int:
+  """One multi-token prediction module (`model/mtp.py`): the norms of h and
+  of the embedding, M_k (2d x d), a dense decoder layer and, pre-norm, its
+  final norm."""
+  final_norm = _norm_params(m) if m.norm_position == "pre" else 0
+  return 2 * _norm_params(m) + 2 * m.d_model ** 2 + _layer_params(m, False)["total"] + final_norm
+
+
+def formula_params(model_cfg, mtp_depth: int = 0) -> dict:
   """The closed-form parameter counts, the same dict as `measured_params`."""
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
@@ -230,9 +244,11 @@ def formula_params(model_cfg) -> dict:
   # Experts live in the decoder's `moe_layers` (decoders only); the others are dense.
   layers = sum(num * _layer_params(m, cross)["total"] for _, num, cross in stacks) + len(
       m.moe_layers) * (_moe_params(m) - _mlp_params(m))
-  return _assemble(m, per_layer, params_total=layers + embedding + final_norms,
+  mtp = {"params_mtp": mtp_depth * mtp_module_params(m)} if mtp_depth else {}
+  return _assemble(m, per_layer,
+                   params_total=layers + embedding + final_norms + mtp_depth * mtp_module_params(m),
                    params_embedding=embedding, params_position_table=position_table,
-                   params_final_norms=final_norms)
+                   params_final_norms=final_norms, **mtp)
 
 
 def _entry_parts(counts: dict) -> dict[str, dict[str, int]]:
@@ -250,16 +266,17 @@ def _entry_parts(counts: dict) -> dict[str, dict[str, int]]:
                               "an encoder layer's attention": encoder_layer.get("attention", 0)}}
 
 
-def check_formula(model_cfg) -> None:
+def check_formula(model_cfg, mtp_depth: int = 0) -> None:
   """Raises `UserError` where the closed form (`formula_params`) differs from
   the module's parameters (`measured_params`, read under `jax.eval_shape`:
   nothing is allocated, about 0.1 s for configs/llama2_7b.py), in one line
   naming the registry entry whose count is off (its `params`), or this
   module's formula when no entry's part differs. Every count the start-up
   summary, the FLOPs and the budgets print rests on the closed form;
-  `with_budget` calls this first."""
+  `with_budget` calls this first. `mtp_depth`: train.mtp_depth, whose
+  modules count too (`params_mtp`)."""
   m = ModelConfig.resolve(model_cfg)
-  formula, measured = formula_params(m), measured_params(m)
+  formula, measured = formula_params(m, mtp_depth), measured_params(m, mtp_depth)
   if formula == measured:
     return
   totals = f"(model total {formula['params_total']:,} against {measured['params_total']:,})"
@@ -295,7 +312,7 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
   return layers * per_layer * _itemsize(m.dtype)
 
 
-def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
+def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int = 0) -> int:
   """Matmul FLOPs per token, the PaLM convention (docs/benchmarks.md's MFU).
 
   Forward = 2 N + 4 L S d_attn, with N the parameters without the position
@@ -311,12 +328,18 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True) -> int:
   encoder-decoder the encoder's self-attention plus the decoder's self- and
   cross-attention, a "token" then being one source and one target token of
   equal length S.
+
+  With `mtp_depth` = D multi-token prediction modules (train.mtp_depth), each
+  adds its own 2 x `mtp_module_params`, its block's attention and the shared
+  head's d x V matmul once more: D x (2 (module + d V) + 4 S d_attn).
   """
   m = ModelConfig.resolve(model_cfg)
   params = formula_params(m)
   n = params["params_active"] - params["params_position_table"]
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
-  forward = 2 * n + 2 * attention_layers * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
+  attention = 2 * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
+  forward = 2 * n + attention_layers * attention + mtp_depth * (
+      2 * (mtp_module_params(m) + m.d_model * m.vocab_size) + attention)
   return 3 * forward if train else forward
 
 
@@ -327,9 +350,10 @@ def tokens_per_step(train) -> int:
 
 
 def flops_per_step(config) -> int:
-  """Training FLOPs of one optimizer step: `flops_per_token` x `tokens_per_step`."""
-  return flops_per_token(config.model, config.train.seq_len, train=True) * tokens_per_step(
-      config.train)
+  """Training FLOPs of one optimizer step: `flops_per_token` (with the
+  train.mtp_depth modules) x `tokens_per_step`."""
+  return flops_per_token(config.model, config.train.seq_len, train=True,
+                         mtp_depth=config.train.mtp_depth) * tokens_per_step(config.train)
 
 
 def with_budget(config):
@@ -340,7 +364,7 @@ def with_budget(config):
   (the schedule, the start-up summary, config.json), so that they agree. It
   first checks the closed form those counts rest on (`check_formula`). A
   budget short of one step is a UserError."""
-  check_formula(config.model)
+  check_formula(config.model, config.train.mtp_depth)
   given = validation.budget(config.train)
   if given is None:
     return config

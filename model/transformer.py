@@ -44,6 +44,7 @@ from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, TokenTypes, rope_from_config
 from model.layers import LAYERS_AXIS, Dense, batch_axes, param
 from model.mlp import MLPS
+from model.mtp import MTPModule, shift as mtp_shift
 from model.norms import make_norm
 from model.positions import POSITIONS
 from model.relative_bias import positions_row
@@ -369,10 +370,16 @@ class _WithHead(nnx.Module):
 class Decoder(_WithHead):
   """Decoder-only language model (causal, next-token)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False, mtp_depth: int = 0):
+    """`mtp_depth`: DeepSeek-V3's multi-token prediction modules after the
+    stack (train.mtp_depth; `model/mtp.py`), built after everything else so
+    that the model's own parameters draw what they draw without them."""
     self.decoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=True, embed=None,
                           rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
+    if mtp_depth:
+      rope = rope_from_config(cfg) if POSITIONS[cfg.pos_emb].rotary else None
+      self.mtp = nnx.List([MTPModule(cfg, rope=rope, rngs=rngs) for _ in range(mtp_depth)])
 
   def hidden(self, tokens_BT, segment_ids=None, positions=None):
     """Final hidden states [B, T, M]. On a mesh whose context axis splits
@@ -393,6 +400,22 @@ class Decoder(_WithHead):
 
   def __call__(self, tokens_BT, segment_ids=None, positions=None):
     return self.logits(self.decoder, self.hidden(tokens_BT, segment_ids, positions))
+
+  def mtp_logits(self, hidden_BTM, tokens_BT, segment_ids=None, positions=None) -> list:
+    """The multi-token prediction modules' float32 logits, [B, T, V] per
+    depth k = 1..D, position i predicting token i+k+1 from `hidden_BTM` (the
+    decoder's final hidden states of `tokens_BT`, `hidden`) and the tokens
+    i+1..i+k (`model/mtp.py`); the last k positions of depth k read padding."""
+    bias_positions = _bias_positions(tokens_BT, positions)
+    positions = _default_positions(tokens_BT, positions)
+    bias = self.decoder.self_bias(bias_positions, bias_positions)
+    h_BTM, out = hidden_BTM, []
+    for k, module in enumerate(self.mtp, start=1):
+      emb_BTM = self.decoder.embed_tokens(mtp_shift(tokens_BT, k), positions)
+      h_BTM, normed_BTM = module(h_BTM, emb_BTM, positions_BT=positions,
+                                 segment_ids=segment_ids, bias=bias)
+      out.append(self.logits(self.decoder, normed_BTM))
+    return out
 
   def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
     del token_type_ids_BT  # A decoder has no token types.

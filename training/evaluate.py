@@ -535,7 +535,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
                       lengths.label(seq_len or train_len, rope_override) if other else None)
   with Staged(folder, None if out else workdir, f"evaluating step {step}") as staged:
     graphdef, params = nnx.split(model)
-    eval_fn = jit_eval_step(graphdef, config.train.objective)
+    eval_fn = jit_eval_step(graphdef, config.train.objective, mtp_depth=config.train.mtp_depth)
     mix = mixture.sources(config)
     if mix:
       source_batches = pipeline.make_source_eval_batches(config, tok, None)
@@ -552,7 +552,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
               "data_override": data, "split": "validation, whole split", "loss": metrics["loss"],
               "perplexity": metrics["perplexity"], "token_accuracy": metrics["accuracy"],
               "targets": int(metrics["targets"]), "seq_len": config.train.seq_len,
-              "train_seq_len": train_len}
+              "train_seq_len": train_len,
+              **{name: value for name, value in metrics.items() if name.startswith("mtp")}}
     if rope_override:
       report["rope_override"] = rope_override
     if mix:

@@ -57,8 +57,11 @@ def apply_rope_scaling(config, scaling: str, factor: float | None) -> dict:
 
 def with_model_config(model, model_section):
   """`model`'s parameters in a model built from `model_section` (the same
-  parameter tree: only parameter-free fields such as RoPE's may differ)."""
-  graphdef = nnx.graphdef(nnx.eval_shape(lambda: build_model(model_section, nnx.Rngs(0))))
+  parameter tree: only parameter-free fields such as RoPE's may differ; its
+  multi-token prediction modules, if any, kept)."""
+  depth = len(getattr(model, "mtp", ()))
+  graphdef = nnx.graphdef(nnx.eval_shape(
+      lambda: build_model(model_section, nnx.Rngs(0), mtp_depth=depth)))
   return nnx.merge(graphdef, nnx.state(model))
 
 

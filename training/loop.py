@@ -49,7 +49,7 @@ from training.profiler import StepProfiler
 from training.sharding import (batch_sharding, make_mesh, shard_batch,
                                train_state_shardings, with_shardings)
 from training.steps import (abstract_state, init_state, jit_eval_step, jit_train_step,
-                            router_losses, ROUTER_METRICS)
+                            mtp_metrics, mtp_of, router_losses, ROUTER_METRICS)
 
 
 def peak_flops(config) -> float | None:
@@ -283,7 +283,7 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   tc = config.train
 
   def make_model():
-    return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat)
+    return build_model(config.model, nnx.Rngs(tc.seed), remat=tc.remat, mtp_depth=tc.mtp_depth)
 
   graphdef, _ = nnx.split(nnx.eval_shape(make_model))
   tx, schedule = model_optimizer(config), learning_rate_schedule(tc)
@@ -356,12 +356,14 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
                            z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy,
-                           router_losses=router_losses(config))
-  eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy)
+                           router_losses=router_losses(config), mtp=mtp_of(config))
+  eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy,
+                          tc.mtp_depth)
   writer = None  # opened after the first step: an interrupted start writes nothing
   profiler = StepProfiler(tc, workdir)
   failed = False
-  flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True)
+  flops_per_token = accounting.flops_per_token(config.model, tc.seq_len, train=True,
+                                               mtp_depth=tc.mtp_depth)
   peak = peak_flops(config)
   eval_every, val_name = eval_every_of(tc), f"val{tc.eval_steps}"
   draws = mixture.Draws(mix) if mix else None
@@ -418,6 +420,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
               val = evaluate(eval_fn, state["params"], eval_batches)
             writer.write(step, "validation", {**val, "batches": tc.eval_steps})
             each = "".join(f"{val_name}_loss/{name}={val[f'loss/{name}']:.4f} " for name in mix)
+            each += "".join(f"{val_name}_{name}={val[name]:.4f} " for name in
+                            mtp_metrics(tc.mtp_depth) if name in val)
             _print(f"step {step}/{tc.num_steps}: {val_name}_loss={val['loss']:.4f} "
                    f"{val_name}_perplexity={val['perplexity']:.2f} {each}(validation, "
                    f"{tc.eval_steps} batches{' of each source' * bool(mix)}; eval.py scores the "
@@ -538,7 +542,7 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
          "grad_norm": float(window[-1]["grad_norm"]),
          "learning_rate": float(window[-1]["learning_rate"]),
          "tokens_per_second": tokens_per_second}
-  for name in ("z_loss", *ROUTER_METRICS):
+  for name in ("z_loss", *ROUTER_METRICS, *mtp_metrics(tc.mtp_depth)):
     if name in window[-1]:
       out[name] = float(np.mean([m[name] for m in window]))
   if peak is not None:

@@ -41,16 +41,25 @@ class Progress:
 
 def evaluate(eval_fn, params, batches, progress: Progress | None = None) -> dict:
   """Loss, perplexity and token accuracy over `batches` (sums, then ratios),
-  each batch counted in `progress` (None: none shown)."""
-  loss_sum = count = correct = 0.0
+  each batch counted in `progress` (None: none shown). With multi-token
+  prediction (an eval step of train.mtp_depth > 0, whose sums go on with each
+  depth's loss, count and correct count), also `mtp<k>_loss` and
+  `mtp<k>_accuracy` per depth k; `loss` stays the main model's."""
+  totals = None
   for batch in batches:
     sums = [float(x) for x in jax.device_get(eval_fn(params, batch))]
-    loss_sum, count, correct = loss_sum + sums[0], count + sums[1], correct + sums[2]
+    totals = sums if totals is None else [t + x for t, x in zip(totals, sums)]
     if progress is not None:
       progress.update()
+  loss_sum, count, correct = (totals or [0.0] * 3)[:3]
   loss = loss_sum / max(count, 1.0)
-  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
-          "accuracy": correct / max(count, 1.0), "targets": count}
+  out = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)),
+         "accuracy": correct / max(count, 1.0), "targets": count}
+  for k, at in enumerate(range(4, len(totals or ()), 3), start=1):
+    depth_loss, depth_count, depth_correct = totals[at:at + 3]
+    out[f"mtp{k}_loss"] = depth_loss / max(depth_count, 1.0)
+    out[f"mtp{k}_accuracy"] = depth_correct / max(depth_count, 1.0)
+  return out
 
 
 def evaluate_mixture(eval_fn, params, batches: dict[str, list], weights: dict[str, float],

@@ -19,6 +19,12 @@ computed from float32 logits. Each objective returns (sum of per-target
 losses, number of targets, number of correct argmax predictions, sum of
 log^2 Z), so that micro-batches and evaluation passes add up exactly.
 
+Multi-token prediction (DeepSeek-V3; `train.mtp_depth` = D > 0, next_token
+decoders): `next_token_mtp_loss` returns the main sums and, per depth k, the
+sums of the MTP modules' predictions of token i+k+1 (`model/mtp.py`); the
+training loss adds lambda / D x the sum of their mean cross-entropies
+(`mtp_training_sum`), and the reported `loss` stays the main model's.
+
 The z-loss (PaLM; `train.z_loss`): log Z = logsumexp(logits) is the log of
 the softmax normaliser, which cross-entropy leaves free to drift (adding a
 constant to every logit changes no probability). The training objective
@@ -28,6 +34,8 @@ logits stay in the range where float32 and bfloat16 softmaxes are exact
 """
 import jax
 import jax.numpy as jnp
+
+from model.mtp import depth_weights, shift
 
 
 def loss_sums(logits_BTV, targets_BT, weights_BT):
@@ -84,6 +92,42 @@ def next_token_logits(model, batch):
 def next_token_loss(model, batch):
   """Causal LM loss."""
   return loss_sums(next_token_logits(model, batch), batch["targets"], batch["loss_mask"])
+
+
+def mtp_weights(batch, depth: int) -> list:
+  """The weights [B, T] of each multi-token prediction depth 1..`depth`'s
+  targets in `batch` (`model.mtp.depth_weights`): a function of the batch
+  alone, so a step can count every depth's targets before its micro-batches."""
+  return [depth_weights(batch["loss_mask"], batch.get("segment_ids"), k)
+          for k in range(1, depth + 1)]
+
+
+def next_token_mtp_loss(model, batch):
+  """(the causal LM's `loss_sums`, and per multi-token prediction depth k =
+  1..D its (loss sum, target count, correct count)): one pass of the
+  decoder, whose final hidden states the MTP modules continue from
+  (`Decoder.mtp_logits`); depth k's targets are the batch's targets k
+  positions on."""
+  segment_ids, positions = batch.get("segment_ids"), batch["positions"]
+  hidden_BTM = model.hidden(batch["inputs"], segment_ids=segment_ids, positions=positions)
+  sums = loss_sums(model.logits(model.decoder, hidden_BTM), batch["targets"],
+                   batch["loss_mask"])
+  depth_logits = model.mtp_logits(hidden_BTM, batch["inputs"], segment_ids, positions)
+  weights = mtp_weights(batch, len(depth_logits))
+  mtp = tuple(cross_entropy_sums(logits_BTV, shift(batch["targets"], k), w_BT)
+              for k, (logits_BTV, w_BT) in enumerate(zip(depth_logits, weights), start=1))
+  return sums, mtp
+
+
+def mtp_training_sum(mtp, weight: float, count, depth_counts):
+  """What the MTP modules add to the summed training loss:
+  `weight` / D x sum over depths of (depth k's loss sum / its target count
+  `depth_counts[k]`), times `count` (the main loss's target count), so that
+  the step's division by `count` leaves lambda / D x the sum of the depths'
+  mean cross-entropies (DeepSeek-V3's L_MTP). The counts are the whole
+  batch's, so micro-batches add up to it exactly."""
+  terms = [s[0] / jnp.maximum(c, 1.0) for s, c in zip(mtp, depth_counts)]
+  return weight / len(mtp) * sum(terms) * count
 
 
 def encoder_decoder_loss(model, batch):

@@ -161,10 +161,11 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
   t = config.train
   train_rows = sum(train for train, _ in rows.values())
   val_rows = sum(val for _, val in rows.values())
-  params = accounting.formula_params(config.model)
+  params = accounting.formula_params(config.model, t.mtp_depth)
   total = params["params_total"]
   tokens = t.batch_size * t.seq_len
-  flops = accounting.flops_per_token(config.model, t.seq_len, train=True) * tokens
+  flops = accounting.flops_per_token(config.model, t.seq_len, train=True,
+                                     mtp_depth=t.mtp_depth) * tokens
   devices = jax.devices()
   estimate, limit, what = memory
   epochs = t.num_steps * t.batch_size / max(train_rows, 1)
@@ -175,10 +176,14 @@ def summary_lines(config, mesh, *, workdir: str, restored: str, memory: tuple,
       f"{jax.process_count()} process(es); mesh {mesh_shape}",
       f"parameters  {_count(total)} ({_count(total - params['params_embedding'])} "
       "non-embedding" + (f"; {_count(params['params_active'])} active per token"
-                         if params["params_active"] != total else "") + ")",
+                         if params["params_active"] != total else "")
+      + (f"; {_count(params['params_mtp'])} in {t.mtp_depth} MTP modules" if t.mtp_depth
+         else "") + ")",
       f"step        {t.batch_size} x {t.seq_len} = {tokens:,} tokens, "
       f"{_count(flops)} FLOPs (6N + attention"
-      + (", N active)" if params["params_active"] != total else ")"),
+      + (", N active" if params["params_active"] != total else "")
+      + (f", the {t.mtp_depth} MTP modules and their head included" if t.mtp_depth else "")
+      + ")",
       *_budget_lines(config, tokens, flops),
       f"memory      about {format_bytes(estimate)} per device (estimate), "
       + (f"of {format_bytes(limit)} ({what})" if limit is not None else "no limit known"),

@@ -22,7 +22,8 @@ from flax import nnx
 from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
-from training.objectives import batch_loss, training_loss_sum
+from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
+                                 training_loss_sum)
 from training.optim import model_optimizer
 
 
@@ -48,18 +49,24 @@ def abstract_state(config, remat: bool = False):
   """
   check_context(ModelConfig.resolve(config.model), config.mesh.context)
   graphdef, params = nnx.split(nnx.eval_shape(
-      lambda: build_model(config.model, nnx.Rngs(0), remat=remat)))
+      lambda: build_model(config.model, nnx.Rngs(0), remat=remat,
+                          mtp_depth=config.train.mtp_depth)))
   tx = model_optimizer(config)
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
 
-def _loss_sums(graphdef, params, batch, objective, router: bool = False):
+def _loss_sums(graphdef, params, batch, objective, router: bool = False, mtp: bool = False):
   """The objective's sums of a batch; with `router` (a mixture of experts),
   also the router's terms, each summed as its mean over the MoE layers times
-  the batch's target count (`router_sums`)."""
+  the batch's target count (`router_sums`); with `mtp` (train.mtp_depth >
+  0), (those, every multi-token prediction depth's sums)."""
   model = nnx.merge(graphdef, params)
-  sums = batch_loss(objective, model, batch)
-  return (sums, router_sums(model, sums[1])) if router else sums
+  if mtp:
+    sums, depth_sums = next_token_mtp_loss(model, batch)
+  else:
+    sums = batch_loss(objective, model, batch)
+  out = (sums, router_sums(model, sums[1])) if router else sums
+  return (out, depth_sums) if mtp else out
 
 
 # The metrics of a mixture of experts' router, `MoEStats` averaged over its layers.
@@ -84,6 +91,20 @@ def weighed_router_sum(router_losses, router):
   return sum(w * term for w, term in zip(router_losses, terms))
 
 
+def mtp_of(config):
+  """(train.mtp_depth, train.mtp_weight) with multi-token prediction: what
+  `train_step` adds the MTP loss by; None without (train.mtp_depth=0)."""
+  if not config.train.mtp_depth:
+    return None
+  return (config.train.mtp_depth, config.train.mtp_weight)
+
+
+def mtp_metrics(depth: int) -> tuple:
+  """The metric names of `depth` multi-token prediction depths:
+  mtp1_loss, mtp1_accuracy, mtp2_loss, ..."""
+  return tuple(f"mtp{k}_{what}" for k in range(1, depth + 1) for what in ("loss", "accuracy"))
+
+
 def router_sums(model, count) -> tuple:
   """(load-balancing loss, router z-loss, load, dropped fraction,
   sequence-wise balance loss) of the model's MoE layers (`model/moe.py`),
@@ -94,19 +115,27 @@ def router_sums(model, count) -> tuple:
                                               stats.dropped, stats.seq_aux_loss))
 
 
-def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None):
+def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None,
+           mtp=None):
   """Gradient of the summed training loss (cross-entropy plus `z_loss` x
   (log Z)^2, plus with `router_losses` = (aux weight, z weight) the MoE
-  router's losses) and the sums (with the router's sums when
-  `router_losses` is given), over accum_steps micro-batches."""
+  router's losses, plus with `mtp` = (train.mtp_weight, the whole batch's
+  target count, each depth's) the multi-token prediction loss) and the sums
+  (with the router's sums when `router_losses` is given; then, with `mtp`,
+  (those, each depth's sums)), over accum_steps micro-batches."""
 
   def sum_loss(p, micro):
-    if router_losses is None:
-      sums = _loss_sums(graphdef, p, micro, objective)
-      return training_loss_sum(sums, z_loss), sums
-    sums, router = _loss_sums(graphdef, p, micro, objective, router=True)
-    total = training_loss_sum(sums, z_loss) + weighed_router_sum(router_losses, router)
-    return total, (sums, router)
+    out = _loss_sums(graphdef, p, micro, objective, router=router_losses is not None,
+                     mtp=mtp is not None)
+    if mtp is not None:
+      out, depth_sums = out
+    sums = out if router_losses is None else out[0]
+    total = training_loss_sum(sums, z_loss)
+    if router_losses is not None:
+      total = total + weighed_router_sum(router_losses, out[1])
+    if mtp is None:
+      return total, out
+    return total + mtp_training_sum(depth_sums, mtp[0], mtp[1], mtp[2]), (out, depth_sums)
 
   grad_fn = jax.grad(sum_loss, has_aux=True)
   if accum_steps == 1:
@@ -118,8 +147,10 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
     return jax.tree.map(jnp.add, carry, (g, sums)), None
 
   zero_sums = (0.0, 0.0, 0.0, 0.0)
-  zeros = (jax.tree.map(jnp.zeros_like, params),
-           zero_sums if router_losses is None else (zero_sums, (0.0,) * len(ROUTER_METRICS)))
+  zero_sums = zero_sums if router_losses is None else (zero_sums, (0.0,) * len(ROUTER_METRICS))
+  if mtp is not None:
+    zero_sums = (zero_sums, ((0.0, 0.0, 0.0),) * len(mtp[2]))
+  zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
   (grads, sums), _ = jax.lax.scan(body, zeros, micro)
   return grads, sums
 
@@ -139,7 +170,7 @@ def _sharded_grads(grads, grad_sharding):
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int,
-               grad_sharding=None, z_loss: float = 0.0, router_losses=None):
+               grad_sharding=None, z_loss: float = 0.0, router_losses=None, mtp=None):
   """One optimizer step; `grad_sharding`: the parameters' shardings, to which
   the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
   of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
@@ -148,9 +179,19 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   are reported (unweighted) as `moe_aux_loss`, `router_z_loss`,
   `moe_seq_aux_loss`, `expert_load` (the most tokens an expert got over the
   mean) and `moe_dropped` (the fraction of assignments dropped at capacity),
-  each averaged over the MoE layers."""
+  each averaged over the MoE layers; `mtp`:
+  (train.mtp_depth, train.mtp_weight) with multi-token prediction, whose
+  depths' mean cross-entropy and accuracy are reported as `mtp<k>_loss` and
+  `mtp<k>_accuracy` (`loss` and `accuracy` stay the main model's)."""
+  depth_counts = None
+  if mtp is not None:
+    depth_counts = [w.sum() for w in mtp_weights(batch, mtp[0])]
+    mtp = (mtp[1], batch["loss_mask"].sum(), depth_counts)
   grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
-                       router_losses)
+                       router_losses, mtp)
+  depth_sums = None
+  if mtp is not None:
+    sums, depth_sums = sums
   router = None
   if router_losses is not None:
     sums, router = sums
@@ -181,12 +222,20 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   if router is not None:
     metrics.update(zip(ROUTER_METRICS,
                        (r / count for r in router)))
+  for k, (depth_loss, depth_count, depth_correct) in enumerate(depth_sums or (), start=1):
+    metrics[f"mtp{k}_loss"] = depth_loss / jnp.maximum(depth_count, 1.0)
+    metrics[f"mtp{k}_accuracy"] = depth_correct / jnp.maximum(depth_count, 1.0)
   return new_state, metrics
 
 
-def eval_step(params, batch, *, graphdef, objective: str):
-  """(loss sum, target count, correct count, (log Z)^2 sum) of one batch."""
-  return _loss_sums(graphdef, params, batch, objective)
+def eval_step(params, batch, *, graphdef, objective: str, mtp_depth: int = 0):
+  """(loss sum, target count, correct count, (log Z)^2 sum) of one batch;
+  with `mtp_depth`, followed by each depth's (loss sum, target count,
+  correct count), flat."""
+  if not mtp_depth:
+    return _loss_sums(graphdef, params, batch, objective)
+  sums, depth_sums = _loss_sums(graphdef, params, batch, objective, mtp=True)
+  return (*sums, *(x for depth in depth_sums for x in depth))
 
 
 def traced_on(mesh, fn, context_strategy: str = "auto"):
@@ -207,10 +256,10 @@ def traced_on(mesh, fn, context_strategy: str = "auto"):
 
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
                    batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto",
-                   router_losses=None):
+                   router_losses=None, mtp=None):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                          objective=objective, accum_steps=accum_steps, z_loss=z_loss,
-                         router_losses=router_losses)
+                         router_losses=router_losses, mtp=mtp)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])
@@ -219,6 +268,8 @@ def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_shardin
                  out_shardings=(state_sharding, None))
 
 
-def jit_eval_step(graphdef, objective, mesh=None, context_strategy: str = "auto"):
-  fn = functools.partial(eval_step, graphdef=graphdef, objective=objective)
+def jit_eval_step(graphdef, objective, mesh=None, context_strategy: str = "auto",
+                  mtp_depth: int = 0):
+  fn = functools.partial(eval_step, graphdef=graphdef, objective=objective,
+                         mtp_depth=mtp_depth)
   return jax.jit(fn if mesh is None else traced_on(mesh, fn, context_strategy))

@@ -1,0 +1,61 @@
+"""DeepSeek-V3's multi-token prediction (MTP, arXiv:2412.19437 §2.2).
+
+`train.mtp_depth` = D modules after a decoder, run one after the other.
+Module k (1..D) takes the previous depth's hidden state h^{k-1}_i (h^0: the
+decoder's final hidden state) and the embedding of token i+k (the decoder's
+own `embed_tokens`, shared), normalises each with the model's norm (RMSNorm
+in DeepSeek's configs), projects their concatenation with M_k (2d -> d, no
+bias), runs one transformer block (the model's attention and its dense MLP
+of model.d_ff; causal, over the same positions and segments as the decoder)
+and a final norm (pre-norm models), giving h^k_i; the shared output head of
+h^k_i predicts token i+k+1. Positions whose token i+k+1 lies past the row or
+in another segment are not scored (`shift`, `depth_weights`).
+
+The modules' parameters count in `model/accounting.py` (`mtp_params`); the
+loss and its report are training/objectives.py's `mtp_sums`.
+"""
+import jax.numpy as jnp
+from flax import nnx
+
+from model.blocks import Block
+from model.layers import Dense
+from model.norms import make_norm
+
+
+class MTPModule(nnx.Module):
+  """One depth: norms of h and of the embedding, M_k, a block, a final norm."""
+
+  def __init__(self, cfg, *, rope, rngs: nnx.Rngs):
+    self.norm_hidden = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.norm_embed = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+    # M_k [2, d, d]: the concatenation [norm(h); norm(emb)] contracted as one 2d axis.
+    self.proj = Dense((2, cfg.d_model), (cfg.d_model,), (None, "embed", None), use_bias=False,
+                      cfg=cfg, rngs=rngs, in_axes=2)
+    self.block = Block(cfg, cross=False, rope=rope, rngs=rngs)
+    self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+                       if cfg.norm_position == "pre" else None)
+
+  def __call__(self, h_BTM, emb_BTM, *, positions_BT, segment_ids=None, bias=None):
+    """(h^k [B, T, M] before the final norm, h^k after it: what the head reads)."""
+    x_BT2M = jnp.stack([self.norm_hidden(h_BTM), self.norm_embed(emb_BTM)], axis=-2)
+    x_BTM, _ = self.block(self.proj(x_BT2M), positions_BT=positions_BT, causal=True,
+                          segment_ids=segment_ids, bias=bias)
+    return x_BTM, (self.final_norm(x_BTM) if self.final_norm is not None else x_BTM)
+
+
+def shift(x_BT, k: int, fill=0):
+  """x moved k positions left along T (x'[:, i] = x[:, i + k]), the last k
+  positions `fill`."""
+  if k == 0:
+    return x_BT
+  return jnp.concatenate([x_BT[:, k:], jnp.full((x_BT.shape[0], k), fill, x_BT.dtype)], axis=1)
+
+
+def depth_weights(loss_mask_BT, segment_ids_BT, k: int):
+  """The weights of depth k's targets (token i+k+1 at position i): the main
+  loss mask at i and at i+k, and i+k in i's segment (packed rows); 0 for the
+  last k positions."""
+  w_BT = loss_mask_BT * shift(loss_mask_BT, k)
+  if segment_ids_BT is not None:
+    w_BT = w_BT * (shift(segment_ids_BT, k, -1) == segment_ids_BT).astype(w_BT.dtype)
+  return w_BT
