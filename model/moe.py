@@ -234,8 +234,8 @@ def moe_tokens(x_NM, router_ME, up_EMF, gate_EMF, down_EFM, *, k: int, normalize
                activation, dtype, capacity_factor: float = 0.0, experts=None, real_N=None,
                router=None, rows: int = 1):
   """The experts' output for tokens [N, M] (float32), their statistics'
-  `_sums` and their sequences' `_seq_parts`: route (`router`, a `routing` function; None: `route` with
-  `normalize`), sort the N k assignments by expert (`sort_by_expert`), run
+  `_sums` and their sequences' `_seq_parts`: route (`router`, a `routing`
+  function; None: `route` with `normalize`), sort the N k assignments by expert (`sort_by_expert`), run
   each expert's group through its matrices, scatter back and weigh.
   `experts`: how the sorted rows reach their experts; None: `grouped_mlp`
   here (every expert's weights on this device), else `expert_parallel`.

@@ -1,7 +1,8 @@
 """`model.moe_router=deepseek` (`model/moe.py` `route_sigmoid`): DeepSeek-V3's
 group-limited sigmoid routing equals transformers' DeepseekV3TopkRouter on
-the same weights (and selection bias), in a layer; the sequence-wise balance
-loss (`train.moe_seq_aux_loss`) is the paper's; mistakes are one line."""
+the same weights (and selection bias), and a whole layer with its shared
+experts equals DeepseekV3MoE; the sequence-wise balance loss
+(`train.moe_seq_aux_loss`) is the paper's; mistakes are one line."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,8 @@ import pytest
 import torch
 from flax import nnx
 from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import (DeepseekV3MoE,
+                                                                  DeepseekV3TopkRouter)
 
 from configs import base
 from configs.errors import UserError
@@ -150,3 +152,29 @@ def test_sequence_wise_balance_loss_is_deepseeks():
                  jnp.asarray(real[:T][i::2]), 1) for i in (0, 1)])
   np.testing.assert_allclose(float(_seq_sums(*parts, k)[0]), float(first[0]), rtol=1e-6)
   np.testing.assert_allclose(float(first[0]), want[0], rtol=1e-6)
+
+
+def test_moe_layer_with_shared_experts_equals_transformers():
+  """A whole DeepSeek-V3 MoE layer (transformers' DeepseekV3MoE: the group-
+  limited router, SwiGLU experts, n_shared_experts always-on experts added)
+  on our layer's weights gives our layer's output."""
+  cfg = ModelConfig.resolve(_config(moe_n_group=4, moe_topk_group=2, num_shared_experts=2,
+                                    moe_routed_scaling_factor=2.5).model)
+  layer = MoE(cfg, rngs=nnx.Rngs(0))
+  hf = DeepseekV3MoE(DeepseekV3Config(
+      hidden_size=cfg.d_model, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+      topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5, n_shared_experts=2,
+      moe_intermediate_size=cfg.moe_d_ff, hidden_act="silu"))
+  t = lambda w: torch.from_numpy(np.array(w[...]))
+  with torch.no_grad():
+    hf.gate.weight.copy_(t(layer.router.kernel).T)
+    hf.experts.gate_up_proj.copy_(torch.cat([t(layer.gate.kernel), t(layer.up.kernel)],
+                                            dim=2).transpose(1, 2))
+    hf.experts.down_proj.copy_(t(layer.down.kernel).transpose(1, 2))
+    for name in ("gate", "up", "down"):
+      getattr(hf.shared_experts, f"{name}_proj").weight.copy_(
+          t(getattr(layer.shared, name).kernel).T)
+    x = jax.random.normal(jax.random.key(3), (2, 5, cfg.d_model))
+    want = hf(torch.from_numpy(np.array(x))).numpy()
+  got, _ = layer(x)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
