@@ -72,9 +72,9 @@ _FROM_CSV = flags.DEFINE_bool("from_csv", False, "report: recompute only the sta
                               "<root>/report.csv, for a report whose runs are gone.")
 _RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
                                    "with another config in place (old workdirs set aside).")
-_PARAMS = flags.DEFINE_enum("params", "params", list(sweep_lib.SCALING_PARAMS), "scaling: the parameter count N "
-                            "the laws use: every parameter (Chinchilla's) or the "
-                            "non-embedding ones (Kaplan's).")
+_PARAMS = flags.DEFINE_enum("params", "params", list(sweep_lib.SCALING_PARAMS), "scaling: "
+                            "the parameter count N the laws use: every parameter "
+                            "(Chinchilla's) or the non-embedding ones (Kaplan's).")
 _HOLDOUT = flags.DEFINE_string("holdout", None, "scaling: runs predicted, not fitted: "
                                "'budget>=X' (FLOPs).")
 _RESAMPLES = flags.DEFINE_integer("resamples", 1000, "scaling: bootstrap resamples.",

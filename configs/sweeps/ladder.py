@@ -88,7 +88,7 @@ def optimal_params(budget: float, sizes: list[tuple[dict, int, int]]) -> float:
 
 
 def _cells(budget: float, sizes: list, tokens_per_step: int) -> tuple[list | None, str]:
-  """The budget's sizes (overrides, N, steps), or None and why not."""
+  """The budget's sizes (overrides, N), or None and why not."""
   n_opt = optimal_params(budget, sizes)
   picked = []
   for j in range(SIZES):
@@ -101,7 +101,7 @@ def _cells(budget: float, sizes: list, tokens_per_step: int) -> tuple[list | Non
     steps = int(budget // (f * tokens_per_step))
     if not 1 <= steps <= MAX_STEPS:
       return None, f"N={n:.3g} would train {steps} steps (1 to MAX_STEPS={MAX_STEPS})"
-    picked.append((overrides, n, steps))
+    picked.append((overrides, n))
   return picked, ""
 
 
@@ -119,10 +119,8 @@ def ladder(budgets, variants: list[dict], config) -> list[dict]:
       raise UserError(f"ladder budget {budget:g}: {why}; the family (d_model 16 to 512) "
                       f"takes budgets {span}: change BUDGETS")
     # The budget as text ("1e+12", parsed as the float field) keeps the names short.
-    rows += [{"train.flop_budget": f"{budget:g}", **overrides} for overrides, _, _ in cells]
-  if not variants:
-    return rows
-  return [{**extra, **row} for extra in variants for row in rows]
+    rows += [{"train.flop_budget": f"{budget:g}", **overrides} for overrides, _ in cells]
+  return [{**extra, **row} for extra in variants or [{}] for row in rows]
 
 
 def get_sweep():

@@ -17,6 +17,7 @@ One module per job:
   plots.py      isoflop.png, compute.png, predicted.png
   synthetic.py  runs drawn from a known law (the tests, bench/scaling.py)
   __main__.py   the command line
+  from_sweep.py a sweep's finished runs as rows (`sweep.py scaling`; not imported here)
 """
 from sweeps.scaling.bootstrap import Result, analyse
 from sweeps.scaling.report import write
