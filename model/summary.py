@@ -41,14 +41,16 @@ _BACKEND = flags.DEFINE_enum(
 def summarize(config, backend: str = "gpu") -> dict:
   """Every number of the summary, a JSON-ready dict (bytes, FLOPs, counts);
   the training memory as on `backend`."""
-  m = ModelConfig.resolve(config.model)
-  report = accounting.measured_params(m)
+  m, depth = ModelConfig.resolve(config.model), config.train.mtp_depth
+  report = accounting.measured_params(m, depth)
   per_token = accounting.kv_cache_bytes_per_token(m)
   report.update(
       kv_cache_bytes_per_token=per_token,
       kv_cache_bytes_at_max_len=per_token * m.max_len,
-      flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False),
-      flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True),
+      flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False,
+                                                         mtp_depth=depth),
+      flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True,
+                                                       mtp_depth=depth),
       training_memory_bytes=accounting.training_memory_bytes(config, backend),
       train_steps=config.train.num_steps,
       train_tokens=config.train.num_steps * accounting.tokens_per_step(config.train),
@@ -108,6 +110,8 @@ def format_table(config, report: dict) -> str:
                   total - report["params_embedding"] - report["params_final_norms"], "")
   params += [("embedding + head + positions", report["params_embedding"], ""),
              ("final norms", report["params_final_norms"], ""),
+             *([(f"{t.mtp_depth} MTP modules", report["params_mtp"], "train.mtp_depth")]
+               if "params_mtp" in report else []),
              ("total", total, _count(total))]
   if report["params_active"] != total:
     active = report["params_active"]
@@ -121,7 +125,8 @@ def format_table(config, report: dict) -> str:
   n = "2N" if report["params_active"] == total else "2N (N active)"
   attention = ("4 L S d_attn" if m.v_head_dim == m.head_dim
                else "2 L S h (d_qk + d_v)")  # MLA: values narrower than queries and keys
-  flops = [("forward", report["flops_per_token_forward"], f"{n} + {attention}"),
+  mtp = f" + the {t.mtp_depth} MTP modules' blocks and head" if t.mtp_depth else ""
+  flops = [("forward", report["flops_per_token_forward"], f"{n} + {attention}{mtp}"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
   budget = validation.budget(t)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from configs import base, validation
 from configs.errors import UserError
-from model import accounting, build_model
+from model import accounting, build_model, summary
 from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, run_python,
                            small_cfg)
 from tests.test_optim import run_config
@@ -235,3 +235,15 @@ def test_another_family_is_refused_in_one_line_exit_2(tmp_path):
   assert result.returncode == 2
   assert_one_line_error(result, "train.mtp_depth=1", "model.family=encoder")
   assert not (tmp_path / "run").exists()
+
+
+def test_the_summary_counts_the_modules():
+  config = base.get_config()
+  config.model.update(vocab_size=64, d_model=32, num_layers=2, num_heads=4, d_ff=64)
+  config.train.mtp_depth = D
+  report = summary.summarize(config)
+  assert report["params_mtp"] == accounting.formula_params(config.model, D)["params_mtp"]
+  assert report["flops_per_token_train"] == accounting.flops_per_token(
+      config.model, config.train.seq_len, train=True, mtp_depth=D) > accounting.flops_per_token(
+          config.model, config.train.seq_len, train=True)
+  assert f"{D} MTP modules" in summary.format_table(config, report)
