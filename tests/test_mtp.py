@@ -197,7 +197,7 @@ def test_a_stopped_mtp_run_resumes_exactly_and_reports_each_depth(tok_dir, tmp_p
 
 
 def stop_at(monkeypatch, stop_step: int) -> None:
-  """The next run stops at `stop_step` as on SIGTERM: it saves and returns."""
+  """The next run stops at `stop_step` as on SIGTERM: it saves and raises `loop.Stopped`."""
   def should_stop(self, step):
     if step == stop_step:
       self.signum = signal.SIGTERM

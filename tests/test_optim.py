@@ -6,6 +6,7 @@ bit-identically; a WSD decay branched from a stable-phase checkpoint
 (train.restore_branch) continues the schedule."""
 import functools
 import math
+import signal
 
 import jax
 import jax.numpy as jnp
@@ -246,11 +247,12 @@ def test_the_memory_estimate_counts_each_optimizers_moments():
 # Stop and resume, bit for bit; a WSD decay branched from a stable phase.
 
 def stop_at(monkeypatch, stop_step: int) -> None:
-  """The next run stops at `stop_step` as on SIGTERM: it saves and returns."""
+  """The next run stops at `stop_step` as on SIGTERM: it saves and raises
+  `loop.Stopped` (train.py's exit status 143)."""
   def should_stop(self, step):
     if step == stop_step:
-      self.signal_name = "SIGTERM"
-    return self.signal_name is not None
+      self.signum = signal.SIGTERM
+    return self.signum is not None
   monkeypatch.setattr(loop.StopRequest, "should_stop", should_stop)
 
 
@@ -279,7 +281,9 @@ def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
   loop.train(c, str(tmp_path / "straight"))
   with monkeypatch.context() as patch:
     stop_at(patch, 3)
-    loop.train(c, str(tmp_path / "stopped"))
+    with pytest.raises(loop.Stopped) as stopped:
+      loop.train(c, str(tmp_path / "stopped"))
+  assert stopped.value.exit_status == 143
   assert final_params(tmp_path / "stopped")[0] == 3
   loop.train(c, str(tmp_path / "stopped"))
   (step_a, params_a), (step_b, params_b) = (final_params(tmp_path / name)
