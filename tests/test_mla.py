@@ -144,7 +144,8 @@ def _copy_deepseek(hf, model, interleaved: bool):
 
 
 @pytest.mark.hf
-@pytest.mark.parametrize("case", sorted(HF_CASES))
+@pytest.mark.parametrize("case", [  # V2-Lite's complex-number RoPE: the slowest case
+    pytest.param(c, marks=pytest.mark.slow) if c == "v2_lite" else c for c in sorted(HF_CASES)])
 def test_logits_decoding_and_counts_match_transformers(case):
   """transformers' dense DeepSeek and ours with its weights: the logits
   within 1e-4 of the largest, KV-cache decoding (a 9-token prefill, then one
@@ -258,9 +259,11 @@ def _scanned_copy(looped, section):
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
-@pytest.mark.parametrize("overrides", [{}, dict(scan_layers=True, num_layers=3),
-                                       dict(sliding_window=3, q_lora_rank=None)],
-                         ids=["loop", "scanned", "window"])
+@pytest.mark.parametrize("overrides", [
+    pytest.param({}, id="loop"),
+    pytest.param(dict(scan_layers=True, num_layers=3), id="scanned", marks=pytest.mark.slow),
+    pytest.param(dict(sliding_window=3, q_lora_rank=None), id="window",
+                 marks=pytest.mark.slow)])
 def test_latent_cache_decoding_equals_the_full_forward_pass(overrides):
   """Greedy decoding against the latent cache, a prompt's prefill then one
   token a step, gives at each step the logits of the full forward pass over

@@ -105,6 +105,7 @@ def test_the_loss_is_the_main_loss_plus_lambda_over_d_times_the_depths_losses():
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(gradient["mtp"])) > 1e-4
 
 
+@pytest.mark.slow
 def test_weight_zero_leaves_the_main_gradients_and_accumulation_adds_up():
   plain, plain_metrics = sgd_step(0, 0.0)
   gradient, metrics = sgd_step(D, 0.0)
