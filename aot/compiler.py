@@ -413,7 +413,8 @@ def _formula_flops(config, step: str, num_devices: int) -> float:
   if step == "generate":
     return accounting.flops_per_token(config.model, t.seq_len, train=False) * t.batch_size \
         / num_devices
-  per_token = accounting.flops_per_token(config.model, t.seq_len, train=step == "train")
+  per_token = accounting.flops_per_token(config.model, t.seq_len, train=step == "train",
+                                         mtp_depth=t.get("mtp_depth", 0))  # its modules run
   return per_token * t.batch_size * t.seq_len / num_devices
 
 

@@ -196,7 +196,8 @@ def _cost(config, steps: int) -> dict:
   tokens and FLOPs of `steps` steps (`model/accounting.py`, as train.py's
   start-up summary counts them)."""
   params = accounting.formula_params(config.model)
-  per_token = accounting.flops_per_token(config.model, config.train.seq_len, train=True)
+  per_token = accounting.flops_per_token(config.model, config.train.seq_len, train=True,
+                                         mtp_depth=config.train.get("mtp_depth", 0))
   tokens = steps * accounting.tokens_per_step(config.train)
   return {"params": params["params_total"],
           "params_non_embedding": params["params_total"] - params["params_embedding"],

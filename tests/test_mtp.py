@@ -248,3 +248,13 @@ def test_the_summary_counts_the_modules():
       config.model, config.train.seq_len, train=True, mtp_depth=D) > accounting.flops_per_token(
           config.model, config.train.seq_len, train=True)
   assert f"{D} MTP modules" in summary.format_table(config, report)
+
+
+def test_a_sweeps_cost_counts_the_mtp_modules_as_train_py_does():
+  """report.csv's FLOPs are the start-up summary's: with the MTP modules."""
+  from sweeps import report  # pylint: disable=import-outside-toplevel
+  c = base.get_config()
+  c.train.mtp_depth = 2
+  cost = report._cost(c, 10)  # pylint: disable=protected-access
+  assert cost["flops"] == 10 * accounting.flops_per_step(c)
+  assert cost["flops_per_token"] > report._cost(base.get_config(), 10)["flops_per_token"]  # pylint: disable=protected-access
