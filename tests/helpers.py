@@ -12,6 +12,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Regex, trainers
 
@@ -170,6 +171,24 @@ def assert_trees_equal(a, b):
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def scanned_copy(looped, scanned):
+  """`scanned` (a model in the scanned layout, concrete or from nnx.eval_shape)
+  holding `looped`'s weights: each layer's parameters stacked along the
+  layer axis, the others as they are."""
+  loop_params = dict(nnx.to_flat_state(nnx.state(looped, nnx.Param)))
+  graphdef, state = nnx.split(scanned)
+  flat = []
+  for path, variable in nnx.to_flat_state(state):
+    if "layers" in path:
+      at = path.index("layers") + 1
+      value = jnp.stack([loop_params[path[:at] + (i,) + path[at:]][...]
+                         for i in range(variable.shape[0])])
+    else:
+      value = loop_params[path][...]
+    flat.append((path, variable.replace(value)))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 # Sweeps.

@@ -36,7 +36,7 @@ from model.config import ModelConfig
 from model.generate import generate
 from model.mla import deinterleave, mla_params
 from model.summary import format_table, summarize
-from tests.helpers import assert_one_line_error, float32_tolerance, run_python
+from tests.helpers import assert_one_line_error, float32_tolerance, run_python, scanned_copy
 
 # Heads, their unrotated and rotated query/key widths, value width, KV and query latents.
 H, NOPE, ROPE, V, R, RQ = 4, 8, 4, 6, 12, 10
@@ -242,21 +242,9 @@ def test_a_wrong_closed_form_is_refused_naming_the_entry(monkeypatch):
 
 
 def _scanned_copy(looped, section):
-  """The scanned layout of `section` holding `looped`'s weights (each layer
-  a slice of the stacked parameters), built abstractly: no initialisation."""
-  abstract = nnx.eval_shape(lambda: build_model(section, nnx.Rngs(0)))
-  loop_params = dict(nnx.to_flat_state(nnx.state(looped, nnx.Param)))
-  graphdef, state = nnx.split(abstract)
-  flat = []
-  for path, variable in nnx.to_flat_state(state):
-    if "layers" in path:
-      at = path.index("layers") + 1
-      value = jnp.stack([loop_params[path[:at] + (i,) + path[at:]][...]
-                         for i in range(section.num_layers)])
-    else:
-      value = loop_params[path][...]
-    flat.append((path, variable.replace(value)))
-  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+  """The scanned layout of `section` holding `looped`'s weights, built
+  abstractly: no initialisation."""
+  return scanned_copy(looped, nnx.eval_shape(lambda: build_model(section, nnx.Rngs(0))))
 
 
 @pytest.mark.parametrize("overrides", [

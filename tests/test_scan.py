@@ -16,6 +16,7 @@ from model import accounting, build_model
 from model.config import ModelConfig
 from model.generate import beam_search, generate
 from training import compile_cache, loop, sharding, workdir as workdir_lib
+from tests.helpers import scanned_copy
 
 FAMILIES = {
     "decoder": dict(family="decoder"),
@@ -39,18 +40,7 @@ def loop_and_scanned(remat=False, **overrides):
   """The same weights in both layouts: the loop's layers stacked into the scanned model."""
   looped = build_model(model_cfg(False, **overrides), nnx.Rngs(0))
   scanned = build_model(model_cfg(True, **overrides), nnx.Rngs(1), remat=remat)
-  loop_params = dict(nnx.to_flat_state(nnx.state(looped, nnx.Param)))
-  graphdef, state = nnx.split(scanned)
-  flat = []
-  for path, variable in nnx.to_flat_state(state):
-    if "layers" in path:
-      at = path.index("layers") + 1
-      layers = [loop_params[path[:at] + (i,) + path[at:]][...] for i in range(variable.shape[0])]
-      variable = variable.replace(jnp.stack(layers))
-    else:
-      variable = variable.replace(loop_params[path][...])
-    flat.append((path, variable))
-  return looped, nnx.merge(graphdef, nnx.from_flat_state(flat))
+  return looped, scanned_copy(looped, scanned)
 
 
 def forward(model, family, tokens):
