@@ -193,6 +193,8 @@ def get_config() -> config_dict.ConfigDict:
   tr.schedule = "cosine"  # after the linear warm-up: cosine | linear | constant | inverse_sqrt |
   #   wsd (warm-up, stable, decay); formulas in docs/training.md
   tr.warmup_steps = 100  # linear warm-up steps
+  tr.warmup_fraction = config_dict.placeholder(float)  # set: warmup_steps = round(this x
+  #   num_steps), after a budget sets num_steps (a ladder's sizes warm up alike); None: unused
   tr.min_lr_ratio = 0.1  # cosine, linear and wsd decay to learning_rate * min_lr_ratio
   tr.decay_fraction = config_dict.placeholder(float)  # wsd: the last this fraction of num_steps
   #   decays linearly; None: 0.2

@@ -826,12 +826,16 @@ def _validate_optimizer(t: config_dict.ConfigDict) -> None:
     _check_range(t, field, 0, 1)
   _check_range(t, "min_lr_ratio", 0, 1, high_open=False)
   _check_range(t, "decay_fraction", 0, 1, low_open=True, high_open=False)
+  _check_range(t, "warmup_fraction", 0, 1)
   _check_range(t, "adafactor_decay_rate", 0, 1, low_open=True, high_open=False)
   for field in ("weight_decay", "adafactor_clipping", "muon_rms"):
     _check_range(t, field, 0, float("inf"))
   for field in ("adafactor_min_dim_to_factor", "muon_ns_steps"):
     _check_positive(t, f"train.{field}", "train.", allow_none=True)
-  if t.schedule == "inverse_sqrt" and t.warmup_steps < 1:
+  if t.schedule == "inverse_sqrt" and t.warmup_fraction == 0:
+    _fail("train.warmup_fraction", t.warmup_fraction, "must be > 0 for train.schedule="
+          "inverse_sqrt (learning_rate * sqrt(warmup_steps / step) after it)")
+  if t.schedule == "inverse_sqrt" and t.warmup_steps < 1 and t.warmup_fraction is None:
     _fail("train.warmup_steps", t.warmup_steps, "must be >= 1 for train.schedule=inverse_sqrt "
           "(learning_rate * sqrt(warmup_steps / step) after it)")
   if t.schedule == "wsd" and not t.warmup_steps <= decay_start(t) < t.num_steps:

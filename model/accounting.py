@@ -358,26 +358,33 @@ def flops_per_step(config) -> int:
 
 def with_budget(config):
   """`config` with train.num_steps set by its budget: floor(train.token_budget /
-  tokens per step) or floor(train.flop_budget / training FLOPs per step); the
-  config itself when neither is set. train.py, sweep.py, compile.py and
-  model.summary apply it after `validate`, before anything reads num_steps
-  (the schedule, the start-up summary, config.json), so that they agree. It
-  first checks the closed form those counts rest on (`check_formula`). A
-  budget short of one step is a UserError."""
+  tokens per step) or floor(train.flop_budget / training FLOPs per step), and
+  then train.warmup_steps by train.warmup_fraction (round(fraction x
+  num_steps)); the config itself when none of them is set. train.py, sweep.py,
+  compile.py and model.summary apply it after `validate`, before anything reads
+  num_steps (the schedule, the start-up summary, config.json), so that they
+  agree. It first checks the closed form those counts rest on
+  (`check_formula`). A budget short of one step is a UserError."""
   check_formula(config.model, config.train.mtp_depth)
   given = validation.budget(config.train)
-  if given is None:
+  fraction = config.train.get("warmup_fraction")
+  if given is None and fraction is None:
     return config
-  field, amount = given
-  per_step, what = ((tokens_per_step(config.train), "tokens") if field == "train.token_budget"
-                    else (flops_per_step(config), "training FLOPs"))
-  steps = int(amount // per_step)
-  if steps < 1:
-    raise UserError(f"{field}={amount:g} is less than one step ({per_step:,} {what} at "
-                    f"train.batch_size={config.train.batch_size} x train.seq_len="
-                    f"{config.train.seq_len}); raise it")
   config = config.copy_and_resolve_references()
-  config.train.num_steps = steps
+  if given is not None:
+    field, amount = given
+    per_step, what = ((tokens_per_step(config.train), "tokens") if field == "train.token_budget"
+                      else (flops_per_step(config), "training FLOPs"))
+    steps = int(amount // per_step)
+    if steps < 1:
+      raise UserError(f"{field}={amount:g} is less than one step ({per_step:,} {what} at "
+                      f"train.batch_size={config.train.batch_size} x train.seq_len="
+                      f"{config.train.seq_len}); raise it")
+    config.train.num_steps = steps
+  if fraction is not None:
+    # A positive fraction warms up at least one step (inverse_sqrt needs one).
+    config.train.warmup_steps = max(round(fraction * config.train.num_steps),
+                                    1 if fraction > 0 else 0)
   return config
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from scipy import stats as scipy_stats
 
-from configs import base
+from configs import base, validation
 from configs.cli import parse_flags
 from configs.errors import UserError
 from model import accounting
@@ -269,6 +269,19 @@ def get_sweep():
   with pytest.raises(UserError, match=r"train.token_budget=100 is less than one step \(2,048 "
                      "tokens at train.batch_size=16 x train.seq_len=128\\); raise it"):
     accounting.with_budget(config)
+
+
+def test_warmup_fraction_warms_up_a_share_of_the_budgets_steps():
+  config = base.get_config()
+  config.train.token_budget, config.train.warmup_fraction = 16 * 128 * 40, 0.1
+  assert accounting.with_budget(config).train.warmup_steps == 4
+  config.train.token_budget, config.train.warmup_fraction = 16 * 128 * 5, 0.01
+  assert accounting.with_budget(config).train.warmup_steps == 1  # a positive share: one step
+  config.train.token_budget, config.train.warmup_fraction = 0, 0.25
+  assert accounting.with_budget(config).train.warmup_steps == round(0.25 * config.train.num_steps)
+  config.train.warmup_fraction = 1.0
+  with pytest.raises(UserError, match=r"train.warmup_fraction=1.0: must be in \[0, 1\)"):
+    validation.validate(config)
 
 
 def test_num_steps_given_beside_a_budget_is_refused(tmp_path, capsys):
