@@ -14,7 +14,7 @@ import numpy as np
 from ml_collections import config_dict
 import pytest
 
-from configs import tiny
+from configs import tiny, tiny_ladder
 from configs.errors import UserError
 from model import accounting
 import sweeps as sweep_lib
@@ -34,14 +34,18 @@ def ladder():
 
 
 def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
-  family = ladder.family(tiny.get_config())
+  family = ladder.family(tiny_ladder.get_config())
   params = {json.dumps(overrides): n for overrides, n, _ in family}
-  sweep = ladder.get_sweep()
-  budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep))
+  sweep = [v for v in ladder.get_sweep() if v["model.pos_emb"] == "rope"]
+  budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep) - set(ladder.HOLDOUT))
   assert len(budgets) >= 4 and budgets[-1] / budgets[0] >= 30
+  assert min(ladder.HOLDOUT) >= 4 * budgets[-1]
+  for budget in ladder.HOLDOUT:  # the held-out budget: one cell, its middle size
+    (cell,) = [v for v in sweep if float(v["train.flop_budget"]) == budget]
   for budget in budgets:
     cells = [v for v in sweep if float(v["train.flop_budget"]) == budget]
-    n = sorted(params[json.dumps({f: v for f, v in c.items() if f != "train.flop_budget"})]
+    n = sorted(params[json.dumps({f: v for f, v in c.items()
+                                  if f not in ("train.flop_budget", "model.pos_emb")})]
                for c in cells)
     assert len(n) >= 5
     gaps = np.diff(np.log(n)) / math.log(ladder.SPACING)
@@ -54,8 +58,8 @@ def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
 
 
 def test_a_variant_axis_runs_every_cell_under_each_variant(ladder):
-  rows = ladder.ladder([1e13], [{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}],
-                       tiny.get_config())
+  rows = ladder.ladder([1e12], [{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}],
+                       tiny_ladder.get_config())
   assert len(rows) == 10
   assert [r["model.pos_emb"] for r in rows] == ["rope"] * 5 + ["learned"] * 5
   assert len({sweep_lib.variant_name(r) for r in rows}) == 10
@@ -63,10 +67,10 @@ def test_a_variant_axis_runs_every_cell_under_each_variant(ladder):
 
 def test_a_budget_the_family_cannot_take_is_one_line_exit_2(ladder, tmp_path):
   with pytest.raises(UserError, match=r"ladder budget 1e\+09: .* takes budgets from "):
-    ladder.ladder([1e9], [], tiny.get_config())
+    ladder.ladder([1e9], [], tiny_ladder.get_config())
   text = open(LADDER, encoding="utf-8").read()
-  assert "BUDGETS = (1e12, 3e12, 1e13, 3e13)" in text
-  path = write_sweep(tmp_path, text.replace("BUDGETS = (1e12, 3e12, 1e13, 3e13)",
+  assert "BUDGETS = (3e10, 1e11, 3e11, 1e12)" in text
+  path = write_sweep(tmp_path, text.replace("BUDGETS = (3e10, 1e11, 3e11, 1e12)",
                                             "BUDGETS = (1e12, 1e17)"))
   result = sweep_cli("run", "--sweep", path, "--dry_run", "--root", str(tmp_path / "root"))
   assert result.returncode == 2, result.stderr
@@ -79,10 +83,12 @@ def test_the_dry_run_prints_each_cells_train_and_eval_commands(tmp_path):
   result = sweep_cli("run", "--sweep", LADDER, "--dry_run", "--root", str(tmp_path))
   assert result.returncode == 0, result.stderr
   names = [line[:-1] for line in result.stdout.splitlines() if line.endswith(":")]
-  assert len(names) == 20 and names[0] == "flop_budget=1e+12,d_model=16,d_ff=48"
+  assert len(names) == 42 and names[0] == "pos_emb=rope,flop_budget=3e+10,d_model=8,d_ff=24"
+  assert names[20] == "pos_emb=rope,flop_budget=4e+12,d_model=76,d_ff=228"  # held out
   train = result.stdout.splitlines()[1]
-  assert ("--config.train.flop_budget=1e+12 --config.model.d_model=16 "
-          "--config.model.d_ff=48") in train and "/configs/tiny.py" in train
+  assert ("--config.model.pos_emb=rope --config.train.flop_budget=3e+10 "
+          "--config.model.d_model=8 --config.model.d_ff=24") in train
+  assert "/configs/tiny_ladder.py" in train
   assert not os.listdir(tmp_path)
 
 
@@ -91,8 +97,9 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
   follows a known law: `sweep.py scaling` fits 19 runs, says 1 is left out."""
   root = str(tmp_path / "root")
   sweep = sweep_lib.load_sweep(LADDER)
-  variants = sweep_lib.make_variants(sweep, TINY, [], root)
-  sweep_lib.write_manifest(root, sweep, TINY, [], variants, None)
+  config_path = str(ROOT / "configs" / "tiny_ladder.py")
+  variants = sweep_lib.make_variants(sweep, config_path, [], root)
+  sweep_lib.write_manifest(root, sweep, config_path, [], variants, None)
   rng = np.random.default_rng(0)
   law = synthetic.TRUTH
   for variant in variants[1:]:
@@ -105,9 +112,14 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
     with open(os.path.join(variant.workdir, REPORT), "w", encoding="utf-8") as f:
       json.dump({"step": variant.num_steps, "loss": loss}, f)
   result = sweep_cli("scaling", "--root", root, "--resamples", "100")
+  assert result.returncode == 2 and result.stderr == (
+      "error: variant pos_emb=rope: budget 4e+12 has 1 distinct size(s) (1.7e+05); an isoFLOP "
+      "parabola needs 3: add sizes or hold that budget out (--holdout 'budget>=4e+12')\n")
+  result = sweep_cli("scaling", "--root", root, "--resamples", "100", "--holdout",
+                     "budget>=4e12")
   assert result.returncode == 0, result.stderr
   assert "left out 1 unfinished run(s)" in result.stdout
-  assert "fitted 19 runs (0 held out)" in result.stdout
+  assert "fitted 39 runs (2 held out)" in result.stdout, result.stdout
   out = json.load(open(os.path.join(root, "scaling", "scaling.json"), encoding="utf-8"))
   text = json.dumps(out)
   assert "params" in text and "base" in text

@@ -100,7 +100,7 @@ def check_runs(runs: Runs, name: str) -> None:
     if len(sizes) < MIN_SIZES:
       raise UserError(f"{where}budget {c:.3g} has {len(sizes)} distinct size(s) "
                       f"({', '.join(f'{s:.3g}' for s in sizes)}); an isoFLOP parabola needs "
-                      f"{MIN_SIZES}: add sizes or hold that budget out")
+                      f"{MIN_SIZES}: add sizes or hold that budget out (--holdout 'budget>={c:g}')")
   budgets = len(np.unique(fitted.budget))
   if len(fitted.n) < MIN_RUNS or budgets < 2:
     raise UserError(f"{where}{len(fitted.n)} fitted run(s) in {budgets} budget(s); the "
