@@ -36,6 +36,7 @@ from flax import nnx
 
 from configs.errors import UserError
 from model.positions import POSITIONS
+from model.relative_bias import positions_row
 
 
 def sample_logits(logits_BV, rng, *, temperature: float = 0.0, top_k: int = 0,
@@ -239,6 +240,96 @@ def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng,
                       eos_id=eos_id, pad_id=pad_id, sampling=dict(search[1]))
 
 
+def _mtp_drafts(model, h0_BLM, tokens_BL, positions_BW, caches, limit):
+  """The MTP modules at the window `positions_BW` (each row's last position
+  n-1 last), module k reading h^{k-1} there (h^0: the main model's, from
+  `h0_BLM`) and token j+k of `tokens_BL` at position j, writing its KV
+  cache. Returns (tokens with module k's greedy choice at n-1 written as
+  token n+k, which module k+1 reads, the new caches)."""
+  B = positions_BW.shape[0]
+  rows_B1, rows_B = jnp.arange(B)[:, None], jnp.arange(B)
+  bias = model.decoder.self_bias(positions_BW, positions_row(h0_BLM.shape[1]))
+  h_BWM, new_caches = h0_BLM[rows_B1, positions_BW], []
+  for k, (module, cache) in enumerate(zip(model.mtp, caches), start=1):
+    emb_BWM = model.decoder.embed_tokens(tokens_BL[rows_B1, positions_BW + k], positions_BW)
+    h_BWM, normed_BWM, cache = module.decode(h_BWM, emb_BWM, positions_BT=positions_BW,
+                                             cache=cache, bias=bias)
+    new_caches.append(cache)
+    draft_B = jnp.argmax(limit(model.logits(model.decoder, normed_BWM[:, -1:])[:, 0]), axis=-1)
+    tokens_BL = tokens_BL.at[rows_B, positions_BW[:, -1] + k + 1].set(draft_B.astype(jnp.int32))
+  return tokens_BL, new_caches
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id",
+                                             "num_tokens"))
+def _speculate(graphdef, state, tokens_BP, lengths_B, *, max_new_tokens, eos_id, pad_id,
+               num_tokens):
+  """Greedy tokens [B, max_new_tokens] by self-speculative decoding with the
+  MTP modules (module docstring); per row, the verification passes and the
+  drafts accepted in them."""
+  model = nnx.merge(graphdef, state)
+  B, P = tokens_BP.shape
+  D = len(model.mtp)
+  W = 2 * D  # the MTP slots each round recomputes (module docstring)
+  L = P + max_new_tokens + 2 * D + 2  # every slot a row writes before it is frozen, and more
+  rows_B, rows_B1 = jnp.arange(B), jnp.arange(B)[:, None]
+  blocks = model.decoder.blocks()
+  dtype = jnp.dtype(model.decoder.dtype)
+
+  def limit(logits):
+    if num_tokens is None or num_tokens >= logits.shape[-1]:
+      return logits
+    return jnp.where(jnp.arange(logits.shape[-1]) < num_tokens, logits,
+                     jnp.finfo(logits.dtype).min)
+
+  def main(tokens_BT, positions_BT, cache, h0_BLM):
+    """The main model over `tokens_BT`: (its greedy next tokens, cache, h^0 written)."""
+    x_BTM, cache = model.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
+    greedy_BT = jnp.argmax(limit(model.logits(model.decoder, x_BTM)), axis=-1).astype(jnp.int32)
+    return greedy_BT, cache, h0_BLM.at[rows_B1, positions_BT].set(x_BTM.astype(h0_BLM.dtype))
+
+  prompt_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  h0_BLM = jnp.zeros((B, L, model.decoder.d_model), dtype)
+  greedy_BP, cache, h0_BLM = main(tokens_BP, prompt_BP, model.init_cache(B, L, dtype), h0_BLM)
+  tokens_BL = jnp.full((B, L), pad_id, jnp.int32).at[:, :P].set(tokens_BP)
+  tokens_BL = tokens_BL.at[rows_B, lengths_B].set(greedy_BP[rows_B, lengths_B - 1])
+  caches = [{name: jnp.zeros((B, L, *shape), dtype) for name, shape in model.decoder.cache_shapes}
+            for _ in range(D)]
+  # The modules over the prompts: the slots before the first window.
+  _, caches = _mtp_drafts(model, h0_BLM, tokens_BL, prompt_BP, caches, limit)
+  slots_L = jnp.arange(L)
+
+  def live(n_B, tokens_BL):
+    """Rows still decoding: fewer than max_new_tokens so far (token n is the
+    row's newest) and no EOS among them."""
+    new_BL = (slots_L >= lengths_B[:, None]) & (slots_L <= n_B[:, None])
+    ended_B = jnp.any(new_BL & (tokens_BL == eos_id), axis=1)
+    return (n_B - lengths_B + 1 < max_new_tokens) & ~ended_B
+
+  def body(carry):
+    n_B, tokens_BL, h0_BLM, cache, caches, passes_B, accepted_B = carry
+    live_B = live(n_B, tokens_BL)
+    window_BW = jnp.maximum(n_B[:, None] - W + jnp.arange(W), 0)
+    tokens_BL, caches = _mtp_drafts(model, h0_BLM, tokens_BL, window_BW, caches, limit)
+    verify_BV = n_B[:, None] + jnp.arange(D + 1)
+    drafted_BV = tokens_BL[rows_B1, verify_BV]
+    greedy_BV, cache, h0_BLM = main(drafted_BV, verify_BV, cache, h0_BLM)
+    agree_BD = drafted_BV[:, 1:] == greedy_BV[:, :-1]
+    taken_B = jnp.sum(jnp.cumprod(agree_BD, axis=1), axis=1)
+    tokens_BL = tokens_BL.at[rows_B1, verify_BV + 1].set(greedy_BV)
+    return (jnp.where(live_B, n_B + taken_B + 1, n_B), tokens_BL, h0_BLM, cache, caches,
+            passes_B + live_B, accepted_B + jnp.where(live_B, taken_B, 0))
+
+  zeros_B = jnp.zeros((B,), jnp.int32)
+  n_B, tokens_BL, *_, passes_B, accepted_B = jax.lax.while_loop(
+      lambda carry: jnp.any(live(carry[0], carry[1])), body,
+      (lengths_B, tokens_BL, h0_BLM, cache, caches, zeros_B, zeros_B))
+  out_BT = tokens_BL[rows_B1, lengths_B[:, None] + jnp.arange(max_new_tokens)]
+  is_eos_BT = (out_BT == eos_id).astype(jnp.int32)
+  out_BT = jnp.where(jnp.cumsum(is_eos_BT, axis=1) - is_eos_BT > 0, pad_id, out_BT)
+  return out_BT, passes_B, accepted_B
+
+
 def _trim(out_BT, eos_id: int) -> list[list[int]]:
   rows = []
   for row in np.asarray(out_BT).tolist():
@@ -265,11 +356,40 @@ def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, 
   return _trim(out_BT, eos_id)
 
 
+def mtp_speculative(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
+                    eos_id: int = -1, pad_id: int = 0, prompt_width: int | None = None,
+                    num_tokens: int | None = None) -> tuple[list[list[int]], dict]:
+  """Greedy decoding drafted by the MTP modules of a decoder trained with
+  train.mtp_depth (module docstring): `generate`'s tokens at temperature 0,
+  and {"draft_depth" D, "passes" (the main model's verification passes,
+  each row's while it decodes), "drafted" (D per pass), "accepted" (drafts
+  equal to the main model's greedy token), "acceptance_rate"
+  (accepted / drafted), "tokens_per_pass" ((accepted + passes) / passes:
+  the tokens each pass of the main model commits, at most D + 1)}."""
+  if model_cfg.family != "decoder":
+    raise UserError(f"draft=mtp: model.family={model_cfg.family!r} has no multi-token "
+                    "prediction modules (a decoder trained with train.mtp_depth > 0 has)")
+  if not len(getattr(model, "mtp", ())):
+    raise UserError("draft=mtp drafts with the multi-token prediction modules, and this model "
+                    "has none; train it with train.mtp_depth > 0, or generate without the draft")
+  tokens_BP, lengths_B = _pad_prompts(prompts, pad_id, prompt_width)
+  _check_length(model_cfg, tokens_BP.shape[1] + max_new_tokens)
+  graphdef, state = nnx.split(model)
+  out_BT, passes_B, accepted_B = _speculate(
+      graphdef, state, tokens_BP, lengths_B, max_new_tokens=max_new_tokens, eos_id=eos_id,
+      pad_id=pad_id, num_tokens=num_tokens)
+  depth, passes, accepted = len(model.mtp), int(passes_B.sum()), int(accepted_B.sum())
+  stats = {"draft_depth": depth, "passes": passes, "drafted": depth * passes,
+           "accepted": accepted, "acceptance_rate": accepted / max(depth * passes, 1),
+           "tokens_per_pass": (accepted + passes) / max(passes, 1)}
+  return _trim(out_BT, eos_id), stats
+
+
 def generate(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
              eos_id: int = -1, pad_id: int = 0, temperature: float = 0.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, sources: list[list[int]] | None = None,
              prompt_width: int | None = None, source_width: int | None = None,
-             num_tokens: int | None = None) -> list[list[int]]:
+             num_tokens: int | None = None, draft: str | None = None) -> list[list[int]]:
   """New tokens for each prompt (up to and including EOS), with a KV cache.
 
   For a decoder, `prompts` are the token prefixes. For an encoder-decoder,
@@ -278,8 +398,22 @@ def generate(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
   least that many tokens, so that batches of other lengths reuse one
   compiled function (the output does not change). `num_tokens` (the
   tokenizer's vocabulary size) keeps ids the model has rows for but the
-  tokenizer cannot decode from ever being chosen.
+  tokenizer cannot decode from ever being chosen. `draft="mtp"`: greedy
+  decoding drafted by the model's multi-token prediction modules and
+  verified by the main model (`mtp_speculative`, which also reports the
+  acceptance): the same tokens, fewer passes of the main model; temperature
+  0 only.
   """
+  if draft is not None:
+    if draft != "mtp":
+      raise UserError(f"draft={draft!r}: the one drafter is 'mtp' (the model's multi-token "
+                      "prediction modules); or generate without a draft")
+    if temperature > 0:
+      raise UserError(f"draft=mtp verifies drafts greedily, and temperature={temperature} "
+                      "samples; use temperature 0, or generate without the draft")
+    return mtp_speculative(model, model_cfg, prompts, max_new_tokens=max_new_tokens,
+                           eos_id=eos_id, pad_id=pad_id, prompt_width=prompt_width,
+                           num_tokens=num_tokens)[0]
   sampling_items = tuple(sorted(dict(temperature=float(temperature), top_k=int(top_k),
                                      top_p=float(top_p)).items()))
   return _run(model, model_cfg, prompts, sources, max_new_tokens=max_new_tokens,

@@ -11,8 +11,10 @@ and a final norm (pre-norm models), giving h^k_i; the shared output head of
 h^k_i predicts token i+k+1. Positions whose token i+k+1 lies past the row or
 in another segment are not scored (`shift`, `depth_weights`).
 
-The modules' parameters count in `model/accounting.py` (`mtp_params`); the
-loss and its report are training/objectives.py's `mtp_sums`.
+The modules' parameters count in `model/accounting.py` (`mtp_module_params`); the
+loss and its report are training/objectives.py's `next_token_mtp_loss`. At generation
+the modules draft tokens for self-speculative decoding (`decode`, each
+module's block against its own KV cache; `model/generate.py`).
 """
 import jax.numpy as jnp
 from flax import nnx
@@ -41,6 +43,14 @@ class MTPModule(nnx.Module):
     x_BTM, _ = self.block(self.proj(x_BT2M), positions_BT=positions_BT, causal=True,
                           segment_ids=segment_ids, bias=bias)
     return x_BTM, (self.final_norm(x_BTM) if self.final_norm is not None else x_BTM)
+
+  def decode(self, h_BTM, emb_BTM, *, positions_BT, cache, bias=None):
+    """`__call__` at `positions_BT` against this module's block's KV cache
+    (`Block.decode`): (h^k, h^k after the final norm, the new cache)."""
+    x_BT2M = jnp.stack([self.norm_hidden(h_BTM), self.norm_embed(emb_BTM)], axis=-2)
+    x_BTM, cache = self.block.decode(self.proj(x_BT2M), positions_BT=positions_BT, cache=cache,
+                                     bias=bias)
+    return x_BTM, (self.final_norm(x_BTM) if self.final_norm is not None else x_BTM), cache
 
 
 def shift(x_BT, k: int, fill=0):
