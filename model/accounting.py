@@ -473,6 +473,21 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   return (layer_elements + outside) * _itemsize(m.dtype) + 4 * m.vocab_size
 
 
+def mtp_activation_bytes_per_token(model_cfg, seq_len: int, backend: str | None = None,
+                                   context: int = 1) -> int:
+  """Activation memory per token of one multi-token prediction module
+  (`model/mtp.py`, train.mtp_depth), counted as `activation_bytes_per_token`
+  counts a layer: the inputs of its norms of h and of the embedding (2 d),
+  of M_k (2 d), its dense block's (a decoder layer's), its final norm's
+  (d, pre-norm), the head's input (d; 3 d more with `head_transform`) and
+  its float32 logits (4 V bytes). train.remat leaves the modules out (only
+  the decoder's blocks recompute), so this holds with it too."""
+  m = ModelConfig.resolve(model_cfg)
+  elements = (4 * m.d_model + _layer_activation_elements(m, seq_len, False, backend, context)
+              + m.d_model * (m.norm_position == "pre") + m.d_model * (1 + 3 * m.head_transform))
+  return elements * _itemsize(m.dtype) + 4 * m.vocab_size
+
+
 def _moments(t, params: dict) -> int:
   """Optimizer moments kept, in parameters: adamw two per parameter, lion one,
   muon one on the non-embedding parameters (its matrices) and two on the
@@ -490,18 +505,23 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   float32 moments of train.optimizer (`_moments`); `activations` at train.batch_size x
   train.seq_len, divided by train.grad_accum_steps (one micro-batch is live
   at a time; see `activation_bytes_per_token`, which also says what
-  `backend` means); `total`: their sum.
+  `backend` means); `total`: their sum. The train.mtp_depth multi-token
+  prediction modules count in each: their parameters (`formula_params`),
+  gradients, moments and activations (`mtp_activation_bytes_per_token`).
   """
   m, t = ModelConfig.resolve(config.model), config.train
-  params = formula_params(m)
+  params = formula_params(m, t.mtp_depth)
   n = params["params_total"]
   tokens = t.batch_size // t.grad_accum_steps * t.seq_len
+  context = config.mesh.context
+  per_token = activation_bytes_per_token(m, t.seq_len, t.remat, backend, context,
+                                         config.mesh.get("expert", 1))
+  if t.mtp_depth:
+    per_token += t.mtp_depth * mtp_activation_bytes_per_token(m, t.seq_len, backend, context)
   memory = dict(parameters=n * _itemsize(m.param_dtype),
                 gradients=n * _itemsize(m.param_dtype),
                 optimizer_state=_moments(t, params) * 4,
-                activations=tokens * activation_bytes_per_token(m, t.seq_len, t.remat, backend,
-                                                                config.mesh.context,
-                                                                config.mesh.get("expert", 1)))
+                activations=tokens * per_token)
   memory["total"] = sum(memory.values())
   return memory
 

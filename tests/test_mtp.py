@@ -11,7 +11,7 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import base, validation
+from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model, summary
 from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, run_python,
@@ -19,7 +19,7 @@ from tests.helpers import (assert_one_line_error, assert_trees_equal, final_para
 from tests.test_optim import run_config
 from tests.test_steps import next_token_batch
 from training import evaluate, loop
-from training.metrics import read_metrics
+from training.metrics import by_name, evaluate_mixture, read_metrics
 from training.steps import init_state, jit_eval_step, jit_train_step
 
 D = 2
@@ -195,6 +195,13 @@ def test_a_stopped_mtp_run_resumes_exactly_and_reports_each_depth(tok_dir, tmp_p
   assert val and all(0 < r["mtp2_loss"] and "loss" in r for r in val)
   report = evaluate.run_eval(str(tmp_path / "straight"), max_new_tokens=2)
   assert 0 < report["mtp1_loss"] and 0 <= report["mtp2_accuracy"] <= 1 and report["loss"] > 0
+  # eval.py --prompt --draft mtp: the same completions, with the drafts' acceptance.
+  plain, drafted = (evaluate.complete_prompts(str(tmp_path / "straight"), ["def ", "x"],
+                                              max_new_tokens=6, out=str(tmp_path / name),
+                                              draft=draft)
+                    for name, draft in (("plain", None), ("drafted", "mtp")))
+  assert drafted["samples"] == plain["samples"] and "speculative" not in plain
+  assert drafted["speculative"]["draft_depth"] == D and drafted["speculative"]["passes"] > 0
 
 
 def stop_at(monkeypatch, stop_step: int) -> None:
@@ -258,3 +265,43 @@ def test_a_sweeps_cost_counts_the_mtp_modules_as_train_py_does():
   cost = report._cost(c, 10)  # pylint: disable=protected-access
   assert cost["flops"] == 10 * accounting.flops_per_step(c)
   assert cost["flops_per_token"] > report._cost(base.get_config(), 10)["flops_per_token"]  # pylint: disable=protected-access
+
+
+def test_training_memory_counts_the_modules_parameters_moments_and_activations():
+  """GPT-2 small (bfloat16 activations, xla attention) with 2 modules: their
+  parameters as built (`measured_params`), gradients and AdamW's two float32
+  moments of them, and per token each module's norm and M_k inputs (4 d),
+  a layer's Korthikanti elements (16 d + h S), its final norm's and the
+  head's input (2 d) and float32 logits (4 V bytes); remat does not
+  recompute the modules."""
+  config = gpt2_small.get_config()
+  config.model.attention_impl = "xla"
+  d, h, S, V, B = 768, 12, 1024, 50304, 32
+  without = accounting.training_memory_bytes(config)
+  config.train.mtp_depth = 2
+  with_mtp = accounting.training_memory_bytes(config)
+  n = accounting.measured_params(config.model, 2)["params_mtp"]
+  assert n == accounting.formula_params(config.model, 2)["params_mtp"] > 0
+  assert with_mtp["parameters"] - without["parameters"] == 4 * n  # float32 parameters
+  assert with_mtp["gradients"] - without["gradients"] == 4 * n
+  assert with_mtp["optimizer_state"] - without["optimizer_state"] == 2 * 4 * n
+  module = 2 * (22 * d + h * S) + 4 * V
+  assert with_mtp["activations"] - without["activations"] == B * S * 2 * module
+  assert with_mtp["total"] == sum(v for k, v in with_mtp.items() if k != "total")
+  config.train.remat = True
+  remat_with = accounting.training_memory_bytes(config)["activations"]
+  config.train.mtp_depth = 0
+  assert remat_with - accounting.training_memory_bytes(config)["activations"] == B * S * 2 * module
+
+
+def test_a_mixtures_validation_weighs_each_depths_metrics_as_the_loss():
+  """`evaluate_mixture`'s top-level record has mtp<k>_loss/_accuracy, the
+  sources' weighted as its loss is, beside each source's own."""
+  # An eval step's sums: loss, targets, correct, (log Z)^2, then per depth loss, count, correct.
+  sums = {"a": [4.0, 2.0, 1.0, 0.0, 6.0, 2.0, 2.0], "b": [9.0, 3.0, 0.0, 0.0, 3.0, 1.0, 0.0]}
+  mixture, by_source = evaluate_mixture(lambda params, batch: sums[batch], None,
+                                        {"a": ["a"], "b": ["b"]}, {"a": 3.0, "b": 1.0})
+  assert mixture["loss"] == pytest.approx((3 * 2.0 + 1 * 3.0) / 4)
+  assert mixture["mtp1_loss"] == pytest.approx((3 * 3.0 + 1 * 3.0) / 4)
+  assert mixture["mtp1_accuracy"] == pytest.approx((3 * 1.0 + 1 * 0.0) / 4)
+  assert by_name(by_source)["mtp1_loss/a"] == 3.0

@@ -69,14 +69,21 @@ def evaluate_mixture(eval_fn, params, batches: dict[str, list], weights: dict[st
   Each source's are `evaluate`'s over its own batches (all of them counted
   in `progress`). The mixture's loss and accuracy are the sources' weighted
   by their data.mixture weights (what a row drawn as training draws them
-  scores), its perplexity exp(loss), its targets their sum.
+  scores), its perplexity exp(loss), its targets their sum; with
+  multi-token prediction each depth's `mtp<k>_loss` and `mtp<k>_accuracy`
+  are weighted alike.
   """
   by_source = {name: evaluate(eval_fn, params, b, progress) for name, b in batches.items()}
   total = sum(weights.values())
-  loss = sum(weights[name] * m["loss"] for name, m in by_source.items()) / total
-  accuracy = sum(weights[name] * m["accuracy"] for name, m in by_source.items()) / total
-  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": accuracy,
-          "targets": sum(m["targets"] for m in by_source.values())}, by_source
+
+  def weighted(key):
+    return sum(weights[name] * m[key] for name, m in by_source.items()) / total
+
+  loss = weighted("loss")
+  depths = [key for key in next(iter(by_source.values())) if key.startswith("mtp")]
+  return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "accuracy": weighted("accuracy"),
+          "targets": sum(m["targets"] for m in by_source.values()),
+          **{key: weighted(key) for key in depths}}, by_source
 
 
 def by_name(by_source: dict[str, dict]) -> dict:
