@@ -1,5 +1,6 @@
 """Evaluate a run: python eval.py --workdir runs/tiny [--step N] [--data ...]
-[--prompt TEXT --max_new_tokens N [--score]] [--beam_size K --length_penalty A --max_examples N]
+[--prompt TEXT --max_new_tokens N [--draft mtp] [--score]]
+[--beam_size K --length_penalty A --max_examples N]
 [--seq_len L [--position_buckets N]] [--rope_scaling yarn --rope_scaling_factor 4]
 [--tasks hellaswag,arc_easy [--task_dir DIR] [--task_limit N] [--task_batch_size B]] [--out DIR]
 
@@ -13,6 +14,10 @@ goes to DIR and the workdir is left as it was (nor are the trackers sent it).
 completions and writes them to generations.json in that folder, scores
 nothing and leaves eval_report.json alone; `--prompt ... --score` scores as
 well, the completions being the report's samples (next_token runs).
+`--draft mtp` completes them greedily drafted by the run's multi-token
+prediction modules (train.mtp_depth) and verified by the main model: the
+same tokens in fewer passes of it; it prints the acceptance of the drafts
+and writes it under "speculative" (docs/evaluation.md).
 Seq2seq runs are scored by generation (greedy and beam search), masked-LM
 runs by masked-token accuracy, classify runs by accuracy, macro-F1 and a
 confusion matrix (confusion_matrix.png, predictions.jsonl; --data classifies
@@ -63,6 +68,9 @@ _MAX_NEW = flags.DEFINE_integer("max_new_tokens", 64, "Tokens to generate per pr
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0: greedy.")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "Sample from the k most likely tokens (0: all).")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "Nucleus sampling mass.")
+_DRAFT = flags.DEFINE_enum("draft", None, ["mtp"], "With --prompt: greedy decoding drafted by "
+                           "the run's multi-token prediction modules (train.mtp_depth), verified "
+                           "by the main model (the same tokens, fewer passes).")
 _BEAM_SIZE = flags.DEFINE_integer("beam_size", 4, "seq2seq: beams of the beam search.")
 _ALPHA = flags.DEFINE_float("length_penalty", 0.6, "seq2seq: beam scores are log p / "
                             "((5 + length) / 6)^alpha; 0: none.")
@@ -104,12 +112,21 @@ def complete(evaluate) -> None:
   result = evaluate.complete_prompts(
       _WORKDIR.value, _PROMPT.value, step=_STEP.value, tokenizer_path=_TOKENIZER.value,
       max_new_tokens=_MAX_NEW.value, temperature=_TEMPERATURE.value, top_k=_TOP_K.value,
-      top_p=_TOP_P.value, out=_OUT.value)
+      top_p=_TOP_P.value, out=_OUT.value, draft=_DRAFT.value)
   interrupts.exit_quietly(0)  # written: what is left is printing it
   for sample in result["samples"]:
     print(f"--- step {result['step']}, prompt {sample['prompt']!r}:")
     print(sample["prompt"] + sample["completion"])
+  if "speculative" in result:
+    print(speculative_line(result["speculative"]))
   print("wrote " + ", ".join(result["files"]))
+
+
+def speculative_line(stats: dict) -> str:
+  """--draft mtp's acceptance, one line."""
+  return (f"draft mtp (depth {stats['draft_depth']}): {stats['accepted']} of "
+          f"{stats['drafted']} drafted tokens accepted ({stats['acceptance_rate']:.1%}), "
+          f"{stats['tokens_per_pass']:.2f} tokens per pass of the main model")
 
 
 def main(argv):
@@ -125,6 +142,9 @@ def _eval() -> int:
   """Evaluates (or completes the prompts) and prints the result; the exit status."""
   from training import evaluate  # pylint: disable=import-outside-toplevel
   try:
+    if _DRAFT.value and not _PROMPT.value:
+      raise UserError("--draft drafts the completions of --prompt, and no --prompt is given; "
+                      "add --prompt TEXT or drop --draft")
     if _PROMPT.value and not _SCORE.value:
       complete(evaluate)
       return 0
@@ -136,7 +156,7 @@ def _eval() -> int:
         seq_len=_SEQ_LEN.value, rope_scaling=_ROPE_SCALING.value,
         rope_scaling_factor=_ROPE_FACTOR.value, position_buckets=_BUCKETS.value,
         tasks=_TASKS.value, task_dir=_TASK_DIR.value, task_limit=_TASK_LIMIT.value,
-        task_batch_size=_TASK_BATCH.value)
+        task_batch_size=_TASK_BATCH.value, draft=_DRAFT.value)
     if _OUT.value is None:
       interrupts.on_signal(lambda name: f"{name} while sending the report to the run's "
                            f"trackers: {os.path.dirname(report['files'][0])} written (complete, "
@@ -150,6 +170,8 @@ def _eval() -> int:
   interrupts.exit_quietly(0)  # written and sent: what is left is printing it
   files = report.pop("files")
   print(json.dumps(report, indent=2))
+  if "speculative" in report:
+    print(speculative_line(report["speculative"]))
   for line in report.get("config_history", []):
     print(f"config history: {line}")
   if "loss_by_position" in report:

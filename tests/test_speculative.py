@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from configs import base
 from configs.errors import UserError
 from model import build_model
 from model.generate import generate, mtp_speculative
-from tests.helpers import small_cfg
+from tests.helpers import assert_one_line_error, run_python, small_cfg
+from training import workdir as workdir_lib
 
 D = 2
 PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [3, 1]]
@@ -124,3 +126,24 @@ def test_refusals_are_one_line():
   with pytest.raises(UserError, match="encoder_decoder"):
     generate(build_model(seq2seq, nnx.Rngs(0)), seq2seq, [[1]], sources=[[2]],
              max_new_tokens=2, draft="mtp")
+
+
+@pytest.mark.parametrize("flags, fragments", [
+    (["--prompt", "def ", "--draft", "mtp"], ["train.mtp_depth=0", "drop --draft"]),
+    (["--prompt", "def ", "--draft", "mtp", "--temperature", "0.5"],
+     ["verifies the drafts greedily", "--temperature 0.5"]),
+    (["--draft", "mtp"], ["no --prompt is given", "add --prompt TEXT or drop --draft"]),
+])
+def test_eval_refuses_a_draft_it_cannot_make_in_one_line_exit_2(tmp_path, flags, fragments):
+  """Before the checkpoint is read: a run without MTP modules, a sampling
+  temperature, --draft without --prompt; nothing written."""
+  run = tmp_path / "run"
+  run.mkdir()
+  config = base.get_config()
+  config.train.mtp_depth = 1 if "--temperature" in flags else 0
+  workdir_lib.write_json_atomic(str(run / workdir_lib.CONFIG_FILE),
+                                workdir_lib.config_to_dict(config))
+  result = run_python(["eval.py", "--workdir", str(run), *flags])
+  assert result.returncode == 2
+  assert_one_line_error(result, *fragments)
+  assert sorted(p.name for p in run.iterdir()) == [workdir_lib.CONFIG_FILE]

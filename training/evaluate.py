@@ -86,7 +86,8 @@ from configs import validation  # pylint: disable=wrong-import-position
 from configs.errors import UserError  # pylint: disable=wrong-import-position
 from data import (classify, mixture, pipeline,  # pylint: disable=wrong-import-position
                   seq2seq, tasks)
-from model.generate import beam_search, generate  # pylint: disable=wrong-import-position
+from model.generate import (beam_search, generate,  # pylint: disable=wrong-import-position
+                            mtp_speculative)
 from model.positions import POSITIONS  # pylint: disable=wrong-import-position
 from training import (classify_report, compile_cache, downstream,  # pylint: disable=wrong-import-position
                       expert_report, interrupts, lengths, trackers)
@@ -492,7 +493,7 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
              max_examples: int = 0, out: str | None = None, seq_len: int | None = None,
              rope_scaling: str | None = None, rope_scaling_factor: float | None = None,
              position_buckets: int = 16, tasks: str | None = None, task_dir: str = "",
-             task_limit: int = 0, task_batch_size: int = 32) -> dict:
+             task_limit: int = 0, task_batch_size: int = 32, draft: str | None = None) -> dict:
   """Evaluates a checkpoint; writes the report and plots into `out` (default
   `<workdir>/eval/step_<N>/`; given, nothing in the workdir changes), see the
   module docstring. `prompts` (a next_token run's; default three) are
@@ -505,11 +506,12 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   `tasks` (comma-separated lm-eval task names, with the YAMLs of `task_dir`)
   adds their metrics under `downstream` (`training/downstream.py`): the
   first `task_limit` examples of each (0: all), `task_batch_size` rows per
-  forward pass.
+  forward pass. `draft` ("mtp" or None) as in `complete_prompts`.
   """
   saved = workdir_lib.load_config(workdir)
   if prompts:
     _check_completes(saved)
+  _check_draft(saved, draft, temperature)
   compile_cache.enable(saved.train.compilation_cache_dir)
   task_set = _downstream_tasks(saved, tasks, task_dir, task_limit, task_batch_size)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
@@ -585,9 +587,12 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
     if config.train.objective == "next_token":
       report.update(mixture_text_stats(report["sources"]) if mix
                     else text_stats(config, tok, metrics))
-      report["samples"] = _complete(model, config, tok, prompts or ["def ", "class ", "import "],
-                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                    top_k=top_k, top_p=top_p)
+      report["samples"], speculative = _complete(
+          model, config, tok, prompts or ["def ", "class ", "import "],
+          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+          draft=draft)
+      if speculative is not None:
+        report["speculative"] = speculative
     elif config.train.objective == "mlm":
       report.update(masked_lm_report(config, tok, batches, metrics))
     else:
@@ -625,34 +630,62 @@ def _check_completes(config) -> None:
                     "does); evaluate it without --prompt")
 
 
+def _check_draft(config, draft: str | None, temperature: float) -> None:
+  """--draft mtp against the run, before its checkpoint is read: a UserError
+  for a run without MTP modules or a sampling temperature (the drafts are
+  verified greedily)."""
+  if draft is None:
+    return
+  if not config.train.mtp_depth:
+    raise UserError("--draft mtp drafts with the multi-token prediction modules, and this run "
+                    "was trained without them (train.mtp_depth=0); drop --draft")
+  if temperature > 0:
+    raise UserError(f"--draft mtp verifies the drafts greedily, and --temperature {temperature} "
+                    "samples; drop --temperature or --draft")
+
+
 def _complete(model, config, tok, prompts: list[str], *, max_new_tokens: int,
-              temperature: float, top_k: int, top_p: float) -> list[dict]:
-  """[{"prompt", "completion"}] of `prompts`, generated with the KV cache after BOS."""
-  outs = generate(model, config.model, [[tok.bos_id] + tok.encode(p) for p in prompts],
-                  max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
-                  temperature=temperature, top_k=top_k, top_p=top_p, num_tokens=tok.vocab_size)
-  return [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)]
+              temperature: float, top_k: int, top_p: float, draft: str | None = None):
+  """([{"prompt", "completion"}] of `prompts`, generated with the KV cache
+  after BOS; with `draft="mtp"` self-speculatively, and then its passes and
+  acceptance, else None)."""
+  encoded = [[tok.bos_id] + tok.encode(p) for p in prompts]
+  common = dict(max_new_tokens=max_new_tokens, eos_id=tok.eos_id, pad_id=tok.pad_id,
+                num_tokens=tok.vocab_size)
+  speculative = None
+  if draft is None:
+    outs = generate(model, config.model, encoded, temperature=temperature, top_k=top_k,
+                    top_p=top_p, **common)
+  else:
+    outs, speculative = mtp_speculative(model, config.model, encoded, **common)
+  return [{"prompt": p, "completion": tok.decode(o)} for p, o in zip(prompts, outs)], speculative
 
 
 def complete_prompts(workdir: str, prompts: list[str], *, step: int | None = None,
                      tokenizer_path: str | None = None, max_new_tokens: int = 64,
                      temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                     out: str | None = None) -> dict:
+                     out: str | None = None, draft: str | None = None) -> dict:
   """Completions of `prompts` by a next_token run's checkpoint, nothing
   scored (no data read): {"step", "max_new_tokens", "temperature", "top_k",
   "top_p", "samples" [{"prompt", "completion"}], "files"}, written without
   "files" to `<out>/generations.json` (default `<workdir>/eval/step_<N>/`,
-  beside that step's report, which it leaves alone)."""
+  beside that step's report, which it leaves alone). `draft="mtp"`: greedy
+  decoding drafted by the run's multi-token prediction modules
+  (`model.generate.mtp_speculative`; the same tokens), its passes and
+  acceptance under "speculative"."""
   saved = workdir_lib.load_config(workdir)
   _check_completes(saved)
+  _check_draft(saved, draft, temperature)
   compile_cache.enable(saved.train.compilation_cache_dir)
   config, tok, model, step = workdir_lib.load_run(workdir, step, tokenizer_path)
   folder = out or _out_dir(workdir, step, None)
   with Staged(folder, None if out else workdir, f"completing prompts at step {step}") as staged:
+    samples, speculative = _complete(model, config, tok, prompts, max_new_tokens=max_new_tokens,
+                                     temperature=temperature, top_k=top_k, top_p=top_p,
+                                     draft=draft)
     result = {"step": step, "max_new_tokens": max_new_tokens, "temperature": temperature,
-              "top_k": top_k, "top_p": top_p,
-              "samples": _complete(model, config, tok, prompts, max_new_tokens=max_new_tokens,
-                                   temperature=temperature, top_k=top_k, top_p=top_p)}
+              "top_k": top_k, "top_p": top_p, "samples": samples,
+              **({"speculative": speculative} if speculative is not None else {})}
     path = staged.path(GENERATIONS_FILE)
     workdir_lib.write_json_atomic(path, result)
     return {**result, "files": staged.commit([path])}

@@ -1,0 +1,140 @@
+"""Benchmark of self-speculative decoding: greedy tokens/s with and without MTP drafts.
+
+  python -m bench.speculative [--workdir RUN | --steps 300 --mtp_depth 1] [--batch 1,4]
+      [--new_tokens 64] [--repeats 3] [--note TEXT] [--out bench/results/speculative.json]
+
+A run trained with train.mtp_depth (`--workdir`; its newest checkpoint)
+completes the prompts below greedily, once plainly (`generate`: one pass of
+the main model per token) and once drafted by its multi-token prediction
+modules (`generate(draft="mtp")`, `model.generate.mtp_speculative`: D drafts
+verified in one pass). Random weights would draft almost nothing that the
+main model accepts, so without `--workdir` the script first trains
+configs/tiny.py with train.mtp_depth=`--mtp_depth` for `--steps` steps into
+a temporary folder (train.py, on the stdlib corpus). For each batch size of
+`--batch` (the first prompts), both are compiled by a first call and timed
+over `--repeats` calls, with no EOS so every row runs `--new_tokens` tokens;
+the table shows the median new tokens per second of each, the speedup, the
+share of drafts accepted and the tokens each main-model pass commits, and
+checks that both gave the same tokens. The same numbers go to the JSON file,
+with the run, the machine (CPU model from /proc/cpuinfo) and `--note` (what
+else ran on the machine, for example).
+"""
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+
+from bench.bench_utils import command_line, git_commit
+from model.generate import generate, mtp_speculative
+from training import hardware
+from training import workdir as workdir_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PROMPTS = ["def ", "import os\n", "class ", "    return ", "for i in range(", "if __name__",
+           "    def __init__(self", "# "]
+
+
+def train_run(workdir: str, steps: int, depth: int) -> None:
+  """configs/tiny.py with `depth` MTP modules, `steps` steps, into `workdir`."""
+  command = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / "tiny.py"),
+             "--workdir", workdir, f"--config.train.mtp_depth={depth}",
+             f"--config.train.num_steps={steps}", f"--config.train.checkpoint_every={steps}",
+             f"--config.train.eval_every={steps}", "--config.train.warmup_fraction=0.1"]
+  print(f"training: {' '.join(command[1:])}", flush=True)
+  subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+
+
+def median_seconds(fn, repeats: int):
+  """(median seconds of `repeats` calls of `fn` after a compiling call, its last output)."""
+  out = fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times), out
+
+
+def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tuple[dict, list]:
+  config, tok, model, step = workdir_lib.load_run(workdir)
+  if not config.train.mtp_depth:
+    sys.exit(f"error: {workdir} was trained without train.mtp_depth; train one with it "
+             "(or leave out --workdir)")
+  prompts = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
+  width = max(map(len, prompts))
+  m = config.model
+  print(f"{workdir} at step {step}: {m.num_layers} layers, d={m.d_model}, V={m.vocab_size}, "
+        f"{config.train.mtp_depth} MTP modules; {new_tokens} new tokens; "
+        f"{jax.default_backend()}, {hardware.cpu_model()}, {hardware.usable_cpus()} CPUs")
+  print("| batch | greedy tokens/s | MTP drafted tokens/s | speedup | accepted | "
+        "tokens per pass | same tokens |")
+  print("|---:|---:|---:|---:|---:|---:|---|")
+  results = []
+  for batch in batches:
+    rows = (prompts * batch)[:batch]
+    common = dict(max_new_tokens=new_tokens, eos_id=-1, pad_id=tok.pad_id, prompt_width=width,
+                  num_tokens=tok.vocab_size)
+    plain_s, plain = median_seconds(lambda: generate(model, m, rows, **common), repeats)
+    spec_s, (drafted, stats) = median_seconds(lambda: mtp_speculative(model, m, rows, **common),
+                                              repeats)
+    tokens = batch * new_tokens
+    result = dict(batch=batch, greedy_seconds=plain_s, mtp_seconds=spec_s,
+                  greedy_tokens_per_s=tokens / plain_s, mtp_tokens_per_s=tokens / spec_s,
+                  speedup=plain_s / spec_s, same_tokens=drafted == plain, **stats)
+    results.append(result)
+    print(f"| {batch} | {tokens / plain_s:,.1f} | {tokens / spec_s:,.1f} | "
+          f"{plain_s / spec_s:.2f}x | {stats['acceptance_rate']:.1%} | "
+          f"{stats['tokens_per_pass']:.2f} | {drafted == plain} |")
+  run = {"workdir": workdir, "step": step, "mtp_depth": config.train.mtp_depth,
+         "mtp_weight": config.train.mtp_weight, "layers": m.num_layers, "d_model": m.d_model,
+         "vocab_size": m.vocab_size}
+  return run, results
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--workdir", help="A run trained with train.mtp_depth (default: train "
+                      "configs/tiny.py into a temporary folder).")
+  parser.add_argument("--steps", type=int, default=300, help="Training steps without --workdir.")
+  parser.add_argument("--mtp_depth", type=int, default=1, help="MTP modules without --workdir.")
+  parser.add_argument("--batch", default="1,4", help="Batch sizes, comma-separated.")
+  parser.add_argument("--new_tokens", type=int, default=64)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--note", default="", help="Recorded as is (e.g. what else ran).")
+  parser.add_argument("--out", type=pathlib.Path,
+                      default=ROOT / "bench" / "results" / "speculative.json")
+  args = parser.parse_args()
+  batches = [int(b) for b in args.batch.split(",")]
+  trained = None
+  with tempfile.TemporaryDirectory() as tmp:
+    workdir = args.workdir
+    if workdir is None:
+      workdir = os.path.join(tmp, "run")
+      start = time.perf_counter()
+      train_run(workdir, args.steps, args.mtp_depth)
+      trained = {"config": "configs/tiny.py", "steps": args.steps,
+                 "seconds": round(time.perf_counter() - start, 1)}
+    run, results = bench(workdir, batches, args.new_tokens, args.repeats)
+  if trained is not None:
+    run = {**run, "workdir": None, "trained_here": trained}
+  report = {"command": command_line(), "commit": git_commit(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "jax": jax.__version__, "backend": jax.default_backend(),
+            "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),
+                        "xla_threads": hardware.xla_cpu_threads()},
+            "note": args.note, "run": run, "new_tokens": args.new_tokens,
+            "repeats": args.repeats, "prompts": PROMPTS, "results": results}
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+  workdir_lib.write_json_atomic(str(args.out), report)
+  print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+  main()
