@@ -226,6 +226,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.router_z_loss = 0.0  # mixture of experts: weight of the router z-loss (ST-MoE: 1e-3)
   tr.moe_seq_aux_loss = 0.0  # mixture of experts: weight of DeepSeek-V3's sequence-wise balance
   #   loss, sum_e f_e P_e per sequence (its alpha, 1e-4)
+  tr.moe_bias_update_rate = 0.0  # model.moe_router=deepseek: gamma of DeepSeek-V3's auxiliary-
+  #   loss-free balancing; after each step every expert's selection bias moves by gamma x
+  #   sign(mean load - its load) in its layer (DeepSeek-V3: 0.001); 0: off, the bias stays 0
   tr.mtp_depth = 0  # multi-token prediction (DeepSeek-V3): D modules after the decoder, module
   #   k predicting token i+k+1 through the shared embedding and head; 0: off (next_token only)
   tr.mtp_weight = 0.3  # lambda of the MTP loss, lambda / D x the sum of the D depths' mean

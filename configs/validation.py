@@ -691,6 +691,7 @@ def validate(config: config_dict.ConfigDict) -> None:
       _fail(f"train.{field}", config.train[field],
             "weighs a mixture of experts' router loss, but model.num_experts=0 (a dense "
             "model); set it to 0")
+  _validate_bias_update(config)
   _validate_mtp(config)
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
@@ -700,6 +701,21 @@ def validate(config: config_dict.ConfigDict) -> None:
       _fail(f"mesh.{axis}", value, "must be a positive integer or -1 (the rest)")
   _validate_expert(config)
   _validate_context(config)
+
+
+def _validate_bias_update(config) -> None:
+  """train.moe_bias_update_rate: >= 0, and > 0 only for a mixture of experts
+  with the deepseek router (the one with a selection bias)."""
+  rate, m = config.train.moe_bias_update_rate, config.model
+  if not (isinstance(rate, (int, float)) and rate >= 0):
+    _fail("train.moe_bias_update_rate", rate, "must be >= 0 (0: off; DeepSeek-V3: 0.001)")
+  if rate and not m.num_experts:
+    _fail("train.moe_bias_update_rate", rate, "moves a mixture of experts' selection bias, but "
+          "model.num_experts=0 (a dense model); set it to 0")
+  if rate and m.moe_router != "deepseek":
+    _fail("train.moe_bias_update_rate", rate, "moves the selection bias of "
+          f"model.moe_router=deepseek only (not {m.moe_router}); use moe_router=deepseek or "
+          "set it to 0")
 
 
 def _validate_expert(config) -> None:

@@ -41,6 +41,13 @@ capacity and count in no statistic. Training adds
 `train.moe_aux_loss` x the first and `train.router_z_loss` x the second,
 averaged over the MoE layers, and `train.moe_seq_aux_loss` x DeepSeek-V3's
 sequence-wise balance loss, the same product per sequence (`_seq_sums`).
+
+DeepSeek-V3's auxiliary-loss-free balancing (Wang et al. 2024; DeepSeek-V3
+section 2.1.2): a deepseek-router layer holds a per-expert bias `score_bias`
+(an `ExpertBias`, not a parameter) that is added to the affinities for the
+choice of experts only. The optimizer never moves it; the train step does,
+by `train.moe_bias_update_rate` x sign(mean load - the expert's load) after
+each step, from the layer's `MoEStats.counts` (training/steps.py).
 """
 import dataclasses
 import functools
@@ -85,14 +92,30 @@ ROUTERS = Registry("model.moe_router", [
 
 class MoEStats(NamedTuple):
   """One layer's router statistics (float32; see the module docstring): four
-  scalars, `share`, each expert's fraction of the assignments [E], and
-  `seq_aux_loss`, DeepSeek-V3's sequence-wise balance loss (`_seq_sums`)."""
+  scalars, `share`, each expert's fraction of the assignments [E],
+  `seq_aux_loss`, DeepSeek-V3's sequence-wise balance loss (`_seq_sums`), and
+  `counts`, the assignments routed to each expert [E] (kept or dropped; what
+  the selection bias balances, added over micro-batches)."""
   aux_loss: jax.Array
   z_loss: jax.Array
   load: jax.Array
   dropped: jax.Array
   share: jax.Array
   seq_aux_loss: jax.Array
+  counts: jax.Array
+
+
+class ExpertBias(nnx.Variable):
+  """A deepseek-router layer's per-expert selection bias [E] (`score_bias`,
+  float32, zeros at first): part of the model's state, so checkpoints save
+  and restore it, but not an `nnx.Param`: the optimizer leaves it alone
+  (training/optim.py) and the train step moves it (training/steps.py)."""
+
+
+def has_score_bias(cfg) -> bool:
+  """Whether a model section's MoE layers hold an `ExpertBias` (a mixture of
+  experts under a sigmoid router: `model.moe_router=deepseek`)."""
+  return bool(cfg.num_experts) and ROUTERS[cfg.moe_router].sigmoid
 
 
 def route(logits_NE, k: int, normalize: bool):
@@ -187,7 +210,7 @@ def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped, seq_sum=0.0,
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
   assignments = jnp.maximum(counts_E.sum(), 1.0)
   return MoEStats(aux, z_sum / tokens, load, dropped / assignments, counts_E / assignments,
-                  seq_sum / jnp.maximum(sequences, 1.0))
+                  seq_sum / jnp.maximum(sequences, 1.0), counts_E)
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int | None:
@@ -383,6 +406,8 @@ class MoE(nnx.Module):
     self.down = Experts(E, f, d, ("mlp", "embed"), cfg=cfg, rngs=rngs)
     self.shared = (MLP(dataclasses.replace(cfg, d_ff=cfg.num_shared_experts * f), rngs=rngs)
                    if cfg.num_shared_experts else None)
+    # Unannotated: replicated on every device (E numbers), with a `layers` axis when scanned.
+    self.score_bias = ExpertBias(jnp.zeros((E,), jnp.float32)) if has_score_bias(cfg) else None
 
   def __call__(self, x_BTM, real_BT=None):
     """`real_BT`: False at padding tokens (None: every token is real)."""
@@ -390,19 +415,21 @@ class MoE(nnx.Module):
     real_BT = jnp.ones((B, T), bool) if real_BT is None else real_BT
     weights = (self.router.kernel[...], self.up.kernel[...],
                None if self.gate is None else self.gate.kernel[...], self.down.kernel[...])
-    tokens = functools.partial(moe_tokens, k=self.k, router=self.routing,
-                               activation=self.activation, dtype=self.dtype,
-                               capacity_factor=self.capacity_factor)
+    # () or (the selection bias,): it selects, and no gradient reaches it.
+    bias = () if self.score_bias is None else (jax.lax.stop_gradient(self.score_bias[...]),)
+    tokens = functools.partial(moe_tokens, k=self.k, activation=self.activation,
+                               dtype=self.dtype, capacity_factor=self.capacity_factor)
 
-    def local(x, real, *w, experts=None):
+    def local(x, real, bias, *w, experts=None):
       b, t, _ = x.shape
-      y, sums, parts = tokens(x.reshape(b * t, M), *w, experts=experts,
+      router = functools.partial(self.routing, bias_E=bias[0]) if bias else self.routing
+      y, sums, parts = tokens(x.reshape(b * t, M), *w, router=router, experts=experts,
                               real_N=real.reshape(b * t), rows=b)
       return y.reshape(b, t, M), sums, parts
 
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
-      y_BTM, sums, parts = local(x_BTM, real_BT, *weights)
+      y_BTM, sums, parts = local(x_BTM, real_BT, bias, *weights)
       sums += _seq_sums(*parts, self.k)
     else:
       rows = batch_axes(mesh)
@@ -424,9 +451,9 @@ class MoE(nnx.Module):
         experts = functools.partial(expert_parallel, axis="expert", ragged=_ragged_collectives(),
                                     bound=A if cap is None else min(A, E // X * cap))
 
-      def on_device(x, real, *w):
+      def on_device(x, real, bias, *w):
         w = [None if a is None else _gather(a, sp) for a, sp in zip(w, w_specs)]
-        y, sums, parts = local(x, real, *w, experts=experts)
+        y, sums, parts = local(x, real, bias, *w, experts=experts)
         if seq:  # each sequence's parts whole on each of its devices, its loss counted once
           parts = jax.lax.psum(parts, seq)
           sums += tuple(s / mesh.shape[seq] for s in _seq_sums(*parts, self.k))
@@ -436,8 +463,10 @@ class MoE(nnx.Module):
 
       # check_vma=False: the gathered weights make every tensor device compute the
       # same values, which the specs say and the type check cannot infer.
-      y_BTM, sums = jax.shard_map(on_device, mesh=mesh, in_specs=(spec, P(rows, seq), *w_specs),
-                                  out_specs=(spec, P()), check_vma=False)(x_BTM, real_BT,
+      y_BTM, sums = jax.shard_map(on_device, mesh=mesh,
+                                  in_specs=(spec, P(rows, seq), tuple(P() for _ in bias),
+                                            *w_specs),
+                                  out_specs=(spec, P()), check_vma=False)(x_BTM, real_BT, bias,
                                                                           *weights)
     y_BTM = y_BTM.astype(self.dtype)
     if self.shared is not None:

@@ -356,7 +356,8 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
   step_fn = jit_train_step(graphdef, tx, schedule, tc.objective, tc.grad_accum_steps,
                            state_sharding=state_sharding, batch_sharding=batch_sharding(mesh),
                            z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy,
-                           router_losses=router_losses(config), mtp=mtp_of(config))
+                           router_losses=router_losses(config), mtp=mtp_of(config),
+                           bias_rate=tc.moe_bias_update_rate)
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy,
                           tc.mtp_depth)
   writer = None  # opened after the first step: an interrupted start writes nothing
@@ -542,7 +543,7 @@ def _train_scalars(window, steps, seconds, tc, flops_per_token, peak) -> dict:
          "grad_norm": float(window[-1]["grad_norm"]),
          "learning_rate": float(window[-1]["learning_rate"]),
          "tokens_per_second": tokens_per_second}
-  for name in ("z_loss", *ROUTER_METRICS, *mtp_metrics(tc.mtp_depth)):
+  for name in ("z_loss", *ROUTER_METRICS, "moe_bias_abs", *mtp_metrics(tc.mtp_depth)):
     if name in window[-1]:
       out[name] = float(np.mean([m[name] for m in window]))
   if peak is not None:

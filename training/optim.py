@@ -7,16 +7,21 @@ orthogonalises the updates of the hidden weight matrices, the kernels inside
 the blocks, one layer at a time; AdamW takes the embeddings, the output head,
 norms and biases. Under μP (model.parametrization=mup) the hidden matrices'
 updates are scaled by `hidden_lr_mult`. The schedules warm up linearly, then
-follow `train.schedule`; docs/training.md has their formulas.
+follow `train.schedule`; docs/training.md has their formulas. The optimizer
+takes the `nnx.Param`s only: the other variables of a model's state (a
+deepseek router's selection bias, `model/moe.py` `ExpertBias`) get no update
+and no decay (`trained_only`).
 """
 import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
 from configs.validation import decay_start, depth_mult, optimizer_option, width_mult
+from model.moe import has_score_bias
 
 # The kernels whose input is more than their first axis: the attention output
 # projection maps [heads, head_dim] to d_model.
@@ -233,7 +238,24 @@ def make_optimizer(train_cfg, width: float | None = None,
   return optax.chain(*parts)
 
 
+def parameter_labels(state):
+  """"param" for each `nnx.Param` of a model's state, "other" for its other
+  variables (the leaves' labels as a prefix tree of `state`)."""
+  return jax.tree.map(lambda v: "param" if isinstance(v, nnx.Param) else "other", state,
+                      is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def trained_only(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` on the `nnx.Param`s of a model's state; every other variable's
+  update is zero, so the optimizer neither moves nor decays it, keeps no
+  moments for it, and its (zero) gradient is not in the clipped norm."""
+  return optax.partition({"param": tx, "other": optax.set_to_zero()}, parameter_labels)
+
+
 def model_optimizer(config) -> optax.GradientTransformation:
   """`make_optimizer` for a whole config: train.optimizer with the model's
-  μP width and depth factors."""
-  return make_optimizer(config.train, mup_width(config.model), mup_depth(config.model))
+  μP width and depth factors; `trained_only` where the model holds variables
+  other than parameters (a deepseek router's `ExpertBias`), so that the
+  optimizer state of every other model keeps its tree (and its checkpoints)."""
+  tx = make_optimizer(config.train, mup_width(config.model), mup_depth(config.model))
+  return trained_only(tx) if has_score_bias(config.model) else tx

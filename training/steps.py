@@ -11,6 +11,11 @@ the step on the whole batch.
 A step whose loss or gradient norm is not finite leaves the parameters
 untouched and records its number in `state["bad_step"]` (-1 while all is
 well); the loop checks it before writing any checkpoint.
+
+With `train.moe_bias_update_rate` > 0 the step also moves each deepseek MoE
+layer's selection bias (`model/moe.py` `ExpertBias`, which the optimizer
+does not touch) by DeepSeek-V3's auxiliary-loss-free rule
+(`balance_score_bias`), from the step's expert loads of that layer.
 """
 import functools
 
@@ -22,6 +27,7 @@ from flax import nnx
 from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
+from model.moe import ExpertBias, MoE
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.optim import model_optimizer
@@ -55,17 +61,19 @@ def abstract_state(config, remat: bool = False):
   return graphdef, jax.eval_shape(lambda: init_state(params, tx, 0))
 
 
-def _loss_sums(graphdef, params, batch, objective, router: bool = False, mtp: bool = False):
+def _loss_sums(graphdef, params, batch, objective, router: bool = False, mtp: bool = False,
+               loads: bool = False):
   """The objective's sums of a batch; with `router` (a mixture of experts),
   also the router's terms, each summed as its mean over the MoE layers times
-  the batch's target count (`router_sums`); with `mtp` (train.mtp_depth >
-  0), (those, every multi-token prediction depth's sums)."""
+  the batch's target count (`router_sums`; with `loads`, followed by each
+  layer's assignments per expert); with `mtp` (train.mtp_depth > 0), (those,
+  every multi-token prediction depth's sums)."""
   model = nnx.merge(graphdef, params)
   if mtp:
     sums, depth_sums = next_token_mtp_loss(model, batch)
   else:
     sums = batch_loss(objective, model, batch)
-  out = (sums, router_sums(model, sums[1])) if router else sums
+  out = (sums, router_sums(model, sums[1], loads)) if router else sums
   return (out, depth_sums) if mtp else out
 
 
@@ -105,28 +113,70 @@ def mtp_metrics(depth: int) -> tuple:
   return tuple(f"mtp{k}_{what}" for k in range(1, depth + 1) for what in ("loss", "accuracy"))
 
 
-def router_sums(model, count) -> tuple:
+def router_sums(model, count, loads: bool = False) -> tuple:
   """(load-balancing loss, router z-loss, load, dropped fraction,
   sequence-wise balance loss) of the model's MoE layers (`model/moe.py`),
   each the mean over the layers times `count`, so that micro-batches add up
-  like the loss sums."""
+  like the loss sums; with `loads`, followed by each layer's assignments per
+  expert (`MoEStats.counts`, [MoE layers, E]), which add up as they are."""
   stats = model.decoder.router_stats.get_value()
-  return tuple(jnp.mean(x) * count for x in (stats.aux_loss, stats.z_loss, stats.load,
+  sums = tuple(jnp.mean(x) * count for x in (stats.aux_loss, stats.z_loss, stats.load,
                                               stats.dropped, stats.seq_aux_loss))
+  return (*sums, stats.counts) if loads else sums
+
+
+def _score_biases(model) -> list:
+  """The `ExpertBias` variables of the decoder's MoE layers, in the order of
+  their `router_stats` rows: one [layers, E] of a scanned stack, else one [E]
+  per MoE layer."""
+  stack = model.decoder
+  if stack.scan:
+    return [stack.layers.mlp.score_bias]
+  return [layer.mlp.score_bias for layer in stack.layers if isinstance(layer.mlp, MoE)]
+
+
+def balance_score_bias(graphdef, params, counts_LE, rate: float):
+  """`params` with each MoE layer's selection bias moved by `rate` x
+  sign(mean load - load) per expert: DeepSeek-V3's auxiliary-loss-free load
+  balancing (Wang et al. 2024; DeepSeek-V3 section 2.1.2). An expert that got
+  more than its layer's mean share of the step's assignments (`counts_LE`,
+  `MoEStats.counts` of each MoE layer) is chosen less from the next step on,
+  one that got fewer more; one at the mean stays. The sign is of E x count -
+  the layer's total, exact in float32 for counts below 2^24."""
+  model = nnx.merge(graphdef, params)
+  E = counts_LE.shape[-1]
+  step_LE = rate * jnp.sign(counts_LE.sum(axis=-1, keepdims=True) - E * counts_LE)
+  biases = _score_biases(model)
+  if model.decoder.scan:
+    biases[0][...] = biases[0][...] + step_LE
+  else:
+    for bias, step_E in zip(biases, step_LE):
+      bias[...] = bias[...] + step_E
+  return nnx.state(model)
+
+
+def mean_abs_score_bias(params):
+  """The mean |b| over every MoE layer's experts of the selection biases
+  (`ExpertBias`) in a model's state: metric `moe_bias_abs`, how far the
+  auxiliary-loss-free balancing has moved the routing from the router's own."""
+  leaves = jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+  return jnp.mean(jnp.concatenate([jnp.abs(v[...]).ravel() for v in leaves
+                                   if isinstance(v, ExpertBias)]))
 
 
 def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None,
-           mtp=None):
+           mtp=None, loads: bool = False):
   """Gradient of the summed training loss (cross-entropy plus `z_loss` x
   (log Z)^2, plus with `router_losses` = (aux weight, z weight) the MoE
   router's losses, plus with `mtp` = (train.mtp_weight, the whole batch's
   target count, each depth's) the multi-token prediction loss) and the sums
-  (with the router's sums when `router_losses` is given; then, with `mtp`,
+  (with the router's sums when `router_losses` is given, and with `loads`
+  each MoE layer's assignments per expert after them; then, with `mtp`,
   (those, each depth's sums)), over accum_steps micro-batches."""
 
   def sum_loss(p, micro):
     out = _loss_sums(graphdef, p, micro, objective, router=router_losses is not None,
-                     mtp=mtp is not None)
+                     mtp=mtp is not None, loads=loads)
     if mtp is not None:
       out, depth_sums = out
     sums = out if router_losses is None else out[0]
@@ -146,11 +196,9 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
     g, sums = grad_fn(params, mb)
     return jax.tree.map(jnp.add, carry, (g, sums)), None
 
-  zero_sums = (0.0, 0.0, 0.0, 0.0)
-  zero_sums = zero_sums if router_losses is None else (zero_sums, (0.0,) * len(ROUTER_METRICS))
-  if mtp is not None:
-    zero_sums = (zero_sums, ((0.0, 0.0, 0.0),) * len(mtp[2]))
-  zeros = (jax.tree.map(jnp.zeros_like, params), zero_sums)
+  # Zeros of the gradients' and sums' tree, shapes and dtypes, as the carry.
+  zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                       jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], micro)))
   (grads, sums), _ = jax.lax.scan(body, zeros, micro)
   return grads, sums
 
@@ -170,7 +218,8 @@ def _sharded_grads(grads, grad_sharding):
 
 
 def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int,
-               grad_sharding=None, z_loss: float = 0.0, router_losses=None, mtp=None):
+               grad_sharding=None, z_loss: float = 0.0, router_losses=None, mtp=None,
+               bias_rate: float = 0.0):
   """One optimizer step; `grad_sharding`: the parameters' shardings, to which
   the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
   of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
@@ -182,13 +231,17 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   each averaged over the MoE layers; `mtp`:
   (train.mtp_depth, train.mtp_weight) with multi-token prediction, whose
   depths' mean cross-entropy and accuracy are reported as `mtp<k>_loss` and
-  `mtp<k>_accuracy` (`loss` and `accuracy` stay the main model's)."""
+  `mtp<k>_accuracy` (`loss` and `accuracy` stay the main model's);
+  `bias_rate`: train.moe_bias_update_rate, with which the deepseek MoE
+  layers' selection biases move after the update (`balance_score_bias`, from
+  the whole step's loads, micro-batches added; not after a bad step), their
+  mean |b| reported as `moe_bias_abs`."""
   depth_counts = None
   if mtp is not None:
     depth_counts = [w.sum() for w in mtp_weights(batch, mtp[0])]
     mtp = (mtp[1], batch["loss_mask"].sum(), depth_counts)
   grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
-                       router_losses, mtp)
+                       router_losses, mtp, loads=bool(bias_rate))
   depth_sums = None
   if mtp is not None:
     sums, depth_sums = sums
@@ -207,6 +260,8 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
     ok = jnp.isfinite(loss) & jnp.isfinite(z_term) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
+    if bias_rate:
+      params = balance_score_bias(graphdef, params, router[-1], bias_rate)
     # Keep the old values after a bad step; a select fuses into the update,
     # where a lax.cond would make XLA copy the donated buffers.
     keep_if_bad = functools.partial(jax.tree.map, lambda new, old: jnp.where(ok, new, old))
@@ -220,8 +275,9 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   if z_loss:
     metrics["z_loss"] = z_term
   if router is not None:
-    metrics.update(zip(ROUTER_METRICS,
-                       (r / count for r in router)))
+    metrics.update(zip(ROUTER_METRICS, (r / count for r in router[:len(ROUTER_METRICS)])))
+  if bias_rate:
+    metrics["moe_bias_abs"] = mean_abs_score_bias(params)
   for k, (depth_loss, depth_count, depth_correct) in enumerate(depth_sums or (), start=1):
     metrics[f"mtp{k}_loss"] = depth_loss / jnp.maximum(depth_count, 1.0)
     metrics[f"mtp{k}_accuracy"] = depth_correct / jnp.maximum(depth_count, 1.0)
@@ -256,10 +312,10 @@ def traced_on(mesh, fn, context_strategy: str = "auto"):
 
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
                    batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto",
-                   router_losses=None, mtp=None):
+                   router_losses=None, mtp=None, bias_rate: float = 0.0):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                          objective=objective, accum_steps=accum_steps, z_loss=z_loss,
-                         router_losses=router_losses, mtp=mtp)
+                         router_losses=router_losses, mtp=mtp, bias_rate=bias_rate)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])
