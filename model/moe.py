@@ -92,17 +92,17 @@ ROUTERS = Registry("model.moe_router", [
 
 class MoEStats(NamedTuple):
   """One layer's router statistics (float32; see the module docstring): four
-  scalars, `share`, each expert's fraction of the assignments [E],
-  `seq_aux_loss`, DeepSeek-V3's sequence-wise balance loss (`_seq_sums`), and
-  `counts`, the assignments routed to each expert [E] (kept or dropped; what
-  the selection bias balances, added over micro-batches)."""
+  scalars, `share`, each expert's fraction of the assignments [E], `counts`,
+  the assignments routed to each expert [E] (kept or dropped; what the
+  selection bias balances, added over micro-batches), and `seq_aux_loss`,
+  DeepSeek-V3's sequence-wise balance loss (`_seq_sums`)."""
   aux_loss: jax.Array
   z_loss: jax.Array
   load: jax.Array
   dropped: jax.Array
   share: jax.Array
-  seq_aux_loss: jax.Array
   counts: jax.Array
+  seq_aux_loss: jax.Array
 
 
 class ExpertBias(nnx.Variable):
@@ -210,7 +210,7 @@ def stats_of_sums(counts_E, probs_E, z_sum, tokens, dropped, seq_sum=0.0,
   load = counts_E.max() / jnp.maximum(counts_E.mean(), 1e-9)
   assignments = jnp.maximum(counts_E.sum(), 1.0)
   return MoEStats(aux, z_sum / tokens, load, dropped / assignments, counts_E / assignments,
-                  seq_sum / jnp.maximum(sequences, 1.0), counts_E)
+                  counts_E, seq_sum / jnp.maximum(sequences, 1.0))
 
 
 def capacity(tokens: int, k: int, num_experts: int, factor: float) -> int | None:
