@@ -1,7 +1,7 @@
 """Benchmark of self-speculative decoding: greedy tokens/s with and without MTP drafts.
 
-  python -m bench.speculative [--workdir RUN | --steps 300 --mtp_depth 1] [--batch 1,4]
-      [--new_tokens 64] [--repeats 3] [--note TEXT] [--out bench/results/speculative.json]
+  python -m bench.speculative [--workdir RUN | --steps 200 --mtp_depth 1] [--batch 1,4]
+      [--new_tokens 128] [--repeats 5] [--note TEXT] [--out bench/results/speculative.json]
 
 A run trained with train.mtp_depth (`--workdir`; its newest checkpoint)
 completes the prompts below greedily, once plainly (`generate`: one pass of
@@ -12,7 +12,7 @@ main model accepts, so without `--workdir` the script first trains
 configs/tiny.py with train.mtp_depth=`--mtp_depth` for `--steps` steps into
 a temporary folder (train.py, on the stdlib corpus). For each batch size of
 `--batch` (the first prompts), both are compiled by a first call and timed
-over `--repeats` calls, with no EOS so every row runs `--new_tokens` tokens;
+over `--repeats` calls each, alternating, with no EOS so every row runs `--new_tokens` tokens;
 the table shows the median new tokens per second of each, the speedup, the
 share of drafts accepted and the tokens each main-model pass commits, and
 checks that both gave the same tokens. The same numbers go to the JSON file,
@@ -51,15 +51,18 @@ def train_run(workdir: str, steps: int, depth: int) -> None:
   subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
 
 
-def median_seconds(fn, repeats: int):
-  """(median seconds of `repeats` calls of `fn` after a compiling call, its last output)."""
-  out = fn()
-  times = []
+def median_seconds(fns, repeats: int):
+  """[(median seconds, last output)] of each of `fns` over `repeats` calls
+  after a compiling call, the calls alternating (a machine whose load
+  changes slows each alike)."""
+  outs = [fn() for fn in fns]
+  times = [[] for _ in fns]
   for _ in range(repeats):
-    start = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - start)
-  return statistics.median(times), out
+    for i, fn in enumerate(fns):
+      start = time.perf_counter()
+      outs[i] = fn()
+      times[i].append(time.perf_counter() - start)
+  return [(statistics.median(t), out) for t, out in zip(times, outs)]
 
 
 def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tuple[dict, list]:
@@ -81,9 +84,9 @@ def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tu
     rows = (prompts * batch)[:batch]
     common = dict(max_new_tokens=new_tokens, eos_id=-1, pad_id=tok.pad_id, prompt_width=width,
                   num_tokens=tok.vocab_size)
-    plain_s, plain = median_seconds(lambda: generate(model, m, rows, **common), repeats)
-    spec_s, (drafted, stats) = median_seconds(lambda: mtp_speculative(model, m, rows, **common),
-                                              repeats)
+    (plain_s, plain), (spec_s, (drafted, stats)) = median_seconds(
+        [lambda: generate(model, m, rows, **common),
+         lambda: mtp_speculative(model, m, rows, **common)], repeats)
     tokens = batch * new_tokens
     result = dict(batch=batch, greedy_seconds=plain_s, mtp_seconds=spec_s,
                   greedy_tokens_per_s=tokens / plain_s, mtp_tokens_per_s=tokens / spec_s,
@@ -102,11 +105,11 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", help="A run trained with train.mtp_depth (default: train "
                       "configs/tiny.py into a temporary folder).")
-  parser.add_argument("--steps", type=int, default=300, help="Training steps without --workdir.")
+  parser.add_argument("--steps", type=int, default=200, help="Training steps without --workdir.")
   parser.add_argument("--mtp_depth", type=int, default=1, help="MTP modules without --workdir.")
   parser.add_argument("--batch", default="1,4", help="Batch sizes, comma-separated.")
-  parser.add_argument("--new_tokens", type=int, default=64)
-  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--new_tokens", type=int, default=128)
+  parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--note", default="", help="Recorded as is (e.g. what else ran).")
   parser.add_argument("--out", type=pathlib.Path,
                       default=ROOT / "bench" / "results" / "speculative.json")

@@ -26,6 +26,26 @@ generated incl. EOS), survive, and their caches are gathered from their
 parents (the cross-attention cache is the same for a prompt's beams and is
 not gathered). The answer is the best of the N at the end. With N = 1 every
 proposal has the same length, so beam search picks the argmax: greedy.
+
+Self-speculative greedy decoding (`generate(..., draft="mtp")`,
+`mtp_speculative`) with the D multi-token prediction modules of a decoder
+trained with train.mtp_depth (`model/mtp.py`), as DeepSeek-V3 drafts with
+its MTP module (arXiv:2412.19437). A row whose main model has read
+positions 0..n-1 knows token n (its argmax at n-1). Module k at position n-1
+reads h^{k-1}_{n-1} and the embedding of token n-1+k and drafts token n+k,
+so the D modules in turn draft tokens n+1..n+D. The main model then reads
+tokens n..n+D in one pass against its KV cache; its argmax at n-1+j is its
+own greedy token n+j, so the drafts are accepted up to the first that
+differs, and the main model's token after them comes free: 1 to D+1 tokens
+per pass, each the one plain greedy decoding chooses. The slots written for
+rejected tokens need no rollback: the row's position counter stays before
+them, no query sees a slot past its own position, and the next pass
+overwrites them. Each module keeps a KV cache of its own block, whose slot
+j reads h^{k-1}_j and token j+k: each pass recomputes the last 2D slots
+before n (those that read a token drafted in an earlier pass, or an
+h^{k-1} of such; a pass moves n by at most D+1), the prefill computes the
+prompt's. Rows that have max_new_tokens tokens or an EOS stay where they
+are (recomputing the same slots) until every row has.
 """
 import functools
 
