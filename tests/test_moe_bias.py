@@ -235,3 +235,66 @@ def test_a_stopped_run_resumes_to_the_same_biases(tok_dir, tmp_path, monkeypatch
   train = [r for r in read_metrics(str(tmp_path / "straight")) if r["split"] == "train"]
   assert len(train) == 6 and all(r["moe_bias_abs"] >= 0 for r in train)
   assert train[-1]["moe_bias_abs"] == pytest.approx(np.abs(bias).mean(), rel=1e-6)
+
+
+MESH_STEPS = """
+from configs import tiny_moe
+from training import steps
+from training.optim import model_optimizer
+
+
+def config(**mesh):
+  c = tiny_moe.get_config()
+  c.model.update(vocab_size=128, num_shared_experts=1, moe_router="deepseek", moe_n_group=2,
+                 moe_topk_group=1)
+  c.train.update(batch_size=16, seq_len=32, moe_bias_update_rate=0.01, warmup_steps=0,
+                 grad_accum_steps=2)
+  c.mesh.update(**mesh)
+  return c
+
+
+rng = np.random.default_rng(0)
+tokens = rng.integers(1, 128, (16, 32)).astype(np.int32)
+batch = dict(inputs=tokens, targets=np.roll(tokens, -1, 1), segment_ids=np.ones_like(tokens),
+             positions=np.tile(np.arange(32, dtype=np.int32), (16, 1)),
+             loss_mask=np.ones((16, 32), np.float32))
+c = config()
+graphdef, abstract = steps.abstract_state(c)
+tx = model_optimizer(c)
+params = nnx.state(build_model(c.model, nnx.Rngs(0)))
+
+
+def three_steps(mesh=None):
+  state = steps.init_state(jax.tree.map(lambda x: jnp.array(x, copy=True), params), tx, 0)
+  kw, b = {}, batch
+  if mesh is not None:
+    m = sharding.make_mesh(config(**mesh).mesh)
+    kw = dict(state_sharding=sharding.train_state_shardings(abstract, m, c.mesh.rules),
+              batch_sharding=sharding.batch_sharding(m))
+    state, b = jax.device_put(state, kw["state_sharding"]), jax.device_put(b, kw["batch_sharding"])
+  step = steps.jit_train_step(graphdef, tx, optax.constant_schedule(0.01), "next_token", 2,
+                              router_losses=steps.router_losses(c), bias_rate=0.01, **kw)
+  for _ in range(3):
+    state, _ = step(state, b)
+  return [np.asarray(v[...]) for path, v in nnx.to_flat_state(jax.device_get(state["params"]))
+          if path[-1] == "score_bias"]
+
+
+want = three_steps()
+out = {"moved": bool(np.abs(want[0]).max() > 0)}
+for mesh in MESHES:
+  out[str(mesh)] = all(np.array_equal(a, b) for a, b in zip(three_steps(mesh), want))
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_on_eight_devices_the_biases_move_as_on_one():
+  """configs/tiny_moe.py under the deepseek router, three steps of two
+  micro-batches: the biases on 8 CPU devices (data 2 x fsdp 2 x tensor 2;
+  expert 4 x fsdp 2) equal one device's, bit for bit (the loads are counts
+  added over the devices)."""
+  from tests.test_sharding import run_on_8_devices  # pylint: disable=import-outside-toplevel
+  meshes = [dict(data=2, fsdp=2, tensor=2), dict(data=1, expert=4, fsdp=2)]
+  out = run_on_8_devices(MESH_STEPS.replace("MESHES", repr(meshes)))
+  assert out == {"moved": True, **{str(mesh): True for mesh in meshes}}

@@ -141,8 +141,8 @@ def balance_score_bias(graphdef, params, counts_LE, rate: float):
   balancing (Wang et al. 2024; DeepSeek-V3 section 2.1.2). An expert that got
   more than its layer's mean share of the step's assignments (`counts_LE`,
   `MoEStats.counts` of each MoE layer) is chosen less from the next step on,
-  one that got fewer more; one at the mean stays. The sign is of E x count -
-  the layer's total, exact in float32 for counts below 2^24."""
+  one that got fewer more; one at the mean stays. The sign is taken of the
+  layer's total - E x count, exact in float32 for totals below 2^24."""
   model = nnx.merge(graphdef, params)
   E = counts_LE.shape[-1]
   step_LE = rate * jnp.sign(counts_LE.sum(axis=-1, keepdims=True) - E * counts_LE)
