@@ -21,7 +21,7 @@ PROMPTS = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [3, 1]]
 
 
 def model_config(**overrides):
-  return small_cfg(max_len=48, pos_emb="rope", tie_embeddings=False, **overrides)
+  return small_cfg(**{"max_len": 48, "pos_emb": "rope", "tie_embeddings": False, **overrides})
 
 
 @nnx.jit
@@ -84,6 +84,20 @@ def test_a_small_vocabulary_accepts_some_drafts_and_ends_rows_at_eos():
   assert 0 < check(model, cfg, prompts, max_new_tokens=20)["acceptance_rate"] < 1
   check(model, cfg, prompts[1:2], max_new_tokens=20, prompt_width=5)
   check(model, cfg, prompts, max_new_tokens=20, eos_id=6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", [
+    dict(attention="mla", q_lora_rank=10, kv_lora_rank=12, qk_nope_head_dim=8,
+         qk_rope_head_dim=4, v_head_dim=6, scan_layers=False),
+    dict(pos_emb="learned"), dict(pos_emb="alibi"), dict(pos_emb="relative"),
+    dict(sliding_window=4), dict(norm_position="post")])
+def test_every_cache_and_position_scheme_drafts_and_gives_greedys_tokens(overrides):
+  """MLA's latent cache in the modules' blocks, a learned table, ALiBi, T5's
+  relative bias, a sliding window, post-norm: greedy's tokens, exact counts."""
+  cfg = model_config(vocab_size=8, **overrides)
+  model = build_model(cfg, nnx.Rngs(3), mtp_depth=D)
+  check(model, cfg, [[1, 2, 3], [2, 1, 0, 2, 3, 5], [0]], max_new_tokens=20)
 
 
 def copying_model(cfg, depth: int, copies: int):
