@@ -50,13 +50,14 @@ from configs import base
 from configs.errors import UserError
 from data import seq2seq
 from model.config import ModelConfig
+from model.moe import ExpertBias
 import tokenizer as tokenizer_lib
 from hf import mappings as hf_mappings
 from hf import tables as hf_tables
 from training import workdir as workdir_lib
 from training.checkpoint import Checkpointer
 from training.workdir import load_run
-from training.optim import make_optimizer
+from training.optim import model_optimizer
 from training.sharding import make_mesh, opt_state_shardings, state_shardings
 from training.steps import abstract_state, init_state
 
@@ -178,14 +179,15 @@ def _shape(path: str, flat: dict) -> tuple:
   return tuple(flat[stacked].shape)[len(index):]
 
 
-def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir) -> list:
+def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=()) -> list:
   """[(Tensor, full HF name)], every name and shape checked before reading;
-  the name is None for a missing `Tensor.zeros_if_missing` (read as zeros)."""
+  the name is None for a missing `Tensor.zeros_if_missing` (read as zeros).
+  Names starting with one of `dropped` (after the prefix) are read past."""
   names = {}
   for name in files:
-    if name.endswith(arch.skipped):
-      continue
     short = name.removeprefix(arch.prefix)
+    if name.endswith(arch.skipped) or short.startswith(tuple(dropped)):
+      continue
     for old, new in _LEGACY_NAMES.items():
       if short.endswith(old):
         short = short.removesuffix(old) + new
@@ -271,7 +273,8 @@ def _check_target(workdir: pathlib.Path) -> None:
 
 def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
             pad_vocab_to_multiple: int = 1) -> int:
-  """Imports `hf_dir` into a new run directory `workdir`; returns the parameter count.
+  """Imports `hf_dir` into a new run directory `workdir`; returns the parameter
+  count (the `nnx.Param`s: a deepseek router's selection bias is not one).
 
   `fsdp`, `tensor`: the run's mesh.fsdp and mesh.tensor (the weights are
   placed in those shards while they are read). `pad_vocab_to_multiple`:
@@ -295,7 +298,7 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   cfg = ModelConfig.resolve(config.model)
   _, abstract = abstract_state(config)
   abstract_params = _flat(abstract["params"])
-  plan = _plan(arch, cfg, files, abstract_params, hf_dir)
+  plan = _plan(arch, cfg, files, abstract_params, hf_dir, arch.dropped(hf))
 
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
   shardings = _flat(state_shardings(abstract["params"], mesh, rules))
@@ -320,7 +323,7 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
     del pieces
   leaves = [params[path] for path in _flat(abstract["params"])]
   params_tree = jax.tree.unflatten(jax.tree.structure(abstract["params"]), leaves)
-  tx = make_optimizer(config.train)
+  tx = model_optimizer(config)
   state = jax.jit(lambda p: init_state(p, tx, config.train.seed), donate_argnums=0,
                   out_shardings=opt_state_shardings(abstract, abstract["params"], mesh, rules)
                   )(params_tree)
@@ -345,7 +348,9 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
     tmp.rename(workdir)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  return sum(int(np.prod(x.shape)) for x in abstract_params.values())
+  return sum(int(np.prod(v.shape)) for v in jax.tree.leaves(
+      abstract["params"], is_leaf=lambda x: isinstance(x, nnx.Variable))
+             if isinstance(v, nnx.Param))  # not a router's selection bias
 
 
 def _array(params: dict, path: str) -> np.ndarray:
@@ -407,7 +412,7 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
                     "architecture has; export a run trained under sp")
   arch = export_architecture(cfg)
   config, tok, model, step = load_run(workdir, step)
-  params = _flat(nnx.state(model, nnx.Param))
+  params = _flat(nnx.state(model, nnx.Any(nnx.Param, ExpertBias)))
   vocab = cfg.real_vocab_size  # every row but our padding, also rows the tokenizer never gives
   dtype = jnp.dtype(cfg.param_dtype)
   np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32

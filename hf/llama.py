@@ -4,7 +4,7 @@ Mistral's window, Qwen2's per-layer window, Qwen3's QK-norm: Qwen2's layout
 without q/k/v biases, with an RMSNorm of each head's queries and keys before
 RoPE, `model.qk_norm`; its head_dim may differ from hidden_size /
 num_attention_heads; the experts of `model/moe.py`: a router and each
-expert's three matrices, `_expert_tensors`). Both RoPE layouts rotate pairs (x[i],
+expert's three matrices, `expert_tensors`). Both RoPE layouts rotate pairs (x[i],
 x[i + D/2]), so no permutation is needed. LLaMA's and Qwen2's
 `*ForSequenceClassification`: the body and a `score` matrix without bias on
 the last real token (pooling=last), no LM head."""
@@ -30,7 +30,7 @@ _ROPE_PARAMS = {
 }
 
 
-def _rope(hf: dict) -> dict:
+def rope_from_hf(hf: dict) -> dict:
   """RoPE base and scaling from `rope_parameters` (transformers 5) or
   `rope_theta`/`rope_scaling` (earlier files): rope_type default, linear,
   yarn or llama3, each parameter as transformers defines it (yarn's factor
@@ -62,8 +62,8 @@ def _rope(hf: dict) -> dict:
   return out
 
 
-def _rope_to_hf(cfg) -> dict:
-  """Our RoPE fields -> HF `rope_parameters` (inverse of `_rope`); a scaling
+def rope_to_hf(cfg) -> dict:
+  """Our RoPE fields -> HF `rope_parameters` (inverse of `rope_from_hf`); a scaling
   HF does not define (ntk) is written as none, so the round trip names it."""
   kind = cfg.rope_scaling if cfg.rope_scaling in _ROPE_PARAMS else "default"
   out = {"rope_type": kind, "rope_theta": cfg.rope_theta}
@@ -88,7 +88,8 @@ def _llama_body(hf: dict) -> dict:
               head_dim=hf.get("head_dim") or d // h, d_ff=hf.get("intermediate_size", 11008),
               max_len=hf.get("max_position_embeddings", 2048), pos_emb="rope", norm="rmsnorm",
               norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu",
-              use_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False), **_rope(hf))
+              use_bias=False, tie_embeddings=hf.get("tie_word_embeddings", False),
+              **rope_from_hf(hf))
 
 
 def _llama_from_hf(hf: dict) -> dict:
@@ -147,7 +148,7 @@ def _qwen3_from_hf(hf: dict) -> dict:
   return dict(_llama_body(hf), qk_norm=True, **_qwen2_window(hf))
 
 
-_MOE_TRAINING = {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
+MOE_TRAINING = {"router_aux_loss_coef", "output_router_logits", "router_jitter_noise"}
 
 
 def _mixtral_from_hf(hf: dict) -> dict:
@@ -156,7 +157,7 @@ def _mixtral_from_hf(hf: dict) -> dict:
   The router's training fields (aux loss weight, jitter) leave inference
   unchanged."""
   check_fields(hf, _LLAMA_FIELDS | {"sliding_window", "num_local_experts",
-                                     "num_experts_per_tok"} | _MOE_TRAINING,
+                                     "num_experts_per_tok"} | MOE_TRAINING,
                {"hidden_act": "silu"}, "mixtral")
   return dict(_llama_body(hf), sliding_window=hf.get("sliding_window"),
               num_experts=hf.get("num_local_experts", 8),
@@ -183,7 +184,7 @@ def _qwen3_moe_from_hf(hf: dict) -> dict:
   check_fields(hf, _LLAMA_FIELDS | {"num_experts", "num_local_experts", "num_experts_per_tok",
                                      "moe_intermediate_size", "decoder_sparse_step",
                                      "mlp_only_layers", "norm_topk_prob", "sliding_window",
-                                     "max_window_layers"} | _MOE_TRAINING,
+                                     "max_window_layers"} | MOE_TRAINING,
                {"hidden_act": "silu", "attention_bias": False, "use_sliding_window": False},
                "qwen3_moe")
   return dict(_llama_body(hf), qk_norm=True,
@@ -199,7 +200,7 @@ def _llama_body_to_hf(cfg, vocab_size: int) -> dict:
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
-              tie_word_embeddings=cfg.tie_embeddings, rope_parameters=_rope_to_hf(cfg))
+              tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope_to_hf(cfg))
 
 
 def _llama_to_hf(cfg, vocab_size: int) -> dict:
@@ -253,14 +254,14 @@ def _qwen3_moe_to_hf(cfg, vocab_size: int) -> dict:
 
 # Where a checkpoint keeps a mixture of experts: the block's name and each
 # expert's gate, up and down matrices.
-_QWEN_EXPERTS = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
+QWEN_EXPERTS = ("mlp.", ("gate_proj", "up_proj", "down_proj"))
 _MIXTRAL_EXPERTS = ("block_sparse_moe.", ("w1", "w3", "w2"))
 
 
-def _expert_tensors(cfg, hf: str, ours: str, experts) -> list[Tensor]:
+def expert_tensors(cfg, hf: str, ours: str, experts) -> list[Tensor]:
   """A mixture of experts' tensors as the checkpoints hold them: the router
   `<block>gate` and one tensor per matrix of each expert j (our `[j]` slice
-  of the stacked [E, ...] weight), named by `experts` (`_QWEN_EXPERTS`,
+  of the stacked [E, ...] weight), named by `experts` (`QWEN_EXPERTS`,
   `_MIXTRAL_EXPERTS`)."""
   block, names = experts
   out = [transposed(hf + block + "gate.weight", ours + "mlp/router/kernel")]
@@ -270,10 +271,10 @@ def _expert_tensors(cfg, hf: str, ours: str, experts) -> list[Tensor]:
   return out
 
 
-def _llama_tensors(cfg, experts=_QWEN_EXPERTS) -> list[Tensor]:
+def _llama_tensors(cfg, experts=QWEN_EXPERTS) -> list[Tensor]:
   """LLaMA's and Mistral's tensors; Qwen2's with the q/k/v biases (cfg.qkv_bias),
   Qwen3's with the q/k norms (cfg.qk_norm); Mixtral's and Qwen3-MoE's with
-  experts in the MoE layers (`_expert_tensors`)."""
+  experts in the MoE layers (`expert_tensors`)."""
   m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
          same("norm.weight", "decoder/final_norm/scale")]
@@ -288,7 +289,7 @@ def _llama_tensors(cfg, experts=_QWEN_EXPERTS) -> list[Tensor]:
         linear_out(hf + "self_attn.o_proj.weight", ours + "attn/o_proj/kernel", h, d, m),
     ]
     if cfg.layer_is_moe(i):
-      out += _expert_tensors(cfg, hf, ours, experts)
+      out += expert_tensors(cfg, hf, ours, experts)
     else:
       out += [transposed(hf + f"mlp.{p}_proj.weight", ours + f"mlp/{p}/kernel")
               for p in ("gate", "up", "down")]

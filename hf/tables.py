@@ -132,6 +132,9 @@ class Architecture:
   config ties them is untied when the file holds the head with other values
   than the embedding, as transformers 5 loads it (T5 v1.1 saved by
   transformers 5: its T5Config always says tie_word_embeddings=true).
+  `dropped(hf)`: tensor-name prefixes (after `prefix`) an import reads past,
+  modules of the checkpoint that transformers' model has not (DeepSeek-V3's
+  multi-token-prediction layers).
   """
   model_type: str
   hf_class: str
@@ -145,6 +148,7 @@ class Architecture:
   objective: str = "next_token"
   auto_class: str = "AutoModelForCausalLM"
   tied_head: tuple[str, str] = ()
+  dropped: Callable = lambda hf: ()
 
 
 ROTARY = (".rotary_emb.inv_freq",)
