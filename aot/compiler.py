@@ -59,7 +59,7 @@ from configs.errors import UserError
 from configs.validation import validate
 from model import accounting
 from aot.targets import Target, target_devices
-from training.optim import learning_rate_schedule, make_optimizer, mup_width
+from training.optim import learning_rate_schedule, model_optimizer
 from training.sharding import (BATCH_AXES, batch_sharding, batch_split, batch_split_fields,
                                make_mesh, state_shardings, train_state_shardings,
                                with_shardings)
@@ -118,7 +118,7 @@ def _lower_train(config, mesh):
   shardings = train_state_shardings(abstract, mesh, config.mesh.rules)
   state = with_shardings(abstract, shardings)
   batch = abstract_batch(config, mesh)
-  tx = make_optimizer(tc, mup_width(config.model))
+  tx = model_optimizer(config)
   step = jit_train_step(graphdef, tx, learning_rate_schedule(tc), tc.objective,
                         tc.grad_accum_steps, state_sharding=shardings,
                         batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss,
