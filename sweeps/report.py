@@ -1,6 +1,7 @@
 """A sweep's report: report.md; report.csv, one row per run (a variant and a
 seed); report_summary.csv, one row per variant (its statistics over its seeds
-against the baseline variant, `sweeps/stats.py`, and its cost); the
+against the baseline variant, `sweeps/stats.py`, its cost and KV cache per
+token, and for a mixture of experts its experts' load); the
 validation-curve plots (against steps, tokens and FLOPs), for a sweep of
 learning rates the loss against the learning rate (`sweeps/lr_transfer.py`),
 and each run's config history.
@@ -27,13 +28,27 @@ REPORT_COLUMNS = (("loss", "val loss", ".4f"), ("perplexity", "perplexity", ".2f
                   ("token_accuracy", "token accuracy", ".4f"),
                   ("bits_per_byte", "bits per byte", ".4f"))
 # What a run cost: keys of report.csv (and report_summary.csv, at num_steps).
-COST_COLUMNS = ("params", "params_non_embedding", "flops_per_token", "tokens", "flops")
+COST_COLUMNS = ("params", "params_non_embedding", "flops_per_token", "tokens", "flops",
+                "kv_cache_bytes_per_token")
 # Per-run measurements of the loop (metrics.jsonl), summarised like the metrics.
 TIME_COLUMNS = ("wall_s", "tokens_per_s")
 STAT_COLUMNS = (*(key for key, _, _ in REPORT_COLUMNS), *TIME_COLUMNS)
-# Whether a lower value is the better one, per STAT_COLUMNS key (the verdict's word).
+# A mixture of experts' balance per run, columns only where some run has it:
+# key, title in report.md, format. expert_load: eval.py's on the whole
+# validation split (eval_report.json, the most-loaded expert's share of the
+# tokens over the mean share, averaged over the MoE layers; 1: even);
+# train_expert_load: the mean of the train records' `expert_load` (the same,
+# per training batch); moe_bias_abs: the last train record's mean |selection
+# bias| (train.moe_bias_update_rate > 0).
+LOAD_COLUMNS = (("expert_load", "experts' load, validation", ".3f"),
+                ("train_expert_load", "experts' load, training mean", ".3f"),
+                ("moe_bias_abs", "selection bias, mean abs", ".3g"))
+# The load columns compared with the baseline like STAT_COLUMNS (where present).
+LOAD_STAT_COLUMNS = ("expert_load", "train_expert_load")
+# Whether a lower value is the better one, per statistics key (the verdict's word).
 LOWER_IS_BETTER = {"loss": True, "perplexity": True, "token_accuracy": False,
-                   "bits_per_byte": True, "wall_s": True, "tokens_per_s": False}
+                   "bits_per_byte": True, "wall_s": True, "tokens_per_s": False,
+                   "expert_load": True, "train_expert_load": True}
 STAT_FIELDS = ("n", "mean", "sd", "ci_low", "ci_high", "diff", "diff_ci_low", "diff_ci_high",
                "p", "holm_p", "verdict", "paired_diff", "paired_ci_low", "paired_ci_high",
                "paired_p", "paired_holm_p", "paired_verdict")
@@ -58,6 +73,8 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
     path = _run_plot(root, manifest["name"], run, records[run.name])
     if path:
       files.append(path)
+  keys = _stat_keys(rows)
+  loads = _present(rows, [key for key, _, _ in LOAD_COLUMNS])
   curves = {group: _mean_curve([(run, records[run.name]) for run in runs if run.group == group])
             for group in groups}
   curves = {group: curve for group, curve in curves.items() if curve}
@@ -67,16 +84,17 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
     plot_against_steps_tokens_and_flops(
         files[0], f"{manifest['name']}: validation loss in training{band} (train.eval_steps "
         "batches; the table's val loss is the whole split)", curves)
-  summary = _summaries(runs, rows, groups, baseline)
+  summary = _summaries(runs, rows, groups, baseline, keys)
   csv_path = os.path.join(root, "report.csv")
   _write_csv(csv_path, ["variant", "seed", "data_seed", *fields, "state", "step",
-                        *(key for key, _, _ in REPORT_COLUMNS), *COST_COLUMNS, *TIME_COLUMNS,
-                        "run"],
+                        *(key for key, _, _ in REPORT_COLUMNS), *loads, *COST_COLUMNS,
+                        *TIME_COLUMNS, "run"],
              [{**row, **{f: run.overrides.get(f, "") for f in fields}}
               for run, row in zip(runs, rows)])
   summary_path = os.path.join(root, "report_summary.csv")
   _write_csv(summary_path, ["variant", *fields, "runs", "num_steps", *COST_COLUMNS,
-                            *_stat_header()],
+                            *(f"{key}_{s}" for key in loads if key not in keys
+                              for s in ("mean", "sd")), *_stat_header(keys)],
              [{**row, **{f: group_runs[0].overrides.get(f, "") for f in fields}}
               for row, group_runs in summary])
   md_path = os.path.join(root, "report.md")
@@ -89,7 +107,7 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
     summary_rows = [row for row, _ in summary]
     f.write(_markdown(manifest, fields, runs, rows, files, root, histories,
                       _statistics_section(baseline, summary_rows) + lr_section
-                      + _cost_section(summary_rows))
+                      + _cost_section(summary_rows) + _load_section(summary_rows, loads))
             + length_section)
   return [md_path, csv_path, summary_path, *length_files, *files]
 
@@ -109,17 +127,18 @@ def rebuild_statistics(root: str, baseline: str | None = None) -> list[str]:
   if rows and "data_seed" not in rows[0]:
     raise UserError(f"{paths[0]} has no data_seed column (written before it): add one, each "
                     "run's data.seed, or its seed where data.seed was unset")
+  keys = _stat_keys(rows)
   for row in rows:
-    for key in STAT_COLUMNS:
+    for key in keys:
       row[key] = float(row[key]) if row.get(key) else None
   summary = _read_csv(paths[1])
   groups = [row["variant"] for row in summary]
   baseline = baseline or next((row["variant"] for row in summary
                                if row.get("loss_verdict") == stats.BASELINE), groups[0])
   _check_baseline(baseline, groups, root)
-  columns = _statistics(rows, groups, baseline)
+  columns = _statistics(rows, groups, baseline, keys)
   header = [c for c in _csv_header(paths[1])
-            if not any(c.startswith(f"{key}_") for key in STAT_COLUMNS)]
+            if not any(c.startswith(f"{key}_") for key in keys)]
   summary = [{**{c: row[c] for c in header}, **columns[row["variant"]]} for row in summary]
   with open(paths[2], encoding="utf-8") as f:
     md = f.read()
@@ -130,7 +149,7 @@ def rebuild_statistics(root: str, baseline: str | None = None) -> list[str]:
   end = md.find("\n## ", start + 1)
   section = _statistics_section(baseline, summary)
   md = md[:start] + section.rstrip("\n") + "\n" + (md[end:] if end >= 0 else "")
-  _write_csv(paths[1], header + _stat_header(), summary)
+  _write_csv(paths[1], header + _stat_header(keys), summary)
   with open(paths[2], "w", encoding="utf-8") as f:
     f.write(md)
   return paths[1:]
@@ -142,8 +161,19 @@ def _check_baseline(baseline: str, groups: list[str], root: str) -> None:
                     f"{', '.join(groups)})")
 
 
-def _stat_header() -> list[str]:
-  return [f"{key}_{s}" for key in STAT_COLUMNS for s in STAT_FIELDS]
+def _present(rows: list[dict], keys) -> list[str]:
+  """Those of `keys` that some row has a value of."""
+  return [key for key in keys if any(row.get(key) not in (None, "") for row in rows)]
+
+
+def _stat_keys(rows: list[dict]) -> tuple[str, ...]:
+  """The keys compared over seeds: STAT_COLUMNS, and LOAD_STAT_COLUMNS where
+  some run (a `rows` entry) has them."""
+  return (*STAT_COLUMNS, *_present(rows, LOAD_STAT_COLUMNS))
+
+
+def _stat_header(keys) -> list[str]:
+  return [f"{key}_{s}" for key in keys for s in STAT_FIELDS]
 
 
 def _csv_header(path: str) -> list[str]:
@@ -183,6 +213,7 @@ def _run_row(run: Variant, records: list[dict]) -> dict:
   if config is not None:
     row["data_seed"] = config.data.seed if config.data.seed is not None else config.train.seed
     row.update(_cost(config, s.step or 0))
+  row.update(_loads(report, records))
   seconds = [r["seconds"] for r in records if r["split"] == "train" and "seconds" in r]
   if seconds:
     row["wall_s"] = sum(seconds)
@@ -192,16 +223,32 @@ def _run_row(run: Variant, records: list[dict]) -> dict:
 
 
 def _cost(config, steps: int) -> dict:
-  """Parameters (total, non-embedding), training FLOPs per token, and the
-  tokens and FLOPs of `steps` steps (`model/accounting.py`, as train.py's
-  start-up summary counts them)."""
+  """Parameters (total, non-embedding), training FLOPs per token, the tokens
+  and FLOPs of `steps` steps (`model/accounting.py`, as train.py's start-up
+  summary counts them), and the KV cache's bytes per token of generation."""
   params = accounting.formula_params(config.model)
   per_token = accounting.flops_per_token(config.model, config.train.seq_len, train=True,
                                          mtp_depth=config.train.get("mtp_depth", 0))
   tokens = steps * accounting.tokens_per_step(config.train)
   return {"params": params["params_total"],
           "params_non_embedding": params["params_total"] - params["params_embedding"],
-          "flops_per_token": per_token, "tokens": tokens, "flops": per_token * tokens}
+          "flops_per_token": per_token, "tokens": tokens, "flops": per_token * tokens,
+          "kv_cache_bytes_per_token": accounting.kv_cache_bytes_per_token(config.model)}
+
+
+def _loads(report: dict, records: list[dict]) -> dict:
+  """A mixture of experts' LOAD_COLUMNS from its eval_report.json and train
+  records; {} for a dense run."""
+  out = {}
+  if report.get("expert_load"):
+    out["expert_load"] = sum(report["expert_load"]) / len(report["expert_load"])
+  train = [r["expert_load"] for r in records if r["split"] == "train" and "expert_load" in r]
+  if train:
+    out["train_expert_load"] = sum(train) / len(train)
+  bias = [r["moe_bias_abs"] for r in records if r["split"] == "train" and "moe_bias_abs" in r]
+  if bias:
+    out["moe_bias_abs"] = bias[-1]
+  return out
 
 
 def _run_plot(root: str, sweep_name: str, run: Variant, records: list[dict]) -> str | None:
@@ -240,12 +287,17 @@ def _mean_curve(runs: list[tuple[Variant, list[dict]]]):
           accounting.flops_per_step(config), band, {"marker": "."})
 
 
-def _summaries(runs: list[Variant], rows: list[dict], groups: list[str],
-               baseline: str) -> list[tuple[dict, list[Variant]]]:
+def _summaries(runs: list[Variant], rows: list[dict], groups: list[str], baseline: str,
+               keys) -> list[tuple[dict, list[Variant]]]:
   """(report_summary.csv row, the variant's runs) per variant: its statistics
-  over its finished runs against `baseline` (`_statistics`), and its cost at
-  train.num_steps."""
-  columns = _statistics(rows, groups, baseline)
+  over its finished runs against `baseline` (`_statistics` of `keys`), the
+  mean and sd of the other LOAD_COLUMNS, and its cost at train.num_steps."""
+  columns = _statistics(rows, groups, baseline, keys)
+  for key in _present(rows, [key for key, _, _ in LOAD_COLUMNS if key not in keys]):
+    for group in groups:
+      s = stats.summarize([r[key] for r in rows if r["variant"] == group
+                           and r["state"] == "done" and r.get(key) is not None])
+      columns[group].update({f"{key}_mean": s.mean, f"{key}_sd": s.sd})
   out = []
   for group in groups:
     group_runs = [run for run in runs if run.group == group]
@@ -275,15 +327,16 @@ def _paired(mine: list[dict], theirs: list[dict], key: str):
   return list(mine.values()), [theirs[k] for k in mine]
 
 
-def _statistics(rows: list[dict], groups: list[str], baseline: str) -> dict[str, dict]:
-  """{variant: its report_summary.csv statistics}: per metric over its finished
+def _statistics(rows: list[dict], groups: list[str], baseline: str,
+                keys) -> dict[str, dict]:
+  """{variant: its report_summary.csv statistics}: per metric of `keys` over its finished
   runs (`rows`: report.csv's rows, values as numbers or None), n, mean, sd and
   interval; against `baseline`, Welch's difference, interval, p, Holm's p over
   the variants, and the verdict; where the seeds pair, the same paired."""
   done = {group: [r for r in rows if r["variant"] == group and r["state"] == "done"]
           for group in groups}
   columns = {group: {} for group in groups}
-  for key in STAT_COLUMNS:
+  for key in keys:
     lower = LOWER_IS_BETTER[key]
     summaries = {group: stats.summarize([r[key] for r in done[group]
                                          if r.get(key) is not None]) for group in groups}
@@ -320,8 +373,13 @@ def _format(value, spec: str) -> str:
 
 def _markdown(manifest: dict, fields: list[str], runs: list[Variant], rows: list[dict],
               plots: list[str], root: str, histories: dict, sections: str) -> str:
-  """The runs table, then `sections`, the config histories and the plots."""
-  titles = ["variant", *fields, "state", "step", *(title for _, title, _ in REPORT_COLUMNS)]
+  """The runs table (beside the metrics, the KV cache per token where a run
+  has one, and the experts' load where runs have it), then `sections`, the
+  config histories and the plots."""
+  extra = [column for column in (*_KV_COLUMN, *LOAD_COLUMNS)
+           if any(row.get(column[0]) for row in rows)]
+  titles = ["variant", *fields, "state", "step",
+            *(title for _, title, _ in (*REPORT_COLUMNS, *extra))]
   seeds = (f" Each variant {manifest['seeds']} times, train.seed 0..{manifest['seeds'] - 1} "
            "(runs `<variant>,seed=<k>`)." if manifest.get("seeds") else "")
   lines = [f"# Sweep {manifest['name']}", "",
@@ -329,11 +387,11 @@ def _markdown(manifest: dict, fields: list[str], runs: list[Variant], rows: list
            f"flags for every variant: `{' '.join(manifest['extra_flags']) or 'none'}`.{seeds} "
            "Metrics: eval.py over the whole validation split (eval_report.json).", "",
            "| " + " | ".join(titles) + " |",
-           "|" + "---|" * (len(fields) + 3) + "---:|" * len(REPORT_COLUMNS)]
+           "|" + "---|" * (len(fields) + 3) + "---:|" * (len(REPORT_COLUMNS) + len(extra))]
   for run, row in zip(runs, rows):
     cells = [run.name, *(run.overrides.get(f, "") for f in fields), row["state"],
              "" if row["step"] is None else row["step"],
-             *(_format(row[key], spec) for key, _, spec in REPORT_COLUMNS)]
+             *(_format(row.get(key), spec) for key, _, spec in (*REPORT_COLUMNS, *extra))]
     lines.append("| " + " | ".join(map(str, cells)) + " |")
   lines.append(sections.rstrip("\n"))
   if histories:
@@ -341,6 +399,10 @@ def _markdown(manifest: dict, fields: list[str], runs: list[Variant], rows: list
     lines += [f"- {name}, {line}" for name, entries in histories.items() for line in entries]
   lines += [""] + [f"![{os.path.basename(p)}]({os.path.relpath(p, root)})" for p in plots]
   return "\n".join(lines) + "\n"
+
+
+# The runs table's KV-cache column (key, title, format).
+_KV_COLUMN = (("kv_cache_bytes_per_token", "KV cache/token (B)", ","),)
 
 
 def _bound(value: float, spec: str) -> str:
@@ -386,8 +448,11 @@ def _statistics_section(baseline: str, summary: list[dict]) -> str:
            "verdicts are per comparison; a Holm p of 0.05 or more marks a difference that "
            "does not hold for the family of comparisons. Formulas: docs/sweeps.md; all "
            "numbers in report_summary.csv."]
-  for key, title, spec in REPORT_COLUMNS:
-    if not any(row[f"{key}_n"] for row in summary):
+  if any(row.get("expert_load_n") or row.get("train_expert_load_n") for row in summary):
+    lines[-1] += (" The experts' load (the most-loaded expert's tokens over the mean; 1: "
+                  "even) counts lower as better.")
+  for key, title, spec in (*REPORT_COLUMNS, *LOAD_COLUMNS):
+    if not any(row.get(f"{key}_n") for row in summary):
       continue
     paired = any(row[f"{key}_paired_verdict"] for row in summary)
     titles = ["variant", "n", "mean", "sd", "95% interval", "diff vs baseline",
@@ -441,14 +506,39 @@ def _cost_section(summary: list[dict]) -> str:
   lines = ["", "## Cost", "",
            "Per variant at train.num_steps: parameters (non-embedding: without the embedding, "
            "position tables and head), training FLOPs per token (6N + attention, "
-           "model/accounting.py), tokens (steps x batch x seq_len) and training FLOPs; wall "
+           "model/accounting.py), the KV cache's bytes per token in generation (all layers, "
+           "model.dtype; `kv_cache_bytes_per_token`), tokens (steps x batch x seq_len) and "
+           "training FLOPs; wall "
            "time of the training loop and tokens/s, mean ± sd over its finished runs.", "",
-           "| variant | parameters | non-embedding | FLOPs/token | steps | tokens | training "
-           "FLOPs | wall time (s) | tokens/s |", "|---|" + "---:|" * 8]
+           "| variant | parameters | non-embedding | FLOPs/token | KV cache/token | steps | "
+           "tokens | training FLOPs | wall time (s) | tokens/s |", "|---|" + "---:|" * 9]
   for row in summary:
+    kv = row.get("kv_cache_bytes_per_token")
     cells = [row["variant"], _count(row.get("params")), _count(row.get("params_non_embedding")),
-             _count(row.get("flops_per_token")), row["num_steps"], _count(row.get("tokens")),
+             _count(row.get("flops_per_token")), "" if kv is None else f"{kv:,} B",
+             row["num_steps"], _count(row.get("tokens")),
              _count(row.get("flops")), _mean_sd(row, "wall_s", ".1f"),
              _mean_sd(row, "tokens_per_s", ",.0f")]
+    lines.append("| " + " | ".join(map(str, cells)) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _load_section(summary: list[dict], loads: list[str]) -> str:
+  """The section of each variant's experts' load (LOAD_COLUMNS, mean ± sd
+  over its finished runs); "" when no run has one."""
+  columns = [column for column in LOAD_COLUMNS if column[0] in loads]
+  if not columns:
+    return ""
+  lines = ["", "## Experts' load", "",
+           "Per variant, mean ± sd over its finished runs. Experts' load: the most-loaded "
+           "expert's share of the tokens over the mean share (1: even; E / k at most), averaged "
+           "over the MoE layers, on the whole validation split at the end (eval.py) and over "
+           "the training batches (the train records' `expert_load`, their mean); selection "
+           "bias: the mean |b| of auxiliary-loss-free balancing's per-expert biases at the "
+           "last train record (`moe_bias_abs`).", "",
+           "| variant | " + " | ".join(title for _, title, _ in columns) + " |",
+           "|---|" + "---:|" * len(columns)]
+  for row in summary:
+    cells = [row["variant"], *(_mean_sd(row, key, spec) for key, _, spec in columns)]
     lines.append("| " + " | ".join(map(str, cells)) + " |")
   return "\n".join(lines) + "\n"
