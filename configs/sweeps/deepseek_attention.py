@@ -10,9 +10,9 @@ MLA's sizes keep DeepSeek-V3's proportions at tiny's head width of 32: the
 per-head query/key width without RoPE equals the value width (V3: 128 and
 128), qk_nope_head_dim = v_head_dim = 32, tiny's own head width; the rotated
 part is half that (V3: 64), qk_rope_head_dim = 16; the key/value latent is
-kv_lora_rank = 64, two head widths (V3's 512 is four of its 128-wide heads
-over 128 heads; with 4 heads, four head widths would leave a latent as wide
-as MHA's 4 x 32 keys, nothing compressed). No query latent (q_lora_rank
+kv_lora_rank = 64, half of d_model, a bottleneck as DeepSeek's are (V3: 512
+of 7,168; V2-Lite: 512 of 2,048): V3's four head widths would be 128 here,
+d_model itself, a latent that compresses nothing. No query latent (q_lora_rank
 unset, as DeepSeek-V2-Lite): at d_model 128 a query bottleneck would only
 cut the queries' rank. So MLA has about MHA's parameters and FLOPs per
 token (+0.8% and +3.3%: 48-wide queries and keys), while its cache per token
@@ -25,9 +25,10 @@ for mtp_depth=1), gives MHA tiny's 600 steps (about its default cost, 2-3
 minutes a run on a CPU core), GQA 633, MQA 652, MLA 581 and MHA with MTP
 362: a variant that costs more per token trains fewer steps. The MTP module
 (a projection, one more block and the shared 1,024-token head) adds 66% to
-tiny's FLOPs per token, so at equal compute it trains 40% fewer steps; at
-equal steps (`--config.train.num_steps=600` instead of the budget) the
-comparison is DeepSeek-V3's, where the module is 1 block in 62.
+tiny's FLOPs per token, so at equal compute it trains 40% fewer steps.
+DeepSeek-V3 compares at equal tokens, where its one module beside 61 layers
+costs little: `--config.train.num_steps=600` instead of the budget runs that
+comparison.
 
   python sweep.py run --sweep configs/sweeps/deepseek_attention.py --parallel 2 \
       --config.tokenizer.path=runs/tiny/tokenizer --config.train.flop_budget=4.6e12
