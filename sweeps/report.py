@@ -226,9 +226,10 @@ def _cost(config, steps: int) -> dict:
   """Parameters (total, non-embedding), training FLOPs per token, the tokens
   and FLOPs of `steps` steps (`model/accounting.py`, as train.py's start-up
   summary counts them), and the KV cache's bytes per token of generation."""
-  params = accounting.formula_params(config.model)
+  mtp_depth = config.train.get("mtp_depth", 0)
+  params = accounting.formula_params(config.model, mtp_depth)
   per_token = accounting.flops_per_token(config.model, config.train.seq_len, train=True,
-                                         mtp_depth=config.train.get("mtp_depth", 0))
+                                         mtp_depth=mtp_depth)
   tokens = steps * accounting.tokens_per_step(config.train)
   return {"params": params["params_total"],
           "params_non_embedding": params["params_total"] - params["params_embedding"],

@@ -13,8 +13,10 @@ from scipy import stats as scipy_stats
 
 from ml_collections.config_dict import ConfigDict
 
-from model.accounting import kv_cache_bytes_per_token
+from model.accounting import kv_cache_bytes_per_token, mtp_module_params
+from model.config import ModelConfig
 import sweeps as sweep_lib
+from sweeps import report
 from tests.helpers import ROOT, TINY
 
 SWEEPS = ROOT / "configs" / "sweeps"
@@ -42,6 +44,11 @@ def test_the_attention_sweep_gives_each_variant_its_steps_and_kv_cache(tmp_path)
   mla = next(iter(v for k, v in groups.items() if k.startswith("attention=mla")))[0]
   assert mla.config["model"]["q_lora_rank"] is None
   assert [r.config["train"]["mtp_depth"] for r in runs] == [0] * 12 + [1] * 3
+  # The report's parameters count the MTP module, as its FLOPs and budget do.
+  mha, mtp = (report._cost(ConfigDict(v[0].config), 1) for k, v in groups.items()
+              if k in (next(iter(groups)), list(groups)[-1]))
+  assert mtp["params"] - mha["params"] == mtp_module_params(ModelConfig.resolve(
+      ConfigDict(runs[-1].config["model"])))
 
 
 def test_the_moe_sweep_balances_three_ways_at_the_same_steps(tmp_path):
