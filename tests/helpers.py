@@ -175,9 +175,10 @@ def assert_trees_equal(a, b):
 
 def scanned_copy(looped, scanned):
   """`scanned` (a model in the scanned layout, concrete or from nnx.eval_shape)
-  holding `looped`'s weights: each layer's parameters stacked along the
-  layer axis, the others as they are."""
-  loop_params = dict(nnx.to_flat_state(nnx.state(looped, nnx.Param)))
+  holding `looped`'s weights: each layer's variables (parameters and the
+  deepseek router's selection biases) stacked along the layer axis, the
+  others as they are."""
+  loop_params = dict(nnx.to_flat_state(nnx.state(looped)))
   graphdef, state = nnx.split(scanned)
   flat = []
   for path, variable in nnx.to_flat_state(state):
