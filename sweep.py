@@ -94,6 +94,21 @@ _MAX_TIMEOUTS = flags.DEFINE_integer("max_timeouts", 3, "SLURM: requeues after t
                                      "(preemptions: always requeued).")
 
 
+# The flags only one command reads; given to another, they are refused.
+_OWN_FLAGS = {"run": (_SEEDS, _PARALLEL, _DRY_RUN, _RERUN_CHANGED),
+              "report": (_BASELINE, _FROM_CSV),
+              "scaling": (_PARAMS, _HOLDOUT, _RESAMPLES, _OUT)}
+
+
+def _check_own_flags(command: str) -> None:
+  """UserError for a flag of another command (`_OWN_FLAGS`) given to `command`."""
+  for owner, holders in _OWN_FLAGS.items():
+    for holder in holders:
+      if owner != command and flags.FLAGS[holder.name].present:
+        raise UserError(f"--{holder.name} is a flag of `sweep.py {owner}`, not of {command}; "
+                        "drop it")
+
+
 def _parse(argv: list[str]) -> list[str]:
   """parse_flags, with the sweep's CONFIG as the default --config; main also gets
   the --config.* overrides, to hand them on to train.py."""
@@ -208,6 +223,7 @@ def main(argv):
   if overrides and commands[0] != "run":
     raise app.UsageError(f"{commands[0]} takes no --config.* overrides")
   with command_exits("variants"):
+    _check_own_flags(commands[0])
     if commands[0] != "run" and (_GRID.value or _VARIANTS.value):
       raise UserError(f"{commands[0]} takes no --grid or --variants (flags of run); give "
                       "--root")

@@ -145,3 +145,15 @@ def test_a_small_ladder_runs_end_to_end_into_scaling_json(tmp_path):
   assert result.returncode == 0, result.stderr
   assert "fitted 12 runs" in result.stdout
   assert os.path.isfile(os.path.join(root, "scaling", "scaling.json"))
+
+
+@pytest.mark.parametrize("command,flag,owner", [
+    ("status", "--holdout=budget>=4e12", "scaling"), ("report", "--resamples=200", "scaling"),
+    ("scaling", "--seeds=2", "run"), ("run", "--baseline=x", "report")])
+def test_a_flag_of_another_command_is_one_line_exit_2(tmp_path, command, flag, owner):
+  result = sweep_cli(command, "--root", str(tmp_path / "root"), flag)
+  name = flag.split("=")[0]
+  assert result.returncode == 2
+  assert result.stderr == (f"error: {name} is a flag of `sweep.py {owner}`, not of {command}; "
+                           "drop it\n")
+  assert not (tmp_path / "root").exists()
