@@ -429,7 +429,8 @@ def test_an_mla_field_missing_on_the_command_line_exits_2_in_one_line():
   assert result.stderr.count("\n") == 1, result.stderr
 
 
-def test_export_names_the_attention():
-  """No Hugging Face architecture exports MLA yet: the export names it."""
-  with pytest.raises(UserError, match=r"llama: model.attention='mla' \(needs 'mha'\)"):
-    hf_convert.export_architecture(ModelConfig.resolve(mla_section()))
+def test_an_mla_decoder_exports_as_deepseek_v3():
+  """MLA models export through DeepSeek-V3's architecture (tests/test_hf_deepseek.py
+  checks the tensors both ways)."""
+  arch = hf_convert.export_architecture(ModelConfig.resolve(mla_section()))
+  assert (arch.model_type, arch.hf_class) == ("deepseek_v3", "DeepseekV3ForCausalLM")

@@ -504,7 +504,9 @@ def test_the_local_launcher_passes_sigint_and_sigterm_on_and_starts_nothing_more
   def stop():
     while not (log.exists() and "READY" in log.read_text()):
       time.sleep(0.1)
-    os.kill(os.getpid(), signum)
+    # To the main thread, which waits for train.py: a signal sent to the
+    # process may land on another thread and leave that wait uncut.
+    signal.pthread_kill(threading.main_thread().ident, signum)
 
   threading.Thread(target=stop, daemon=True).start()
   lines = []
