@@ -129,6 +129,7 @@ def test_the_bias_selects_and_does_not_weigh():
   np.testing.assert_array_equal(np.asarray(p0), np.asarray(p1))
 
 
+@pytest.mark.slow  # about 30 s alone, 95 s beside another worker
 def test_the_optimizer_never_moves_the_bias():
   """gamma = 0: AdamW with weight decay moves every parameter and no bias
   (set away from 0, so that decay would show)."""
@@ -164,6 +165,7 @@ def test_each_layers_bias_moves_by_gamma_toward_balance(scan):
   assert float(metrics["moe_bias_abs"]) == pytest.approx(np.abs(got).mean(), rel=1e-6)
 
 
+@pytest.mark.slow  # about 30 s alone, 95 s beside another worker
 def test_a_bad_step_leaves_the_bias():
   """A step whose loss is not finite keeps the biases as they were."""
   batch = next_token_batch()
@@ -180,6 +182,7 @@ def _skewed_batch() -> dict:
   return {k: np.concatenate([np.repeat(v[:1], 4, axis=0), v[4:]]) for k, v in batch.items()}
 
 
+@pytest.mark.slow  # 46 s beside another worker
 def test_gradient_accumulation_moves_the_bias_as_the_whole_batch():
   """Two micro-batches move the biases as the whole batch does: by the
   counts added over both, not by either micro-batch's own."""
