@@ -508,11 +508,17 @@ def test_the_local_launcher_passes_sigint_and_sigterm_on_and_starts_nothing_more
     # process may land on another thread and leave that wait uncut.
     signal.pthread_kill(threading.main_thread().ident, signum)
 
+  # Python's own SIGINT handler, whatever an earlier test in this worker left
+  # installed (a worker of pytest-xdist may hold another one).
+  previous = signal.signal(signal.SIGINT, signal.default_int_handler)
   threading.Thread(target=stop, daemon=True).start()
   lines = []
   raised = KeyboardInterrupt if signum == signal.SIGINT else sweep_lib.Terminated
-  with pytest.raises(raised):
-    sweep_lib.run_local([first, second], 1, out=lines.append)
+  try:
+    with pytest.raises(raised):
+      sweep_lib.run_local([first, second], 1, out=lines.append)
+  finally:
+    signal.signal(signal.SIGINT, previous)
   assert "SAVED" in log.read_text() and not (tmp_path / "second").exists()
   name = signal.Signals(signum).name
   assert lines[2:] == [
