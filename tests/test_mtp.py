@@ -2,7 +2,6 @@
 loss against a hand computation from the modules' logits, the main loss's
 gradients untouched at weight 0, depth 0 as before, the parameter and FLOP
 counts, exact resume, the metrics reported, and the refusals."""
-import signal
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +15,7 @@ from configs.errors import UserError
 from model import accounting, build_model, summary
 from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, run_python,
                            small_cfg)
-from tests.test_optim import run_config
+from tests.test_optim import run_config, stop_at
 from tests.test_steps import next_token_batch
 from training import evaluate, loop
 from training.metrics import by_name, evaluate_mixture, read_metrics
@@ -202,15 +201,6 @@ def test_a_stopped_mtp_run_resumes_exactly_and_reports_each_depth(tok_dir, tmp_p
                     for name, draft in (("plain", None), ("drafted", "mtp")))
   assert drafted["samples"] == plain["samples"] and "speculative" not in plain
   assert drafted["speculative"]["draft_depth"] == D and drafted["speculative"]["passes"] > 0
-
-
-def stop_at(monkeypatch, stop_step: int) -> None:
-  """The next run stops at `stop_step` as on SIGTERM: it saves and raises `loop.Stopped`."""
-  def should_stop(self, step):
-    if step == stop_step:
-      self.signum = signal.SIGTERM
-    return self.signum is not None
-  monkeypatch.setattr(loop.StopRequest, "should_stop", should_stop)
 
 
 def bad(**train):
