@@ -146,9 +146,11 @@ def test_train_step_weighs_and_reports_the_router_losses(scan):
                positions=np.tile(np.arange(16, dtype=np.int32), (2, 1)),
                loss_mask=np.ones((2, 16), np.float32))
   grads = {}
+  # The weights as arguments: one compilation serves the four.
+  weighed = jax.jit(lambda p, b, w: steps._grads(graphdef, p, b, "next_token", 1,
+                                                  router_losses=w))
   for weights in [(0.0, 0.0, 0.0), (1.0, 0.0, 0.0), (0.0, 1.0, 0.0), (0.0, 0.0, 1.0)]:
-    g, (sums, router) = jax.jit(lambda p, b, w=weights: steps._grads(
-        graphdef, p, b, "next_token", 1, router_losses=w))(params, batch)
+    g, (sums, router) = weighed(params, batch, tuple(jnp.float32(w) for w in weights))
     grads[weights] = g
     aux, z, load, dropped, seq = (float(r / sums[1]) for r in router)
     assert 1.5 < aux < 2.5 and z > 0 and 1.0 <= load <= 4.0 and dropped == 0.0
@@ -265,7 +267,7 @@ c = config(data=8)
 c.model.moe_capacity_factor = 1.0
 graphdef, _ = steps.abstract_state(c)
 capped = {}
-for mesh in [dict(data=8), dict(data=1, expert=8), dict(data=1, expert=4, fsdp=2)]:
+for mesh in CAPPED:
   m = sharding.make_mesh(config(**mesh).mesh)
   capped[str(mesh)] = jax.jit(steps.traced_on(m, grads))(
       params, jax.device_put(batch, sharding.batch_sharding(m)))
@@ -281,8 +283,24 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("mlp", ["swiglu", pytest.param("gelu", marks=pytest.mark.slow)])
-def test_training_on_eight_devices_equals_one_device(mlp):
+# Each mesh is a compilation on 8 devices (seconds): make test checks expert
+# parallelism with fsdp, with tensor, and a context-split row (its sequence-wise
+# statistics), and the drops of expert 8; the slow case adds the data x fsdp x
+# tensor mesh (its axes checked on dense models in test_sharding.py) and the
+# drops of expert 4 x fsdp 2, and gelu runs all of them.
+FAST_MESHES = [dict(data=1, fsdp=4, context=2), dict(data=1, expert=4, fsdp=2),
+               dict(data=2, expert=2, tensor=2)]
+SLOW_MESHES = [dict(data=2, fsdp=2, tensor=2)]
+FAST_CAPPED = [dict(data=8), dict(data=1, expert=8)]  # data 8 first: the reference
+SLOW_CAPPED = [dict(data=8), dict(data=1, expert=4, fsdp=2)]
+
+
+@pytest.mark.parametrize("mlp,meshes,capped", [
+    ("swiglu", FAST_MESHES, FAST_CAPPED),
+    pytest.param("swiglu", SLOW_MESHES, SLOW_CAPPED, marks=pytest.mark.slow),
+    pytest.param("gelu", SLOW_MESHES + FAST_MESHES, FAST_CAPPED + SLOW_CAPPED[1:],
+                 marks=pytest.mark.slow)], ids=["swiglu", "swiglu-data_fsdp_tensor", "gelu"])
+def test_training_on_eight_devices_equals_one_device(mlp, meshes, capped):
   """configs/tiny_moe.py with a shared expert: the loss, the router's losses
   and load, and every gradient on 8 CPU devices (data 2 x fsdp 2 x tensor 2;
   fsdp 4 x context 2; expert 4 x fsdp 2; data 2 x expert 2 x tensor 2)
@@ -291,10 +309,8 @@ def test_training_on_eight_devices_equals_one_device(mlp):
   add up over the devices. At a capacity factor of 1, expert 8 and expert 4
   x fsdp 2 drop what data 8 drops (each device one row on all three)."""
   from tests.test_sharding import run_on_8_devices  # pylint: disable=import-outside-toplevel
-  meshes = [dict(data=2, fsdp=2, tensor=2), dict(data=1, fsdp=4, context=2),
-            dict(data=1, expert=4, fsdp=2), dict(data=2, expert=2, tensor=2)]
   out = run_on_8_devices(MESH_TRAINING.replace("MESHES", repr(meshes)).replace(
-      "MLP", repr(mlp)))
+      "MLP", repr(mlp)).replace("CAPPED", repr(capped)))
   for name, errors in out.items():
     assert max(errors) < 1e-5, (name, errors)
 
