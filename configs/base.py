@@ -130,6 +130,8 @@ def get_config() -> config_dict.ConfigDict:
   #   hidden matrices' init and learning rate, the logits and attention scale follow the width
   m.mup_base_width = config_dict.placeholder(int)  # μP: the d_model the hyperparameters were
   #   tuned at (width multiplier d_model / this); None: d_model
+  m.mup_output_mult = 1.0  # μP: the logits' multiplier at the base width (logits times this /
+  #   width multiplier); tune it there with the learning rate (docs/models.md "μP")
   m.mup_base_depth = config_dict.placeholder(int)  # depth-μP (sp or mup): the num_layers the
   #   hyperparameters were tuned at; residual branches and the hidden matrices' learning rate
   #   times sqrt(this / num_layers). None: off

@@ -533,9 +533,14 @@ def _validate_mup(m: config_dict.ConfigDict) -> None:
     if m.family == "encoder_decoder" and num_decoder_layers(m) != m.num_layers:
       _fail("model.mup_base_depth", m.mup_base_depth, "needs both stacks of one depth "
             f"(model.num_layers={m.num_layers}, decoder {num_decoder_layers(m)}); unset it")
+  if not m.mup_output_mult > 0:
+    _fail("model.mup_output_mult", m.mup_output_mult, "must be positive")
   if m.parametrization != "mup":
     if m.mup_base_width is not None:
       _fail("model.mup_base_width", m.mup_base_width, "needs model.parametrization=mup")
+    if m.mup_output_mult != 1.0:
+      _fail("model.mup_output_mult", m.mup_output_mult, "needs model.parametrization=mup; "
+            "unset it")
     return
   refusals = (("attention_scale", m.attention_scale is not None,
                "sets the attention scale that μP decides (sqrt(base head_dim) / head_dim)"),

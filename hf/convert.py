@@ -406,10 +406,11 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
     raise UserError(f"--out {out} already exists and is not empty; choose a new one")
   config = workdir_lib.load_config(workdir)
   cfg = ModelConfig.resolve(config.model)
-  if cfg.parametrization == "mup" and cfg.width_mult != 1.0:
+  if cfg.parametrization == "mup" and (cfg.width_mult != 1.0 or cfg.logit_mult is not None):
     raise UserError(f"{workdir}: trained with model.parametrization=mup at width multiplier "
-                    f"{cfg.width_mult:g}, whose logit and attention scales no Hugging Face "
-                    "architecture has; export a run trained under sp")
+                    f"{cfg.width_mult:g} and model.mup_output_mult={cfg.mup_output_mult:g}, "
+                    "whose logit and attention scales no Hugging Face architecture has; "
+                    "export a run trained under sp")
   arch = export_architecture(cfg)
   config, tok, model, step = load_run(workdir, step)
   params = _flat(nnx.state(model, nnx.Any(nnx.Param, ExpertBias)))

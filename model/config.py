@@ -129,6 +129,7 @@ class ModelConfig:
   init_std: float
   parametrization: str
   mup_base_width: int | None
+  mup_output_mult: float
   mup_base_depth: int | None
 
   def forward_fields(self) -> dict:
@@ -155,7 +156,7 @@ class ModelConfig:
     if self.family != "encoder_decoder":
       unused |= {"num_decoder_layers", "decoder_start"}
     if self.parametrization != "mup":
-      unused |= {"mup_base_width"}
+      unused |= {"mup_base_width", "mup_output_mult"}
     if self.mup_base_depth is None or self.branch_mult is None:
       unused |= {"mup_base_depth"}
     if not self.num_experts:
@@ -222,8 +223,12 @@ class ModelConfig:
 
   @property
   def logit_mult(self) -> float | None:
-    """μP's factor on the logits, 1 / width multiplier; None when it is 1."""
-    return None if self.width_mult == 1.0 else 1.0 / self.width_mult
+    """μP's factor on the logits, mup_output_mult / width multiplier (the
+    readout multiplier, Tensor Programs V's alpha_output / m); None when it is 1."""
+    if self.parametrization != "mup":
+      return None
+    mult = self.mup_output_mult / self.width_mult
+    return None if mult == 1.0 else mult
 
   @property
   def branch_mult(self) -> float | None:

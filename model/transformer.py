@@ -321,7 +321,7 @@ class _WithHead(nnx.Module):
     if self.classifier is not None:
       return
     self.head_input_scale = cfg.d_model ** -0.5 if cfg.scale_head_input else None
-    self.logit_mult = cfg.logit_mult  # μP: 1 / width multiplier (None under sp)
+    self.logit_mult = cfg.logit_mult  # μP: mup_output_mult / width multiplier (None under sp)
     self.head_transform = HeadTransform(cfg, rngs=rngs) if cfg.head_transform else None
     self.head = None if cfg.tie_embeddings else Dense(
         cfg.d_model, (cfg.vocab_size,), ("embed", "vocab"), use_bias=False, cfg=cfg, rngs=rngs,

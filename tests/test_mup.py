@@ -68,6 +68,22 @@ def test_hidden_matrices_init_and_learning_rate_follow_the_width():
              for p, a in jax.tree_util.tree_leaves_with_path(sp_u))
 
 
+def test_the_output_multiplier_scales_the_logits_at_any_width():
+  """model.mup_output_mult = alpha: the logits times alpha / m, at the base
+  width too (there alpha times sp's, from the same weights), tied or not."""
+  tokens = jnp.arange(16).reshape(2, 8) % 64
+  for tied in (True, False):
+    sp = build_model(_config(tie_embeddings=tied).model, nnx.Rngs(0))
+    mup = build_model(_config(parametrization="mup", mup_output_mult=8.0,
+                              tie_embeddings=tied).model, nnx.Rngs(0))
+    np.testing.assert_allclose(mup(tokens), 8.0 * sp(tokens), rtol=1e-6)
+  wide = ModelConfig.resolve(_config(128, parametrization="mup", mup_base_width=32,
+                                     mup_output_mult=8.0).model)
+  assert wide.logit_mult == 2.0
+  assert ModelConfig.resolve(_config(128, parametrization="mup", mup_base_width=32,
+                                     mup_output_mult=4.0).model).logit_mult is None
+
+
 @pytest.mark.parametrize("optimizer,option,mult", [
     ("adamw", {}, 0.25), ("lion", {}, 0.25), ("adafactor", {}, 0.5),
     ("adafactor", {"adafactor_param_scale": False}, 0.25), ("muon", {}, 0.25),
@@ -97,6 +113,9 @@ def test_logits_stay_flat_across_width_under_mup_and_grow_under_sp():
     (dict(parametrization="mup", num_experts=4), "model.num_experts=4: is not covered by μP"),
     (dict(parametrization="mup", mup_base_width=0), "model.mup_base_width=0: must be a positive"),
     (dict(parametrization="mu"), "model.parametrization='mu': must be one of sp, mup"),
+    (dict(mup_output_mult=8.0), "model.mup_output_mult=8.0: needs model.parametrization=mup"),
+    (dict(parametrization="mup", mup_output_mult=0.0),
+     "model.mup_output_mult=0.0: must be positive"),
 ])
 def test_bad_mup_settings_are_one_line(model, message):
   c = _config(**model)
@@ -111,7 +130,9 @@ def test_bad_mup_settings_are_one_line(model, message):
     (dict(parametrization="mup", mup_base_width=16), dict()),
     (dict(parametrization="mup", mup_base_width=16),
      dict(parametrization="mup", mup_base_width=8)),
-    (dict(), dict(num_layers=2, mup_base_depth=1))])
+    (dict(), dict(num_layers=2, mup_base_depth=1)),
+    (dict(parametrization="mup", mup_base_width=16),
+     dict(parametrization="mup", mup_base_width=16, mup_output_mult=4.0))])
 def test_restore_from_another_parametrization_is_one_line(source, ours):
   with pytest.raises(UserError, match="their weights are scaled otherwise") as err:
     _check_source_parametrization(_config(**ours), "train.restore_from=src", _config(**source))

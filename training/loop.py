@@ -561,15 +561,17 @@ class Source(NamedTuple):
 
 def _check_source_parametrization(config, where: str, source_config) -> None:
   """A source trained under another model.parametrization (sp or mup), μP
-  width multiplier or depth-μP branch factor holds weights scaled
-  otherwise: refused."""
+  width multiplier or output multiplier, or depth-μP branch factor holds
+  weights scaled otherwise: refused."""
 
   def scaling(model):
     parametrization = model.get("parametrization", "sp")
     width = mup_width(model) if parametrization == "mup" else None
+    output = model.get("mup_output_mult", 1.0) if parametrization == "mup" else 1.0
     depth = mup_depth(model)
     return (f"model.parametrization={parametrization}"
             + (f" (width multiplier {width:g})" if width else "")
+            + (f" (model.mup_output_mult={output:g})" if output != 1.0 else "")
             + (f" with depth-μP (branch factor {depth:g})" if depth else ""))
 
   ours, theirs = scaling(config.model), scaling(source_config.model)
