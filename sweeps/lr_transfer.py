@@ -11,7 +11,10 @@ gives each curve's best learning rate and its place on the grid, and, for
 each value of the first other swept field (the parametrization in the μP
 sweep), how many grid steps the optimum moves across that value's curves: 0
 or 1 is a learning rate that transfers, more is one that must be swept
-again.
+again. With a second other swept field (the width), a table puts, at each of
+its values, each first-field curve's best loss (mean, and the lowest and
+highest seed) beside the others', and the difference from the first one's:
+what each parametrization reaches at its own best learning rate.
 """
 import os
 
@@ -20,29 +23,56 @@ from matplotlib.figure import Figure
 LR = "train.learning_rate"
 
 
-def _curves(summary: list[tuple[dict, list]]) -> dict[tuple, dict[float, tuple]]:
+def _curves(summary: list[tuple[dict, list]], seed_losses: dict[str, list[float]]
+            ) -> dict[tuple, dict[float, tuple]]:
   """{the other fields' values: {learning rate: (mean, 95% interval low,
-  high) of the val loss}} over the variants with finished runs."""
+  high, lowest seed, highest seed) of the val loss}} over the variants with
+  finished runs (`seed_losses`: each variant's finished runs' losses)."""
   curves = {}
   for row, runs in summary:
     overrides = runs[0].overrides
     if LR not in overrides or row.get("loss_mean") is None:
       continue
     key = tuple((f, v) for f, v in overrides.items() if f != LR)
+    seeds = seed_losses.get(row.get("variant"))
     curves.setdefault(key, {})[float(overrides[LR])] = (
-        row["loss_mean"], row.get("loss_ci_low"), row.get("loss_ci_high"))
+        row["loss_mean"], row.get("loss_ci_low"), row.get("loss_ci_high"),
+        *((min(seeds), max(seeds)) if seeds else (None, None)))
   return curves
+
+
+def _best_against_best(curves: dict, best: dict, first: str, second: str) -> list[str]:
+  """At each value of `second` (the width), each `first` (parametrization)
+  curve's best loss with its seeds' range, and its difference from the
+  first curve's."""
+  lines = ["", f"At each `{second}`, each `{first}`'s best learning rate and its loss (mean "
+           "over seeds, [lowest, highest seed]), and the difference from the first "
+           f"`{first}`'s best:", "",
+           f"| {second.split('.')[-1]} | {first.split('.')[-1]} | best learning rate | "
+           "val loss | difference |", "|---|---|---:|---:|---:|"]
+  for value in dict.fromkeys(dict(key).get(second) for key in best):
+    keys = [key for key in best if dict(key).get(second) == value]
+    reference = curves[keys[0]][best[keys[0]]][0]
+    for key in keys:
+      mean, _, _, low, high = curves[key][best[key]]
+      spread = f" [{low:.4f}, {high:.4f}]" if low is not None else ""
+      diff = "" if key == keys[0] else f"{mean - reference:+.4f}"
+      lines.append(f"| {value} | {dict(key).get(first)} | {best[key]:g} | {mean:.4f}{spread} | "
+                   f"{diff} |")
+  return lines
 
 
 def _label(key: tuple) -> str:
   return ", ".join(f"{field.split('.')[-1]}={value}" for field, value in key) or "all"
 
 
-def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[str]
+def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[str],
+                     seed_losses: dict[str, list[float]] | None = None
                      ) -> tuple[str, list[str]]:
   """(the report's markdown section, [the PNG]) for a sweep of several
-  learning rates; ("", []) otherwise."""
-  curves = _curves(summary)
+  learning rates; ("", []) otherwise. `seed_losses`: each variant's finished
+  runs' val losses, for the seeds' range beside each best."""
+  curves = _curves(summary, seed_losses or {})
   grid = sorted({lr for curve in curves.values() for lr in curve})
   if len(grid) < 2:
     return "", []
@@ -65,6 +95,7 @@ def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[s
       places = [grid.index(lr) for key, lr in best.items() if dict(key).get(others[0]) == value]
       lines.append(f"- {others[0]}={value}: {max(places) - min(places)} grid step(s) over "
                    f"{len(places)} curves")
+    lines += _best_against_best(curves, best, others[0], others[1])
   return "\n".join(lines) + "\n", [path]
 
 

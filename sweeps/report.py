@@ -101,7 +101,10 @@ def write_report(root: str, baseline: str | None = None) -> list[str]:
   length_section, length_files = write_length_table(
       root, [v.name for v in runs], [v.workdir for v in runs], [v.group for v in runs],
       [v.config["train"]["seq_len"] for v in runs if v.config])
-  lr_section, lr_files = write_lr_section(root, summary, fields)
+  lr_section, lr_files = write_lr_section(
+      root, summary, fields, {group: [r["loss"] for r in rows if r["variant"] == group
+                                      and r["state"] == "done" and r.get("loss") is not None]
+                              for group in groups})
   files = lr_files + files
   with open(md_path, "w", encoding="utf-8") as f:
     summary_rows = [row for row, _ in summary]

@@ -656,28 +656,36 @@ def test_a_learning_rate_sweep_reports_where_each_curves_optimum_lies(tmp_path):
   from sweeps.lr_transfer import write_lr_section  # pylint: disable=import-outside-toplevel
   losses = {("sp", 64): [3.0, 2.0, 2.5], ("sp", 256): [2.0, 2.5, 3.5],
             ("mup", 64): [3.0, 2.0, 2.5], ("mup", 256): [2.9, 1.9, 2.4]}
-  summary = [({"loss_mean": loss, "loss_ci_low": loss - 0.1, "loss_ci_high": loss + 0.1},
+  summary = [({"variant": f"{p}{d}-{lr}", "loss_mean": loss, "loss_ci_low": loss - 0.1,
+               "loss_ci_high": loss + 0.1},
               [types.SimpleNamespace(overrides={"model.parametrization": p, "model.d_model": d,
                                                 "train.learning_rate": lr})])
              for (p, d), curve in losses.items() for lr, loss in zip((1e-3, 2e-3, 4e-3), curve)]
+  seeds = {row["variant"]: [row["loss_mean"] - 0.05, row["loss_mean"] + 0.05]
+           for row, _ in summary}
   section, [png] = write_lr_section(str(tmp_path), summary, ["model.parametrization",
                                                              "model.d_model",
-                                                             "train.learning_rate"])
+                                                             "train.learning_rate"], seeds)
   assert "| parametrization=sp, d_model=256 | 0.001 | 2.0000 | 1 of 3 |" in section
   assert "| parametrization=mup, d_model=256 | 0.002 | 1.9000 | 2 of 3 |" in section
   assert "- model.parametrization=sp: 1 grid step(s) over 2 curves" in section
   assert "- model.parametrization=mup: 0 grid step(s) over 2 curves" in section
+  assert "| 64 | sp | 0.002 | 2.0000 [1.9500, 2.0500] |  |" in section
+  assert "| 256 | mup | 0.002 | 1.9000 [1.8500, 1.9500] | -0.1000 |" in section
   assert pathlib.Path(png).read_bytes()[:4] == b"\x89PNG"
   assert write_lr_section(str(tmp_path), summary[:1], ["train.learning_rate"]) == ("", [])
 
 
 def test_the_mup_transfer_sweep_resolves_every_variant(tmp_path):
-  """configs/sweeps/mup_transfer.py: 2 parametrizations x 3 widths x 7
-  learning rates, each a valid config (d_ff = 3 d, a base width under μP only)."""
+  """configs/sweeps/mup_transfer.py: 2 parametrizations x 4 widths x 6
+  learning rates x 2 seeds, each a valid config (d_ff = 3 d, a base width
+  and the output multiplier under μP only)."""
   sweep = sweep_lib.load_sweep(str(ROOT / "configs" / "sweeps" / "mup_transfer.py"))
-  variants = sweep_lib.make_variants(sweep, TINY, [], str(tmp_path / "root"))
-  assert len(variants) == 42 and len({v.name for v in variants}) == 42
+  variants = sweep_lib.make_variants(sweep, str(ROOT / sweep.config), [],
+                                     str(tmp_path / "root"))
+  assert len(variants) == 96 and len({v.name for v in variants}) == 96
   for v in variants:
     m = v.config["model"]
     assert m["d_ff"] == 3 * m["d_model"]
-    assert (m["mup_base_width"] == 128) == (m["parametrization"] == "mup")
+    assert ((m["mup_base_width"], m["mup_output_mult"]) == (32, 8.0)) == (
+        m["parametrization"] == "mup")
