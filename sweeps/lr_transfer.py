@@ -38,7 +38,16 @@ def _curves(summary: list[tuple[dict, list]], seed_losses: dict[str, list[float]
     curves.setdefault(key, {})[float(overrides[LR])] = (
         row["loss_mean"], row.get("loss_ci_low"), row.get("loss_ci_high"),
         *((min(seeds), max(seeds)) if seeds else (None, None)))
-  return curves
+  return _varying_only(curves)
+
+
+def _varying_only(curves: dict) -> dict:
+  """`curves` keyed by the fields whose value differs between curves only (a
+  field every variant sets alike names no curve)."""
+  fields = dict.fromkeys(f for key in curves for f, _ in key)
+  varying = [f for f in fields if len({dict(key).get(f) for key in curves}) > 1]
+  return {tuple((f, dict(key)[f]) for f in varying if f in dict(key)): curve
+          for key, curve in curves.items()}
 
 
 def _best_against_best(curves: dict, best: dict, first: str, second: str) -> list[str]:
@@ -78,7 +87,8 @@ def write_lr_section(root: str, summary: list[tuple[dict, list]], fields: list[s
     return "", []
   best = {key: min(curve, key=lambda lr: curve[lr][0]) for key, curve in curves.items()}
   path = os.path.join(root, "loss_vs_learning_rate.png")
-  others = [f for f in fields if f != LR]
+  named = {f for key in curves for f, _ in key}
+  others = [f for f in fields if f in named]
   _plot(path, curves, best, *(others[:2] if len(others) > 1 else (None, None)))
   lines = ["", "## Loss against learning rate", "",
            f"Each curve's mean validation loss over its seeds at each `{LR}` of the grid "

@@ -651,7 +651,8 @@ def test_check_fits_reads_cpus_gpus_nodes_and_time_from_sinfo():
 def test_a_learning_rate_sweep_reports_where_each_curves_optimum_lies(tmp_path):
   """Two parametrizations x two widths x three learning rates: each curve's
   best learning rate, its place on the grid, how far it moves per
-  parametrization, and the plot."""
+  parametrization, each best beside the other parametrization's at its
+  width, and the plot."""
   import types  # pylint: disable=import-outside-toplevel
   from sweeps.lr_transfer import write_lr_section  # pylint: disable=import-outside-toplevel
   losses = {("sp", 64): [3.0, 2.0, 2.5], ("sp", 256): [2.0, 2.5, 3.5],
@@ -659,13 +660,15 @@ def test_a_learning_rate_sweep_reports_where_each_curves_optimum_lies(tmp_path):
   summary = [({"variant": f"{p}{d}-{lr}", "loss_mean": loss, "loss_ci_low": loss - 0.1,
                "loss_ci_high": loss + 0.1},
               [types.SimpleNamespace(overrides={"model.parametrization": p, "model.d_model": d,
+                                                "model.num_layers": 2,
                                                 "train.learning_rate": lr})])
              for (p, d), curve in losses.items() for lr, loss in zip((1e-3, 2e-3, 4e-3), curve)]
   seeds = {row["variant"]: [row["loss_mean"] - 0.05, row["loss_mean"] + 0.05]
            for row, _ in summary}
   section, [png] = write_lr_section(str(tmp_path), summary, ["model.parametrization",
-                                                             "model.d_model",
+                                                             "model.d_model", "model.num_layers",
                                                              "train.learning_rate"], seeds)
+  assert "num_layers" not in section  # set alike in every variant: names no curve
   assert "| parametrization=sp, d_model=256 | 0.001 | 2.0000 | 1 of 3 |" in section
   assert "| parametrization=mup, d_model=256 | 0.002 | 1.9000 | 2 of 3 |" in section
   assert "- model.parametrization=sp: 1 grid step(s) over 2 curves" in section
