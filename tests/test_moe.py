@@ -71,16 +71,18 @@ def test_padding_tokens_reach_no_expert_and_count_in_no_statistic():
   balance loss: of each row's real tokens)."""
   cfg = ModelConfig.resolve(_model_config().model)
   layer = MoE(cfg, rngs=nnx.Rngs(0))
+  # Compiled: four shapes op by op take seconds each (the layer is the same).
+  call = nnx.jit(lambda layer, x, real=None: layer(x, real_BT=real))
   x = jax.random.normal(jax.random.key(2), (2, 6, cfg.d_model))
   real = jnp.array([[True] * 6, [True] * 3 + [False] * 3])
-  got, stats = layer(x, real_BT=real)
-  alone, alone_stats = layer(x[real][None])
+  got, stats = call(layer, x, real)
+  alone, alone_stats = call(layer, x[real][None])
   np.testing.assert_allclose(np.asarray(got[real]), np.asarray(alone[0]), atol=1e-6)
   assert float(jnp.abs(got[~real]).max()) == 0.0
   for a, b in zip(stats[:-1], alone_stats[:-1]):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5)
   # The sequence-wise balance loss is each row's over its real tokens, averaged.
-  rows = [layer(x[:1])[1].seq_aux_loss, layer(x[1:, :3])[1].seq_aux_loss]
+  rows = [call(layer, x[:1])[1].seq_aux_loss, call(layer, x[1:, :3])[1].seq_aux_loss]
   np.testing.assert_allclose(float(stats.seq_aux_loss), np.mean(rows), rtol=1e-5)
 
 
