@@ -690,5 +690,5 @@ def test_the_mup_transfer_sweep_resolves_every_variant(tmp_path):
   for v in variants:
     m = v.config["model"]
     assert m["d_ff"] == 3 * m["d_model"]
-    assert ((m["mup_base_width"], m["mup_output_mult"]) == (32, 8.0)) == (
+    assert ((m["mup_base_width"], m["mup_output_mult"]) == (32, 4.0)) == (
         m["parametrization"] == "mup")

@@ -3,7 +3,7 @@ at its best learning rate: configs/tiny_ladder.py (tiny's decoder on bytes,
 2 heads, d_ff 3d, batch 8) at widths 32, 64, 128 and 256 (8x) x AdamW
 learning rates 2^-11 to 2^-6 under the standard parametrization and under μP
 with base width 32 and the output multiplier tuned there
-(model.mup_output_mult=8, configs/sweeps/mup_output_mult.py; docs/models.md,
+(model.mup_output_mult=4, configs/sweeps/mup_output_mult.py; docs/models.md,
 "μP"), 2 seeds, 300 steps. `sweep.py report` draws the loss against the
 learning rate, one curve per width and parametrization, says how many grid
 steps each parametrization's optimum moves from width 32 to 256, and puts
@@ -19,7 +19,7 @@ NAME = "mup_transfer"
 CONFIG = "configs/tiny_ladder.py"
 SEEDS = 2
 BASE_WIDTH = 32
-OUTPUT_MULT = 8.0
+OUTPUT_MULT = 4.0
 WIDTHS = (32, 64, 128, 256)
 LEARNING_RATES = tuple(2.0 ** e for e in range(-11, -5))
 
