@@ -18,10 +18,9 @@ from configs.errors import UserError
 from configs.validation import validate
 from model import build_model
 from model.moe import route_sigmoid
-from tests.helpers import assert_trees_equal, final_params
-from tests.test_optim import run_config, stop_at
+from tests.helpers import assert_trees_equal
+from tests.test_optim import run_config, straight_and_stopped
 from tests.test_steps import next_token_batch
-from training import loop
 from training.metrics import read_metrics
 from training.optim import model_optimizer
 from training.steps import init_state, jit_train_step, router_losses
@@ -223,14 +222,7 @@ def test_a_stopped_run_resumes_to_the_same_biases(tok_dir, tmp_path, monkeypatch
   and `moe_bias_abs` is logged."""
   c = run_config(tok_dir, moe_bias_update_rate=0.01)
   c.model.update(num_experts=4, experts_per_token=2, moe_d_ff=32, moe_router="deepseek")
-  loop.train(c, str(tmp_path / "straight"))
-  with monkeypatch.context() as patch:
-    stop_at(patch, 3)
-    with pytest.raises(loop.Stopped):
-      loop.train(c, str(tmp_path / "stopped"))
-  loop.train(c, str(tmp_path / "stopped"))
-  (step_a, params_a), (step_b, params_b) = (final_params(tmp_path / name)
-                                            for name in ("straight", "stopped"))
+  (step_a, params_a), (step_b, params_b) = straight_and_stopped(c, tmp_path, monkeypatch)
   assert step_a == step_b == 6
   assert_trees_equal(params_a, params_b)
   bias = np.asarray(params_a["decoder"]["layers"]["mlp"]["score_bias"]["value"])

@@ -13,11 +13,11 @@ from flax import nnx
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model, summary
-from tests.helpers import (assert_one_line_error, assert_trees_equal, final_params, run_python,
+from tests.helpers import (assert_one_line_error, assert_trees_equal, run_python,
                            small_cfg)
-from tests.test_optim import run_config, stop_at
+from tests.test_optim import run_config, straight_and_stopped
 from tests.test_steps import next_token_batch
-from training import evaluate, loop
+from training import evaluate
 from training.metrics import by_name, evaluate_mixture, read_metrics
 from training.steps import init_state, jit_eval_step, jit_train_step
 
@@ -175,14 +175,7 @@ def test_the_closed_form_counts_the_modules(overrides):
 def test_a_stopped_mtp_run_resumes_exactly_and_reports_each_depth(tok_dir, tmp_path,
                                                                     monkeypatch):
   c = run_config(tok_dir, mtp_depth=D, mtp_weight=0.3, eval_every=3)
-  loop.train(c, str(tmp_path / "straight"))
-  with monkeypatch.context() as patch:
-    stop_at(patch, 3)
-    with pytest.raises(loop.Stopped):
-      loop.train(c, str(tmp_path / "stopped"))
-  loop.train(c, str(tmp_path / "stopped"))
-  (step_a, params_a), (step_b, params_b) = (final_params(tmp_path / name)
-                                            for name in ("straight", "stopped"))
+  (step_a, params_a), (step_b, params_b) = straight_and_stopped(c, tmp_path, monkeypatch)
   assert step_a == step_b == 6
   assert "mtp" in params_a
   assert_trees_equal(params_a, params_b)

@@ -256,6 +256,22 @@ def stop_at(monkeypatch, stop_step: int) -> None:
   monkeypatch.setattr(loop.StopRequest, "should_stop", should_stop)
 
 
+def straight_and_stopped(config, tmp_path, monkeypatch, stop_step: int = 3):
+  """`config` trained straight (tmp_path/straight) and stopped at
+  `stop_step` as on SIGTERM (exit status 143, a checkpoint of that step),
+  then resumed to the end (tmp_path/stopped): each run's final (step,
+  parameters), straight first."""
+  loop.train(config, str(tmp_path / "straight"))
+  with monkeypatch.context() as patch:
+    stop_at(patch, stop_step)
+    with pytest.raises(loop.Stopped) as stopped:
+      loop.train(config, str(tmp_path / "stopped"))
+  assert stopped.value.exit_status == 143
+  assert final_params(tmp_path / "stopped")[0] == stop_step
+  loop.train(config, str(tmp_path / "stopped"))
+  return tuple(final_params(tmp_path / name) for name in ("straight", "stopped"))
+
+
 def run_config(tok_dir, **train):
   c = small_config(tok_dir)
   c.train.update(**{**dict(num_steps=6, warmup_steps=2, checkpoint_every=100, log_every=1,
@@ -278,16 +294,7 @@ def test_a_stopped_run_resumes_to_the_straight_runs_parameters_and_state(
   c = run_config(tok_dir, optimizer=optimizer, schedule=schedule)
   if parametrization == "mup":
     c.model.update(parametrization="mup", mup_base_width=c.model.d_model // 2)
-  loop.train(c, str(tmp_path / "straight"))
-  with monkeypatch.context() as patch:
-    stop_at(patch, 3)
-    with pytest.raises(loop.Stopped) as stopped:
-      loop.train(c, str(tmp_path / "stopped"))
-  assert stopped.value.exit_status == 143
-  assert final_params(tmp_path / "stopped")[0] == 3
-  loop.train(c, str(tmp_path / "stopped"))
-  (step_a, params_a), (step_b, params_b) = (final_params(tmp_path / name)
-                                            for name in ("straight", "stopped"))
+  (step_a, params_a), (step_b, params_b) = straight_and_stopped(c, tmp_path, monkeypatch)
   assert step_a == step_b == 6
   assert_trees_equal(params_a, params_b)
 
