@@ -235,16 +235,19 @@ class _Stack(nnx.Module):
     """Every block of the stack, in order (scanned: slices, as `block`)."""
     return [self.block(i) for i in range(self.num_layers)]
 
-  def attention_maps(self, tokens_BT, layer: int, *, causal: bool):
-    """Self-attention weights [B, h, T, T] of block `layer` (no packing)."""
+  def attention_maps(self, tokens_BT, *, causal: bool):
+    """Every block's self-attention weights [B, h, T, T], in order (no
+    packing), from one pass through the stack."""
     positions_BT = _default_positions(tokens_BT, None)
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     row = positions_row(tokens_BT.shape[1])
     bias = self.self_bias(row, row)
-    for i in range(layer):
-      x_BTM, _ = self.block(i)(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
-    return self.block(layer).attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
-                                               bias=bias)
+    maps = []
+    for block in self.blocks():
+      maps.append(block.attention_weights(x_BTM, positions_BT=positions_BT, causal=causal,
+                                          bias=bias))
+      x_BTM, _ = block(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
+    return maps
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> Block:

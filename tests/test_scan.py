@@ -99,8 +99,8 @@ def test_scanned_generation_and_beam_search_match_the_loop():
 def test_attention_maps_and_accounting_read_either_layout():
   looped, scanned = loop_and_scanned()
   tokens = jnp.arange(1, 9)[None]
-  np.testing.assert_allclose(scanned.decoder.attention_maps(tokens, 2, causal=True),
-                             looped.decoder.attention_maps(tokens, 2, causal=True), atol=1e-6)
+  np.testing.assert_allclose(scanned.decoder.attention_maps(tokens, causal=True),
+                             looped.decoder.attention_maps(tokens, causal=True), atol=1e-6)
   assert (accounting.measured_params(model_cfg(True))
           == accounting.measured_params(model_cfg(False))
           == accounting.formula_params(model_cfg(True)))

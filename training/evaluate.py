@@ -74,6 +74,7 @@ import re
 import shutil
 import tempfile
 
+import jax
 import matplotlib
 import numpy as np
 import sacrebleu
@@ -269,14 +270,28 @@ def attention_ids(config, tok, prompt_ids: list[int] | None = None) -> list[int]
   return ids
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "causal"))
+def _stack_attention_maps(graphdef, state, tokens_BT, causal: bool):
+  """`_Stack.attention_maps` of the stack (`graphdef`, `state`) as one
+  compiled call: op by op, a fresh process took 2.9 s (2-layer dense) to
+  6.7 s (2-layer MoE) on CPU to compile each op for a plot; compiled, about 1 s."""
+  return nnx.merge(graphdef, state).attention_maps(tokens_BT, causal=causal)
+
+
+def attention_maps(model, config, ids: list[int]) -> list[np.ndarray]:
+  """Every layer's self-attention weights [h, T, T] on `ids`: the decoder's
+  (causal) for a decoder, else the encoder's."""
+  stack = model.encoder if config.model.family != "decoder" else model.decoder
+  graphdef, state = nnx.split(stack)
+  maps = _stack_attention_maps(graphdef, state, np.asarray([ids]),
+                               causal=config.model.family == "decoder")
+  return [np.asarray(m)[0] for m in maps]
+
+
 def plot_attention(model, config, tok, ids: list[int], path: str) -> None:
   """A grid of every layer (rows) and head (columns), tokens on the axes, one colour bar."""
-  stack = model.encoder if config.model.family != "decoder" else model.decoder
-  causal = config.model.family == "decoder"
-  layers = stack.num_layers
-  weights = [np.asarray(stack.attention_maps(np.asarray([ids]), layer, causal=causal))[0]
-             for layer in range(layers)]
-  heads = weights[0].shape[0]
+  weights = attention_maps(model, config, ids)
+  layers, heads = len(weights), weights[0].shape[0]
   labels = ["<bos>" if i == tok.bos_id else repr(tok.decode([i]))[1:-1][:8] for i in ids]
   side = max(3.0, 0.11 * len(ids))
   fig, axes = plt.subplots(layers, heads, figsize=(side * heads + 1.2, side * layers + 0.8),
