@@ -4,6 +4,8 @@ learning rate, the logits and the attention scale follow the width; the
 coordinate check (`bench/coord_check.py`) keeps the logits flat where sp's
 grow; depth-μP (`model.mup_base_depth`) scales the residual branches and the
 hidden learning rate with depth; what they do not cover is refused in one line."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,9 +16,11 @@ from bench import coord_check
 from configs import base, tiny
 from configs.errors import UserError
 from configs.validation import validate
+from hf import convert
 from model import build_model
 from model.config import ModelConfig
 from training import optim
+from training import workdir as workdir_lib
 from training.loop import _check_source_parametrization
 from tests.helpers import assert_trees_equal
 
@@ -82,6 +86,18 @@ def test_the_output_multiplier_scales_the_logits_at_any_width():
   assert wide.logit_mult == 2.0
   assert ModelConfig.resolve(_config(128, parametrization="mup", mup_base_width=32,
                                      mup_output_mult=4.0).model).logit_mult is None
+
+
+@pytest.mark.parametrize("model", [dict(mup_base_width=16), dict(mup_output_mult=4.0)])
+def test_to_hf_refuses_a_mup_run_whose_logits_no_hf_model_scales(tmp_path, model):
+  """Wider than its base, or with an output multiplier: one line, nothing written."""
+  c = _config(parametrization="mup", **model)
+  (tmp_path / "run").mkdir()
+  (tmp_path / "run" / workdir_lib.CONFIG_FILE).write_text(
+      json.dumps(workdir_lib.config_to_dict(c)))
+  with pytest.raises(UserError, match="whose logit and attention scales no Hugging Face") as err:
+    convert.to_hf(str(tmp_path / "run"), str(tmp_path / "hf"))
+  assert "\n" not in str(err.value) and not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("optimizer,option,mult", [
