@@ -680,13 +680,13 @@ def test_a_learning_rate_sweep_reports_where_each_curves_optimum_lies(tmp_path):
 
 
 def test_the_mup_transfer_sweep_resolves_every_variant(tmp_path):
-  """configs/sweeps/mup_transfer.py: 2 parametrizations x 4 widths x 7
+  """configs/sweeps/mup_transfer.py: 2 parametrizations x 4 widths x 8
   learning rates x 2 seeds, each a valid config (d_ff = 3 d, a base width
   and the output multiplier under μP only)."""
   sweep = sweep_lib.load_sweep(str(ROOT / "configs" / "sweeps" / "mup_transfer.py"))
   variants = sweep_lib.make_variants(sweep, str(ROOT / sweep.config), [],
                                      str(tmp_path / "root"))
-  assert len(variants) == 112 and len({v.name for v in variants}) == 112
+  assert len(variants) == 128 and len({v.name for v in variants}) == 128
   for v in variants:
     m = v.config["model"]
     assert m["d_ff"] == 3 * m["d_model"]

@@ -1,7 +1,7 @@
 """Learning-rate transfer across width, and what each parametrization reaches
 at its best learning rate: configs/tiny_ladder.py (tiny's decoder on bytes,
 2 heads, d_ff 3d, batch 8) at widths 32, 64, 128 and 256 (8x) x AdamW
-learning rates 2^-12 to 2^-6 under the standard parametrization and under μP
+learning rates 2^-12 to 2^-5 under the standard parametrization and under μP
 with base width 32 and the output multiplier tuned there
 (model.mup_output_mult=4, configs/sweeps/mup_output_mult.py; docs/models.md,
 "μP"), 2 seeds, 300 steps. `sweep.py report` draws the loss against the
@@ -21,7 +21,7 @@ SEEDS = 2
 BASE_WIDTH = 32
 OUTPUT_MULT = 4.0
 WIDTHS = (32, 64, 128, 256)
-LEARNING_RATES = tuple(2.0 ** e for e in range(-12, -5))
+LEARNING_RATES = tuple(2.0 ** e for e in range(-12, -4))
 
 
 def get_sweep():
