@@ -42,13 +42,15 @@ max_len x d_model parameters; the budgets stay exact: train.flop_budget).
 
 The learning rate is tiny's, 3e-3, at every size, under the standard
 parametrization: the laws are this recipe's. Under
-`--config.model.parametrization=mup --config.model.mup_base_width=W` the
-learning rate tuned at width W would serve every width: in the transfer
-sweep of docs/models.md ("μP"; configs/sweeps/mup_transfer.py, one seed,
-200 steps) the best AdamW rate under μP was the same, 2^-9, at widths 128,
-256 and 512, where under the standard parametrization it moved. That was
-measured from 128 to 512 only, and μP's loss there trailed the standard
-parametrization's (docs/scaling.md); this ladder's widths reach below it.
+`--config.model.parametrization=mup --config.model.mup_base_width=32
+--config.model.mup_output_mult=4 --config.train.learning_rate=0.015625` the
+pair tuned at width 32 serves every width: in the transfer sweep on this
+ladder's config (configs/sweeps/mup_transfer.py, widths 32 to 256, 2 seeds;
+docs/sweeps.md) μP's best AdamW rate was 2^-6 at every width, while the
+standard parametrization's moved 4 grid steps, and μP's loss there was
+within the seeds' spread of the standard parametrization's at its own best
+rate. The ladder's widths reach below 32 (8 to 104), where that was not
+measured.
 """
 import math
 
