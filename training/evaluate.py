@@ -273,8 +273,8 @@ def attention_ids(config, tok, prompt_ids: list[int] | None = None) -> list[int]
 @functools.partial(jax.jit, static_argnames=("graphdef", "causal"))
 def _stack_attention_maps(graphdef, state, tokens_BT, causal: bool):
   """`_Stack.attention_maps` of the stack (`graphdef`, `state`) as one
-  compiled call: op by op, a fresh process took 2.9 s (2-layer dense) to
-  6.7 s (2-layer MoE) on CPU to compile each op for a plot; compiled, about 1 s."""
+  compiled call: run op by op, a fresh process compiles every op on its
+  first use, which cost a plot seconds on CPU (CHANGELOG, 2026-12-06)."""
   return nnx.merge(graphdef, state).attention_maps(tokens_BT, causal=causal)
 
 

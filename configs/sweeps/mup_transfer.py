@@ -15,11 +15,12 @@ each curve's best loss beside the other parametrization's at the same width.
 
 (Its result and cost: docs/sweeps.md.)
 """
+from configs.sweeps.mup_output_mult import BASE_WIDTH
+
 NAME = "mup_transfer"
 CONFIG = "configs/tiny_ladder.py"
 SEEDS = 2
-BASE_WIDTH = 32
-OUTPUT_MULT = 4.0
+OUTPUT_MULT = 4.0  # the best of configs/sweeps/mup_output_mult.py, at its BASE_WIDTH
 WIDTHS = (32, 64, 128, 256)
 LEARNING_RATES = tuple(2.0 ** e for e in range(-12, -4))
 
