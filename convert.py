@@ -28,6 +28,10 @@ def main(argv=None) -> None:
   pull.add_argument("--pad_vocab_to_multiple", type=int, default=1,
                     help="pad the vocabulary rows to a multiple of N; their logits are masked "
                          "(model.real_vocab_size); default 1: the checkpoint's rows")
+  pull.add_argument("--scan_layers", action=argparse.BooleanOptionalAction, default=None,
+                    help="the run's model.scan_layers: layers stacked and scanned (also runs "
+                         "of differing layers, as DeepSeek's dense then MoE) or a loop; "
+                         "default: scanned unless the layers differ")
   push = commands.add_parser("to_hf", help="export a run as a Hugging Face model directory")
   push.add_argument("--workdir", required=True, help="the run directory")
   push.add_argument("--out", required=True, help="the new Hugging Face model directory")
@@ -37,7 +41,8 @@ def main(argv=None) -> None:
   try:
     if args.command == "from_hf":
       count = hf_convert.from_hf(args.hf_dir, args.workdir, fsdp=args.fsdp, tensor=args.tensor,
-                                 pad_vocab_to_multiple=args.pad_vocab_to_multiple)
+                                 pad_vocab_to_multiple=args.pad_vocab_to_multiple,
+                                 scan_layers=args.scan_layers)
       print(f"wrote {args.workdir} (step 0, {count:,} parameters)")
     else:
       out = hf_convert.to_hf(args.workdir, args.out, args.step)

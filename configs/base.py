@@ -112,9 +112,10 @@ def get_config() -> config_dict.ConfigDict:
   m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
   #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
   m.scan_layers = config_dict.placeholder(bool)  # True: each stack runs one block under
-  #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth);
-  #   False: a Python loop over per-layer blocks; None: scan unless the layers differ (a window
-  #   on some layers only), and a run resumed or restored from keeps its saved layout
+  #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth;
+  #   layers that differ, a window or experts on some only, scan one run of identical
+  #   consecutive layers at a time); False: a Python loop over per-layer blocks; None: scan
+  #   unless the layers differ, and a run resumed or restored from keeps its saved layout
   m.scan_unroll = 2  # scanned stacks: blocks per iteration of the scan (jax.lax.scan's unroll);
   #   the loop's own cost is paid num_layers / scan_unroll times, and the program holds
   #   scan_unroll blocks (1: the smallest program; num_layers: as fast as the Python loop)

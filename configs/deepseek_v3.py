@@ -38,7 +38,8 @@ def get_config():
                  tie_embeddings=False, dtype="bfloat16", num_experts=256, experts_per_token=8,
                  moe_d_ff=2048, num_shared_experts=1, moe_layers=tuple(range(3, 61)),
                  moe_router="deepseek", moe_n_group=8, moe_topk_group=4,
-                 moe_routed_scaling_factor=2.5)
+                 moe_routed_scaling_factor=2.5,
+                 scan_layers=True)  # the 3 dense layers, then the 58 with experts: two scans
   c.tokenizer.update(vocab_size=129280)
   c.train.update(batch_size=256, seq_len=4096, learning_rate=2.2e-4, warmup_steps=2000,
                  remat=True, moe_seq_aux_loss=1e-4,  # DeepSeek-V3's alpha and bias-update gamma

@@ -183,20 +183,13 @@ def moe_d_ff(m) -> int:
 
 
 def scan_layers(m) -> bool:
-  """Whether each stack runs its blocks under one scan: `model.scan_layers`,
-  None meaning yes unless the layers differ: some only have the sliding
-  window or only some have experts (a scan runs the same block at every
-  layer)."""
-  mixed = [(f"model.{field}", m[field]) for field, layers in (
-      ("sliding_window_layers", sliding_window_layers(m)), ("moe_layers", moe_layers(m)))
-           if len(layers) not in (0, m.num_layers)]
+  """Whether each stack runs its blocks under scans: `model.scan_layers`,
+  None meaning yes unless the layers differ (some only have the sliding
+  window, or only some have experts), where True scans each run of
+  consecutive identical layers by itself (model/transformer.py)."""
   if m.scan_layers is None:
-    return not mixed
-  if m.scan_layers and mixed:
-    field, value = mixed[0]
-    _fail("model.scan_layers", m.scan_layers,
-          f"runs one block at every layer, but {field}={value} makes only some layers "
-          "differ; set model.scan_layers=False (or None: scan where the layers allow)")
+    return all(len(layers) in (0, m.num_layers)
+               for layers in (sliding_window_layers(m), moe_layers(m)))
   return bool(m.scan_layers)
 
 

@@ -51,6 +51,7 @@ from configs.errors import UserError
 from data import seq2seq
 from model.config import ModelConfig
 from model.moe import ExpertBias
+from model.transformer import RUN_NAME
 import tokenizer as tokenizer_lib
 from hf import mappings as hf_mappings
 from hf import tables as hf_tables
@@ -161,15 +162,25 @@ _EXPERT_PATH = re.compile(r"^(.*)\[(\d+)\]$")
 def _locate(path: str, flat: dict) -> tuple[str, tuple[int, ...]]:
   """(our parameter path, the index of the slice it names) of a tensor-table
   path: a scanned stack holds "decoder/layers/{i}/attn/q_proj/kernel" as
-  slice (i,) of its stacked "decoder/layers/attn/q_proj/kernel"; a path
-  ending in "[j]" names expert j of a mixture's stacked weight (HF files
-  keep one tensor per expert), after the layer where it is stacked."""
+  slice (i,) of its stacked "decoder/layers/attn/q_proj/kernel", or, where
+  it stacks runs of identical layers, as slice (i - a,) of the run
+  "decoder/layers/{a}_to_{b}/..." that holds layer i; a path ending in "[j]"
+  names expert j of a mixture's stacked weight (HF files keep one tensor
+  per expert), after the layer where it is stacked."""
   expert = _EXPERT_PATH.match(path)
   path, index = (expert[1], (int(expert[2]),)) if expert else (path, ())
   match = _LAYER_PATH.match(path)
   if path in flat or match is None:
     return path, index
-  return f"{match[1]}/{match[3]}", (int(match[2]), *index)
+  stack, layer, rest = match[1], int(match[2]), match[3]
+  if f"{stack}/{rest}" in flat:
+    return f"{stack}/{rest}", (layer, *index)
+  runs = (RUN_NAME.fullmatch(p[len(stack) + 1:].split("/")[0]) for p in flat
+          if p.startswith(stack + "/"))
+  for run in filter(None, runs):
+    if int(run[1]) <= layer <= int(run[2]) and f"{stack}/{run[0]}/{rest}" in flat:
+      return f"{stack}/{run[0]}/{rest}", (layer - int(run[1]), *index)
+  return path, index
 
 
 def _shape(path: str, flat: dict) -> tuple:
@@ -272,13 +283,14 @@ def _check_target(workdir: pathlib.Path) -> None:
 
 
 def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
-            pad_vocab_to_multiple: int = 1) -> int:
+            pad_vocab_to_multiple: int = 1, scan_layers: bool | None = None) -> int:
   """Imports `hf_dir` into a new run directory `workdir`; returns the parameter
   count (the `nnx.Param`s: a deepseek router's selection bias is not one).
 
   `fsdp`, `tensor`: the run's mesh.fsdp and mesh.tensor (the weights are
   placed in those shards while they are read). `pad_vocab_to_multiple`:
-  see `run_config`.
+  see `run_config`. `scan_layers`: the run's model.scan_layers (None: scanned
+  unless the layers differ; True also scans DeepSeek's dense and MoE runs).
   """
   hf_dir, workdir = pathlib.Path(hf_dir), pathlib.Path(workdir)
   _check_target(workdir)
@@ -292,6 +304,7 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   tok = tokenizer_lib.load_tokenizer(hf_dir)
   config = run_config(hf, arch, tok, pad_vocab_to_multiple)
   config.mesh.update(fsdp=fsdp, tensor=tensor)
+  config.model.scan_layers = scan_layers
   files = _weight_files(hf_dir)
   if config.model.tie_embeddings and _own_head(arch, files):
     config.model.tie_embeddings = False

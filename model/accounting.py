@@ -56,6 +56,7 @@ from model.config import ModelConfig
 from model.mlp import MLPS
 from model.norms import NORMS
 from model.positions import POSITIONS
+from model.transformer import RUN_NAME
 
 # The attribute of a `Block` that owns a parameter -> its component.
 _COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
@@ -124,11 +125,15 @@ def measured_params(model_cfg, mtp_depth: int = 0) -> dict:
     if parts[0] == "mtp":
       counts["params_mtp"] += size
     elif len(parts) > 2 and parts[1] == "layers":
-      stacked = not parts[2].isdigit()  # a scanned stack: [layers, ...] under layers/<component>
-      if stacked or parts[2] == "0":
+      if run := RUN_NAME.fullmatch(parts[2]):  # scanned runs: [n, ...] under layers/<a>_to_<b>/
+        first, component, one = run[1] == "0", parts[3], size // shape[0]
+      elif parts[2].isdigit():  # a loop: layers/<i>/<component>
+        first, component, one = parts[2] == "0", parts[3], size
+      else:  # a scanned stack: [layers, ...] under layers/<component>
+        first, component, one = True, parts[2], size // shape[0]
+      if first:
         layer = per_layer[parts[0]]
-        component = _COMPONENTS[parts[2] if stacked else parts[3]]
-        layer[component] = layer.get(component, 0) + (size // shape[0] if stacked else size)
+        layer[_COMPONENTS[component]] = layer.get(_COMPONENTS[component], 0) + one
     elif len(parts) > 1 and parts[1] == "final_norm":
       counts["params_final_norms"] += size
     else:  # embed/embedding, positions/table, relative_bias/table, token_types/table,

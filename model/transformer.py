@@ -29,6 +29,7 @@ head is a sequence classifier instead (`model/classifier.py`):
 `m.pooled(...)` is the pooled hidden state (training.embed's vectors).
 """
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +45,7 @@ from model.classifier import SequenceClassifier, pool
 from model.embeddings import Embed, TokenTypes, rope_from_config
 from model.layers import LAYERS_AXIS, Dense, batch_axes, param
 from model.mlp import MLPS
+from model.moe import MoE
 from model.mtp import MTPModule, shift as mtp_shift
 from model.norms import make_norm
 from model.positions import POSITIONS
@@ -101,10 +103,16 @@ class _Stack(nnx.Module):
     self.scan = cfg.scan_layers
     self.scan_unroll = cfg.scan_unroll
     if self.scan:
-      self.layers = _stacked_blocks(
-          lambda r: Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(0), rngs=r,
-                          moe=cfg.layer_is_moe(0)),
-          num_layers, rngs)
+      make = lambda first: lambda r: Block(cfg, cross=cross, rope=rope, rngs=r,
+                                           window=cfg.layer_window(first),
+                                           moe=cfg.layer_is_moe(first))
+      # Runs of consecutive layers that build the same block, each stacked
+      # on its own `layers` axis (DeepSeek-V3: layers 0-2 dense, 3-60 with
+      # experts); one run is the stack itself.
+      self.runs = layer_runs(cfg, num_layers)
+      groups = {run_name(first, count): _stacked_blocks(make(first), count, rngs)
+                for first, count in self.runs}
+      self.layers = next(iter(groups.values())) if len(groups) == 1 else nnx.Dict(groups)
     else:
       self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
                                     rngs=rngs, moe=cfg.layer_is_moe(i))
@@ -161,8 +169,12 @@ class _Stack(nnx.Module):
 
     x_BTM = _batch_split(x_BTM)
     if self.scan:
-      x_BTM, stats = _scan_layers(lambda layer, h, _: block(layer, h), self.layers, x_BTM,
-                                  unroll=self.scan_unroll)
+      per_run = []
+      for _, _, layers in self._groups():
+        x_BTM, run_stats = _scan_layers(lambda layer, h, _: block(layer, h), layers, x_BTM,
+                                        unroll=self.scan_unroll)
+        per_run += [] if run_stats is None else [run_stats]
+      stats = (jax.tree.map(lambda *s: jnp.concatenate(s), *per_run) if per_run else None)
     else:
       per_layer = []
       for layer in self.layers:
@@ -190,8 +202,11 @@ class _Stack(nnx.Module):
     output, one pair per layer (scanned: computed stacked, then split)."""
     if not self.scan:
       return [layer.cross_kv(context_BSM) for layer in self.layers]
-    stacked = _map_layers(lambda layer: layer.cross_kv(context_BSM), self.layers)
-    return [jax.tree.map(lambda x: x[i], stacked) for i in range(self.num_layers)]
+    out = []
+    for _, count, layers in self._groups():
+      stacked = _map_layers(lambda layer: layer.cross_kv(context_BSM), layers)
+      out += [jax.tree.map(lambda x: x[i], stacked) for i in range(count)]
+    return out
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None,
                   blocks=None):
@@ -228,12 +243,29 @@ class _Stack(nnx.Module):
     stacked parameters)."""
     if not self.scan:
       return self.layers[i]
-    graphdef, state = nnx.split(self.layers)
-    return _one_layer(graphdef, jax.tree.map(lambda x: x[i], state))
+    first, layers = next((first, layers) for first, count, layers in self._groups()
+                         if first <= i < first + count)
+    graphdef, state = nnx.split(layers)
+    return _one_layer(graphdef, jax.tree.map(lambda x: x[i - first], state))
 
   def blocks(self) -> list[Block]:
     """Every block of the stack, in order (scanned: slices, as `block`)."""
     return [self.block(i) for i in range(self.num_layers)]
+
+  def _groups(self) -> list[tuple[int, int, Block]]:
+    """A scanned stack's runs as (first layer, layers, stacked Block), in order."""
+    if len(self.runs) == 1:
+      return [(*self.runs[0], self.layers)]
+    return [(first, count, self.layers[run_name(first, count)]) for first, count in self.runs]
+
+  def expert_biases(self) -> list:
+    """The `ExpertBias` variables of the MoE layers, in the order of their
+    `router_stats` rows: one [E] per MoE layer of a loop, one [n, E] per run
+    of n MoE layers of a scanned stack."""
+    if self.scan:
+      return [layers.mlp.score_bias for _, _, layers in self._groups()
+              if isinstance(layers.mlp, MoE)]
+    return [layer.mlp.score_bias for layer in self.layers if isinstance(layer.mlp, MoE)]
 
   def attention_maps(self, tokens_BT, *, causal: bool):
     """Every block's self-attention weights [B, h, T, T], in order (no
@@ -248,6 +280,29 @@ class _Stack(nnx.Module):
                                           bias=bias))
       x_BTM, _ = block(x_BTM, positions_BT=positions_BT, causal=causal, bias=bias)
     return maps
+
+
+def layer_runs(cfg, num_layers: int) -> tuple[tuple[int, int], ...]:
+  """(first layer, layers) of each run of consecutive layers that build the
+  same block (the same sliding window, experts or not), in order: what a
+  scanned stack stacks and scans one run at a time."""
+  runs = []
+  for i in range(num_layers):
+    kind = (cfg.layer_window(i), cfg.layer_is_moe(i))
+    if runs and kind == (cfg.layer_window(runs[-1][0]), cfg.layer_is_moe(runs[-1][0])):
+      runs[-1][1] += 1
+    else:
+      runs.append([i, 1])
+  return tuple(map(tuple, runs))
+
+
+def run_name(first: int, count: int) -> str:
+  """The key of a run of layers in a scanned stack of several runs:
+  "3_to_60" holds layers 3 to 60 stacked (decoder/layers/3_to_60/...)."""
+  return f"{first}_to_{first + count - 1}"
+
+
+RUN_NAME = re.compile(r"(\d+)_to_(\d+)")  # `run_name`'s keys: (first layer, last layer)
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> Block:

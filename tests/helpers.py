@@ -21,6 +21,7 @@ from aot.targets import LIBTPU_DIR
 from configs import base
 from model.attention import attention
 from model.kernels.router import flash_attention
+from model.transformer import RUN_NAME
 from tokenizer import export_hf
 from training.checkpoint import Checkpointer
 
@@ -176,15 +177,18 @@ def assert_trees_equal(a, b):
 def scanned_copy(looped, scanned):
   """`scanned` (a model in the scanned layout, concrete or from nnx.eval_shape)
   holding `looped`'s weights: each layer's variables (parameters and the
-  deepseek router's selection biases) stacked along the layer axis, the
-  others as they are."""
+  deepseek router's selection biases) stacked along the layer axis (of the
+  stack, or of the run "a_to_b" of layers that holds it), the others as
+  they are."""
   loop_params = dict(nnx.to_flat_state(nnx.state(looped)))
   graphdef, state = nnx.split(scanned)
   flat = []
   for path, variable in nnx.to_flat_state(state):
     if "layers" in path:
       at = path.index("layers") + 1
-      value = jnp.stack([loop_params[path[:at] + (i,) + path[at:]][...]
+      run = RUN_NAME.fullmatch(str(path[at]))
+      first, rest = (int(run[1]), path[at + 1:]) if run else (0, path[at:])
+      value = jnp.stack([loop_params[path[:at] + (first + i,) + rest][...]
                          for i in range(variable.shape[0])])
     else:
       value = loop_params[path][...]

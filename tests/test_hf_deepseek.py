@@ -74,13 +74,13 @@ def _hf_logits(hf_model, ids):
     return hf_model(torch.as_tensor(ids)).logits.float().numpy()
 
 
-def _in_and_out(hf_model, tok, tmp_path, hf_dir=None, generation=True):
-  """from_hf: transformers' parameter count, the logits and (with
-  `generation`) greedy generation are transformers'; to_hf: transformers
-  loads it back to the same logits. The run's (config, model)."""
+def _in_and_out(hf_model, tok, tmp_path, hf_dir=None, generation=True, scan_layers=None):
+  """from_hf (into `scan_layers`' layout): transformers' parameter count, the
+  logits and (with `generation`) greedy generation are transformers'; to_hf:
+  transformers loads it back to the same logits. The run's (config, model)."""
   hf_dir = hf_dir or save_hf(hf_model, tok, tmp_path / "hf")
   workdir = tmp_path / "run"
-  count = hf_convert.from_hf(hf_dir, str(workdir))  # transformers' count: buffers aside
+  count = hf_convert.from_hf(hf_dir, str(workdir), scan_layers=scan_layers)  # buffers aside
   assert count == sum(p.numel() for p in hf_model.parameters())
   config, _, model, _ = load_run(str(workdir))
   ids = _ids(tok)
@@ -113,24 +113,28 @@ def _with_mtp_layer(hf_dir, layers: int):
   safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("generation", [False, pytest.param(True, marks=pytest.mark.slow)])
-def test_deepseek_v3_in_and_out(tok, tmp_path, generation):
+@pytest.mark.parametrize("generation,scan", [(False, True),
+                                             pytest.param(True, None, marks=pytest.mark.slow)])
+def test_deepseek_v3_in_and_out(tok, tmp_path, generation, scan):
   """DeepseekV3ForCausalLM: a dense layer, then 8 experts (top 2 of the best
   2 of 4 groups, scaled by 2.5, a selection bias) with a shared expert;
   query latents, biases, yarn with mscale; an MTP layer in the file, read
   past; the selection bias lands in `score_bias`. The exported config.json
-  imports back to the same config. Greedy generation too (slow)."""
+  imports back to the same config. Into scanned runs of layers (the dense
+  one, the MoE ones: `--scan_layers`), and into the loop with greedy
+  generation (slow)."""
   hf_model = _deepseek(3, attention_bias=True, n_group=4, topk_group=2,
                        routed_scaling_factor=2.5, rope_parameters=_YARN)
   hf_dir = tmp_path / "hf"
   save_hf(hf_model, tok, hf_dir)
   _with_mtp_layer(hf_dir, 2)
-  m, model = _in_and_out(hf_model, tok, tmp_path, str(hf_dir), generation)
+  m, model = _in_and_out(hf_model, tok, tmp_path, str(hf_dir), generation, scan)
+  assert ModelConfig.resolve(m).scan_layers is bool(scan)
   assert (m.attention, m.num_experts, m.experts_per_token, m.moe_d_ff, m.num_shared_experts,
           tuple(m.moe_layers), m.moe_router, m.moe_n_group, m.moe_topk_group,
           m.moe_routed_scaling_factor) == ("mla", 8, 2, 16, 1, (1,), "deepseek", 4, 2, 2.5)
   np.testing.assert_array_equal(  # e_score_correction_bias: the router's selection bias
-      np.asarray(model.decoder.layers[1].mlp.score_bias[...]),
+      np.asarray(model.decoder.block(1).mlp.score_bias[...]),
       hf_model.model.layers[1].mlp.gate.e_score_correction_bias.numpy())
   assert (m.q_lora_rank, m.qkv_bias, m.out_bias, m.rope_scaling) == (10, True, True, "yarn")
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())

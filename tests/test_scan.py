@@ -10,12 +10,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from configs import base, from_run
-from configs.errors import UserError
 from data import tokens as tokens_lib
 from model import accounting, build_model
 from model.config import ModelConfig
 from model.generate import beam_search, generate
+from model.transformer import layer_runs
 from training import compile_cache, loop, sharding, workdir as workdir_lib
+from training.steps import balance_score_bias
 from tests.helpers import scanned_copy
 
 FAMILIES = {
@@ -119,13 +120,74 @@ def test_stacked_parameters_carry_the_layers_axis():
 
 
 def test_scan_layers_default_and_a_window_on_some_layers():
-  """None scans unless only some layers have the window; True refuses those."""
+  """None scans unless only some layers have the window; True scans those
+  in runs of identical layers."""
   assert ModelConfig.resolve(model_cfg(None)).scan_layers
   some = dict(sliding_window=4, sliding_window_layers=(1, 2))
   assert not ModelConfig.resolve(model_cfg(None, **some)).scan_layers
   assert ModelConfig.resolve(model_cfg(None, sliding_window=4)).scan_layers
-  with pytest.raises(UserError, match=r"model.scan_layers=True: .*only some layers"):
-    ModelConfig.resolve(model_cfg(True, **some))
+  cfg = ModelConfig.resolve(model_cfg(True, **some))
+  assert cfg.scan_layers and layer_runs(cfg, cfg.num_layers) == ((0, 1), (1, 2))
+
+
+# Layer 0 dense, 1 with experts, 2 and 3 with experts and a window: three runs.
+MIXED = dict(num_layers=4, num_experts=4, experts_per_token=2, moe_d_ff=16, moe_layers=(1, 2, 3),
+             moe_router="deepseek", moe_n_group=2, moe_topk_group=2, sliding_window=3,
+             sliding_window_layers=(2, 3))
+
+
+def _loop_path(path: tuple, scanned_paths) -> tuple:
+  """The scanned layout's (path, layer slice) of a loop parameter's path."""
+  at = path.index("layers") + 1
+  for run in scanned_paths:
+    first, last = map(int, run.split("_to_"))
+    if first <= path[at] <= last:
+      return path[:at] + (run,) + path[at + 1:], path[at] - first
+  raise AssertionError(path)
+
+
+def test_differing_layers_scan_in_runs_as_the_loop():
+  """DeepSeek-V3's layout in small (a dense layer, then experts, a window on
+  the last two): `scan_layers=True` stacks each run of identical layers
+  ("0_to_0", "1_to_1", "2_to_3") and scans them one after the other. Same
+  weights: the loop's logits, gradients, router statistics (rows in layer
+  order), auxiliary-loss-free bias steps, generation and parameter counts."""
+  looped, scanned = loop_and_scanned(**MIXED)
+  assert set(nnx.state(scanned)["decoder"]["layers"]) == {"0_to_0", "1_to_1", "2_to_3"}
+  tokens = jax.random.randint(jax.random.key(0), (2, 10), 1, 64)
+
+  def loss_and_grads(model):
+    loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])
+    return nnx.value_and_grad(loss)(model)
+
+  (loss_l, grads_l), (loss_s, grads_s) = loss_and_grads(looped), loss_and_grads(scanned)
+  np.testing.assert_allclose(loss_s, loss_l, rtol=1e-5)
+  runs = nnx.state(scanned)["decoder"]["layers"]
+  got = dict(nnx.to_flat_state(grads_s))
+  for path, grad in nnx.to_flat_state(grads_l):
+    if "layers" in path:
+      path, i = _loop_path(path, runs)
+      np.testing.assert_allclose(got[path][...][i], grad[...], atol=1e-6, err_msg=str(path))
+  stats = [m.decoder.router_stats.get_value() for m in (looped, scanned)]
+  assert stats[1].counts.shape == (3, 4)
+  np.testing.assert_array_equal(stats[1].counts, stats[0].counts)
+
+  counts_LE = jnp.asarray([[9, 1, 4, 2], [1, 1, 1, 9], [4, 4, 4, 4]], jnp.float32)
+  biases = []
+  for model in (looped, scanned):
+    graphdef, state = nnx.split(model)
+    moved = nnx.merge(graphdef, balance_score_bias(graphdef, state, counts_LE, 0.5))
+    biases.append(np.stack([moved.decoder.block(i).mlp.score_bias[...] for i in (1, 2, 3)]))
+  np.testing.assert_array_equal(biases[1], biases[0])
+  np.testing.assert_array_equal(biases[0], 0.5 * np.sign(
+      counts_LE.sum(1, keepdims=True) - 4 * counts_LE))
+
+  prompts = [[1, 5, 9], [2, 7]]
+  assert (generate(scanned, model_cfg(True, **MIXED), prompts, max_new_tokens=6, seed=3)
+          == generate(looped, model_cfg(False, **MIXED), prompts, max_new_tokens=6, seed=3))
+  assert (accounting.measured_params(model_cfg(True, **MIXED))
+          == accounting.measured_params(model_cfg(False, **MIXED))
+          == accounting.formula_params(model_cfg(True, **MIXED)))
 
 
 def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):

@@ -18,6 +18,7 @@ does not touch) by DeepSeek-V3's auxiliary-loss-free rule
 (`balance_score_bias`), from the step's expert loads of that layer.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,7 @@ from flax import nnx
 from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
-from model.moe import ExpertBias, MoE
+from model.moe import ExpertBias
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.optim import model_optimizer
@@ -125,16 +126,6 @@ def router_sums(model, count, loads: bool = False) -> tuple:
   return (*sums, stats.counts) if loads else sums
 
 
-def _score_biases(model) -> list:
-  """The `ExpertBias` variables of the decoder's MoE layers, in the order of
-  their `router_stats` rows: one [layers, E] of a scanned stack, else one [E]
-  per MoE layer."""
-  stack = model.decoder
-  if stack.scan:
-    return [stack.layers.mlp.score_bias]
-  return [layer.mlp.score_bias for layer in stack.layers if isinstance(layer.mlp, MoE)]
-
-
 def balance_score_bias(graphdef, params, counts_LE, rate: float):
   """`params` with each MoE layer's selection bias moved by `rate` x
   sign(mean load - load) per expert: DeepSeek-V3's auxiliary-loss-free load
@@ -146,12 +137,11 @@ def balance_score_bias(graphdef, params, counts_LE, rate: float):
   model = nnx.merge(graphdef, params)
   E = counts_LE.shape[-1]
   step_LE = rate * jnp.sign(counts_LE.sum(axis=-1, keepdims=True) - E * counts_LE)
-  biases = _score_biases(model)
-  if model.decoder.scan:
-    biases[0][...] = biases[0][...] + step_LE
-  else:
-    for bias, step_E in zip(biases, step_LE):
-      bias[...] = bias[...] + step_E
+  row = 0
+  for bias in model.decoder.expert_biases():  # [E] per layer, or [n, E] per scanned run
+    n = math.prod(bias.shape[:-1])
+    bias[...] = bias[...] + step_LE[row:row + n].reshape(bias.shape)
+    row += n
   return nnx.state(model)
 
 
