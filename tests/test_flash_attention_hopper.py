@@ -307,6 +307,7 @@ def test_scratch_out_of_step_with_kernel_raises_at_trace_time(
       return layout._replace(q=hopper_pipeline.swizzled_smem((blocks.stages, 32, D), dtype))
     return layout._replace(**{field: wrong})
   monkeypatch.setattr(hopper, scratch, broken)
-  jax.clear_caches()  # the fused backward is jitted: trace it again
+  hopper._fused_backward.clear_cache()  # jitted: traced again (jax.clear_caches() would
+  # drop every compiled program of this process, which the tests after this one recompile)
   with pytest.raises(ValueError, match=match):
     _trace_gradients(blocks, segments)
