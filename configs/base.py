@@ -285,7 +285,8 @@ def get_config() -> config_dict.ConfigDict:
   me.tensor = 1  # tensor-parallel axis (heads, MLP hidden)
   me.rules = (("vocab", "tensor"), ("embed", "fsdp"), ("heads", "tensor"), ("kv_heads", "tensor"),
               ("mlp", "tensor"), ("head_dim", None), ("norm", None), ("expert", "expert"),
-              ("layers", None))  # logical -> mesh axis or None
+              ("latent", "fsdp"), ("layers", None))  # logical -> mesh axis or None; `latent`:
+  #   the input width of MLA's up-projections (its query and KV latents)
   return c
 
 

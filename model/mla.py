@@ -81,7 +81,7 @@ class LatentAttention(nnx.Module):
       self.q_proj = None
       self.q_a_proj = dense(d, (cfg.q_lora_rank,), ("embed", None), use_bias=cfg.qkv_bias)
       self.q_a_norm = norm(cfg.q_lora_rank)
-      self.q_b_proj = dense(cfg.q_lora_rank, (H, qk), (None, "heads", "head_dim"),
+      self.q_b_proj = dense(cfg.q_lora_rank, (H, qk), ("latent", "heads", "head_dim"),
                             use_bias=False)
     else:
       self.q_proj = dense(d, (H, qk), ("embed", "heads", "head_dim"), use_bias=False)
@@ -90,7 +90,7 @@ class LatentAttention(nnx.Module):
                            use_bias=cfg.qkv_bias)
     self.kv_a_norm = norm(self.rank)
     self.kv_b_proj = dense(self.rank, (H, cfg.qk_nope_head_dim + cfg.v_head_dim),
-                           (None, "heads", "head_dim"), use_bias=False)
+                           ("latent", "heads", "head_dim"), use_bias=False)
     self.o_proj = dense((H, cfg.v_head_dim), (d,), ("heads", "head_dim", "embed"),
                         use_bias=cfg.out_bias, in_axes=2)
 

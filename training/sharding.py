@@ -39,7 +39,7 @@ from model.layers import BATCH_AXES
 MESH_AXES = ("data", "fsdp", "expert", "context", "tensor")
 # The logical names that parameters carry (model/layers.py).
 LOGICAL_AXES = ("vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "expert",
-                "layers")
+                "latent", "layers")
 
 
 def make_mesh(mesh_cfg, devices=None) -> Mesh:
