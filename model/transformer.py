@@ -13,7 +13,7 @@
 Embedding (tokens, the position scheme's embedding, optional token types,
 optional norm) -> L blocks (a loop over L blocks, or with
 `model.scan_layers` one block scanned over parameters stacked on a leading
-`layers` axis; with a position scheme that biases the scores, such as T5's
+`layers` axis, per run of identical layers where the layers differ; with a position scheme that biases the scores, such as T5's
 relative bias, the bias is computed once per stack and added to every
 block's self-attention scores: `model/positions.py`) -> final norm
 (pre-norm only; a post-norm block already ends in a norm) -> head: an
@@ -174,7 +174,7 @@ class _Stack(nnx.Module):
         x_BTM, run_stats = _scan_layers(lambda layer, h, _: block(layer, h), layers, x_BTM,
                                         unroll=self.scan_unroll)
         per_run += [] if run_stats is None else [run_stats]
-      stats = (jax.tree.map(lambda *s: jnp.concatenate(s), *per_run) if per_run else None)
+      stats = jax.tree.map(lambda *s: jnp.concatenate(s), *per_run) if per_run else None
     else:
       per_layer = []
       for layer in self.layers:
