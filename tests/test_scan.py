@@ -15,7 +15,7 @@ from model import accounting, build_model
 from model.config import ModelConfig
 from model.generate import beam_search, generate
 from model.transformer import layer_runs
-from training import compile_cache, loop, sharding, workdir as workdir_lib
+from training import compile_cache, loop, optim, sharding, workdir as workdir_lib
 from training.steps import balance_score_bias
 from tests.helpers import scanned_copy
 
@@ -158,7 +158,7 @@ def test_differing_layers_scan_in_runs_as_the_loop():
 
   def loss_and_grads(model):
     loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])
-    return nnx.value_and_grad(loss)(model)
+    return nnx.jit(nnx.value_and_grad(loss))(model)
 
   (loss_l, grads_l), (loss_s, grads_s) = loss_and_grads(looped), loss_and_grads(scanned)
   np.testing.assert_allclose(loss_s, loss_l, rtol=1e-5)
@@ -181,6 +181,14 @@ def test_differing_layers_scan_in_runs_as_the_loop():
   np.testing.assert_array_equal(biases[1], biases[0])
   np.testing.assert_array_equal(biases[0], 0.5 * np.sign(
       counts_LE.sum(1, keepdims=True) - 4 * counts_LE))
+
+  params = nnx.state(scanned, nnx.Param)  # a run's `layers` axis is no matrix axis
+  decays = {path: d.get_value() for path, d in nnx.to_flat_state(optim.decay_mask(params))}
+  run = ("decoder", "layers", "2_to_3")
+  assert decays[(*run, "attn", "q_proj", "kernel")] and not decays[(*run, "norm_mlp", "scale")]
+  muon = {path: d.get_value() for path, d in nnx.to_flat_state(jax.tree_util.tree_map_with_path(
+      optim.muon_dimensions, params))}
+  assert muon[(*run, "attn", "q_proj", "kernel")].reduction_axis == (1,)
 
   prompts = [[1, 5, 9], [2, 7]]
   assert (generate(scanned, model_cfg(True, **MIXED), prompts, max_new_tokens=6, seed=3)
