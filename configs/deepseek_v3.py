@@ -13,9 +13,11 @@ without the 14B multi-token-prediction module (`train.mtp_depth`, 0 here).
 Training as the paper's pre-training: 4,096-token sequences, the
 sequence-wise balance loss at 1e-4 and the selection biases moved at 1e-3.
 
-Too big for one device; what a slice needs for it, without the slice:
-`python compile.py --config configs/deepseek_v3.py --target tpu:v5p:...`
-(docs/compiling.md; docs/huggingface.md has the checkpoint import).
+Too big for one device; what a slice needs for it, without the slice
+(docs/models.md has the figures; docs/huggingface.md the checkpoint import):
+`python compile.py --config configs/deepseek_v3.py --target tpu:v5p:8x8x8
+--config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.expert=8
+--config.train.batch_size=512`.
 """
 import math
 
