@@ -177,6 +177,7 @@ def test_mixtral_counts_as_transformers():
 
 @pytest.mark.parametrize("fields", [dict(), dict(num_shared_experts=1),
                                     dict(moe_layers=(1,), scan_layers=None),
+                                    dict(moe_layers=(1,), scan_layers=True),  # scanned runs
                                     dict(mlp="gelu", use_bias=True, scan_layers=False)])
 def test_measured_parameters_equal_the_formula(fields):
   m = _model_config(**fields).model
@@ -190,8 +191,6 @@ def test_measured_parameters_equal_the_formula(fields):
      "model.moe_d_ff=24: needs model.num_experts > 0"),
     ("model", dict(family="encoder", pos_emb="learned"),
      "model.num_experts=4: mixtures of experts are built for decoders"),
-    ("model", dict(moe_layers=(1,), scan_layers=True),
-     "model.scan_layers=True: runs one block at every layer, but model.moe_layers=(1,)"),
     ("model", dict(moe_layers=(2,)), "model.moe_layers=(2,): must name distinct layers in 0..1"),
     ("model", dict(moe_router="hash"), "model.moe_router='hash': must be one of"),
     ("train", dict(moe_aux_loss=-1.0), "train.moe_aux_loss=-1.0: must be >= 0"),
