@@ -4,8 +4,8 @@ and parametrization, `configs/sweeps/mup_transfer.py`), and where each
 curve's optimum lies.
 
 `loss_vs_learning_rate.png`: each variant's mean whole-split validation
-loss over its seeds (the band: its 95% interval, with several seeds) against the learning rate on a
-log axis, one line per curve, its best point circled; with two or more other
+loss over its seeds (the band: the lowest and highest seed, with several seeds) against the
+learning rate on a log axis, one line per curve, its best point circled; with two or more other
 swept fields, one panel per value of the first (the parametrization). The report's section
 gives each curve's best learning rate and its place on the grid, and, for
 each value of the first other swept field (the parametrization in the μP
@@ -25,9 +25,9 @@ LR = "train.learning_rate"
 
 def _curves(summary: list[tuple[dict, list]], seed_losses: dict[str, list[float]]
             ) -> dict[tuple, dict[float, tuple]]:
-  """{the other fields' values: {learning rate: (mean, 95% interval low,
-  high, lowest seed, highest seed) of the val loss}} over the variants with
-  finished runs (`seed_losses`: each variant's finished runs' losses)."""
+  """{the other fields' values: {learning rate: (mean, lowest seed, highest
+  seed) of the val loss}} over the variants with finished runs
+  (`seed_losses`: each variant's finished runs' losses)."""
   curves = {}
   for row, runs in summary:
     overrides = runs[0].overrides
@@ -36,8 +36,7 @@ def _curves(summary: list[tuple[dict, list]], seed_losses: dict[str, list[float]
     key = tuple((f, v) for f, v in overrides.items() if f != LR)
     seeds = seed_losses.get(row.get("variant"))
     curves.setdefault(key, {})[float(overrides[LR])] = (
-        row["loss_mean"], row.get("loss_ci_low"), row.get("loss_ci_high"),
-        *((min(seeds), max(seeds)) if seeds else (None, None)))
+        row["loss_mean"], *((min(seeds), max(seeds)) if seeds else (None, None)))
   return _varying_only(curves)
 
 
@@ -63,7 +62,7 @@ def _best_against_best(curves: dict, best: dict, first: str, second: str) -> lis
     keys = [key for key in best if dict(key).get(second) == value]
     reference = curves[keys[0]][best[keys[0]]][0]
     for key in keys:
-      mean, _, _, low, high = curves[key][best[key]]
+      mean, low, high = curves[key][best[key]]
       spread = f" [{low:.4f}, {high:.4f}]" if low is not None else ""
       diff = "" if key == keys[0] else f"{mean - reference:+.4f}"
       lines.append(f"| {value} | {dict(key).get(first)} | {best[key]:g} | {mean:.4f}{spread} | "
@@ -140,6 +139,7 @@ def _plot(path: str, curves: dict, best: dict, panel_field: str | None,
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   axes[0].set_ylabel("validation loss, whole split (mean over seeds)")
-  fig.suptitle("loss against learning rate (circle: each curve's best)", fontsize=11)
+  fig.suptitle("loss against learning rate\n(circle: each curve's best; band: min-max over "
+               "seeds)", fontsize=10)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
