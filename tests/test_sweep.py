@@ -225,6 +225,17 @@ def test_report_writes_the_table_and_the_validation_curves(local_sweep):
     assert (root / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in md
 
 
+def test_a_long_run_name_titles_its_curves_on_several_lines():
+  """A run's curve title breaks after a comma rather than running off the
+  figure (a 3-field DeepSeek sweep's names are 84 characters)."""
+  from training.plots import wrapped  # pylint: disable=import-outside-toplevel
+  title = "deepseek_moe: moe_router=deepseek,moe_aux_loss=0.0,moe_bias_update_rate=0.001,seed=0"
+  lines = wrapped(title).split("\n")
+  assert lines == ["deepseek_moe: moe_router=deepseek,moe_aux_loss=0.0,",
+                   "moe_bias_update_rate=0.001,seed=0"]
+  assert wrapped("runs/tiny") == "runs/tiny"
+
+
 def test_grid_flags_are_every_combination_typed_as_the_config_fields(tmp_path):
   sweep = sweep_lib.grid_sweep(["model.pos_emb=rope,sinusoidal", "train.learning_rate=1e-3,0.01",
                                 "model.use_bias=true"], TINY)

@@ -1,5 +1,7 @@
 """Loss-curve plots (matplotlib's object API, no global figure state): the
 helpers behind eval.py's loss_curves.png and a sweep's validation curves."""
+import re
+
 from matplotlib.figure import Figure
 from matplotlib.ticker import EngFormatter
 
@@ -8,6 +10,19 @@ def split_curve(records: list[dict], split: str) -> tuple[list, list]:
   """(steps, losses) of one split of metrics.jsonl records."""
   rows = [r for r in records if r["split"] == split]
   return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+def wrapped(title: str, width: int = 75) -> str:
+  """`title` in lines of at most about `width` characters, broken after a
+  comma or a space (a sweep's run names are comma-separated fields), so that
+  a long one is not cut at the figure's edge."""
+  lines, line = [], ""
+  for piece in re.split(r"(?<=[, ])", title):
+    if line and len(line) + len(piece) > width:
+      lines.append(line.rstrip())
+      line = ""
+    line += piece
+  return "\n".join(lines + [line])
 
 
 def plot_curves(path: str, title: str, curves: dict, *, baseline: float | None = None,
@@ -34,7 +49,7 @@ def plot_curves(path: str, title: str, curves: dict, *, baseline: float | None =
     handles, labels = handles + more[0], labels + more[1]
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats per token)")
-  ax.set_title(title)
+  ax.set_title(wrapped(title))
   ax.grid(alpha=0.3)
   ax.legend(handles, labels, fontsize=8)
   fig.tight_layout()
