@@ -13,9 +13,10 @@
 Embedding (tokens, the position scheme's embedding, optional token types,
 optional norm) -> L blocks (a loop over L blocks, or with
 `model.scan_layers` one block scanned over parameters stacked on a leading
-`layers` axis, per run of identical layers where the layers differ; with a position scheme that biases the scores, such as T5's
-relative bias, the bias is computed once per stack and added to every
-block's self-attention scores: `model/positions.py`) -> final norm
+`layers` axis, per run of identical layers where the layers differ; with a
+position scheme that biases the scores, such as T5's relative bias, the
+bias is computed once per stack and added to every block's self-attention
+scores: `model/positions.py`) -> final norm
 (pre-norm only; a post-norm block already ends in a norm) -> head: an
 optional transform (BERT's masked-LM head: dense, activation, norm), the
 final hidden states times d_model^-0.5 when `scale_head_input` (T5 v1.0),
@@ -28,6 +29,7 @@ head is a sequence classifier instead (`model/classifier.py`):
 `m.classify(tokens_BT, padding_mask_BT) -> logits [B, num_labels]`, and
 `m.pooled(...)` is the pooled hidden state (training.embed's vectors).
 """
+import itertools
 import math
 import re
 
@@ -103,14 +105,13 @@ class _Stack(nnx.Module):
     self.scan = cfg.scan_layers
     self.scan_unroll = cfg.scan_unroll
     if self.scan:
-      make = lambda first: lambda r: Block(cfg, cross=cross, rope=rope, rngs=r,
-                                           window=cfg.layer_window(first),
-                                           moe=cfg.layer_is_moe(first))
       # Runs of consecutive layers that build the same block, each stacked
       # on its own `layers` axis (DeepSeek-V3: layers 0-2 dense, 3-60 with
       # experts); one run is the stack itself.
       self.runs = layer_runs(cfg, num_layers)
-      groups = {run_name(first, count): _stacked_blocks(make(first), count, rngs)
+      groups = {run_name(first, count): _stacked_blocks(
+          lambda r: Block(cfg, cross=cross, rope=rope, rngs=r, window=cfg.layer_window(first),
+                          moe=cfg.layer_is_moe(first)), count, rngs)
                 for first, count in self.runs}
       self.layers = next(iter(groups.values())) if len(groups) == 1 else nnx.Dict(groups)
     else:
@@ -286,14 +287,9 @@ def layer_runs(cfg, num_layers: int) -> tuple[tuple[int, int], ...]:
   """(first layer, layers) of each run of consecutive layers that build the
   same block (the same sliding window, experts or not), in order: what a
   scanned stack stacks and scans one run at a time."""
-  runs = []
-  for i in range(num_layers):
-    kind = (cfg.layer_window(i), cfg.layer_is_moe(i))
-    if runs and kind == (cfg.layer_window(runs[-1][0]), cfg.layer_is_moe(runs[-1][0])):
-      runs[-1][1] += 1
-    else:
-      runs.append([i, 1])
-  return tuple(map(tuple, runs))
+  kinds = [(cfg.layer_window(i), cfg.layer_is_moe(i)) for i in range(num_layers)]
+  counts = [len(list(run)) for _, run in itertools.groupby(kinds)]
+  return tuple(zip(itertools.accumulate([0, *counts[:-1]]), counts))
 
 
 def run_name(first: int, count: int) -> str:
