@@ -56,8 +56,8 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from configs.errors import UserError
-from configs.validation import validate
 from model import accounting
+from model.resolve import resolve
 from aot.targets import Target, target_devices
 from training.optim import learning_rate_schedule, model_optimizer
 from training.sharding import (BATCH_AXES, batch_sharding, batch_split, batch_split_fields,
@@ -460,8 +460,7 @@ def lower_step(config, target: Target, step: str = "train"):
     UserError: a config or mesh that does not fit the target's device count,
       or a target whose compiler is not installed.
   """
-  validate(config)
-  config = accounting.with_budget(config)  # num_steps as train.py sets it (the schedule)
+  config = resolve(config)  # as train.py resolves it (num_steps: the schedule)
   mesh = make_mesh(config.mesh, target_devices(target))
   lowered, held = lower_on_mesh(config, mesh, step)
   return lowered, held, mesh

@@ -2,6 +2,7 @@
 
   python -m bench.compile_time --out bench/results/compile_time.json
   python -m bench.compile_time --no-cpu --steps 0   # the TPU compiles alone
+  python -m bench.compile_time --pattern 3:1 --tpu "" --steps 0 --depths 8,48
 
 For 2, 8, 32 and 80 layers of configs/tiny.py's width, the seconds to lower
 and compile the train step (as training/loop.py builds it: AdamW, the
@@ -11,6 +12,13 @@ tpu:v5p:2x2x1; "" skips it). Then the CPU train-step time of configs/tiny.py
 itself, scanned over looped: the two compiled steps run alternately
 (`--steps` each, after a warm-up) and the ratio of their medians is printed.
 The persistent compilation cache stays off, so every compile is a real one.
+
+`--pattern L:F` makes the layers differ: L sliding-window layers (window of
+a quarter of the rows) before each full-attention one, as hybrid models
+repeat their layer kinds. Three layouts are then compiled at each depth:
+the cycle scanned as one body (`model.layer_types`), runs of identical
+layers scanned one after another (the same layers as
+`model.sliding_window_layers`, `scan_layers=True`) and the loop.
 """
 import argparse
 import datetime
@@ -38,6 +46,24 @@ def config(num_layers: int, scan: bool):
   c = tiny.get_config()
   c.model.update(num_layers=num_layers, scan_layers=scan)
   return c
+
+
+def pattern_configs(num_layers: int, sliding: int, full: int) -> dict:
+  """configs/tiny.py with `sliding` windowed layers before each `full` ones,
+  in three layouts: {"cycle": layer_types scanned by its cycle, "runs":
+  sliding_window_layers scanned in runs, "looped"}."""
+  kinds = ("sliding_attention",) * sliding + ("full_attention",) * full
+  layouts = {}
+  for name in ("cycle", "runs", "looped"):
+    c = config(num_layers, name != "looped")
+    c.model.sliding_window = c.train.seq_len // 4
+    if name == "cycle":
+      c.model.layer_types = kinds
+    else:
+      c.model.sliding_window_layers = tuple(i for i in range(num_layers)
+                                            if kinds[i % len(kinds)] == "sliding_attention")
+    layouts[name] = c
+  return layouts
 
 
 def cpu_compile_seconds(c) -> float:
@@ -101,6 +127,9 @@ def main():
   parser.add_argument("--depths", default=",".join(map(str, DEPTHS)))
   parser.add_argument("--steps", type=int, default=30,
                       help="timed train steps of each layout (0 skips the step timing)")
+  parser.add_argument("--pattern", default="",
+                      help='"L:F": L sliding-window layers before each F full ones, in three '
+                           "layouts (cycle, runs, looped); empty: identical layers")
   args = parser.parse_args()
   depths = [int(d) for d in args.depths.split(",") if d] if args.cpu or args.tpu else []
   result = {
@@ -108,13 +137,21 @@ def main():
       "jax": jax.__version__, "cpu_devices": len(jax.devices()), "tpu_target": args.tpu,
       "model": "configs/tiny.py (d=128) at each depth",
       "compile": [{"layers": layers} for layers in depths]}
-  for scan in (True, False):  # every scanned depth first: the looped deep ones take longest
-    name = "scanned" if scan else "looped"
+  if args.pattern:
+    sliding, full = map(int, args.pattern.split(":"))
+    result.update(pattern=args.pattern, model=result["model"] + f", {sliding} sliding-window "
+                  f"layers before each {full} full-attention ones")
+    names, layouts = ("cycle", "runs", "looped"), lambda n: pattern_configs(n, sliding, full)
+  else:
+    names = ("scanned", "looped")
+    layouts = lambda n: {"scanned": config(n, True), "looped": config(n, False)}
+  for name in names:  # every scanned depth first: the looped deep ones take longest
     for row in result["compile"]:
       if args.cpu:
-        row[f"cpu_{name}_s"] = round(cpu_compile_seconds(config(row["layers"], scan)), 2)
+        row[f"cpu_{name}_s"] = round(cpu_compile_seconds(layouts(row["layers"])[name]), 2)
       if args.tpu:
-        row[f"tpu_{name}_s"] = round(tpu_compile_seconds(config(row["layers"], scan), args.tpu), 2)
+        row[f"tpu_{name}_s"] = round(tpu_compile_seconds(layouts(row["layers"])[name], args.tpu),
+                                     2)
       print(json.dumps(row), flush=True)
       write(result, args.out)
   if args.steps:

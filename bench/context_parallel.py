@@ -47,7 +47,7 @@ from aot.targets import parse_target, target_devices
 from bench.bench_utils import command_line, git_commit
 from configs.cli import parse_flags
 from configs.errors import UserError
-from configs.validation import validate
+from model.resolve import resolve
 from training.sharding import batch_sharding, make_mesh
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -115,7 +115,7 @@ def time_step(compiled, lowered, config, mesh, steps: int) -> float:
 
 def run_case(config, devices, chip, steps: int | None) -> dict:
   """One row: compile (and time, where `steps`) the train step of `config`."""
-  validate(config)
+  config = resolve(config)
   mesh = make_mesh(config.mesh, devices)
   lowered, held = compiler.lower_on_mesh(config, mesh, "train")
   start = time.perf_counter()

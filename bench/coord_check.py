@@ -33,9 +33,9 @@ from ml_collections import config_flags
 
 from bench.bench_utils import command_line, git_commit
 from configs.cli import parse_flags
-from configs.validation import validate
 from data import sources
 from model import build_model
+from model.resolve import resolve
 from training import steps as steps_lib
 from training.optim import learning_rate_schedule, model_optimizer
 
@@ -68,8 +68,7 @@ def at_width(config, width: int, parametrization: str, *, base_width: int, ff_mu
                  mup_base_width=base_width if parametrization == "mup" else None)
   c.train.update(learning_rate=lr, warmup_steps=0, schedule="constant", num_steps=steps,
                  weight_decay=0.0, grad_clip=0.0, optimizer="adamw")
-  validate(c)
-  return c
+  return resolve(c)
 
 
 def _rms(x) -> float:

@@ -51,10 +51,11 @@ from ml_collections import config_flags
 from bench.bench_utils import command_line, git_commit
 from configs.cli import parse_flags
 from configs.errors import UserError
-from configs.validation import head_dim, validate
+from configs.validation import head_dim
 from model import accounting, build_model
 from model.attention import choose_implementation
 from model.layers import DTYPES
+from model.resolve import resolve
 from training.loop import peak_flops
 from training.optim import learning_rate_schedule, make_optimizer, mup_width
 from training.steps import init_state, jit_train_step
@@ -198,7 +199,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
   try:
-    validate(config)
+    config = resolve(config)
     if config.train.objective != "next_token":
       raise UserError(f"train.objective={config.train.objective!r}: this benchmark times "
                       "next_token (decoder) models only")

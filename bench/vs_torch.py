@@ -81,13 +81,13 @@ from bench.bench_utils import command_line, git_commit
 from configs import base
 from configs.cli import parse_flags
 from configs.errors import UserError
-from configs.validation import validate
 from data import pipeline
 from hf import convert as hf_convert
 from model import build_model
 from model.config import ModelConfig
 from model.embeddings import rope_frequencies
 from model.generate import generate
+from model.resolve import resolve
 from tokenizer import export_hf, load_tokenizer, train_tokenizer
 from training.hardware import cpu_model
 from training.optim import learning_rate_schedule, model_optimizer
@@ -150,7 +150,7 @@ def model_config(config, name: str):
     c.model.update(norm="layernorm", mlp="gelu_tanh", pos_emb="learned",
                    d_ff=4 * c.model.d_model, use_bias=False, tie_embeddings=True)
     c.data.packing = "concat"
-  validate(c)
+  c = resolve(c)
   check_torch_support(c.model, c.train, name)
   return c
 

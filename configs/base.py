@@ -111,11 +111,17 @@ def get_config() -> config_dict.ConfigDict:
   #   many keys, itself included (Mistral's sliding_window); None: all
   m.sliding_window_layers = config_dict.placeholder(tuple)  # the layers (0-based) whose
   #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
+  m.layer_types = config_dict.placeholder(tuple)  # every layer's kind, a tuple that repeats
+  #   to num_layers (transformers' layer_types): full_attention | sliding_attention (the
+  #   window), +moe for experts, e.g. ('sliding_attention',) * 5 + ('full_attention+moe',);
+  #   scanned stacks scan its cycle; None: sliding_window_layers and moe_layers say
   m.scan_layers = config_dict.placeholder(bool)  # True: each stack runs one block under
   #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth;
-  #   layers that differ, a window or experts on some only, scan one run of identical
-  #   consecutive layers at a time); False: a Python loop over per-layer blocks; None: scan
-  #   unless the layers differ, and a run resumed or restored from keeps its saved layout
+  #   layers described by layer_types scan their cycle, one body of its layers, the rest as
+  #   runs; layers that differ by sliding_window_layers or moe_layers scan one run of
+  #   identical consecutive layers at a time); False: a Python loop over per-layer blocks;
+  #   None: scan unless sliding_window_layers or moe_layers make the layers differ, and a
+  #   run resumed or restored from keeps its saved layout
   m.scan_unroll = 2  # scanned stacks: blocks per iteration of the scan (jax.lax.scan's unroll);
   #   the loop's own cost is paid num_layers / scan_unroll times, and the program holds
   #   scan_unroll blocks (1: the smallest program; num_layers: as fast as the Python loop)

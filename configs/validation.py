@@ -157,24 +157,85 @@ def real_vocab_size(m) -> int:
   return m[token_rows_field(m)]
 
 
+# A layer's self-attention in `model.layer_types` (transformers' names):
+# every earlier key, or the last `model.sliding_window` of them.
+LAYER_ATTENTIONS = ("full_attention", "sliding_attention")
+MOE_SUFFIX = "+moe"  # a layer kind ending in it has a mixture of experts as its MLP
+
+
+class LayerKind(NamedTuple):
+  """What one layer is: its self-attention (a LAYER_ATTENTIONS name) and
+  whether its MLP is a mixture of experts."""
+  attention: str
+  moe: bool
+
+  @property
+  def name(self) -> str:
+    """The kind as `model.layer_types` writes it ("full_attention+moe")."""
+    return self.attention + (MOE_SUFFIX if self.moe else "")
+
+
+def layer_kind(name: str) -> LayerKind:
+  """A `model.layer_types` entry ("sliding_attention", "full_attention+moe")
+  as a LayerKind; a UserError for a name that is not a kind."""
+  attention, moe = (name.removesuffix(MOE_SUFFIX), True) if (
+      isinstance(name, str) and name.endswith(MOE_SUFFIX)) else (name, False)
+  if attention not in LAYER_ATTENTIONS:
+    _fail("model.layer_types", name, f"is not a layer kind: use one of "
+          f"{', '.join(LAYER_ATTENTIONS)}, each optionally followed by {MOE_SUFFIX} (its MLP "
+          "a mixture of experts), e.g. ('sliding_attention',) * 5 + ('full_attention',)")
+  return LayerKind(attention, moe)
+
+
+def stack_layers(m) -> int:
+  """Layers of the model's longest stack (the decoder's of an encoder_decoder
+  may outnumber the encoder's): how far `layer_types` describes the layers."""
+  return max(m.num_layers, num_decoder_layers(m)) if m.family == "encoder_decoder" else (
+      m.num_layers)
+
+
+def layer_types(m) -> tuple[str, ...]:
+  """Every layer's kind, layer 0 first: `model.layer_types` repeated to the
+  layers of the longest stack (`stack_layers`), or, where it is None, the
+  kinds that `model.sliding_window_layers` and `model.moe_layers` give (a
+  window on those layers, every layer when None; experts likewise). The one
+  place a layer's kind is derived: the window and expert layers, the
+  scanned layout, the accounting and the HF mappings all read it."""
+  n = stack_layers(m)
+  if m.layer_types is not None:
+    return tuple(m.layer_types[i % len(m.layer_types)] for i in range(n))
+  window = (() if m.sliding_window is None else
+            range(m.num_layers) if m.sliding_window_layers is None else m.sliding_window_layers)
+  experts = (() if not m.num_experts else
+             range(m.num_layers) if m.moe_layers is None else m.moe_layers)
+  return tuple(LayerKind(LAYER_ATTENTIONS[i in window], i in experts).name for i in range(n))
+
+
+def layer_cycle(m) -> int:
+  """The period of the kinds `model.layer_types` declares (its shortest
+  repeating unit: ("a", "b", "a", "b") repeats every 2), which a scanned
+  stack may scan over; 0 where the kinds come from sliding_window_layers and
+  moe_layers (a scanned stack then scans runs of identical layers, the
+  layout runs saved before layer_types keep)."""
+  declared = m.layer_types
+  if declared is None:
+    return 0
+  return next(p for p in range(1, len(declared) + 1)
+              if all(declared[i] == declared[i % p] for i in range(len(declared))))
+
+
 def sliding_window_layers(m) -> tuple[int, ...]:
-  """The layers whose self-attention has `model.sliding_window`, sorted (None
-  means every layer; no window: none)."""
-  if m.sliding_window is None:
-    return ()
-  if m.sliding_window_layers is None:
-    return tuple(range(m.num_layers))
-  return tuple(sorted(m.sliding_window_layers))
+  """The layers whose self-attention has `model.sliding_window`, sorted
+  (`layer_types`' sliding_attention layers of the first stack)."""
+  return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
+               if layer_kind(kind).attention == "sliding_attention")
 
 
 def moe_layers(m) -> tuple[int, ...]:
-  """The layers whose MLP is a mixture of experts, sorted (None means every
-  layer; a dense model: none)."""
-  if not m.num_experts:
-    return ()
-  if m.moe_layers is None:
-    return tuple(range(m.num_layers))
-  return tuple(sorted(m.moe_layers))
+  """The layers whose MLP is a mixture of experts, sorted (`layer_types`'
+  +moe layers of the first stack)."""
+  return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
+               if layer_kind(kind).moe)
 
 
 def moe_d_ff(m) -> int:
@@ -184,12 +245,11 @@ def moe_d_ff(m) -> int:
 
 def scan_layers(m) -> bool:
   """Whether each stack runs its blocks under scans: `model.scan_layers`,
-  None meaning yes unless the layers differ (some only have the sliding
-  window, or only some have experts), where True scans each run of
-  consecutive identical layers by itself (model/transformer.py)."""
+  None meaning yes unless the layers differ by sliding_window_layers or
+  moe_layers (runs saved before `model.layer_types` keep their loop); layers
+  described by `layer_types` scan by their cycle (model/transformer.py)."""
   if m.scan_layers is None:
-    return all(len(layers) in (0, m.num_layers)
-               for layers in (sliding_window_layers(m), moe_layers(m)))
+    return m.layer_types is not None or len(set(layer_types(m))) == 1
   return bool(m.scan_layers)
 
 
@@ -424,6 +484,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
   if m.sliding_window is not None and m.family != "decoder":
     _fail("model.sliding_window", m.sliding_window,
           f"is for causal decoders (model.family=decoder, not {m.family}); unset it")
+  _validate_layer_types(m)
   _validate_window_layers(m)
   _validate_moe(m)
   _validate_mup(m)
@@ -488,6 +549,44 @@ def _validate_classifier(m: config_dict.ConfigDict) -> None:
 def classifier_bias(m) -> bool:
   """Whether the classifier's logits have a bias (None means model.use_bias)."""
   return m.use_bias if m.classifier_bias is None else m.classifier_bias
+
+
+def _validate_layer_types(m: config_dict.ConfigDict) -> None:
+  """`model.layer_types`: a non-empty tuple of layer kinds, at most one per
+  layer (it repeats to the layers), the layers' only description
+  (sliding_window_layers and moe_layers unset), with the window its
+  sliding_attention layers use and the experts its +moe layers hold."""
+  declared = m.layer_types
+  if declared is None:
+    return
+  if not isinstance(declared, (tuple, list)) or not declared:
+    _fail("model.layer_types", declared, "must be a non-empty tuple of layer kinds that "
+          "repeats to model.num_layers, e.g. ('sliding_attention',) * 5 + ('full_attention',)"
+          " (None: sliding_window_layers and moe_layers say)")
+  kinds = [layer_kind(name) for name in declared]
+  if len(kinds) > stack_layers(m):
+    _fail("model.layer_types", declared, f"has {len(kinds)} kinds for {stack_layers(m)} "
+          "layers (model.num_layers); give at most one kind per layer (the tuple repeats)")
+  for field in ("sliding_window_layers", "moe_layers"):
+    if m[field] is not None:
+      _fail(f"model.{field}", m[field], "describes the layers a second time beside "
+            "model.layer_types; unset it and say each layer's kind in model.layer_types "
+            "(sliding_attention, +moe)")
+  sliding = any(kind.attention == "sliding_attention" for kind in kinds)
+  if sliding and m.sliding_window is None:
+    _fail("model.layer_types", declared, "has sliding_attention layers but "
+          "model.sliding_window is None; set the window they use")
+  if m.sliding_window is not None and not sliding:
+    _fail("model.sliding_window", m.sliding_window, "is set but no kind of model.layer_types "
+          "is sliding_attention; unset it or name the sliding layers in model.layer_types")
+  moe = any(kind.moe for kind in kinds)
+  if moe and not m.num_experts:
+    _fail("model.layer_types", declared, f"has {MOE_SUFFIX} layers but model.num_experts=0; "
+          "set the experts they hold")
+  if m.num_experts and not moe:
+    _fail("model.num_experts", m.num_experts, f"is set but no kind of model.layer_types ends "
+          f"in {MOE_SUFFIX}; mark the layers with experts (e.g. 'full_attention{MOE_SUFFIX}') "
+          "or set it to 0")
 
 
 def _validate_window_layers(m: config_dict.ConfigDict) -> None:

@@ -51,7 +51,7 @@ from configs.errors import UserError
 from data import seq2seq
 from model.config import ModelConfig
 from model.moe import ExpertBias
-from model.transformer import RUN_NAME
+from model.transformer import segment
 import tokenizer as tokenizer_lib
 from hf import mappings as hf_mappings
 from hf import tables as hf_tables
@@ -163,8 +163,10 @@ def _locate(path: str, flat: dict) -> tuple[str, tuple[int, ...]]:
   """(our parameter path, the index of the slice it names) of a tensor-table
   path: a scanned stack holds "decoder/layers/{i}/attn/q_proj/kernel" as
   slice (i,) of its stacked "decoder/layers/attn/q_proj/kernel", or, where
-  it stacks runs of identical layers, as slice (i - a,) of the run
-  "decoder/layers/{a}_to_{b}/..." that holds layer i; a path ending in "[j]"
+  it stacks segments (`model.transformer.layer_plan`), as the slice of the
+  segment that holds layer i: (i - a,) of a run "decoder/layers/{a}_to_{b}/...",
+  or (r,) of block j of a cycle ".../{a}_to_{b}_every_{p}/{j}/..." where
+  i = a + r p + j; a path ending in "[j]"
   names expert j of a mixture's stacked weight (HF files keep one tensor
   per expert), after the layer where it is stacked."""
   expert = _EXPERT_PATH.match(path)
@@ -175,11 +177,13 @@ def _locate(path: str, flat: dict) -> tuple[str, tuple[int, ...]]:
   stack, layer, rest = match[1], int(match[2]), match[3]
   if f"{stack}/{rest}" in flat:
     return f"{stack}/{rest}", (layer, *index)
-  runs = (RUN_NAME.fullmatch(p[len(stack) + 1:].split("/")[0]) for p in flat
-          if p.startswith(stack + "/"))
-  for run in filter(None, runs):
-    if int(run[1]) <= layer <= int(run[2]) and f"{stack}/{run[0]}/{rest}" in flat:
-      return f"{stack}/{run[0]}/{rest}", (layer - int(run[1]), *index)
+  keys = {p[len(stack) + 1:].split("/")[0] for p in flat if p.startswith(stack + "/")}
+  for seg in filter(None, map(segment, keys)):
+    if layer in seg.layers:
+      repeat, j = seg.where(layer)
+      held = f"{stack}/{seg.name}/{rest}" if seg.period == 1 else f"{stack}/{seg.name}/{j}/{rest}"
+      if held in flat:
+        return held, (repeat, *index)
   return path, index
 
 

@@ -56,7 +56,7 @@ from model.config import ModelConfig
 from model.mlp import MLPS
 from model.norms import NORMS
 from model.positions import POSITIONS
-from model.transformer import RUN_NAME
+from model.transformer import segment
 
 # The attribute of a `Block` that owns a parameter -> its component.
 _COMPONENTS = {"attn": "attention", "cross_attn": "cross_attention", "mlp": "mlp",
@@ -125,8 +125,10 @@ def measured_params(model_cfg, mtp_depth: int = 0) -> dict:
     if parts[0] == "mtp":
       counts["params_mtp"] += size
     elif len(parts) > 2 and parts[1] == "layers":
-      if run := RUN_NAME.fullmatch(parts[2]):  # scanned runs: [n, ...] under layers/<a>_to_<b>/
-        first, component, one = run[1] == "0", parts[3], size // shape[0]
+      if seg := segment(parts[2]):  # scanned segments: [repeats, ...] under layers/<a>_to_<b>/
+        cycle = seg.period > 1  # a cycle's body: layers/<a>_to_<b>_every_<p>/<j>/<component>
+        first = seg.first == 0 and (not cycle or parts[3] == "0")
+        component, one = parts[4 if cycle else 3], size // shape[0]
       elif parts[2].isdigit():  # a loop: layers/<i>/<component>
         first, component, one = parts[2] == "0", parts[3], size
       else:  # a scanned stack: [layers, ...] under layers/<component>

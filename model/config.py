@@ -13,6 +13,7 @@ Every module, the accounting and the attention dispatcher read this frozen
 dataclass; nothing below `build_model` sees the ConfigDict.
 """
 import dataclasses
+import json
 from typing import Any
 
 from configs import validation
@@ -29,7 +30,7 @@ from model.scores import SCORES
 
 # Fields that say how the model is computed or initialised, not what it computes.
 _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias",
-        "scan_layers", "scan_unroll")
+        "scan_layers", "scan_unroll", "layer_cycle")
 
 # Every option axis the model implements: its field -> its registry. Resolving
 # a config looks each chosen name up, so a name in CHOICES without an entry is
@@ -37,6 +38,11 @@ _HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std",
 # entries read.
 REGISTRIES = {r.field: r for r in (NORMS, POSITIONS, MLPS, ATTENTIONS, SCORES, IMPLEMENTATIONS,
                                    ROPE_SCALINGS, ROUTERS)}
+
+
+# ModelConfig.resolve's sections, by their JSON, and how many it keeps.
+_RESOLVED: dict[str, "ModelConfig"] = {}
+_RESOLVED_MAX = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +58,11 @@ class ModelConfig:
   qk_rope_head_dim and `num_kv_heads` is num_heads (the training
   attention's expanded keys), under mha `v_head_dim` is head_dim;
   `q_lora_rank` is 0 for None (queries projected directly);
+  `layer_types` is every layer's kind (`configs.validation.layer_types`: the
+  section's tuple repeated to the layers, or the kinds its
+  sliding_window_layers and moe_layers give), from which
+  `sliding_window_layers` and `moe_layers` are derived, and `layer_cycle`
+  its declared period (0 without one; `model.transformer.layer_plan`);
   `scan_layers` is resolved to a bool (`configs.validation.scan_layers`)."""
   family: str
   vocab_size: int
@@ -120,6 +131,8 @@ class ModelConfig:
   classifier_bias: bool
   sliding_window: int | None
   sliding_window_layers: tuple[int, ...]
+  layer_types: tuple[str, ...]
+  layer_cycle: int
   scan_layers: bool
   scan_unroll: int
   attention_impl: str
@@ -173,13 +186,25 @@ class ModelConfig:
   @classmethod
   def resolve(cls, section) -> "ModelConfig":
     """The `model` ConfigDict section -> a ModelConfig (a ModelConfig passes
-    through). Raises `UserError` for a bad value."""
+    through). Raises `UserError` for a bad value. Resolved once per distinct
+    section: the entry points, the accounting, the steps and the modules all
+    ask for the same section's, and get the one computed first."""
     if isinstance(section, cls):
       return section
+    key = json.dumps(section.to_dict(), sort_keys=True, default=repr)
+    if key not in _RESOLVED:
+      if len(_RESOLVED) >= _RESOLVED_MAX:
+        _RESOLVED.clear()
+      _RESOLVED[key] = cls._resolve(section)
+    return _RESOLVED[key]
+
+  @classmethod
+  def _resolve(cls, section) -> "ModelConfig":
     validation.validate_model(section)
     for field, registry in REGISTRIES.items():
       registry[section[field.split(".")[1]]]  # pylint: disable=pointless-statement
-    values = {field.name: section[field.name] for field in dataclasses.fields(cls)}
+    values = {field.name: section[field.name] for field in dataclasses.fields(cls)
+              if field.name in section}
     values.update(num_kv_heads=validation.num_kv_heads(section),
                   head_dim=validation.head_dim(section),
                   v_head_dim=validation.v_head_dim(section),
@@ -187,6 +212,8 @@ class ModelConfig:
                   num_decoder_layers=validation.num_decoder_layers(section),
                   real_vocab_size=validation.real_vocab_size(section),
                   sliding_window_layers=validation.sliding_window_layers(section),
+                  layer_types=validation.layer_types(section),
+                  layer_cycle=validation.layer_cycle(section),
                   moe_layers=validation.moe_layers(section),
                   moe_d_ff=validation.moe_d_ff(section),
                   scan_layers=validation.scan_layers(section),
@@ -237,11 +264,16 @@ class ModelConfig:
     mult = validation.depth_mult(self)
     return None if mult == 1.0 else mult
 
+  def layer_kind(self, layer: int) -> validation.LayerKind:
+    """Layer `layer`'s kind (of `layer_types`): its attention, experts or not."""
+    return validation.layer_kind(self.layer_types[layer])
+
   def layer_is_moe(self, layer: int) -> bool:
     """Whether decoder layer `layer`'s MLP is a mixture of experts."""
-    return layer in self.moe_layers
+    return self.layer_kind(layer).moe
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of decoder layer `layer`'s self-attention (None: it
     sees every earlier key)."""
-    return self.sliding_window if layer in self.sliding_window_layers else None
+    sliding = self.layer_kind(layer).attention == "sliding_attention"
+    return self.sliding_window if sliding else None

@@ -25,10 +25,10 @@ from ml_collections import config_flags
 from configs.cli import parse_flags
 from configs.errors import UserError
 from configs import validation
-from configs.validation import validate
 from model import accounting
 from model.attention_kinds import ATTENTIONS
 from model.config import ModelConfig
+from model.resolve import resolve
 
 _CONFIG = config_flags.DEFINE_config_file("config", lock_config=True)
 _JSON = flags.DEFINE_bool("json", False, "Print one JSON object instead of the table.")
@@ -156,8 +156,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   config = _CONFIG.value
   try:
-    validate(config)
-    config = accounting.with_budget(config)
+    config = resolve(config)
     report = summarize(config, _BACKEND.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)

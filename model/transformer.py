@@ -32,6 +32,7 @@ head is a sequence classifier instead (`model/classifier.py`):
 import itertools
 import math
 import re
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -104,20 +105,21 @@ class _Stack(nnx.Module):
                           if scheme.bias else None)
     self.scan = cfg.scan_layers
     self.scan_unroll = cfg.scan_unroll
+    make_block = lambda i, r: Block(cfg, cross=cross, rope=rope, rngs=r,
+                                    window=cfg.layer_window(i), moe=cfg.layer_is_moe(i))
     if self.scan:
-      # Runs of consecutive layers that build the same block, each stacked
-      # on its own `layers` axis (DeepSeek-V3: layers 0-2 dense, 3-60 with
-      # experts); one run is the stack itself.
-      self.runs = layer_runs(cfg, num_layers)
-      groups = {run_name(first, count): _stacked_blocks(
-          lambda r: Block(cfg, cross=cross, rope=rope, rngs=r, window=cfg.layer_window(first),
-                          moe=cfg.layer_is_moe(first)), count, rngs)
-                for first, count in self.runs}
-      self.layers = next(iter(groups.values())) if len(groups) == 1 else nnx.Dict(groups)
+      # The segments of `layer_plan`, each stacked on its own `layers` axis:
+      # a run of identical layers (DeepSeek-V3: layers 0-2 dense, 3-60 with
+      # experts) or the repeats of a cycle of layer kinds (3 linear, 1 full),
+      # whose body holds the cycle's blocks; one run is the stack itself.
+      self.segments = layer_plan(cfg, num_layers)
+      groups = {seg.name: _stacked_blocks(_segment_body(make_block, seg), seg.repeats, rngs)
+                for seg in self.segments}
+      self.layers = (groups[self.segments[0].name]
+                     if len(self.segments) == 1 and self.segments[0].period == 1
+                     else nnx.Dict(groups))
     else:
-      self.layers = nnx.List([Block(cfg, cross=cross, rope=rope, window=cfg.layer_window(i),
-                                    rngs=rngs, moe=cfg.layer_is_moe(i))
-                              for i in range(num_layers)])
+      self.layers = nnx.List([make_block(i, rngs) for i in range(num_layers)])
     self.num_layers = num_layers
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
@@ -168,12 +170,24 @@ class _Stack(nnx.Module):
       h_BTM, stats = run(layer, h_BTM)
       return _batch_split(h_BTM), stats
 
+    def body(blocks, h_BTM, _):
+      # One repeat of a segment: its one block, or a cycle's blocks in
+      # order, with their MoE statistics stacked [MoE blocks of the body].
+      if isinstance(blocks, Block):
+        return block(blocks, h_BTM)
+      per_block = []
+      for layer in blocks:
+        h_BTM, layer_stats = block(layer, h_BTM)
+        per_block += [] if layer_stats is None else [layer_stats]
+      return h_BTM, jax.tree.map(lambda *s: jnp.stack(s), *per_block) if per_block else None
+
     x_BTM = _batch_split(x_BTM)
     if self.scan:
       per_run = []
-      for _, _, layers in self._groups():
-        x_BTM, run_stats = _scan_layers(lambda layer, h, _: block(layer, h), layers, x_BTM,
-                                        unroll=self.scan_unroll)
+      for seg, layers in self._groups():
+        x_BTM, run_stats = _scan_layers(body, layers, x_BTM, unroll=self.scan_unroll)
+        if run_stats is not None and seg.period > 1:  # [repeats, k, ...] -> layer order
+          run_stats = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), run_stats)
         per_run += [] if run_stats is None else [run_stats]
       stats = jax.tree.map(lambda *s: jnp.concatenate(s), *per_run) if per_run else None
     else:
@@ -204,9 +218,12 @@ class _Stack(nnx.Module):
     if not self.scan:
       return [layer.cross_kv(context_BSM) for layer in self.layers]
     out = []
-    for _, count, layers in self._groups():
+    for seg, layers in self._groups():
+      if seg.period > 1:
+        out += [self.block(i).cross_kv(context_BSM) for i in seg.layers]
+        continue
       stacked = _map_layers(lambda layer: layer.cross_kv(context_BSM), layers)
-      out += [jax.tree.map(lambda x: x[i], stacked) for i in range(count)]
+      out += [jax.tree.map(lambda x: x[i], stacked) for i in range(seg.repeats)]
     return out
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None,
@@ -244,29 +261,44 @@ class _Stack(nnx.Module):
     stacked parameters)."""
     if not self.scan:
       return self.layers[i]
-    first, layers = next((first, layers) for first, count, layers in self._groups()
-                         if first <= i < first + count)
+    seg, layers = next((seg, layers) for seg, layers in self._groups() if i in seg.layers)
+    repeat, j = seg.where(i)
     graphdef, state = nnx.split(layers)
-    return _one_layer(graphdef, jax.tree.map(lambda x: x[i - first], state))
+    body = _one_layer(graphdef, jax.tree.map(lambda x: x[repeat], state))
+    return body if seg.period == 1 else body[j]
 
   def blocks(self) -> list[Block]:
     """Every block of the stack, in order (scanned: slices, as `block`)."""
     return [self.block(i) for i in range(self.num_layers)]
 
-  def _groups(self) -> list[tuple[int, int, Block]]:
-    """A scanned stack's runs as (first layer, layers, stacked Block), in order."""
-    if len(self.runs) == 1:
-      return [(*self.runs[0], self.layers)]
-    return [(first, count, self.layers[run_name(first, count)]) for first, count in self.runs]
+  def _groups(self) -> list[tuple["Segment", nnx.Module]]:
+    """A scanned stack's segments with their stacked bodies (a Block, or a
+    cycle's nnx.List of Blocks), in order."""
+    if isinstance(self.layers, Block):
+      return [(self.segments[0], self.layers)]
+    return [(seg, self.layers[seg.name]) for seg in self.segments]
 
-  def expert_biases(self) -> list:
-    """The `ExpertBias` variables of the MoE layers, in the order of their
-    `router_stats` rows: one [E] per MoE layer of a loop, one [n, E] per run
-    of n MoE layers of a scanned stack."""
-    if self.scan:
-      return [layers.mlp.score_bias for _, _, layers in self._groups()
-              if isinstance(layers.mlp, MoE)]
-    return [layer.mlp.score_bias for layer in self.layers if isinstance(layer.mlp, MoE)]
+  def expert_biases(self) -> list[tuple[nnx.Variable, tuple[int, ...]]]:
+    """The `ExpertBias` variables of the MoE layers, each with the rows of
+    `router_stats` (one per MoE layer, in layer order) that it holds, in
+    its own order: one [E] per MoE layer of a loop, one [n, E] per run of n
+    MoE layers of a scanned stack and per MoE block of a scanned cycle."""
+    moe = [i for i in range(self.num_layers) if isinstance(self._mlp(i), MoE)]
+    if not self.scan:
+      return [(self.layers[i].mlp.score_bias, (moe.index(i),)) for i in moe]
+    out = []
+    for seg, layers in self._groups():
+      bodies = [(layers, 0)] if seg.period == 1 else [(b, j) for j, b in enumerate(layers)]
+      out += [(body.mlp.score_bias, tuple(moe.index(seg.layer(r, j)) for r in range(seg.repeats)))
+              for body, j in bodies if isinstance(body.mlp, MoE)]
+    return out
+
+  def _mlp(self, i: int) -> nnx.Module:
+    """Layer i's MLP module (a scanned stack's: its stacked body's)."""
+    if not self.scan:
+      return self.layers[i].mlp
+    seg, layers = next((seg, layers) for seg, layers in self._groups() if i in seg.layers)
+    return layers.mlp if seg.period == 1 else layers[seg.where(i)[1]].mlp
 
   def attention_maps(self, tokens_BT, *, causal: bool):
     """Every block's self-attention weights [B, h, T, T], in order (no
@@ -283,22 +315,81 @@ class _Stack(nnx.Module):
     return maps
 
 
-def layer_runs(cfg, num_layers: int) -> tuple[tuple[int, int], ...]:
-  """(first layer, layers) of each run of consecutive layers that build the
-  same block (the same sliding window, experts or not), in order: what a
-  scanned stack stacks and scans one run at a time."""
-  kinds = [(cfg.layer_window(i), cfg.layer_is_moe(i)) for i in range(num_layers)]
+class Segment(NamedTuple):
+  """Layers first .. first + repeats x period - 1 of a scanned stack:
+  `repeats` times a body of `period` layers (period 1: a run of identical
+  layers), stacked on one `layers` axis of length `repeats`."""
+  first: int
+  repeats: int
+  period: int
+
+  @property
+  def name(self) -> str:
+    """Its key in the stack: "3_to_60" (a run), "0_to_47_every_4" (a cycle
+    of 4 layers, 12 times; its body's blocks are keys 0..3 under it)."""
+    last = self.first + self.repeats * self.period - 1
+    return f"{self.first}_to_{last}" + (f"_every_{self.period}" if self.period > 1 else "")
+
+  @property
+  def layers(self) -> range:
+    return range(self.first, self.first + self.repeats * self.period)
+
+  def where(self, layer: int) -> tuple[int, int]:
+    """(repeat, block of the body) that holds `layer`."""
+    return divmod(layer - self.first, self.period)
+
+  def layer(self, repeat: int, j: int = 0) -> int:
+    """The layer of block j of the body at `repeat`."""
+    return self.first + repeat * self.period + j
+
+
+_SEGMENT_NAME = re.compile(r"(\d+)_to_(\d+)(?:_every_(\d+))?")
+
+
+def segment(name: str) -> Segment | None:
+  """The Segment a stack key names ("3_to_60", "0_to_47_every_4"), else None."""
+  match = _SEGMENT_NAME.fullmatch(name)
+  if match is None:
+    return None
+  first, last, period = int(match[1]), int(match[2]), int(match[3] or 1)
+  return Segment(first, (last - first + 1) // period, period)
+
+
+def _runs(kinds, first: int) -> list[Segment]:
+  """Runs of identical consecutive `kinds`, the first at layer `first`."""
   counts = [len(list(run)) for _, run in itertools.groupby(kinds)]
-  return tuple(zip(itertools.accumulate([0, *counts[:-1]]), counts))
+  return [Segment(start, count, 1)
+          for start, count in zip(itertools.accumulate([first, *counts[:-1]]), counts)]
 
 
-def run_name(first: int, count: int) -> str:
-  """The key of a run of layers in a scanned stack of several runs:
-  "3_to_60" holds layers 3 to 60 stacked (decoder/layers/3_to_60/...)."""
-  return f"{first}_to_{first + count - 1}"
+def layer_plan(cfg, num_layers: int) -> tuple[Segment, ...]:
+  """The segments a scanned stack of `num_layers` scans, in order.
+
+  Layers described by `model.layer_types` repeat its cycle
+  (`cfg.layer_cycle` layers) as many whole times as the stack holds, the
+  layers left over in runs, when that compiles no more blocks than runs of
+  identical layers would (3 linear and 1 full layer: 4 blocks for any
+  depth, as MaxText scans its layer cycles); otherwise, and always for layers
+  described by sliding_window_layers and moe_layers (the layout of runs
+  saved before layer_types), runs of identical consecutive layers.
+  """
+  kinds = [cfg.layer_kind(i) for i in range(num_layers)]
+  runs = _runs(kinds, 0)
+  period = cfg.layer_cycle
+  repeats = num_layers // period if period > 1 else 0
+  if repeats >= 2:
+    cycled = [Segment(0, repeats, period), *_runs(kinds[repeats * period:], repeats * period)]
+    if period + len(cycled) - 1 <= len(runs):  # as few blocks, and scans that do not grow
+      return tuple(cycled)
+  return tuple(runs)
 
 
-RUN_NAME = re.compile(r"(\d+)_to_(\d+)")  # `run_name`'s keys: (first layer, last layer)
+def _segment_body(make_block, seg: Segment):
+  """rngs -> one repeat of `seg`: its block (a run's), or an nnx.List of
+  the cycle's blocks; `make_block(layer, rngs)` builds the block of a layer."""
+  if seg.period == 1:
+    return lambda rngs: make_block(seg.first, rngs)
+  return lambda rngs: nnx.List([make_block(seg.layer(0, j), rngs) for j in range(seg.period)])
 
 
 def _stacked_blocks(make_block, num_layers: int, rngs: nnx.Rngs) -> Block:

@@ -10,9 +10,8 @@ from ml_collections import config_dict
 
 from configs.cli import check_budget_overrides, check_field, config_fields, load_config
 from configs.errors import UserError
-from configs.validation import eval_points, validate
-from model.accounting import with_budget
-from model.config import ModelConfig
+from configs.validation import eval_points
+from model.resolve import resolve
 from sweeps.common import REPO
 from sweeps.sweep_file import Sweep, format_value, variant_name
 
@@ -82,10 +81,8 @@ def make_variants(sweep: Sweep, config_path: str, extra_flags: list[str], root: 
       run_flags = config_flags_ + ([] if seed is None else [f"--config.train.seed={seed}"])
       try:
         config = load_config(config_path, run_flags)
-        validate(config)
         check_budget_overrides(config, extra_fields + list(overrides))
-        config = with_budget(config)  # num_steps as train.py sets it
-        ModelConfig.resolve(config.model)  # what the chosen kernel takes, as train.py checks it
+        config = resolve(config)  # as train.py resolves it: num_steps, the kernel's checks
       except UserError as e:
         raise UserError(f"variant {name}: {e}") from e
       workdir = os.path.join(os.path.abspath(root), name)

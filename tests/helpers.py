@@ -21,7 +21,7 @@ from aot.targets import LIBTPU_DIR
 from configs import base
 from model.attention import attention
 from model.kernels.router import flash_attention
-from model.transformer import RUN_NAME
+from model.transformer import segment
 from tokenizer import export_hf
 from training.checkpoint import Checkpointer
 
@@ -178,7 +178,7 @@ def scanned_copy(looped, scanned):
   """`scanned` (a model in the scanned layout, concrete or from nnx.eval_shape)
   holding `looped`'s weights: each layer's variables (parameters and the
   deepseek router's selection biases) stacked along the layer axis (of the
-  stack, or of the run "a_to_b" of layers that holds it), the others as
+  stack, or of the segment "a_to_b" or "a_to_b_every_p" that holds it), the others as
   they are."""
   loop_params = dict(nnx.to_flat_state(nnx.state(looped)))
   graphdef, state = nnx.split(scanned)
@@ -186,10 +186,15 @@ def scanned_copy(looped, scanned):
   for path, variable in nnx.to_flat_state(state):
     if "layers" in path:
       at = path.index("layers") + 1
-      run = RUN_NAME.fullmatch(str(path[at]))
-      first, rest = (int(run[1]), path[at + 1:]) if run else (0, path[at:])
-      value = jnp.stack([loop_params[path[:at] + (first + i,) + rest][...]
-                         for i in range(variable.shape[0])])
+      seg = segment(str(path[at]))
+      if seg is None:  # one run: the stack itself
+        layer, rest = (lambda r: r), path[at:]
+      elif seg.period == 1:
+        layer, rest = seg.layer, path[at + 1:]
+      else:  # block j of a cycle's body
+        layer, rest = (lambda r, j=int(path[at + 1]), seg=seg: seg.layer(r, j)), path[at + 2:]
+      value = jnp.stack([loop_params[path[:at] + (layer(r),) + rest][...]
+                         for r in range(variable.shape[0])])
     else:
       value = loop_params[path][...]
     flat.append((path, variable.replace(value)))

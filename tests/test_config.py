@@ -58,6 +58,24 @@ CASES = [
      "model.sliding_window_layers=(1, 1): must name distinct layers in 0..1"),
     (dict(sliding_window=8, sliding_window_layers=(2,)),
      "model.sliding_window_layers=(2,): must name distinct layers in 0..1 (model.num_layers=2)"),
+    (dict(layer_types=()), "model.layer_types=(): must be a non-empty tuple of layer kinds"),
+    (dict(layer_types=("full_attention", "linear")), "model.layer_types='linear': is not a "
+     "layer kind: use one of full_attention, sliding_attention, each optionally followed by "
+     "+moe"),
+    (dict(layer_types=("full_attention",) * 3), "model.layer_types=('full_attention', "
+     "'full_attention', 'full_attention'): has 3 kinds for 2 layers (model.num_layers)"),
+    (dict(layer_types=("sliding_attention",)),
+     "model.layer_types=('sliding_attention',): has sliding_attention layers but "
+     "model.sliding_window is None"),
+    (dict(layer_types=("full_attention",), sliding_window=8),
+     "model.sliding_window=8: is set but no kind of model.layer_types is sliding_attention"),
+    (dict(layer_types=("sliding_attention",), sliding_window=8, sliding_window_layers=(1,)),
+     "model.sliding_window_layers=(1,): describes the layers a second time beside "
+     "model.layer_types"),
+    (dict(layer_types=("full_attention+moe",)), "model.layer_types=('full_attention+moe',): "
+     "has +moe layers but model.num_experts=0"),
+    (dict(layer_types=("full_attention",), num_experts=4),
+     "model.num_experts=4: is set but no kind of model.layer_types ends in +moe"),
 ]
 
 

@@ -349,7 +349,7 @@ _OTHER_VALUES = dict(
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
     sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
     final_softcap=30.0, attention_score="sigmoid", num_experts=4, moe_layers=(1,),
-    parametrization="mup", attention="mla")
+    parametrization="mup", attention="mla", layer_types=("full_attention", "sliding_attention"))
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
@@ -366,9 +366,9 @@ def test_export_check_names_every_field_llama_does_not_map(field):
   arch = "llama"
   if field == "rope_scaling":
     config.model.rope_scaling_factor = 2.0
-  if field == "sliding_window_layers":
-    config.model.sliding_window, arch = 8, "mistral"
   named = field
+  if field in ("sliding_window_layers", "layer_types"):  # named by the layers, as either says them
+    config.model.sliding_window, arch, named = 8, "mistral", "sliding_window_layers"
   if field == "moe_layers":  # experts in layer 1 only: named by the experts, first
     config.model.num_experts, named = 4, "num_experts"
   if field == "attention":  # DeepSeek's latent attention needs its fields
@@ -378,7 +378,8 @@ def test_export_check_names_every_field_llama_does_not_map(field):
   if field in _LLAMA_MAPS:
     assert reason == ""
   else:
-    assert reason.startswith(f"model.{named}={config.model[named]!r} (needs "), reason
+    value = ModelConfig.resolve(config.model).forward_fields()[named]
+    assert reason.startswith(f"model.{named}={value!r} (needs "), reason
 
 
 def test_qwen3_in_and_out(tok, tmp_path):
@@ -650,3 +651,19 @@ def test_published_configs_import(name):
   config.model.update(**fields)
   cfg = ModelConfig.resolve(config.model)
   assert hf_convert.export_architecture(cfg).model_type == model_type
+
+
+def test_tensor_tables_find_a_layer_in_its_scanned_cycle():
+  """A scanned stack of a `model.layer_types` cycle holds layer i as repeat r
+  of block j of the cycle's body (i = a + r p + j); the layers after the
+  last repeat in their run; experts after the layer's slice."""
+  flat = {"decoder/layers/0_to_3_every_2/1/attn/q_proj/kernel": None,
+          "decoder/layers/0_to_3_every_2/1/mlp/w_in": None,
+          "decoder/layers/4_to_4/attn/q_proj/kernel": None}
+  locate = hf_convert._locate  # pylint: disable=protected-access
+  assert locate("decoder/layers/3/attn/q_proj/kernel", flat) == (
+      "decoder/layers/0_to_3_every_2/1/attn/q_proj/kernel", (1,))
+  assert locate("decoder/layers/1/mlp/w_in[2]", flat) == (
+      "decoder/layers/0_to_3_every_2/1/mlp/w_in", (0, 2))
+  assert locate("decoder/layers/4/attn/q_proj/kernel", flat) == (
+      "decoder/layers/4_to_4/attn/q_proj/kernel", (0,))

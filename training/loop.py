@@ -33,10 +33,11 @@ from flax import nnx
 from tqdm import tqdm
 
 from configs.errors import UserError
-from configs.validation import decay_start, eval_every as eval_every_of, validate
+from configs.validation import decay_start, eval_every as eval_every_of
 from configs.validation import trackers as tracker_names
 from data import classify, mixture, pipeline
 from model import accounting, build_model
+from model.resolve import resolve
 import tokenizer as tokenizer_lib
 from training import compile_cache, downstream, hardware, startup, trackers
 from training import workdir as workdir_lib
@@ -227,10 +228,9 @@ def _lock_workdir(lock: WorkdirLock, workdir: str) -> None:
 def _train(config, workdir: str, lock: WorkdirLock) -> dict:
   maybe_initialize_distributed()
   config = workdir_lib.keep_layout(config, workdir)
-  validate(config)
+  config = resolve(config)
   downstream_tasks = downstream.training_tasks(config)
   trackers.check(tracker_names(config.train), workdir)
-  config = accounting.with_budget(config)
   if config.train.objective == "classify":
     classify.resolve_labels(config)
   tc = config.train

@@ -18,7 +18,6 @@ does not touch) by DeepSeek-V3's auxiliary-loss-free rule
 (`balance_score_bias`), from the step's expert loads of that layer.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -137,11 +136,8 @@ def balance_score_bias(graphdef, params, counts_LE, rate: float):
   model = nnx.merge(graphdef, params)
   E = counts_LE.shape[-1]
   step_LE = rate * jnp.sign(counts_LE.sum(axis=-1, keepdims=True) - E * counts_LE)
-  row = 0
-  for bias in model.decoder.expert_biases():  # [E] per layer, or [n, E] per scanned run
-    n = math.prod(bias.shape[:-1])
-    bias[...] = bias[...] + step_LE[row:row + n].reshape(bias.shape)
-    row += n
+  for bias, rows in model.decoder.expert_biases():  # [E] per layer, or [n, E] stacked
+    bias[...] = bias[...] + step_LE[jnp.array(rows)].reshape(bias.shape)
   return nnx.state(model)
 
 
