@@ -113,8 +113,20 @@ def get_config() -> config_dict.ConfigDict:
   #   self-attention has the window, e.g. (1, 2, 3) (Qwen2's layer_types); None: all
   m.layer_types = config_dict.placeholder(tuple)  # every layer's kind, a tuple that repeats
   #   to num_layers (transformers' layer_types): full_attention | sliding_attention (the
-  #   window), +moe for experts, e.g. ('sliding_attention',) * 5 + ('full_attention+moe',);
-  #   scanned stacks scan its cycle; None: sliding_window_layers and moe_layers say
+  #   window) | linear_attention (Gated DeltaNet, model/gated_deltanet.py), +moe for experts,
+  #   e.g. ('linear_attention',) * 3 + ('full_attention',); scanned stacks scan its cycle;
+  #   None: sliding_window_layers and moe_layers say
+  m.linear_num_key_heads = config_dict.placeholder(int)  # linear_attention layers: query and
+  #   key heads; None: num_heads
+  m.linear_num_value_heads = config_dict.placeholder(int)  # linear_attention: value heads, a
+  #   multiple of the key heads (each key head serves as many); None: linear_num_key_heads
+  m.linear_key_head_dim = config_dict.placeholder(int)  # linear_attention: d_k; None: head_dim
+  m.linear_value_head_dim = config_dict.placeholder(int)  # linear_attention: d_v; None:
+  #   linear_key_head_dim
+  m.linear_conv_kernel_dim = 4  # linear_attention: the width of the short causal convolution
+  #   over q, k and v
+  m.linear_chunk_size = 64  # linear_attention: tokens per chunk of the chunked delta rule (the
+  #   training form; decoding runs the recurrent one)
   m.scan_layers = config_dict.placeholder(bool)  # True: each stack runs one block under
   #   nnx.scan over parameters stacked on a `layers` axis (compile time independent of depth;
   #   layers described by layer_types scan their cycle, one body of its layers, the rest as

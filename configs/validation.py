@@ -157,9 +157,10 @@ def real_vocab_size(m) -> int:
   return m[token_rows_field(m)]
 
 
-# A layer's self-attention in `model.layer_types` (transformers' names):
-# every earlier key, or the last `model.sliding_window` of them.
-LAYER_ATTENTIONS = ("full_attention", "sliding_attention")
+# A layer's token mixer in `model.layer_types` (transformers' names): softmax
+# attention over every earlier key, or the last `model.sliding_window` of
+# them, or Gated DeltaNet's linear attention (model/gated_deltanet.py).
+LAYER_ATTENTIONS = ("full_attention", "sliding_attention", "linear_attention")
 MOE_SUFFIX = "+moe"  # a layer kind ending in it has a mixture of experts as its MLP
 
 
@@ -183,7 +184,7 @@ def layer_kind(name: str) -> LayerKind:
   if attention not in LAYER_ATTENTIONS:
     _fail("model.layer_types", name, f"is not a layer kind: use one of "
           f"{', '.join(LAYER_ATTENTIONS)}, each optionally followed by {MOE_SUFFIX} (its MLP "
-          "a mixture of experts), e.g. ('sliding_attention',) * 5 + ('full_attention',)")
+          "a mixture of experts), e.g. ('linear_attention', 'linear_attention', 'full_attention')")
   return LayerKind(attention, moe)
 
 
@@ -236,6 +237,22 @@ def moe_layers(m) -> tuple[int, ...]:
   +moe layers of the first stack)."""
   return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
                if layer_kind(kind).moe)
+
+
+def linear_layers(m) -> tuple[int, ...]:
+  """The layers whose token mixer is Gated DeltaNet's linear attention."""
+  return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
+               if layer_kind(kind).attention == "linear_attention")
+
+
+def linear_heads(m) -> dict[str, int]:
+  """The linear_attention layers' sizes with their defaults filled in."""
+  key_heads = m.linear_num_key_heads or m.num_heads
+  key_dim = m.linear_key_head_dim or head_dim(m)
+  return {"linear_num_key_heads": key_heads,
+          "linear_num_value_heads": m.linear_num_value_heads or key_heads,
+          "linear_key_head_dim": key_dim,
+          "linear_value_head_dim": m.linear_value_head_dim or key_dim}
 
 
 def moe_d_ff(m) -> int:
@@ -561,7 +578,8 @@ def _validate_layer_types(m: config_dict.ConfigDict) -> None:
     return
   if not isinstance(declared, (tuple, list)) or not declared:
     _fail("model.layer_types", declared, "must be a non-empty tuple of layer kinds that "
-          "repeats to model.num_layers, e.g. ('sliding_attention',) * 5 + ('full_attention',)"
+          "repeats to model.num_layers, e.g. ('linear_attention', 'linear_attention', "
+          "'full_attention')"
           " (None: sliding_window_layers and moe_layers say)")
   kinds = [layer_kind(name) for name in declared]
   if len(kinds) > stack_layers(m):
@@ -579,6 +597,8 @@ def _validate_layer_types(m: config_dict.ConfigDict) -> None:
   if m.sliding_window is not None and not sliding:
     _fail("model.sliding_window", m.sliding_window, "is set but no kind of model.layer_types "
           "is sliding_attention; unset it or name the sliding layers in model.layer_types")
+  if any(kind.attention == "linear_attention" for kind in kinds):
+    _validate_linear(m)
   moe = any(kind.moe for kind in kinds)
   if moe and not m.num_experts:
     _fail("model.layer_types", declared, f"has {MOE_SUFFIX} layers but model.num_experts=0; "
@@ -587,6 +607,23 @@ def _validate_layer_types(m: config_dict.ConfigDict) -> None:
     _fail("model.num_experts", m.num_experts, f"is set but no kind of model.layer_types ends "
           f"in {MOE_SUFFIX}; mark the layers with experts (e.g. 'full_attention{MOE_SUFFIX}') "
           "or set it to 0")
+
+
+def _validate_linear(m: config_dict.ConfigDict) -> None:
+  """The linear_attention layers' fields (model/gated_deltanet.py)."""
+  if m.family != "decoder":
+    _fail("model.layer_types", m.layer_types, f"linear_attention layers are causal (Gated "
+          f"DeltaNet's state runs forward): for model.family=decoder, not {m.family}")
+  for field in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                "linear_value_head_dim"):
+    _check_positive(m, f"model.{field}", "model.", allow_none=True)
+  for field in ("linear_conv_kernel_dim", "linear_chunk_size"):
+    _check_positive(m, f"model.{field}", "model.")
+  heads = linear_heads(m)
+  if heads["linear_num_value_heads"] % heads["linear_num_key_heads"]:
+    _fail("model.linear_num_value_heads", heads["linear_num_value_heads"],
+          f"must be a multiple of model.linear_num_key_heads={heads['linear_num_key_heads']} "
+          "(each key head serves as many value heads)")
 
 
 def _validate_window_layers(m: config_dict.ConfigDict) -> None:
@@ -869,6 +906,9 @@ def _validate_context(config) -> None:
   if m.family != "decoder":
     _fail("mesh.context", n, f"splits the sequence of a decoder's rows; model.family={m.family} "
           "is not supported yet (use mesh.context=1)")
+  if linear_layers(m):
+    _fail("mesh.context", n, "splits rows over devices, which linear_attention layers do not "
+          "take yet (their state would pass from device to device); use mesh.context=1")
   if t.seq_len % (2 * n):
     _fail("train.seq_len", t.seq_len, f"must be a multiple of 2 x mesh.context = {2 * n} "
           "(the zig-zag layout gives each device two chunks of every row)")

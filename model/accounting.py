@@ -53,6 +53,7 @@ from model import context_parallel
 from model.attention import model_implementation
 from model.attention_kinds import ATTENTIONS
 from model.config import ModelConfig
+from model.gated_deltanet import linear_params, rule_flops, state_shapes
 from model.mlp import MLPS
 from model.norms import NORMS
 from model.positions import POSITIONS
@@ -221,8 +222,10 @@ def _head_params(m) -> int:
   return untied + transform + (m.vocab_size if m.output_bias else 0)
 
 
-def _layer_params(m, cross: bool, moe: bool = False) -> dict[str, int]:
-  layer = {"attention": _attention_params(m)}
+def _layer_params(m, cross: bool, moe: bool = False, linear: bool = False) -> dict[str, int]:
+  """One layer by component; `linear`: its token mixer is Gated DeltaNet's
+  (`model.gated_deltanet.linear_params`, counted as its attention)."""
+  layer = {"attention": linear_params(m) if linear else _attention_params(m)}
   if cross:
     layer["cross_attention"] = _attention_params(m)
   layer["mlp"] = _moe_params(m) if moe else _mlp_params(m)
@@ -243,14 +246,18 @@ def formula_params(model_cfg, mtp_depth: int = 0) -> dict:
   """The closed-form parameter counts, the same dict as `measured_params`."""
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
-  per_layer = {stack: _layer_params(m, cross, m.layer_is_moe(0)) for stack, _, cross in stacks}
+  per_layer = {stack: _layer_params(m, cross, m.layer_is_moe(0), m.layer_is_linear(0))
+               for stack, _, cross in stacks}
   position_table = len(stacks) * _position_table_params(m)
   embedding = (m.vocab_size * m.d_model + position_table + _head_params(m)
                + len(stacks) * _stack_embedding_params(m))
   final_norms = len(stacks) * _norm_params(m) if m.norm_position == "pre" else 0
-  # Experts live in the decoder's `moe_layers` (decoders only); the others are dense.
-  layers = sum(num * _layer_params(m, cross)["total"] for _, num, cross in stacks) + len(
-      m.moe_layers) * (_moe_params(m) - _mlp_params(m))
+  # Experts live in the decoder's `moe_layers` and linear attention in its
+  # linear layers (decoders only); the others are dense softmax attention.
+  linear = validation.linear_layers(m)
+  layers = (sum(num * _layer_params(m, cross)["total"] for _, num, cross in stacks)
+            + len(m.moe_layers) * (_moe_params(m) - _mlp_params(m))
+            + len(linear) * (linear_params(m) - _attention_params(m)))
   mtp = {"params_mtp": mtp_depth * mtp_module_params(m)} if mtp_depth else {}
   return _assemble(m, per_layer,
                    params_total=layers + embedding + final_norms + mtp_depth * mtp_module_params(m),
@@ -315,8 +322,20 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
   if m.family == "encoder":
     return 0
   layers = m.num_decoder_layers if m.family == "encoder_decoder" else m.num_layers
+  layers -= len(validation.linear_layers(m))  # a linear layer's state does not grow
   per_layer = sum(math.prod(shape) for shape in ATTENTIONS[m.attention].cache(m).values())
   return layers * per_layer * _itemsize(m.dtype)
+
+
+def linear_state_bytes(model_cfg) -> int:
+  """Bytes of the linear_attention layers' decoding state per sequence,
+  whatever its length: each layer's rule state h_v x d_k x d_v in float32
+  and its convolutions' K-1 last inputs in model.dtype (0 without them)."""
+  m = ModelConfig.resolve(model_cfg)
+  shapes = state_shapes(m)
+  per_layer = (4 * math.prod(shapes["state"]) + _itemsize(m.dtype) * sum(
+      math.prod(shape) for name, shape in shapes.items() if name != "state"))
+  return len(validation.linear_layers(m)) * per_layer
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int = 0) -> int:
@@ -334,7 +353,8 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int 
   attention sublayers: the layers of a decoder or encoder; for an
   encoder-decoder the encoder's self-attention plus the decoder's self- and
   cross-attention, a "token" then being one source and one target token of
-  equal length S.
+  equal length S. A linear_attention layer's rule costs
+  `gated_deltanet.rule_flops` per token instead, whatever S.
 
   With `mtp_depth` = D multi-token prediction modules (train.mtp_depth), each
   adds its own 2 x `mtp_module_params`, its block's attention and the shared
@@ -343,9 +363,10 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int 
   m = ModelConfig.resolve(model_cfg)
   params = formula_params(m)
   n = params["params_active"] - params["params_position_table"]
-  attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m))
+  linear = len(validation.linear_layers(m))
+  attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m)) - linear
   attention = 2 * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
-  forward = 2 * n + attention_layers * attention + mtp_depth * (
+  forward = 2 * n + attention_layers * attention + linear * rule_flops(m) + mtp_depth * (
       2 * (mtp_module_params(m) + m.d_model * m.vocab_size) + attention)
   return 3 * forward if train else forward
 

@@ -768,7 +768,7 @@ class Attention(nnx.Module):
     k_BTKD, v_BTKD = self.project_kv(x_BTM, positions_BT)
     rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
     slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
-    cache = dict(k=cache["k"].at[slot].set(k_BTKD.astype(cache["k"].dtype)),
+    cache = dict(cache, k=cache["k"].at[slot].set(k_BTKD.astype(cache["k"].dtype)),
                  v=cache["v"].at[slot].set(v_BTKD.astype(cache["v"].dtype)))
     k_BLKD, v_BLKD = ((cache["k"], cache["v"]) if layer is None
                       else (cache["k"][layer], cache["v"][layer]))

@@ -4,7 +4,8 @@ Pre-norm: x = x + Sublayer(Norm(x)) (an unnormalised residual stream).
 Post-norm (the original paper): x = Norm(x + Sublayer(x)).
 Depth-μP (model.mup_base_depth): x = x + sqrt(base depth / num_layers) Sublayer(Norm(x)).
 A block is self-attention (the `model.attention` entry's: multi-head or
-DeepSeek's latent attention), then cross-attention (decoder of an
+DeepSeek's latent attention; in a `linear_attention` layer Gated DeltaNet),
+then cross-attention (decoder of an
 encoder-decoder only; multi-head), then the MLP (or a mixture of experts,
 `model/moe.py`), each wrapped that way.
 """
@@ -12,6 +13,7 @@ from flax import nnx
 
 from model.attention import Attention
 from model.attention_kinds import ATTENTIONS
+from model.gated_deltanet import GatedDeltaNet
 from model.mlp import MLP
 from model.moe import MoE
 from model.norms import make_norm
@@ -20,12 +22,14 @@ from model.norms import make_norm
 class Block(nnx.Module):
 
   def __init__(self, cfg, *, cross: bool, rope, rngs: nnx.Rngs, window: int | None = None,
-               moe: bool = False):
+               moe: bool = False, linear: bool = False):
     """`window`: this layer's self-attention sliding window (None: none);
-    `moe`: its MLP is a mixture of experts."""
+    `moe`: its MLP is a mixture of experts; `linear`: its token mixer is
+    Gated DeltaNet's linear attention (`model/gated_deltanet.py`) instead."""
     self.pre_norm = cfg.norm_position == "pre"
     self.branch_mult = cfg.branch_mult  # depth-μP: sqrt(base depth / num_layers), or None
-    self.attn = ATTENTIONS[cfg.attention].module(cfg, rope=rope, window=window, rngs=rngs)
+    self.attn = (GatedDeltaNet(cfg, rngs=rngs) if linear else
+                 ATTENTIONS[cfg.attention].module(cfg, rope=rope, window=window, rngs=rngs))
     self.norm_attn = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.cross_attn = Attention(cfg, rngs=rngs) if cross else None
     self.norm_cross = make_norm(cfg.d_model, cfg=cfg, rngs=rngs) if cross else None
@@ -74,14 +78,18 @@ class Block(nnx.Module):
     return self.cross_attn.project_kv(context_BSM)
 
   def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None,
-             bias=None, layer=None):
+             bias=None, layer=None, valid_BT=None):
     """One generation step against this block's KV cache (and the encoder
     output's cross-attention `context_kv`); returns (x, cache). With `layer`,
-    `cache` is the whole stack's, stacked (`Attention.decode`)."""
+    `cache` is the whole stack's, stacked (`Attention.decode`). `valid_BT`:
+    the real tokens of right-padded prompts, which alone move a linear
+    layer's state (a KV cache's padding slots are overwritten later)."""
     new_cache = {}
+    linear = {"valid_BT": valid_BT} if isinstance(self.attn, GatedDeltaNet) else {}
 
     def self_attention(h):
-      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias, layer=layer)
+      out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias, layer=layer,
+                                              **linear)
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)

@@ -133,6 +133,12 @@ class ModelConfig:
   sliding_window_layers: tuple[int, ...]
   layer_types: tuple[str, ...]
   layer_cycle: int
+  linear_num_key_heads: int
+  linear_num_value_heads: int
+  linear_key_head_dim: int
+  linear_value_head_dim: int
+  linear_conv_kernel_dim: int
+  linear_chunk_size: int
   scan_layers: bool
   scan_unroll: int
   attention_impl: str
@@ -177,6 +183,12 @@ class ModelConfig:
                  "moe_capacity_factor"}
     elif len(self.moe_layers) == self.num_layers:
       unused |= {"d_ff"}  # every MLP is a mixture of experts of moe_d_ff
+    if not any(self.layer_kind(i).attention == "linear_attention"
+               for i in range(len(self.layer_types))):
+      unused |= {"linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                 "linear_value_head_dim", "linear_conv_kernel_dim", "linear_chunk_size"}
+    else:
+      unused |= {"linear_chunk_size"}  # how the rule is computed, not what
     if self.num_labels:
       unused |= {"tie_embeddings", "scale_head_input", "head_transform", "output_bias"}
     else:
@@ -214,6 +226,7 @@ class ModelConfig:
                   sliding_window_layers=validation.sliding_window_layers(section),
                   layer_types=validation.layer_types(section),
                   layer_cycle=validation.layer_cycle(section),
+                  **validation.linear_heads(section),
                   moe_layers=validation.moe_layers(section),
                   moe_d_ff=validation.moe_d_ff(section),
                   scan_layers=validation.scan_layers(section),
@@ -271,6 +284,10 @@ class ModelConfig:
   def layer_is_moe(self, layer: int) -> bool:
     """Whether decoder layer `layer`'s MLP is a mixture of experts."""
     return self.layer_kind(layer).moe
+
+  def layer_is_linear(self, layer: int) -> bool:
+    """Whether layer `layer`'s token mixer is Gated DeltaNet's linear attention."""
+    return self.layer_kind(layer).attention == "linear_attention"
 
   def layer_window(self, layer: int) -> int | None:
     """The sliding window of decoder layer `layer`'s self-attention (None: it

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from configs import validation
 from configs.errors import UserError
 from model.positions import POSITIONS
 from model.relative_bias import positions_row
@@ -129,7 +130,10 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
     cross_kv = model.cross_cache(model.encode(src_BS, src_mask_BS))
     step = functools.partial(decoder_step, cross_kv=cross_kv, src_padding_mask=src_mask_BS)
   cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
-  logits_BPV, cache = step(tokens_BP, jnp.broadcast_to(jnp.arange(P), (B, P)), cache)
+  positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
+  # A linear layer's state must not read a shorter prompt's padding.
+  valid = {} if src_BS is not None else {"valid_BT": positions_BP < lengths_B[:, None]}
+  logits_BPV, cache = step(tokens_BP, positions_BP, cache, **valid)
   first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
   if copies == 1:
     return step, first_BV, cache
@@ -389,6 +393,9 @@ def mtp_speculative(model, model_cfg, prompts: list[list[int]], *, max_new_token
   if model_cfg.family != "decoder":
     raise UserError(f"draft=mtp: model.family={model_cfg.family!r} has no multi-token "
                     "prediction modules (a decoder trained with train.mtp_depth > 0 has)")
+  if validation.linear_layers(model_cfg):
+    raise UserError("draft=mtp: a rejected draft rolls the KV cache back, which a "
+                    "linear_attention layer's state cannot do; generate without the draft")
   if not len(getattr(model, "mtp", ())):
     raise UserError("draft=mtp drafts with the multi-token prediction modules, and this model "
                     "has none; train it with train.mtp_depth > 0, or generate without the draft")

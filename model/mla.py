@@ -159,7 +159,8 @@ class LatentAttention(nnx.Module):
     rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
     slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
     stored = cache["latent"]
-    cache = dict(latent=stored.at[slot].set(self.latent(x_BTM, positions_BT).astype(stored.dtype)))
+    cache = dict(cache, latent=stored.at[slot].set(
+        self.latent(x_BTM, positions_BT).astype(stored.dtype)))
     latent_BL1C = (cache["latent"] if layer is None else cache["latent"][layer]).astype(
         q_nope_BTHD.dtype)
     w_RHD = self.kv_b_proj.kernel[...].astype(q_nope_BTHD.dtype)  # [r, h, d_n + d_v]

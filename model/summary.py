@@ -16,6 +16,7 @@ estimate is for, since it decides what `attention_impl=auto` runs.
 
 A bad config prints `error: <message>` on one line and exits 2.
 """
+import collections
 import json
 import sys
 
@@ -44,9 +45,11 @@ def summarize(config, backend: str = "gpu") -> dict:
   m, depth = ModelConfig.resolve(config.model), config.train.mtp_depth
   report = accounting.measured_params(m, depth)
   per_token = accounting.kv_cache_bytes_per_token(m)
+  state = accounting.linear_state_bytes(m)
   report.update(
       kv_cache_bytes_per_token=per_token,
-      kv_cache_bytes_at_max_len=per_token * m.max_len,
+      kv_cache_bytes_at_max_len=per_token * m.max_len + state,
+      linear_state_bytes_per_sequence=state,
       flops_per_token_forward=accounting.flops_per_token(m, config.train.seq_len, train=False,
                                                          mtp_depth=depth),
       flops_per_token_train=accounting.flops_per_token(m, config.train.seq_len, train=True,
@@ -105,9 +108,12 @@ def format_table(config, report: dict) -> str:
   name = "decoder layer" if m.family == "encoder_decoder" else "layer"
   params += _layer_rows(name, report["num_layers"], report["params_per_layer"])
   total = report["params_total"]
-  if m.num_experts and len(m.moe_layers) != m.num_layers:  # the layers differ: count them all
-    params[-1] = (f"{m.num_layers} layers ({len(m.moe_layers)} with experts; above: layer 0)",
-                  total - report["params_embedding"] - report["params_final_norms"], "")
+  kinds = collections.Counter(m.layer_types[:m.num_layers])
+  if len(kinds) > 1:  # the layers differ: count them all
+    described = ", ".join(f"{count} {kind}" for kind, count in kinds.items())
+    params[-1] = (f"{m.num_layers} layers ({described}; above: layer 0)",
+                  total - report["params_embedding"] - report["params_final_norms"]
+                  - report.get("params_mtp", 0), "")
   params += [("embedding + head + positions", report["params_embedding"], ""),
              ("final norms", report["params_final_norms"], ""),
              *([(f"{t.mtp_depth} MTP modules", report["params_mtp"], "train.mtp_depth")]
@@ -119,6 +125,9 @@ def format_table(config, report: dict) -> str:
   lines += _rows("Parameters", params) + [""]
   kv = [("per token", report["kv_cache_bytes_per_token"],
          f"bytes = {_bytes(report['kv_cache_bytes_per_token'])}"),
+        *([("linear layers' state per sequence", report["linear_state_bytes_per_sequence"],
+            f"bytes = {_bytes(report['linear_state_bytes_per_sequence'])}, any length")]
+          if report["linear_state_bytes_per_sequence"] else []),
         (f"per sequence at max_len {m.max_len}", report["kv_cache_bytes_at_max_len"],
          f"bytes = {_bytes(report['kv_cache_bytes_at_max_len'])}")]
   lines += _rows(f"KV cache ({config.model.dtype})", kv) + [""]

@@ -45,6 +45,7 @@ from model.attention import soft_cap
 from model.attention_kinds import ATTENTIONS
 from model.blocks import Block
 from model.classifier import SequenceClassifier, pool
+from model import gated_deltanet
 from model.embeddings import Embed, TokenTypes, rope_from_config
 from model.layers import LAYERS_AXIS, Dense, batch_axes, param
 from model.mlp import MLPS
@@ -106,7 +107,8 @@ class _Stack(nnx.Module):
     self.scan = cfg.scan_layers
     self.scan_unroll = cfg.scan_unroll
     make_block = lambda i, r: Block(cfg, cross=cross, rope=rope, rngs=r,
-                                    window=cfg.layer_window(i), moe=cfg.layer_is_moe(i))
+                                    window=cfg.layer_window(i), moe=cfg.layer_is_moe(i),
+                                    linear=cfg.layer_is_linear(i))
     if self.scan:
       # The segments of `layer_plan`, each stacked on its own `layers` axis:
       # a run of identical layers (DeepSeek-V3: layers 0-2 dense, 3-60 with
@@ -126,6 +128,12 @@ class _Stack(nnx.Module):
     # The KV cache per token and layer: array name -> trailing shape (the
     # `model.attention` entry's: k and v [g, d_k], or MLA's latent [1, r + d_r]).
     self.cache_shapes = tuple(ATTENTIONS[cfg.attention].cache(cfg).items())
+    # A linear_attention layer's state instead, per sequence (no token axis).
+    self.state_shapes = tuple(gated_deltanet.state_shapes(cfg).items())
+    self.linear = tuple(cfg.layer_is_linear(i) for i in range(num_layers))
+    # Layer i's index among the layers of its kind of cache (attention or
+    # linear): its slice of a scanned stack's cache, stacked per kind.
+    self.cache_index = tuple(self.linear[:i].count(self.linear[i]) for i in range(num_layers))
 
   def embed_tokens(self, tokens_BT, positions_BT, token_types_BT=None):
     """Token embeddings (times sqrt(d_model) when `scale_embeddings`) plus
@@ -203,14 +211,26 @@ class _Stack(nnx.Module):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     """Zeros for every layer: the self-attention's arrays [batch, length,
     ...] (k, v [batch, length, g, d_k]; MLA's latent [batch, length, 1, r +
-    d_r]); scanned, one dict of them stacked [layers, batch, length, ...]."""
-    lead = (self.num_layers,) if self.scan else ()
+    d_r]), or a linear_attention layer's state [batch, ...] (its rule's
+    state in float32, its convolutions' last inputs in `dtype`); scanned,
+    one dict whose arrays are stacked over the layers of their kind
+    [layers, batch, ...]."""
 
-    def layer_cache():
-      return {name: jnp.zeros((*lead, batch, length, *shape), dtype)
+    def layer_cache(linear: bool, count: tuple = ()):
+      if linear:
+        return {name: jnp.zeros((*count, batch, *shape),
+                                jnp.float32 if name == "state" else dtype)
+                for name, shape in self.state_shapes}
+      return {name: jnp.zeros((*count, batch, length, *shape), dtype)
               for name, shape in self.cache_shapes}
 
-    return layer_cache() if self.scan else [layer_cache() for _ in self.layers]
+    if not self.scan:
+      return [layer_cache(linear) for linear in self.linear]
+    cache = {}
+    for linear in (False, True):
+      if linear in self.linear:
+        cache.update(layer_cache(linear, (self.linear.count(linear),)))
+    return cache
 
   def cross_kv(self, context_BSM):
     """Every layer's cross-attention (k, v) [B, S, K, D] of the encoder
@@ -227,7 +247,7 @@ class _Stack(nnx.Module):
     return out
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None,
-                  blocks=None):
+                  blocks=None, valid_BT=None):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
     with cross-attention, each layer's `cross_kv`); new cache.
 
@@ -238,17 +258,21 @@ class _Stack(nnx.Module):
     of the stacked ones at every token: a scan over the layers inside the
     token loop copied each layer's weights and both caches per token, which
     made CPU decoding half as fast (docs/results.md, "Against PyTorch").
+    `valid_BT`: the real tokens of right-padded prompts (`Block.decode`).
     """
     blocks = self.blocks() if blocks is None else blocks
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
-    length = next(iter((cache if self.scan else cache[0]).values())).shape[-3]
-    bias = self.self_bias(positions_BT, positions_row(length))
+    bias = None
+    if self.relative_bias is not None:
+      length = (cache if self.scan else cache[self.linear.index(False)])["k"].shape[-3]
+      bias = self.self_bias(positions_BT, positions_row(length))
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):
       kwargs = dict(positions_BT=positions_BT, cross_segment_ids=cross_segment_ids, bias=bias,
-                    context_kv=None if cross_kv is None else cross_kv[i])
+                    context_kv=None if cross_kv is None else cross_kv[i], valid_BT=valid_BT)
       if self.scan:
-        x_BTM, new_cache = block.decode(x_BTM, cache=new_cache, layer=i, **kwargs)
+        x_BTM, new_cache = block.decode(x_BTM, cache=new_cache, layer=self.cache_index[i],
+                                        **kwargs)
       else:
         x_BTM, layer_cache = block.decode(x_BTM, cache=cache[i], **kwargs)
         new_cache.append(layer_cache)
@@ -569,10 +593,12 @@ class Decoder(_WithHead):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
 
-  def decode_step(self, tokens_BT, positions_BT, cache, blocks=None):
+  def decode_step(self, tokens_BT, positions_BT, cache, blocks=None, valid_BT=None):
     """Logits of `tokens_BT` at `positions_BT` given the cache; new cache.
-    `blocks`: `decoder.blocks()`, taken once per generation (`_Stack.decode_step`)."""
-    x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
+    `blocks`: `decoder.blocks()`, taken once per generation (`_Stack.decode_step`);
+    `valid_BT`: the real tokens of right-padded prompts (None: all)."""
+    x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks,
+                                            valid_BT=valid_BT)
     return self.logits(self.decoder, x_BTM), cache
 
 

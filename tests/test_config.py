@@ -60,8 +60,8 @@ CASES = [
      "model.sliding_window_layers=(2,): must name distinct layers in 0..1 (model.num_layers=2)"),
     (dict(layer_types=()), "model.layer_types=(): must be a non-empty tuple of layer kinds"),
     (dict(layer_types=("full_attention", "linear")), "model.layer_types='linear': is not a "
-     "layer kind: use one of full_attention, sliding_attention, each optionally followed by "
-     "+moe"),
+     "layer kind: use one of full_attention, sliding_attention, linear_attention, each "
+     "optionally followed by +moe"),
     (dict(layer_types=("full_attention",) * 3), "model.layer_types=('full_attention', "
      "'full_attention', 'full_attention'): has 3 kinds for 2 layers (model.num_layers)"),
     (dict(layer_types=("sliding_attention",)),

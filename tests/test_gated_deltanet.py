@@ -1,0 +1,238 @@
+"""Gated DeltaNet (`model/gated_deltanet.py`): the chunked form against the
+recurrent one and against transformers' own, packed rows, the layer against
+Qwen3-Next's, and hybrid decoders (`model.layer_types` with linear_attention)
+trained, scanned and decoded."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs import base
+from configs.errors import UserError
+from configs.validation import validate, validate_model
+from model import accounting, build_model, gated_deltanet as gdn
+from model.config import ModelConfig
+from model.generate import generate
+from model.transformer import Segment, layer_plan
+from tests.helpers import scanned_copy
+
+
+def rule_inputs(T: int, B: int = 2, Hk: int = 2, Hv: int = 4, K: int = 8, V: int = 6,
+                seed: int = 0):
+  """Random q, k [B, T, Hk, K], v [B, T, Hv, V], log decays g <= 0 and write
+  strengths beta in (0, 1), float32."""
+  rng = np.random.default_rng(seed)
+  normal = lambda *shape: rng.normal(size=shape).astype(np.float32)
+  g = -np.abs(normal(B, T, Hv)) * 0.5
+  beta = 1 / (1 + np.exp(-normal(B, T, Hv)))
+  return normal(B, T, Hk, K), normal(B, T, Hk, K), normal(B, T, Hv, V), g, beta
+
+
+@pytest.mark.parametrize("T,chunk", [(150, 64), (64, 64), (7, 4), (33, 8), (1, 16)])
+def test_chunked_equals_recurrent_at_any_length(T, chunk):
+  """Outputs, final states and every input's gradient, also where T is no
+  multiple of the chunk (its last chunk padded) and from a given state."""
+  inputs = rule_inputs(T)
+  state = jnp.asarray(np.random.default_rng(1).normal(size=(2, 4, 8, 6)), jnp.float32)
+  o_r, s_r = gdn.recurrent(*inputs, state_BHKV=state)
+  o_c, s_c = gdn.chunked(*inputs, state_BHKV=state, chunk=chunk)
+  np.testing.assert_allclose(o_c, o_r, atol=2e-6)
+  np.testing.assert_allclose(s_c, s_r, atol=2e-6)
+  loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
+  grads_r = jax.grad(loss(gdn.recurrent), argnums=range(5))(*inputs)
+  grads_c = jax.grad(loss(lambda *x: gdn.chunked(*x, chunk=chunk)), argnums=range(5))(*inputs)
+  for got, want in zip(grads_c, grads_r):
+    np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-5)
+
+
+def test_packed_rows_reset_the_state_at_each_document():
+  """A packed row's documents (segment ids 1, 2, 3; the second row 1 then 5)
+  give what each gives alone, in both forms, with chunks that cut across
+  the boundaries; the carried state is the last document's."""
+  q, k, v, g, beta = rule_inputs(100)
+  seg = np.ones((2, 100), np.int32)
+  seg[:, 30:], seg[:, 77:], seg[1, 9:] = 2, 3, 5
+  o_r, s_r = gdn.recurrent(q, k, v, g, beta, segment_ids_BT=seg)
+  o_c, s_c = gdn.chunked(q, k, v, g, beta, segment_ids_BT=seg, chunk=16)
+  np.testing.assert_allclose(o_c, o_r, atol=2e-6)
+  np.testing.assert_allclose(s_c, s_r, atol=2e-6)
+  alone = lambda a, b: gdn.chunked(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
+                                   chunk=16)
+  for a, b in ((0, 30), (30, 77), (77, 100)):
+    np.testing.assert_allclose(o_c[0, a:b], alone(a, b)[0][0], atol=2e-6)
+  np.testing.assert_allclose(s_c[0], alone(77, 100)[1][0], atol=2e-6)
+  np.testing.assert_allclose(o_c[1, 9:], alone(9, 100)[0][1], atol=2e-6)
+
+
+@pytest.mark.hf
+def test_both_forms_equal_transformers_reference():
+  """transformers' torch_chunk_gated_delta_rule and
+  torch_recurrent_gated_delta_rule (Qwen3-Next's reference code, which FLA's
+  kernels match): the same outputs and final states."""
+  torch = pytest.importorskip("torch")
+  from transformers.models.qwen3_next import modeling_qwen3_next as hf  # pylint: disable=import-outside-toplevel
+  inputs = rule_inputs(150)
+  torch_inputs = [torch.tensor(x) for x in inputs]
+  for ours, theirs in ((gdn.chunked, hf.torch_chunk_gated_delta_rule),
+                       (gdn.recurrent, hf.torch_recurrent_gated_delta_rule)):
+    o, s = ours(*inputs)
+    o_hf, s_hf = theirs(*torch_inputs, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    np.testing.assert_allclose(o, o_hf.numpy(), atol=2e-6)
+    np.testing.assert_allclose(s, s_hf.numpy(), atol=2e-6)
+
+
+def model_cfg(scan=False, **overrides):
+  """A small hybrid decoder: linear, full, linear, full; 8 value heads over
+  the 4 key heads, d_k 4; chunks of 4."""
+  c = base.get_config().model
+  c.update(vocab_size=64, d_model=32, num_layers=4, num_heads=4, d_ff=64, max_len=64,
+           attention_impl="xla", layer_types=("linear_attention", "full_attention"),
+           linear_num_value_heads=8, linear_key_head_dim=4, linear_chunk_size=4,
+           init_std=0.3, scan_layers=scan)
+  c.update(**overrides)
+  return c
+
+
+def _weights_from_hf(ours: gdn.GatedDeltaNet, layer, cfg) -> None:
+  """`layer`'s (transformers' Qwen3NextGatedDeltaNet) weights into `ours`:
+  its fused in_proj_qkvz and in_proj_ba hold each key head's q, k, then its
+  value heads' v, z (b, a) in turn; its one convolution holds q, k, v."""
+  Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+  Dk, Dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk
+  t = lambda p: np.asarray(p.detach().numpy(), np.float32)
+  qkvz = t(layer.in_proj_qkvz.weight).T.reshape(cfg.d_model, Hk, -1)
+  ba = t(layer.in_proj_ba.weight).T.reshape(cfg.d_model, Hk, 2 * r)
+  split = np.cumsum([Dk, Dk, r * Dv])
+  q, k, v, z = np.split(qkvz, split, axis=-1)
+  ours.q_proj.kernel[...], ours.k_proj.kernel[...] = q, k
+  ours.v_proj.kernel[...] = v.reshape(cfg.d_model, Hv, Dv)
+  ours.z_proj.kernel[...] = z.reshape(cfg.d_model, Hv, Dv)
+  ours.b_proj.kernel[...] = ba[..., :r].reshape(cfg.d_model, Hv)
+  ours.a_proj.kernel[...] = ba[..., r:].reshape(cfg.d_model, Hv)
+  conv = t(layer.conv1d.weight)[:, 0].T  # [K, channels]
+  cq, ck, cv = np.split(conv, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+  ours.conv_q[...], ours.conv_k[...] = cq.reshape(-1, Hk, Dk), ck.reshape(-1, Hk, Dk)
+  ours.conv_v[...] = cv.reshape(-1, Hv, Dv)
+  ours.A_log[...], ours.dt_bias[...] = t(layer.A_log), t(layer.dt_bias)
+  ours.norm_scale[...] = t(layer.norm.weight)
+  ours.o_proj.kernel[...] = t(layer.out_proj.weight).T.reshape(Hv, Dv, cfg.d_model)
+
+
+@pytest.mark.hf
+def test_the_layer_equals_qwen3_next_gated_deltanet():
+  """The whole layer (projections, convolution, gates, rule, gated norm,
+  output) against transformers' Qwen3NextGatedDeltaNet with the same
+  random weights: float32 outputs within 1e-5 of the largest."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from transformers.models.qwen3_next import modeling_qwen3_next as hf  # pylint: disable=import-outside-toplevel
+  cfg = ModelConfig.resolve(model_cfg(norm_eps=1e-6))
+  hf_cfg = transformers.Qwen3NextConfig(
+      hidden_size=cfg.d_model, linear_num_key_heads=cfg.linear_num_key_heads,
+      linear_num_value_heads=cfg.linear_num_value_heads,
+      linear_key_head_dim=cfg.linear_key_head_dim,
+      linear_value_head_dim=cfg.linear_value_head_dim, linear_conv_kernel_dim=4,
+      rms_norm_eps=1e-6, layer_types=["linear_attention"], num_hidden_layers=1)
+  torch.manual_seed(0)
+  layer = hf.Qwen3NextGatedDeltaNet(hf_cfg, layer_idx=0).float()
+  with torch.no_grad():
+    for p in layer.parameters():
+      p.copy_(torch.randn_like(p) * 0.3)
+  ours = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0))
+  _weights_from_hf(ours, layer, cfg)
+  x = np.random.default_rng(0).normal(size=(2, 11, cfg.d_model)).astype(np.float32)
+  with torch.no_grad():
+    want = layer(torch.tensor(x)).numpy()
+  got = np.asarray(ours(jnp.asarray(x)))
+  np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+
+
+def test_the_layer_on_a_packed_row_is_each_document_alone():
+  """Convolution and rule both stop at a document boundary."""
+  layer = gdn.GatedDeltaNet(ModelConfig.resolve(model_cfg()), rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(1, 13, 32)), jnp.float32)
+  seg = jnp.asarray([[1] * 6 + [2] * 7])
+  packed = layer(x, segment_ids=seg)
+  np.testing.assert_allclose(packed[:, :6], layer(x[:, :6]), atol=1e-5)
+  np.testing.assert_allclose(packed[:, 6:], layer(x[:, 6:]), atol=1e-5)
+
+
+def test_the_weights_mix_the_values_as_the_rule_does():
+  """`weights` (the [T, T] matrix the rule applies to the values) times the
+  values is the rule's output."""
+  cfg = ModelConfig.resolve(model_cfg())
+  layer = gdn.GatedDeltaNet(cfg, rngs=nnx.Rngs(0))
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, 32)), jnp.float32)
+  m_BHTT = layer.weights(x)
+  convs, g, beta, _ = layer._inputs(x, None, None)  # pylint: disable=protected-access
+  o, _ = gdn.recurrent(convs["q"], convs["k"], convs["v"], g, beta)
+  np.testing.assert_allclose(jnp.einsum("bhij,bjhv->bihv", m_BHTT, convs["v"]), o, atol=1e-5)
+  assert np.all(np.triu(np.asarray(m_BHTT), 1) == 0)  # causal
+
+
+def test_a_hybrid_scans_by_its_cycle_as_the_loop_and_counts_as_its_formula():
+  """Linear and full layers: the scanned stack (one cycle body, 2 repeats)
+  gives the loop's logits and gradients; the parameter count read off the
+  module equals the closed form in both layouts."""
+  cfg = ModelConfig.resolve(model_cfg(True))
+  assert layer_plan(cfg, 4) == (Segment(0, 2, 2),)
+  looped = build_model(model_cfg(False), nnx.Rngs(0))
+  scanned = scanned_copy(looped, build_model(model_cfg(True), nnx.Rngs(1)))
+  tokens = jax.random.randint(jax.random.key(0), (2, 11), 1, 64)
+  loss = lambda m: jnp.mean(jax.nn.log_softmax(m(tokens))[..., 3])
+  (loss_l, grads_l), (loss_s, grads_s) = (nnx.value_and_grad(loss)(m) for m in (looped, scanned))
+  np.testing.assert_allclose(loss_s, loss_l, rtol=1e-5)
+  a_log_l = grads_l["decoder"]["layers"][2]["attn"]["A_log"][...]
+  a_log_s = grads_s["decoder"]["layers"]["0_to_3_every_2"][0]["attn"]["A_log"][...][1]
+  np.testing.assert_allclose(a_log_s, a_log_l, atol=1e-6)
+  for scan in (False, True):
+    assert (accounting.measured_params(model_cfg(scan))
+            == accounting.formula_params(model_cfg(scan)))
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_decoding_a_hybrid_keeps_a_state_and_gives_the_full_forward_tokens(scan):
+  """Greedy KV-cache and state decoding of prompts of two lengths (the
+  shorter one's padding never reaches a state) gives the tokens of
+  recomputing the whole row at every step; beam search runs."""
+  c = model_cfg(scan)
+  model = build_model(c, nnx.Rngs(0))
+  prompts = [[1, 5, 9, 3, 4, 5, 6, 7, 8, 9, 10], [2, 7]]
+  logits = nnx.jit(lambda m, row: m(row))  # causal: right padding leaves the rest alone
+  want = []
+  for prompt in prompts:
+    row = list(prompt)
+    for _ in range(6):
+      padded = jnp.asarray([row + [0] * (17 - len(row))])
+      row.append(int(jnp.argmax(logits(model, padded)[0, len(row) - 1])))
+    want.append(row[len(prompt):])
+  assert generate(model, c, prompts, max_new_tokens=6, temperature=0.0) == want
+  cache = model.init_cache(2, 20)
+  cache = cache if scan else cache[0]
+  assert cache["state"].shape[-4:] == (2, 8, 4, 4)  # [B, h_v, d_k, d_v], no token axis
+  with pytest.raises(UserError, match="draft=mtp: a rejected draft rolls the KV cache back"):
+    generate(model, c, prompts, max_new_tokens=2, draft="mtp")
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(family="encoder", layer_types=("linear_attention",)), "linear_attention layers are "
+     "causal"),
+    (dict(linear_num_value_heads=6), "model.linear_num_value_heads=6: must be a multiple of "
+     "model.linear_num_key_heads=4"),
+    (dict(linear_chunk_size=0), "model.linear_chunk_size=0: must be a positive integer"),
+])
+def test_bad_linear_fields_are_one_line(overrides, message):
+  with pytest.raises(UserError, match=message) as err:
+    validate_model(model_cfg(**overrides))
+  assert "\n" not in str(err.value)
+
+
+def test_a_context_mesh_refuses_linear_layers():
+  config = base.get_config()
+  config.model = model_cfg()
+  config.tokenizer.vocab_size = 64
+  config.mesh.context = 2
+  with pytest.raises(UserError, match="mesh.context=2: splits rows over devices, which "
+                     "linear_attention layers do not take yet"):
+    validate(config)
