@@ -111,18 +111,20 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
     os.makedirs(variant.workdir)
     with open(os.path.join(variant.workdir, REPORT), "w", encoding="utf-8") as f:
       json.dump({"step": variant.num_steps, "loss": loss}, f)
-  result = sweep_cli("scaling", "--root", root, "--resamples", "100")
-  assert result.returncode == 2 and result.stderr == (
-      "error: variant pos_emb=rope: budget 4e+12 has 1 distinct size(s) (1.7e+05); an isoFLOP "
-      "parabola needs 3: add sizes or hold that budget out (--holdout 'budget>=4e+12')\n")
   result = sweep_cli("scaling", "--root", root, "--resamples", "100", "--holdout",
-                     "budget>=4e12")
+                     "budget>=4e12", "--starts", "16")
   assert result.returncode == 0, result.stderr
   assert "left out 1 unfinished run(s)" in result.stdout
   assert "fitted 39 runs (2 held out)" in result.stdout, result.stdout
   out = json.load(open(os.path.join(root, "scaling", "scaling.json"), encoding="utf-8"))
   text = json.dumps(out)
   assert "params" in text and "base" in text
+  # The budgets' own FLOP model (attention counted): above 6·N·D, and the frontier in it.
+  assert out["flop_model"] == "the budget column `budget`"
+  assert "C / (6·N·D): median 1." in out["compute"]
+  assert {v["frontier_flop_model"] for v in out["variants"].values()} == {out["flop_model"]}
+  # One RoPE cell is unfinished: the variants no longer share every cell, so unpaired.
+  assert [c["paired"] for c in out["comparisons"]] == [False]
   wrong = sweep_cli("scaling", "--root", root, "--params", "tokens")
   assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
 
@@ -148,12 +150,15 @@ def test_a_small_ladder_runs_end_to_end_into_scaling_json(tmp_path):
 
 
 @pytest.mark.parametrize("command,flag,owner", [
-    ("status", "--holdout=budget>=4e12", "scaling"), ("report", "--resamples=200", "scaling"),
-    ("scaling", "--seeds=2", "run"), ("run", "--baseline=x", "report")])
+    ("status", "--holdout=budget>=4e12", "`sweep.py scaling`"),
+    ("report", "--resamples=200", "`sweep.py scaling`"),
+    ("report", "--starts=8", "`sweep.py scaling`"),
+    ("scaling", "--seeds=2", "`sweep.py run`"),
+    ("run", "--baseline=x", "`sweep.py report` or `sweep.py scaling`")])
 def test_a_flag_of_another_command_is_one_line_exit_2(tmp_path, command, flag, owner):
   result = sweep_cli(command, "--root", str(tmp_path / "root"), flag)
   name = flag.split("=")[0]
   assert result.returncode == 2
-  assert result.stderr == (f"error: {name} is a flag of `sweep.py {owner}`, not of {command}; "
+  assert result.stderr == (f"error: {name} is a flag of {owner}, not of {command}; "
                            "drop it\n")
   assert not (tmp_path / "root").exists()
