@@ -41,7 +41,8 @@ One module per job:
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv, report_summary.csv and the plots
   stats.py       the statistics over seeds: intervals, Welch's and the paired test, Holm
-  scaling/       scaling laws fitted to a ladder's runs (from_sweep.py: `sweep.py scaling`)
+  ladder.py      a scaling ladder's cells, from a sweep file's declarative LADDER
+  scaling/       scaling laws fitted to any runs (from_sweep.py: `sweep.py scaling`)
 
 The names below are imported on first use (`sweeps.load_sweep` loads
 sweep_file.py then), not with the package: `python -m sweeps.scaling`, a

@@ -142,14 +142,16 @@ def _variant_section(f: bootstrap.VariantFit, result: Result) -> list[str]:
            "out.", ""]
   lines += _law_lines(f, r)
   lines += _isoflop_lines(f, r)
+  both = bool(f.budgets)  # approach 2's columns where it ran
   lines += ["", f"### Compute-optimal frontier (C in FLOPs of {f.flops.name})", "",
-            "| C | N_opt (3) | D_opt (3) | loss (3) | N_opt (2) | D_opt (2) |",
-            "|---:|---|---|---|---|---|"]
+            "| C | N_opt (3) | D_opt (3) | loss (3) |" + (" N_opt (2) | D_opt (2) |" if both
+                                                         else ""),
+            "|---:|---|---|---|" + ("---|---|" if both else "")]
   for k, row in enumerate(f.frontier):
     name = f"**{row['C']:.3g}** (target)" if k == len(f.frontier) - 1 else f"{row['C']:.3g}"
     lines.append(f"| {name} | {est(row['N_opt'], 3)} | {est(row['D_opt'], 3)} | "
-                 f"{est(row['loss'])} | {est(row['isoflop N_opt'], 3)} | "
-                 f"{est(row['isoflop D_opt'], 3)} |")
+                 f"{est(row['loss'])} |" + (f" {est(row['isoflop N_opt'], 3)} | "
+                                            f"{est(row['isoflop D_opt'], 3)} |" if both else ""))
   if f.held_out:
     outside = [row for row in f.held_out if row["outside"]]
     lines += ["", "### Held-out runs", "",
@@ -285,8 +287,10 @@ def summary(result: Result) -> list[str]:
   for f in result.fits:
     e = {key: format_estimate(f.estimates[key], 3, result.resamples)
          for key in ("alpha", "beta", "a", "isoflop a")}
+    second = (f"{e['isoflop a']} (approach 2)" if f.budgets else
+              "approach 2 not run (no isoFLOP budget of 3 sizes)")
     lines.append(f"{f.name}: alpha {e['alpha']}, beta {e['beta']}; N_opt ∝ C^a with a "
-                 f"{e['a']} (approach 3), {e['isoflop a']} (approach 2)")
+                 f"{e['a']} (approach 3), {second}")
     lines += [f"{f.name}: " + ("E not identified" if term == "E" else
                                f"the {term} term not identified") + f" ({why})"
               + ("; fitted the reduced law E = 0" if term == "E" else "")
