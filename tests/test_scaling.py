@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 from scipy import optimize, stats
 
-from configs.errors import UserError
 from sweeps.scaling import __main__ as cli
 from sweeps.scaling import bootstrap, fit, report, synthetic
 from sweeps.scaling import cli as scaling_cli

@@ -1,6 +1,7 @@
 """The ladder sweep (configs/sweeps/ladder.py, its cells built by
-sweeps/ladder.py) and `sweep.py scaling`: five sizes per budget spaced evenly in log N around the compute-optimal one, a
-budget the family cannot take refused in one line, the dry run's commands,
+sweeps/ladder.py) and `sweep.py scaling`: five sizes per budget spaced
+evenly in log N around the compute-optimal one, a budget the family cannot
+take refused in one line, the dry run's commands,
 the laws fitted to a ladder's finished runs (the unfinished counted out),
 and a small ladder run end to end."""
 import importlib.util
@@ -14,7 +15,7 @@ import numpy as np
 from ml_collections import config_dict
 import pytest
 
-from configs import tiny, tiny_ladder
+from configs import tiny_ladder
 from configs.errors import UserError
 from model import accounting
 import sweeps as sweep_lib

@@ -416,7 +416,8 @@ def compare(variant: VariantFit, baseline: VariantFit) -> dict:
   out = {"variant": variant.name, "baseline": baseline.name, "paired": paired}
   for key in COMPARED:
     mine, base = variant.estimates[key], baseline.estimates[key]
-    value = None if mine["value"] is None or base["value"] is None else mine["value"] - base["value"]
+    both = mine["value"] is not None and base["value"] is not None
+    value = mine["value"] - base["value"] if both else None
     if mine.get("identified", True) and base.get("identified", True):
       e = estimate(value, variant.samples[key] - baseline.samples[key])
     else:

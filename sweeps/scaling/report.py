@@ -205,8 +205,9 @@ def markdown(result: Result) -> str:
           format_estimate(c[k], 3, result.resamples) + (" *" if c[k]["excludes_zero"] else "")
           for k in keys) + " |")
   lines += ["", "Plots: `isoflop.png` (each budget's runs and parabola), `compute.png` (loss "
-            f"against compute in FLOPs of {runs.flop_model} with the frontier and its 95% band), `predicted.png` (predicted "
-            "against measured loss, held-out runs highlighted)."]
+            f"against compute in FLOPs of {runs.flop_model} with the frontier and its 95% "
+            "band), `predicted.png` (predicted against measured loss, held-out runs "
+            "highlighted)."]
   return "\n".join(lines) + "\n"
 
 
