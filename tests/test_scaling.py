@@ -275,6 +275,28 @@ def test_e_at_its_bound_is_reported_not_identified_and_the_reduced_law_fitted():
   assert data["variants"]["base"]["not_identified"] == f.unidentified
 
 
+def test_a_term_the_loss_does_not_follow_is_dropped_with_its_intervals():
+  """Runs whose loss does not depend on D (B = 0), at assorted sizes and token
+  counts: the D term vanishes or its exponent runs off, so B and β are not
+  identified and get no value, the law without the term is fitted instead
+  (E, A and α then pinned down, their intervals holding the truth), and the
+  frontier, which needs both terms, has no interval."""
+  theta = THETA.copy()
+  theta[1] = -np.inf
+  result = bootstrap.analyse(runs_of_table(table_rows(np.random.default_rng(14), 200, theta)),
+                             resamples=200, starts=16)
+  f = result.fits[0]
+  assert set(f.unidentified) == {"D"} and f.law["theta"][1] == -np.inf
+  for key in ("B", "beta", "a", "loss at target"):
+    assert f.estimates[key]["identified"] is False and f.estimates[key]["low"] is None
+  assert f.estimates["B"]["value"] is None
+  for key in ("E", "A", "alpha"):
+    assert inside(f.estimates[key], TRUTH[key]), (key, f.estimates[key])
+  assert all(row["N_opt"]["low"] is None for row in f.frontier)
+  text = report.markdown(result)
+  assert "L(N, D) = E + A/N^α (B = 0)" in text and "**B and β are not identified**" in text
+
+
 def test_a_known_e_is_identified():
   f = bootstrap.analyse(runs_of(ladder(np.random.default_rng(11))), resamples=100,
                         starts=8).fits[0]
@@ -317,6 +339,10 @@ def table_rows(rng, runs: int = 300, theta=THETA) -> list[dict]:
   loss = np.exp(fit.log_loss(theta, np.log(n), np.log(d)) + rng.normal(0, 0.01, runs))
   return [{"params": float(a), "tokens": float(b), "loss": float(c), "flops": 6 * float(a * b)}
           for a, b, c in zip(n, d, loss)]
+
+
+def runs_of_table(rows):
+  return make_runs(rows, params="params", tokens="tokens", loss="loss")
 
 
 def test_a_table_without_budgets_fits_with_the_parametric_law(tmp_path, capsys):

@@ -40,9 +40,10 @@ printed as 0 without an interval. Likewise a term A/N^alpha (or B/D^beta)
 whose exponent runs off (below EXPONENT_RANGE[0]: a constant, confounded
 with E; above EXPONENT_RANGE[1]: A and alpha growing together) or whose share
 of the predicted loss stays under AT_BOUND at every run, in the fit or in
-more than 2.5% of the resamples, is not identified: its parameters, the
-frontier's exponents, the frontier and the loss at the target get no
-interval.
+more than 2.5% of the resamples, is not identified: the law without it is
+fitted and resampled instead (its parameters printed without a value), and
+the frontier's exponents, the frontier and the loss at the target, which
+need both terms, get no interval.
 
 **Intervals.** An estimate's interval is the 2.5th and 97.5th percentiles of
 its resampled values (percentile bootstrap), over the resamples where it is
@@ -78,8 +79,8 @@ MIN_RUNS = 10  # twice the law's five parameters
 PARAMETRIC = ("E", "A", "B", "alpha", "beta", "a", "b")
 AT_BOUND = 1e-3  # a term under this share of the predicted loss at every run is at its bound 0
 EXPONENT_RANGE = (1e-3, 5.0)  # an exponent outside it has run off
-TERMS = {"E": ("E",), "N": ("A", "alpha"), "D": ("B", "beta")}
-# What a term the runs cannot identify takes with it (E's reduced law keeps the rest).
+TERMS = {"E": ("E",), "N": ("A", "alpha"), "D": ("B", "beta")}  # each term's estimates
+# What dropping the N or D term takes with it (the frontier needs both); dropping E keeps them.
 DEPENDS_ON_EXPONENTS = ("a", "b", "loss at target")
 
 
@@ -338,24 +339,27 @@ def analyse_variant(runs: Runs, name: str, starts: int, target: float, weights: 
                     rng: np.random.Generator) -> VariantFit:
   """The full fits and one bootstrap refit per row of `weights` (over the
   fitted runs in `canonical` order) of one variant's runs, its held-out runs
-  predicted, not fitted; the reduced law E = 0 where E is not identified;
-  `target`: the compute of the frontier's last row."""
+  predicted, not fitted; the reduced law without the terms the runs do not
+  identify (E first, then the N and D terms), refitted and resampled in
+  their place; `target`: the compute of the frontier's last row."""
   fitted = canonical(runs.select(~runs.held_out))
   ln_n, ln_d, ln_loss = np.log(fitted.n), np.log(fitted.d), np.log(fitted.loss)
   start = time.perf_counter()
   law = fit.fit_law(ln_n, ln_d, ln_loss, starts)
   law["seconds"] = time.perf_counter() - start
   thetas = _refit(law, ln_n, ln_d, ln_loss, weights)
-  missing = unidentified(law["theta"], thetas, ln_n, ln_d, ["E"])
-  if missing:
-    full = law
-    start = time.perf_counter()
-    law = fit.fit_law(ln_n, ln_d, ln_loss, starts, free_e=False)
-    law.update(seconds=full["seconds"] + time.perf_counter() - start, reduced=missing["E"],
-               full_objective=full["objective"], full_theta=full["theta"])
+  full, missing = law, {}
+  for terms in (["E"], ["N", "D"]):  # E first: a vanishing E is the common case
+    more = unidentified(law["theta"], thetas, ln_n, ln_d, terms)
+    if not more:
+      continue
+    missing.update(more)
+    before, start = law, time.perf_counter()
+    law = fit.fit_law(ln_n, ln_d, ln_loss, starts, frozenset(missing))
+    law.update(seconds=before["seconds"] + time.perf_counter() - start, reduced=dict(missing),
+               full_objective=full["objective"])
     thetas = _refit(law, ln_n, ln_d, ln_loss, weights)
-    law["refit_seconds"] += full["refit_seconds"]
-  missing.update(unidentified(law["theta"], thetas, ln_n, ln_d, ["N", "D"]))
+    law["refit_seconds"] += before["refit_seconds"]
   model = (fit.SIX_ND if fitted.flop_model == fit.SIX_ND.name
            else fit.flop_model(fitted.n, fitted.d, fitted.flops, fitted.flop_model))
   # An extreme resample (a flat parabola, a vanishing term) overflows exp to
@@ -376,7 +380,8 @@ def _summarise(name: str, runs: Runs, fitted: Runs, law: dict, weights: np.ndarr
   blank = {key for term in missing for key in TERMS[term]}
   if missing.keys() - {"E"}:
     blank.update(DEPENDS_ON_EXPONENTS)
-  est = {key: not_identified(full_named[key]) if key in blank
+  gone = {key for term in missing.keys() - {"E"} for key in TERMS[term]}  # no value: dropped
+  est = {key: not_identified(None if key in gone else full_named[key]) if key in blank
          else estimate(full_named[key], named[key]) for key in PARAMETRIC}
   est.update({"isoflop a": estimate(full_iso["a"][0], iso["a"]),
               "isoflop b": estimate(full_iso["b"][0], iso["b"]),

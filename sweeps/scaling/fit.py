@@ -26,11 +26,13 @@ looser ones stop this small, flat objective early (at ftol 1e-10, gtol 1e-6,
 already tighter than scipy's defaults, three starts on one resample stopped
 up to 0.4 apart in a parameter; at these, 5e-5 apart).
 
-**The reduced law.** Where the runs cannot identify E (it runs to its bound
-0: the loss still falls as a pure power law over their range), the law with
-E = 0, LSE(a - alpha ln N, b - beta ln D), is fitted instead: the same
-objective over (a, b, alpha, beta), e fixed at -inf, started from the grid
-without its e axis (900 points).
+**Reduced laws.** Where the runs cannot identify a term (E at its bound 0:
+the loss still falls as a pure power law over their range; A/N^alpha or
+B/D^beta vanishing or running off), the law without it is fitted instead:
+the same objective with that term held at 0 (e, or a or b, fixed at -inf,
+the term's exponent at 0) over the other parameters, started from the grid
+without the term's axes (E = 0: 900 points). `TERMS` names each term's
+entries of theta.
 
 **Rival optima** are distinct laws: optima whose predictions at the runs
 differ by more than SAME_PREDICTION in ln loss somewhere. Optima that predict
@@ -63,13 +65,27 @@ SAME_PREDICTION = 1e-4  # two optima whose ln-loss predictions all agree within 
 RIVAL = 1.25  # an optimum within this factor of the best objective may win a resample
 
 
-def hoffmann_grid(free_e: bool = True) -> np.ndarray:
+# Each term of the law: its entries of theta and the values that hold it at 0.
+TERMS = {"E": {"e": -np.inf}, "N": {"a": -np.inf, "alpha": 0.0},
+         "D": {"b": -np.inf, "beta": 0.0}}
+
+
+def hoffmann_grid(dropped: frozenset = frozenset()) -> np.ndarray:
   """Every point of Hoffmann et al.'s grid of starts, (4500, 5) in NAMES' order;
-  for the reduced law (free_e False) the grid without its e axis, e = -inf
-  (900, 5)."""
-  axes = dict(HOFFMANN_GRID, e=HOFFMANN_GRID["e"] if free_e else np.array([-np.inf]))
+  for a reduced law without the `dropped` terms (of TERMS), the grid without
+  their axes, each held at its 0 (E = 0: (900, 5))."""
+  axes = dict(HOFFMANN_GRID)
+  for term in dropped:
+    axes.update({name: np.array([value]) for name, value in TERMS[term].items()})
   mesh = np.meshgrid(*axes.values(), indexing="ij")
   return np.stack([m.ravel() for m in mesh], axis=1)
+
+
+def free_entries(theta: np.ndarray) -> np.ndarray:
+  """Which entries of theta the optimiser moves: all but a dropped term's
+  (a, b or e at -inf, and a dropped term's exponent)."""
+  a, b, e = np.isfinite(theta[:3])
+  return np.array([a, b, e, a, b])
 
 
 def _huber(r: np.ndarray) -> np.ndarray:
@@ -121,23 +137,25 @@ def minimise(starts: np.ndarray, ln_n, ln_d, ln_loss, weights) -> tuple[np.ndarr
   keep = weights > 0
   m_n, m_d = ln_n[keep].mean(), ln_d[keep].mean()
   args = (ln_n[keep] - m_n, ln_d[keep] - m_d, ln_loss[keep], weights[keep].astype(np.float64))
-  free = np.isfinite(starts[0, 2])  # the reduced law's starts have e = -inf, held there
+  free = free_entries(starts[0])  # a reduced law's starts hold its dropped terms at 0
+  thetas = []
   with _blas().limit(limits=1, user_api="blas"):
-    results = [optimize.minimize(objective if free else _objective_without_e,
-                                 _shifted(start, -m_n, -m_d)[slice(None) if free else _NO_E],
-                                 args=args, jac=True, method="L-BFGS-B", options=_OPTIONS)
-               for start in starts]
-  thetas = np.array([r.x if free else np.insert(r.x, 2, -np.inf) for r in results])
-  return (np.array([_shifted(t, m_n, m_d) for t in thetas]), np.array([r.fun for r in results]))
+    for start in starts:
+      held = _shifted(start, -m_n, -m_d)
+      result = optimize.minimize(_objective_of_free, held[free], args=(held, free, *args),
+                                 jac=True, method="L-BFGS-B", options=_OPTIONS)
+      held[free] = result.x
+      thetas.append((_shifted(held, m_n, m_d), result.fun))
+  return np.array([t for t, _ in thetas]), np.array([v for _, v in thetas])
 
 
-_NO_E = [0, 1, 3, 4]  # theta's entries other than e
-
-
-def _objective_without_e(theta4: np.ndarray, *args) -> tuple[float, np.ndarray]:
-  """The objective and gradient of the reduced law, E = 0 (e = -inf), in (a, b, alpha, beta)."""
-  value, grad = objective(np.insert(theta4, 2, -np.inf), *args)
-  return value, grad[_NO_E]
+def _objective_of_free(x: np.ndarray, held: np.ndarray, free: np.ndarray, *args
+                       ) -> tuple[float, np.ndarray]:
+  """The objective and gradient in theta's free entries `x`, the others `held`."""
+  theta = held.copy()
+  theta[free] = x
+  value, grad = objective(theta, *args)
+  return value, grad[free]
 
 
 def _shifted(theta: np.ndarray, m_n: float, m_d: float) -> np.ndarray:
@@ -164,12 +182,12 @@ def rival_optima(optima: np.ndarray, values: np.ndarray, ln_n, ln_d) -> np.ndarr
   return optima[kept]
 
 
-def fit_law(ln_n, ln_d, ln_loss, starts: int, free_e: bool = True) -> dict:
-  """The full fit from the `starts` best grid points (the reduced law's grid,
-  E = 0, where free_e is False): theta, its objective, how many starts
-  reached it (within 1e-9 of it, relative), and its rivals (`rival_optima`,
-  theta first)."""
-  grid = hoffmann_grid(free_e)
+def fit_law(ln_n, ln_d, ln_loss, starts: int, dropped: frozenset = frozenset()) -> dict:
+  """The full fit from the `starts` best grid points (of the reduced law
+  without the `dropped` terms, where any): theta, its objective, how many
+  starts reached it (within 1e-9 of it, relative), and its rivals
+  (`rival_optima`, theta first)."""
+  grid = hoffmann_grid(dropped)
   chosen = grid[np.argsort(grid_objective(grid, ln_n, ln_d, ln_loss), kind="stable")[:starts]]
   optima, values = minimise(chosen, ln_n, ln_d, ln_loss, np.ones(len(ln_n)))
   best = int(np.argmin(values))

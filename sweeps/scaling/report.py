@@ -68,30 +68,37 @@ def flop_model(result: Result) -> str:
           f"{ratio.max():.3g})")
 
 
+_TERM_TEXT = {"E": "E", "N": "A/N^α", "D": "B/D^β"}
+
+
 def _law_lines(f: bootstrap.VariantFit, r: int) -> list[str]:
   """Approach 3's section: the law's estimates, what the runs cannot identify, the fit."""
   law = f.law
-  reduced = "reduced" in law
-  title = "L(N, D) = A/N^α + B/D^β (E = 0)" if reduced else "L(N, D) = E + A/N^α + B/D^β"
-  lines = [f"### Approach 3: {title}", ""]
-  if reduced:
-    lines += [f"**E is not identified**: {law['reduced']} (E under {bootstrap.AT_BOUND:g} of the "
-              "predicted loss at every fitted run). Over these runs the loss falls as a pure "
-              "power law; any E small enough fits them alike. The law below is the reduced law "
-              f"E = 0 (objective {law['objective']:.6g}, the full law's "
-              f"{law['full_objective']:.6g}), and its extrapolation assumes the loss keeps "
-              "falling so.", ""]
-  for term, why in f.unidentified.items():
-    if term != "E":
-      names = " and ".join(_SYMBOLS[k] for k in bootstrap.TERMS[term])
-      lines += [f"**{names} are not identified**: that term is {why}; no interval for them, "
-                "the frontier or the loss at the target.", ""]
+  dropped = frozenset(law.get("reduced", {}))
+  kept = " + ".join(_TERM_TEXT[t] for t in ("E", "N", "D") if t not in dropped)
+  zero = ", ".join(f"{'E' if t == 'E' else _TERM_TEXT[t].split('/')[0]} = 0" for t in
+                   ("E", "N", "D") if t in dropped)
+  lines = [f"### Approach 3: L(N, D) = {kept}" + (f" ({zero})" if dropped else ""), ""]
+  if "E" in dropped:
+    lines += [f"**E is not identified**: {f.unidentified['E']} (E under "
+              f"{bootstrap.AT_BOUND:g} of the predicted loss at every fitted run). Over these "
+              "runs the loss falls as a pure power law; any E small enough fits them alike. "
+              "The law below is the reduced law E = 0, and its extrapolation assumes the loss "
+              "keeps falling so.", ""]
+  for term in sorted(dropped - {"E"}):
+    names = " and ".join(_SYMBOLS[k] for k in bootstrap.TERMS[term])
+    lines += [f"**{names} are not identified**: the term {_TERM_TEXT[term]} is "
+              f"{f.unidentified[term]}. The law below drops it; no interval for the "
+              "frontier or the loss at the target, which need both terms.", ""]
+  if dropped:
+    lines += [f"Objective {law['objective']:.6g} against the full law's "
+              f"{law['full_objective']:.6g}.", ""]
   lines += ["| parameter | estimate [95% interval] |", "|---|---|"]
   lines += [f"| {_SYMBOLS[k]} | {format_estimate(f.estimates[k], 4, r)} |"
             for k in bootstrap.PARAMETRIC]
   rivals = len(law["optima"]) - 1
   lines += ["", f"Huber (δ = {fit.DELTA:g}) on ln loss, L-BFGS-B from the {law['starts']} "
-            f"best of Hoffmann's {len(fit.hoffmann_grid(not reduced)):,} grid points: "
+            f"best of Hoffmann's {len(fit.hoffmann_grid(dropped)):,} grid points: "
             f"{law['reached']} reached the optimum (objective {law['objective']:.6g}); "
             f"{rivals} rival law(s) (distinct predictions, objective within "
             f"{fit.RIVAL - 1:.0%} of it); each resample refitted from {law['refit_starts']} "
@@ -292,8 +299,7 @@ def summary(result: Result) -> list[str]:
               "approach 2 not run (no isoFLOP budget of 3 sizes)")
     lines.append(f"{f.name}: alpha {e['alpha']}, beta {e['beta']}; N_opt ∝ C^a with a "
                  f"{e['a']} (approach 3), {second}")
-    lines += [f"{f.name}: " + ("E not identified" if term == "E" else
-                               f"the {term} term not identified") + f" ({why})"
-              + ("; fitted the reduced law E = 0" if term == "E" else "")
+    lines += [f"{f.name}: " + ("E" if term == "E" else f"the {term} term") + " not "
+              f"identified ({why}); fitted the law without it"
               for term, why in f.unidentified.items()]
   return lines + [f"flag: {line}" for line in flags(result)]
