@@ -402,7 +402,13 @@ def test_the_command_line_writes_every_file(tmp_path, capsys):
   assert set(variant["parametric"]) == {"E", "A", "B", "alpha", "beta", "a", "b"}
   assert all(set(e) == {"value", "low", "high", "resamples"} for e in
              variant["parametric"].values())
-  assert "N: the column `params_nonembed`" in (out / "scaling.md").read_text()
+  text = (out / "scaling.md").read_text()
+  assert "N: the column `params_nonembed`" in text
+  # Every compute in one unit, named on each table: here 6·N·D (no budget column).
+  assert data["flop_model"] == "6·N·D"
+  for header in ("### Compute-optimal frontier (C in FLOPs of 6·N·D)",
+                 "| budget C (FLOPs of 6·N·D) |", "| budget (FLOPs of 6·N·D) |"):
+    assert header in text, header
 
 
 def test_help_answers_without_loading_the_fits():

@@ -116,8 +116,9 @@ def _isoflop_lines(f: bootstrap.VariantFit, r: int) -> list[str]:
     return lines + ["Not run: the runs form no isoFLOP budget of "
                     f"{bootstrap.MIN_SIZES} sizes or more (budgets: {f.runs.budget_from}). "
                     "Approach 3 needs none."]
-  lines += ["| budget C | runs | sizes | N from–to | N_opt [95%] | D_opt [95%] | loss at N_opt "
-            "| usable in resamples | flag |", "|---:|---:|---:|---|---|---|---|---:|---|"]
+  lines += [f"| budget C (FLOPs of {f.flops.name}) | runs | sizes | N from–to | N_opt [95%] | "
+            "D_opt [95%] | loss at N_opt | usable in resamples | flag |",
+            "|---:|---:|---:|---|---|---|---|---:|---|"]
   for row in f.budgets:
     lines.append(f"| {row['budget']:.3g} | {row['runs']} | {row['sizes']} | "
                  f"{row['smallest']:.3g}–{row['largest']:.3g} | "
@@ -162,7 +163,8 @@ def _variant_section(f: bootstrap.VariantFit, result: Result) -> list[str]:
   if f.held_out:
     outside = [row for row in f.held_out if row["outside"]]
     lines += ["", "### Held-out runs", "",
-              "| N | D | budget | seed | measured | predicted [95% prediction interval] | |",
+              f"| N | D | budget (FLOPs of {f.flops.name}) | seed | measured | predicted [95% "
+              "prediction interval] | |",
               "|---:|---:|---:|---|---:|---|---|"]
     lines += [f"| {row['N']:.3g} | {row['D']:.3g} | {_num(row['budget'], 3)} | {row['seed']} | "
               f"{row['loss']:.4g} | {format_estimate(row['predicted'])} | "
