@@ -284,7 +284,7 @@ def test_a_term_the_loss_does_not_follow_is_dropped_with_its_intervals():
   theta = THETA.copy()
   theta[1] = -np.inf
   result = bootstrap.analyse(runs_of_table(table_rows(np.random.default_rng(14), 200, theta)),
-                             resamples=200, starts=16)
+                             resamples=100, starts=8)
   f = result.fits[0]
   assert set(f.unidentified) == {"D"} and f.law["theta"][1] == -np.inf
   for key in ("B", "beta", "a", "loss at target"):
