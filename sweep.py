@@ -14,8 +14,10 @@
       [--from_csv]   # only the statistics, from report.csv: for a report whose runs are gone
   python sweep.py scaling --root runs/sweeps/ladder [--params params|params_non_embedding]
       [--holdout 'budget>=1e13'] [--resamples 1000] [--out runs/sweeps/ladder/scaling]
+      [--starts 64] [--target_compute C] [--baseline VARIANT] [--bootstrap_seed 0]
       # scaling laws fitted to a ladder's finished runs (configs/sweeps/ladder.py,
-      # docs/scaling.md): scaling.json, scaling.md and plots in --out
+      # docs/scaling.md): scaling.json, scaling.md and plots in --out; the fitting
+      # flags are `python -m sweeps.scaling`'s (sweeps/scaling/cli.py)
 
 Running `run` again resumes the unfinished variants and skips the done ones.
 Locally, `run` says each run's start, its warnings, its result as it ends
@@ -41,6 +43,7 @@ from configs.cli import parse_flags
 from configs.errors import UserError
 import sweeps as sweep_lib
 from sweeps.common import command_exits
+from sweeps.scaling import cli as scaling_cli
 from sweeps.scaling import report as scaling_report
 from training.workdir import describe_changes
 
@@ -65,21 +68,15 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the commands (and the subm
 _SEEDS = flags.DEFINE_integer("seeds", None, "run: train each variant N times, train.seed = "
                               "0..N-1, in <root>/<variant>,seed=<k> (default: the sweep's "
                               "SEEDS, else once).", lower_bound=1)
-_BASELINE = flags.DEFINE_string("baseline", None, "report: the variant the others are "
-                                "compared with (default: the first; --from_csv: the report's).")
 _FROM_CSV = flags.DEFINE_bool("from_csv", False, "report: recompute only the statistics "
                               "(report_summary.csv, report.md's statistics section) from "
                               "<root>/report.csv, for a report whose runs are gone.")
 _RERUN_CHANGED = flags.DEFINE_bool("rerun_changed", False, "run: retrain the variants trained "
                                    "with another config in place (old workdirs set aside).")
-_PARAMS = flags.DEFINE_enum("params", "params", list(sweep_lib.SCALING_PARAMS), "scaling: "
-                            "the parameter count N the laws use: every parameter "
-                            "(Chinchilla's) or the non-embedding ones (Kaplan's).")
-_HOLDOUT = flags.DEFINE_string("holdout", None, "scaling: runs predicted, not fitted: "
-                               "'budget>=X' (FLOPs).")
-_RESAMPLES = flags.DEFINE_integer("resamples", 1000, "scaling: bootstrap resamples.",
-                                  lower_bound=100)
-_OUT = flags.DEFINE_string("out", None, "scaling: output directory (default: <root>/scaling).")
+# The fitting flags of `scaling`, one set with `python -m sweeps.scaling`'s
+# (--params, --holdout, --resamples, --starts, --target_compute, --baseline,
+# --bootstrap_seed, --out); --baseline is `report`'s too.
+scaling_cli.define_flags(flags.FLAGS)
 _NODES = flags.DEFINE_integer("nodes", 1, "SLURM: nodes per variant.")
 _TASKS = flags.DEFINE_integer("tasks_per_node", 1, "SLURM: processes per node (1 per GPU).")
 _GPUS = flags.DEFINE_integer("gpus_per_node", 1, "SLURM: GPUs per node.")
@@ -94,19 +91,19 @@ _MAX_TIMEOUTS = flags.DEFINE_integer("max_timeouts", 3, "SLURM: requeues after t
                                      "(preemptions: always requeued).")
 
 
-# The flags only one command reads; given to another, they are refused.
-_OWN_FLAGS = {"run": (_SEEDS, _PARALLEL, _DRY_RUN, _RERUN_CHANGED),
-              "report": (_BASELINE, _FROM_CSV),
-              "scaling": (_PARAMS, _HOLDOUT, _RESAMPLES, _OUT)}
+# The flags only some commands read; given to another, they are refused.
+_OWN_FLAGS = {"seeds": ("run",), "parallel": ("run",), "dry_run": ("run",),
+              "rerun_changed": ("run",), "from_csv": ("report",),
+              **{name: ("scaling",) for name in scaling_cli.NAMES},
+              "baseline": ("report", "scaling")}
 
 
 def _check_own_flags(command: str) -> None:
-  """UserError for a flag of another command (`_OWN_FLAGS`) given to `command`."""
-  for owner, holders in _OWN_FLAGS.items():
-    for holder in holders:
-      if owner != command and flags.FLAGS[holder.name].present:
-        raise UserError(f"--{holder.name} is a flag of `sweep.py {owner}`, not of {command}; "
-                        "drop it")
+  """UserError for a flag of other commands (`_OWN_FLAGS`) given to `command`."""
+  for name, owners in _OWN_FLAGS.items():
+    if command not in owners and flags.FLAGS[name].present:
+      owned = " or ".join(f"`sweep.py {owner}`" for owner in owners)
+      raise UserError(f"--{name} is a flag of {owned}, not of {command}; drop it")
 
 
 def _parse(argv: list[str]) -> list[str]:
@@ -197,16 +194,11 @@ def scaling() -> None:
   """Fits the laws to the sweep's finished runs; prints the exponents, the
   flags, what was fitted and the time."""
   start = time.perf_counter()
-  out = _OUT.value or os.path.join(_ROOT.value, "scaling")
-  result, paths, unfinished = sweep_lib.fit_sweep(_ROOT.value, out, _PARAMS.value,
-                                                  _HOLDOUT.value, _RESAMPLES.value)
-  for f in result.fits:
-    e = {key: scaling_report.format_estimate(f.estimates[key], 3)
-         for key in ("alpha", "beta", "a", "isoflop a")}
-    print(f"{f.name}: alpha {e['alpha']}, beta {e['beta']}; N_opt ∝ C^a with a "
-          f"{e['a']} (approach 3), {e['isoflop a']} (approach 2)")
-  for line in scaling_report.flags(result):
-    print(f"flag: {line}")
+  out = flags.FLAGS.out or os.path.join(_ROOT.value, "scaling")
+  result, paths, unfinished = sweep_lib.fit_sweep(_ROOT.value, out,
+                                                  flags.FLAGS.params or "params",
+                                                  **scaling_cli.fit_options(flags.FLAGS))
+  print("\n".join(scaling_report.summary(result)))
   held = int(result.runs.held_out.sum())
   if unfinished:
     print(f"left out {unfinished} unfinished run(s); `python sweep.py status --root "
@@ -237,7 +229,7 @@ def main(argv):
       scaling()
     else:
       write = sweep_lib.rebuild_statistics if _FROM_CSV.value else sweep_lib.write_report
-      print("wrote " + ", ".join(write(_ROOT.value, _BASELINE.value)))
+      print("wrote " + ", ".join(write(_ROOT.value, flags.FLAGS.baseline)))
 
 
 if __name__ == "__main__":

@@ -41,17 +41,37 @@ One module per job:
   slurm.py       submitit parameters, the sbatch preview, the fit to the cluster
   report.py      report.md, report.csv, report_summary.csv and the plots
   stats.py       the statistics over seeds: intervals, Welch's and the paired test, Holm
-  scaling/       scaling laws fitted to a ladder's runs (from_sweep.py: `sweep.py scaling`)
+  ladder.py      a scaling ladder's cells, from a sweep file's declarative LADDER
+  scaling/       scaling laws fitted to any runs (from_sweep.py: `sweep.py scaling`)
+
+The names below are imported on first use (`sweeps.load_sweep` loads
+sweep_file.py then), not with the package: `python -m sweeps.scaling`, a
+numpy job, imports this package first and must not load JAX, which
+state.py, jobs.py and report.py pull in through training/.
 """
-from sweeps.common import Terminated, command_exits
-from sweeps.console import Console
-from sweeps.jobs import STOP_TIMEOUT_S, VariantFailed, VariantJob, run_local
-from sweeps.report import rebuild_statistics, write_report
-from sweeps.slurm import check_fits, slurm_parameters, slurm_preview, submit_slurm
-from sweeps.state import (State, changed_fields, check_seeds, read_manifest, read_times,
-                          set_aside, status_lines, unfinished, variant_state, write_manifest)
-from sweeps.grid import grid_sweep, parse_grid, select
-from sweeps.sweep_file import (DEFAULT_GRID_CONFIG, Sweep, expand, format_value, load_sweep,
-                               variant_name, with_default_config)
-from sweeps.variants import Variant, describe, few_points, load_config, make_variants
-from sweeps.scaling.from_sweep import PARAMS as SCALING_PARAMS, fit_sweep, sweep_rows
+import importlib
+
+_EXPORTS = {
+    "sweeps.common": ("Terminated", "command_exits"),
+    "sweeps.console": ("Console",),
+    "sweeps.jobs": ("STOP_TIMEOUT_S", "VariantFailed", "VariantJob", "run_local"),
+    "sweeps.report": ("rebuild_statistics", "write_report"),
+    "sweeps.slurm": ("check_fits", "slurm_parameters", "slurm_preview", "submit_slurm"),
+    "sweeps.state": ("State", "changed_fields", "check_seeds", "read_manifest", "read_times",
+                     "set_aside", "status_lines", "unfinished", "variant_state",
+                     "write_manifest"),
+    "sweeps.grid": ("grid_sweep", "parse_grid", "select"),
+    "sweeps.sweep_file": ("DEFAULT_GRID_CONFIG", "Sweep", "expand", "format_value",
+                          "load_sweep", "variant_name", "with_default_config"),
+    "sweeps.variants": ("Variant", "describe", "few_points", "load_config", "make_variants"),
+    "sweeps.scaling.from_sweep": ("fit_sweep", "sweep_rows"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+  """A name of _EXPORTS, imported from its module on first use (PEP 562)."""
+  if name not in _MODULE_OF:
+    raise AttributeError(f"module 'sweeps' has no attribute {name!r}")
+  return getattr(importlib.import_module(_MODULE_OF[name]), name)

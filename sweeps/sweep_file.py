@@ -8,6 +8,7 @@ import os
 import re
 
 from configs.errors import UserError, first_line
+from sweeps import ladder
 
 VALUE_TYPES = (str, int, float, bool)
 
@@ -42,14 +43,18 @@ class Sweep:
 
 
 def load_sweep(path: str) -> Sweep:
-  """Imports a sweep file and expands its `get_sweep()` into override dicts."""
+  """Imports a sweep file and expands its `get_sweep()` into override dicts
+  (a file declaring a LADDER instead: sweeps/ladder.py's cells of it)."""
   if not os.path.isfile(path):
     raise UserError(f"--sweep {path}: no such file")
   spec = importlib.util.spec_from_file_location("sweep_file", path)
   module = importlib.util.module_from_spec(spec)
   try:
     spec.loader.exec_module(module)
-    sweep = module.get_sweep()
+    if hasattr(module, "LADDER"):  # a declarative ladder: sweeps/ladder.py builds its cells
+      sweep = ladder.sweep_overrides(module.LADDER, module.CONFIG)
+    else:
+      sweep = module.get_sweep()
   except Exception as e:  # pylint: disable=broad-except  # any mistake in the user's file
     raise UserError(f"--sweep {path}: cannot load it ({type(e).__name__}: {first_line(e)})")
   name = getattr(module, "NAME", os.path.splitext(os.path.basename(path))[0])

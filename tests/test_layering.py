@@ -1,10 +1,13 @@
 """The dependency arrows run one way: configs/ at the bottom, then data/, model/ and
 tokenizer/, then training/, then hf/, aot/ and sweeps/ side by side.
 
-Each check runs in a fresh interpreter, so what a module pulls in is what
-`sys.modules` shows, and an import cycle shows as an ImportError for the
-module imported first.
+Each import check runs in a fresh interpreter, so what a module pulls in is
+what `sys.modules` shows, and an import cycle shows as an ImportError for the
+module imported first. Importing a module does not run its functions, so
+every import statement is read from the source too (`ast`), those inside
+functions included.
 """
+import ast
 import os
 import pathlib
 import subprocess
@@ -70,6 +73,48 @@ _ALLOWED = {
     "aot": {"configs", "data", "model", "tokenizer", "training"},
     "sweeps": {"configs", "data", "model", "tokenizer", "training"},
 }
+
+
+# Modules inside a package that are entry points (`python -m ...`, named so in
+# docs/architecture.md): above every floor, as train.py is, they may import any.
+_ENTRY_POINTS = {"data/prepare.py"}
+
+
+def _project_imports(path: pathlib.Path) -> list[tuple[int, str]]:
+  """(line, top-level package) of every absolute import statement of `path`
+  that names a package of _ALLOWED, wherever it stands (inside functions too)."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text(), str(path))):
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0:
+      names = [node.module]
+    else:
+      continue
+    found += [(node.lineno, name.split(".")[0]) for name in names
+              if name.split(".")[0] in _ALLOWED]
+  return sorted(found)
+
+
+@pytest.mark.parametrize("package", sorted(_ALLOWED))
+def test_no_import_statement_runs_up_a_floor(package):
+  """No import statement of a module of `package`, at the top or inside a
+  function, names a project package above it (file:line of each that does)."""
+  wrong = []
+  for path in sorted((ROOT / package).rglob("*.py")):
+    relative = path.relative_to(ROOT).as_posix()
+    if relative in _ENTRY_POINTS:
+      continue
+    wrong += [f"{relative}:{line} imports {name}" for line, name in _project_imports(path)
+              if name != package and name not in _ALLOWED[package]]
+  assert not wrong, f"{package} may import only {sorted(_ALLOWED[package])}: " + "; ".join(wrong)
+
+
+def test_the_import_reader_sees_imports_inside_functions(tmp_path):
+  path = tmp_path / "m.py"
+  path.write_text("import os\nfrom configs import base\n\ndef f():\n  from model import "
+                  "accounting\n  import training.loop, numpy\n  from . import x\n")
+  assert _project_imports(path) == [(2, "configs"), (5, "model"), (6, "training")]
 
 
 @pytest.mark.parametrize("package", sorted(_ALLOWED))

@@ -1,6 +1,7 @@
-"""The ladder sweep (configs/sweeps/ladder.py) and `sweep.py scaling`: five
-sizes per budget spaced evenly in log N around the compute-optimal one, a
-budget the family cannot take refused in one line, the dry run's commands,
+"""The ladder sweep (configs/sweeps/ladder.py, its cells built by
+sweeps/ladder.py) and `sweep.py scaling`: five sizes per budget spaced
+evenly in log N around the compute-optimal one, a budget the family cannot
+take refused in one line, the dry run's commands,
 the laws fitted to a ladder's finished runs (the unfinished counted out),
 and a small ladder run end to end."""
 import importlib.util
@@ -14,10 +15,11 @@ import numpy as np
 from ml_collections import config_dict
 import pytest
 
-from configs import tiny, tiny_ladder
+from configs import tiny_ladder
 from configs.errors import UserError
 from model import accounting
 import sweeps as sweep_lib
+from sweeps import ladder as ladder_lib
 from sweeps.scaling import synthetic
 from sweeps.state import REPORT
 from tests.helpers import ROOT, small_flags, sweep_cli, TINY, write_sweep
@@ -27,20 +29,22 @@ LADDER = str(ROOT / "configs" / "sweeps" / "ladder.py")
 
 @pytest.fixture(scope="module")
 def ladder():
+  """The sweep file's LADDER: a declaration, no function of its own."""
   spec = importlib.util.spec_from_file_location("ladder", LADDER)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return module
+  assert not hasattr(module, "get_sweep")
+  return module.LADDER
 
 
 def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
-  family = ladder.family(tiny_ladder.get_config())
+  family = ladder_lib.family(ladder, tiny_ladder.get_config())
   params = {json.dumps(overrides): n for overrides, n, _ in family}
-  sweep = [v for v in ladder.get_sweep() if v["model.pos_emb"] == "rope"]
-  budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep) - set(ladder.HOLDOUT))
+  sweep = [v for v in sweep_lib.load_sweep(LADDER).overrides if v["model.pos_emb"] == "rope"]
+  budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep) - set(ladder["holdout"]))
   assert len(budgets) >= 4 and budgets[-1] / budgets[0] >= 30
-  assert min(ladder.HOLDOUT) >= 4 * budgets[-1]
-  for budget in ladder.HOLDOUT:  # the held-out budget: one cell, its middle size
+  assert min(ladder["holdout"]) >= 4 * budgets[-1]
+  for budget in ladder["holdout"]:  # the held-out budget: one cell, its middle size
     (cell,) = [v for v in sweep if float(v["train.flop_budget"]) == budget]
   for budget in budgets:
     cells = [v for v in sweep if float(v["train.flop_budget"]) == budget]
@@ -48,18 +52,19 @@ def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
                                   if f not in ("train.flop_budget", "model.pos_emb")})]
                for c in cells)
     assert len(n) >= 5
-    gaps = np.diff(np.log(n)) / math.log(ladder.SPACING)
+    gaps = np.diff(np.log(n)) / math.log(ladder["spacing"])
     assert np.all((gaps > 0.5) & (gaps < 1.5)), (budget, n)
-    n_opt = ladder.optimal_params(budget, family)
+    n_opt = ladder_lib.optimal_params(ladder, budget, family)
     assert n[1] < n_opt < n[-2], (budget, n, n_opt)
     # At the optimum the budget buys TOKENS_PER_PARAM tokens a parameter.
     f = np.interp(math.log(n_opt), np.log([s[1] for s in family]), [s[2] for s in family])
-    assert budget / f / n_opt == pytest.approx(ladder.TOKENS_PER_PARAM, rel=0.02)
+    assert budget / f / n_opt == pytest.approx(ladder["tokens_per_param"], rel=0.02)
 
 
 def test_a_variant_axis_runs_every_cell_under_each_variant(ladder):
-  rows = ladder.ladder([1e12], [{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}],
-                       tiny_ladder.get_config())
+  spec = dict(ladder, budgets=[1e12], holdout=(),
+              variants=[{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}])
+  rows = ladder_lib.ladder(spec, tiny_ladder.get_config())
   assert len(rows) == 10
   assert [r["model.pos_emb"] for r in rows] == ["rope"] * 5 + ["learned"] * 5
   assert len({sweep_lib.variant_name(r) for r in rows}) == 10
@@ -67,15 +72,16 @@ def test_a_variant_axis_runs_every_cell_under_each_variant(ladder):
 
 def test_a_budget_the_family_cannot_take_is_one_line_exit_2(ladder, tmp_path):
   with pytest.raises(UserError, match=r"ladder budget 1e\+09: .* takes budgets from "):
-    ladder.ladder([1e9], [], tiny_ladder.get_config())
+    ladder_lib.ladder(dict(ladder, budgets=[1e9], holdout=(), variants=[]),
+                      tiny_ladder.get_config())
   text = open(LADDER, encoding="utf-8").read()
-  assert "BUDGETS = (3e10, 1e11, 3e11, 1e12)" in text
-  path = write_sweep(tmp_path, text.replace("BUDGETS = (3e10, 1e11, 3e11, 1e12)",
-                                            "BUDGETS = (1e12, 1e17)"))
+  assert '"budgets": (3e10, 1e11, 3e11, 1e12),' in text
+  path = write_sweep(tmp_path, text.replace('"budgets": (3e10, 1e11, 3e11, 1e12),',
+                                            '"budgets": (1e12, 1e17),'))
   result = sweep_cli("run", "--sweep", path, "--dry_run", "--root", str(tmp_path / "root"))
   assert result.returncode == 2, result.stderr
   lines = result.stderr.strip().splitlines()
-  assert len(lines) == 1 and "ladder budget 1e+17" in lines[0] and "BUDGETS" in lines[0]
+  assert len(lines) == 1 and "ladder budget 1e+17" in lines[0] and "LADDER's budgets" in lines[0]
   assert not (tmp_path / "root").exists()
 
 
@@ -111,18 +117,20 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
     os.makedirs(variant.workdir)
     with open(os.path.join(variant.workdir, REPORT), "w", encoding="utf-8") as f:
       json.dump({"step": variant.num_steps, "loss": loss}, f)
-  result = sweep_cli("scaling", "--root", root, "--resamples", "100")
-  assert result.returncode == 2 and result.stderr == (
-      "error: variant pos_emb=rope: budget 4e+12 has 1 distinct size(s) (1.7e+05); an isoFLOP "
-      "parabola needs 3: add sizes or hold that budget out (--holdout 'budget>=4e+12')\n")
   result = sweep_cli("scaling", "--root", root, "--resamples", "100", "--holdout",
-                     "budget>=4e12")
+                     "budget>=4e12", "--starts", "16")
   assert result.returncode == 0, result.stderr
   assert "left out 1 unfinished run(s)" in result.stdout
   assert "fitted 39 runs (2 held out)" in result.stdout, result.stdout
   out = json.load(open(os.path.join(root, "scaling", "scaling.json"), encoding="utf-8"))
   text = json.dumps(out)
   assert "params" in text and "base" in text
+  # The budgets' own FLOP model (attention counted): above 6·N·D, and the frontier in it.
+  assert out["flop_model"] == "the budget column `budget`"
+  assert "C / (6·N·D): median 1." in out["compute"]
+  assert {v["frontier_flop_model"] for v in out["variants"].values()} == {out["flop_model"]}
+  # One RoPE cell is unfinished: the variants no longer share every cell, so unpaired.
+  assert [c["paired"] for c in out["comparisons"]] == [False]
   wrong = sweep_cli("scaling", "--root", root, "--params", "tokens")
   assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
 
@@ -148,12 +156,15 @@ def test_a_small_ladder_runs_end_to_end_into_scaling_json(tmp_path):
 
 
 @pytest.mark.parametrize("command,flag,owner", [
-    ("status", "--holdout=budget>=4e12", "scaling"), ("report", "--resamples=200", "scaling"),
-    ("scaling", "--seeds=2", "run"), ("run", "--baseline=x", "report")])
+    ("status", "--holdout=budget>=4e12", "`sweep.py scaling`"),
+    ("report", "--resamples=200", "`sweep.py scaling`"),
+    ("report", "--starts=8", "`sweep.py scaling`"),
+    ("scaling", "--seeds=2", "`sweep.py run`"),
+    ("run", "--baseline=x", "`sweep.py report` or `sweep.py scaling`")])
 def test_a_flag_of_another_command_is_one_line_exit_2(tmp_path, command, flag, owner):
   result = sweep_cli(command, "--root", str(tmp_path / "root"), flag)
   name = flag.split("=")[0]
   assert result.returncode == 2
-  assert result.stderr == (f"error: {name} is a flag of `sweep.py {owner}`, not of {command}; "
+  assert result.stderr == (f"error: {name} is a flag of {owner}, not of {command}; "
                            "drop it\n")
   assert not (tmp_path / "root").exists()

@@ -12,7 +12,7 @@ import os
 
 from configs.errors import UserError
 from sweeps import report
-from sweeps.scaling import write_scaling
+from sweeps.scaling.report import write_scaling
 from sweeps.scaling.bootstrap import Result
 from sweeps.state import read_manifest
 from sweeps.sweep_file import variant_name
@@ -44,10 +44,12 @@ def sweep_rows(root: str) -> tuple[list[dict], int]:
   return rows, unfinished
 
 
-def fit_sweep(root: str, out: str, params: str = "params", holdout: str | None = None,
-              resamples: int = 1000) -> tuple[Result, list[str], int]:
+def fit_sweep(root: str, out: str, params: str = "params", **options
+              ) -> tuple[Result, list[str], int]:
   """Fits the laws to `root`'s finished runs and writes them into `out`: the
-  analysis, the paths written and how many runs were left out unfinished."""
+  analysis, the paths written and how many runs were left out unfinished.
+  `options`: `write_scaling`'s holdout, resamples, starts, target, baseline,
+  bootstrap_seed (sweeps/scaling/cli.fit_options)."""
   if params not in PARAMS:
     raise UserError(f"--params {params}: give one of {', '.join(PARAMS)}")
   if os.path.exists(out) and not os.path.isdir(out):
@@ -57,6 +59,5 @@ def fit_sweep(root: str, out: str, params: str = "params", holdout: str | None =
     raise UserError(f"no run of {root} is finished ({unfinished} not); run the sweep first: "
                     f"python sweep.py run ... --root {root}")
   result, paths = write_scaling(rows, out, params=params, tokens="tokens", loss="loss",
-                                budget="budget", seed="seed", variant="variant",
-                                holdout=holdout, resamples=resamples)
+                                budget="budget", seed="seed", variant="variant", **options)
   return result, paths, unfinished

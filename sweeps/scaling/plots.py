@@ -6,6 +6,7 @@ from matplotlib import colormaps
 from matplotlib.figure import Figure
 
 from sweeps.scaling import fit
+from sweeps.scaling.bootstrap import law_frontier
 
 _LEVEL_PERCENTILES = (2.5, 97.5)
 _REACH = 1.0  # a minimum farther than this in ln N from a budget's sizes is not drawn
@@ -18,7 +19,11 @@ def plot_isoflop(path: str, result) -> None:
   fig = Figure(figsize=(6 * len(result.fits) + 1, 4.8))
   axes = fig.subplots(1, len(result.fits), squeeze=False)[0]
   for ax, f in zip(axes, result.fits):
-    budgets = sorted(set(f.runs.budget.tolist()))
+    budgets = sorted(set(f.parabolas) | set(f.runs.budget[f.runs.held_out & np.isfinite(
+        f.runs.budget)].tolist()))
+    rest = ~np.isin(f.runs.budget, budgets)
+    ax.plot(f.runs.n[rest], f.runs.loss[rest], ".", color="grey", alpha=0.5,
+            label="in no isoFLOP budget" if rest.any() else None)
     colours = colormaps["viridis"](np.linspace(0, 0.9, len(budgets)))
     for colour, c in zip(colours, budgets):
       at = f.runs.budget == c
@@ -52,29 +57,32 @@ def plot_isoflop(path: str, result) -> None:
 
 
 def plot_compute(path: str, result) -> None:
-  """Every run's loss against 6 N D (held out: hollow, black edge), each
-  variant's parametric frontier out to the target with its 95% band."""
+  """Every run's loss against its compute in the runs' FLOP model (held out:
+  hollow, black edge), each variant's parametric frontier out to the target
+  with its 95% band."""
   fig = Figure(figsize=(8, 5))
   ax = fig.subplots()
-  low = min(float((6 * f.runs.n * f.runs.d).min()) for f in result.fits)
+  low = min(float(f.runs.flops.min()) for f in result.fits)
   grid = np.geomspace(low / 2, result.target * 1.5, 80)
   for k, f in enumerate(result.fits):
     colour = f"C{k}"
-    flops = 6 * f.runs.n * f.runs.d
+    flops = f.runs.flops
     held = f.runs.held_out
     ax.plot(flops[~held], f.runs.loss[~held], ".", color=colour, alpha=0.5,
             label=f"{f.name}: fitted runs")
     if held.any():
       ax.plot(flops[held], f.runs.loss[held], "o", color=colour, fillstyle="none",
               markeredgecolor="black", label=f"{f.name}: held out")
-    ax.plot(grid, fit.frontier(f.law["theta"], grid)[2], color=colour,
+    ax.plot(grid, law_frontier(f.law["theta"], grid, f.flops)[2], color=colour,
             label=f"{f.name}: frontier (approach 3)")
-    band = np.nanpercentile(fit.frontier(f.thetas, grid)[2], _LEVEL_PERCENTILES, axis=0)
-    ax.fill_between(grid, band[0], band[1], color=colour, alpha=0.2, linewidth=0)
+    if f.estimates["loss at target"].get("identified", True):
+      band = np.nanpercentile(law_frontier(f.thetas, grid, f.flops)[2], _LEVEL_PERCENTILES,
+                              axis=0)
+      ax.fill_between(grid, band[0], band[1], color=colour, alpha=0.2, linewidth=0)
   ax.axvline(result.target, color="grey", linestyle=":", label=f"target {result.target:.2g}")
   ax.set_xscale("log")
   ax.set_yscale("log")
-  ax.set_xlabel("compute 6·N·D (FLOPs)")
+  ax.set_xlabel(f"compute (FLOPs of {result.runs.flop_model})")
   ax.set_ylabel("loss")
   ax.set_title("loss against compute, compute-optimal frontier with its 95% band", fontsize=10)
   ax.grid(alpha=0.3, which="both")

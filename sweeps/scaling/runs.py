@@ -1,16 +1,24 @@
 """The runs a scaling law is fitted to: rows (a CSV's, or a sweep's) checked
-and turned into arrays, grouped into isoFLOP budgets, some held out.
+and turned into arrays, grouped into isoFLOP budgets where they form them,
+some held out.
 
 A row is a dict of column -> value (strings from a CSV, numbers from a
 sweep). `make_runs` names the columns: parameters N (the count the fit uses,
 with or without embeddings), tokens D, loss, and optionally the budget C,
 the seed, the variant and the held-out marks.
 
-Without a budget column each run's budget is 6 N D, grouped: the runs sorted
-by it, a run more than GAP (25%) above the previous one starts a new budget,
-and a budget is its runs' geometric mean rounded to two significant digits
-(1.04e19 and 0.98e19 are one budget, 1.0e19). A group spanning more than
-SPAN (x1.5) is refused: its budgets are not told apart by 6 N D alone.
+Each run's compute is in one unit, the table's FLOP model: the budget column
+where there is one (this project's budgets count attention:
+`model/accounting.flops_per_token(N) · D`), else 6 N D.
+
+Budgets are optional: the parametric law needs none. Without a budget column
+each run's budget is 6 N D, grouped: the runs sorted by it, a run more than
+GAP (25%) above the previous one starts a new budget, and a budget is its
+runs' geometric mean rounded to two significant digits (1.04e19 and 0.98e19
+are one budget, 1.0e19). Where a group spans more than SPAN (x1.5) the runs
+are not laid out on isoFLOP budgets (a paper's table of assorted sizes and
+token counts): they get no budget (nan), and only the parametric law is
+fitted to them.
 """
 import csv
 import dataclasses
@@ -28,18 +36,22 @@ _FALSE = ("0", "false", "no", "")
 
 @dataclasses.dataclass(frozen=True)
 class Runs:
-  """One entry per run (numpy arrays of one length): N, D, loss, budget C,
-  seed and variant (strings), held out (bool); `params` names what N counts,
-  `budget_from` how C was found."""
+  """One entry per run (numpy arrays of one length): N, D, loss, budget C
+  (nan where the runs form no isoFLOP budgets), compute `flops` in the
+  FLOP model's unit, seed and variant (strings), held out (bool); `params`
+  names what N counts, `budget_from` how C was found, `flop_model` the unit
+  of `flops` (and of C and every compute the fits print)."""
   n: np.ndarray
   d: np.ndarray
   loss: np.ndarray
   budget: np.ndarray
+  flops: np.ndarray
   seed: np.ndarray
   variant: np.ndarray
   held_out: np.ndarray
   params: str
   budget_from: str
+  flop_model: str
 
   def select(self, mask: np.ndarray) -> "Runs":
     """The runs where `mask` is true."""
@@ -100,8 +112,9 @@ def _flags(rows: list[dict], column: str) -> np.ndarray:
   return out
 
 
-def group_budgets(flops: np.ndarray) -> np.ndarray:
-  """Each run's isoFLOP budget from its 6 N D (see the module docstring)."""
+def group_budgets(flops: np.ndarray) -> np.ndarray | None:
+  """Each run's isoFLOP budget from its 6 N D, or None where the runs form no
+  clear budgets (see the module docstring)."""
   order = np.argsort(flops)
   sorted_flops = flops[order]
   starts = np.concatenate([[0], np.flatnonzero(sorted_flops[1:] > GAP * sorted_flops[:-1]) + 1,
@@ -110,15 +123,15 @@ def group_budgets(flops: np.ndarray) -> np.ndarray:
   for lo, hi in zip(starts[:-1], starts[1:]):
     group = sorted_flops[lo:hi]
     if group[-1] > SPAN * group[0]:
-      raise UserError(f"runs with 6*N*D from {group[0]:.3g} to {group[-1]:.3g} form no clear "
-                      "isoFLOP budget; give the budget column with --budget")
+      return None
     centre = math.exp(np.log(group).mean())
     budget[order[lo:hi]] = float(f"{centre:.2g}")
   return budget
 
 
 def parse_holdout(spec: str | None) -> tuple[str, float | str] | None:
-  """`--holdout`: ("budget", X) for `budget>=X`, ("column", NAME) for a
+  """`--holdout`: ("budget", X) for `budget>=X` (runs whose budget, or
+  compute where they have no budget, is X or more), ("column", NAME) for a
   column name, None for none."""
   if not spec:
     return None
@@ -149,18 +162,27 @@ def make_runs(rows: list[dict], *, params: str, tokens: str, loss: str,
   n, d, losses = _positive(rows, params), _positive(rows, tokens), _positive(rows, loss)
   if budget is not None:
     budgets, budget_from = _positive(rows, budget), f"the column `{budget}`"
+    flops, flop_model = budgets, f"the budget column `{budget}`"
   else:
-    budgets = group_budgets(6 * n * d)
-    budget_from = (f"6·N·D grouped: runs sorted by it, one more than {GAP - 1:.0%} above the "
-                   "previous starts a new budget, each budget the geometric mean of its runs "
-                   "to 2 significant digits")
+    flops, flop_model = 6 * n * d, "6·N·D"
+    grouped = group_budgets(flops)
+    if grouped is None:
+      budgets = np.full(len(rows), np.nan)
+      budget_from = (f"none: 6·N·D from {flops.min():.3g} to {flops.max():.3g} forms no clear "
+                     "isoFLOP budgets (approach 3 only; give a budget column with --budget for "
+                     "approach 2)")
+    else:
+      budgets = grouped
+      budget_from = (f"6·N·D grouped: runs sorted by it, one more than {GAP - 1:.0%} above the "
+                     "previous starts a new budget, each budget the geometric mean of its runs "
+                     "to 2 significant digits")
   if held is None:
     held_out = np.zeros(len(rows), dtype=bool)
   elif held[0] == "budget":
-    held_out = budgets >= held[1]
+    held_out = np.where(np.isnan(budgets), flops, budgets) >= held[1]
   else:
     held_out = _flags(rows, held[1])
-  return Runs(n=n, d=d, loss=losses, budget=budgets,
+  return Runs(n=n, d=d, loss=losses, budget=budgets, flops=flops,
               seed=np.array([str(r[seed]) if seed else "" for r in rows]),
               variant=np.array([str(r[variant]) if variant else "all" for r in rows]),
-              held_out=held_out, params=params, budget_from=budget_from)
+              held_out=held_out, params=params, budget_from=budget_from, flop_model=flop_model)
