@@ -5,7 +5,11 @@ head feature, chunk sizes that do not divide the tokens included; the train
 and eval steps pass it on; the compiled train step holds no float32 logits
 of the whole batch; the config field is checked."""
 
+import json
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +21,7 @@ from flax import nnx
 from configs import base, validation
 from configs.errors import UserError
 from model import build_model
-from tests.helpers import small_cfg
+from tests.helpers import ROOT, small_cfg
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
@@ -192,6 +196,59 @@ def test_the_train_and_eval_steps_pass_the_chunk_size_on():
   chunked = sgd_train_and_eval(12)
   assert chunked[0]["targets"] == whole[0]["targets"]
   assert_close(chunked, whole)
+
+
+# One SGD step, chunked (12 tokens) and not, on meshes of
+# 8 CPU devices: the chunked head's weights are gathered whole before its
+# loop (objectives._whole_on_every_device), the rows split over data x fsdp,
+# and over context too in the second mesh.
+ON_8_DEVICES = """
+import json
+import jax, numpy as np, optax
+from flax import nnx
+from configs import base
+from model import build_model
+from tests.helpers import small_cfg
+from tests.test_loss_chunks import lm_batch
+from training.sharding import batch_sharding, make_mesh, train_state_shardings
+from training.steps import init_state, jit_train_step
+
+checked = []
+for data, fsdp, context, tensor in ((2, 2, 1, 2), (2, 2, 2, 1)):
+  c = base.get_config()
+  c.model = small_cfg(vocab_size=72, num_layers=1, max_len=16, real_vocab_size=70,
+                      output_bias=True, attention_impl="xla")
+  c.mesh.update(data=data, fsdp=fsdp, context=context, tensor=tensor)
+  mesh = make_mesh(c.mesh, jax.devices())
+  out = []
+  for chunk_size in (0, 12):
+    graphdef, params = nnx.split(build_model(c.model, nnx.Rngs(0)))
+    tx = optax.sgd(1.0)
+    state = init_state(params, tx, 0)
+    shardings = train_state_shardings(jax.eval_shape(lambda: state), mesh, c.mesh.rules)
+    step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", 1,
+                          state_sharding=shardings, batch_sharding=batch_sharding(mesh),
+                          z_loss=1e-2, loss_chunk_size=chunk_size)
+    new, metrics = step(jax.device_put(state, shardings),
+                        jax.device_put(lm_batch(), batch_sharding(mesh)))
+    out.append(jax.device_get((metrics, new["params"])))
+  for a, b in zip(*map(jax.tree.leaves, out)):
+    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
+  checked.append(dict(mesh.shape))
+print(json.dumps(checked))
+"""
+
+
+@pytest.mark.slow
+def test_the_chunked_step_on_8_devices_equals_the_unchunked():
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-c", ON_8_DEVICES], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  checked = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
 
 
 def f32_logit_shapes(text: str) -> list[str]:

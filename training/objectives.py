@@ -40,6 +40,8 @@ logits stay in the range where float32 and bfloat16 softmaxes are exact
 """
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.mtp import depth_weights, shift
 
@@ -118,12 +120,30 @@ def chunked_loss_sums(logits_fn, hidden_BTM, targets_BT, weights_BT, chunk_size:
   return sums
 
 
+def _whole_on_every_device(model, stack):
+  """(`model`, its `stack`) with every parameter constrained whole on every
+  device of the mesh (as they are without one). The chunked head then
+  gathers its weights once, before its loop over the chunks, where
+  parameters split over devices (mesh.fsdp) would otherwise be gathered
+  in every chunk, forward and backward, and their gradients split in every
+  chunk (XLA leaves a loop's collectives in the loop); the price is the
+  head's weights whole on each device, also over mesh.tensor."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return model, stack
+  graphdef, params, rest = nnx.split((model, stack), nnx.Param, ...)
+  whole = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), params)
+  return nnx.merge(graphdef, whole, rest)
+
+
 def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0):
   """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
   final hidden states `hidden_BTM`: with `chunk_size` > 0 chunk by chunk
-  (`chunked_loss_sums`), with 0 from the whole batch's logits."""
+  (`chunked_loss_sums`, the head's weights whole on every device:
+  `_whole_on_every_device`), with 0 from the whole batch's logits."""
   if not chunk_size:
     return loss_sums(model.logits(stack, hidden_BTM), targets_BT, weights_BT)
+  model, stack = _whole_on_every_device(model, stack)
   return chunked_loss_sums(lambda x_BCM: model.logits(stack, x_BCM), hidden_BTM, targets_BT,
                            weights_BT, chunk_size)
 
