@@ -87,16 +87,16 @@ def chunked_loss_sums(logits_fn, hidden_BTM, targets_BT, weights_BT, chunk_size:
   """`loss_sums(logits_fn(hidden_BTM), targets_BT, weights_BT)` without the
   float32 logits of the whole batch (train.loss_chunk_size).
 
-  The positions are taken in n chunks of C = max(1, chunk_size // B) per row
-  (at most T; B x C tokens a chunk): chunk c holds positions c, c + n, c + 2n, ... of
-  every row, so that rows or positions split over devices split each chunk
-  alike; T is padded to n x C with weight 0. A `lax.scan` over the chunks
-  computes each chunk's logits [B, C, V] with `logits_fn` (the head), reduces
-  them to the four sums and adds those up; `jax.checkpoint` makes the
-  backward pass recompute each chunk's logits from its hidden states [B, C, M]
-  instead of saving them, and the target's logit is selected
-  (`_selected_target`), so its gradient, softmax minus one-hot, has no
-  scatter.
+  The positions are taken in n chunks of C = max(1, chunk_size // B) per
+  row (at most T; B x C tokens a chunk): chunk c holds positions c, c + n,
+  c + 2n, ... of every row, so that rows or positions split over devices
+  split each chunk alike; T is padded to n x C with weight 0. A `lax.scan`
+  over the chunks computes each chunk's logits [B, C, V] with `logits_fn`
+  (the head), reduces them to the four sums and adds those up;
+  `jax.checkpoint` makes the backward pass recompute each chunk's logits
+  from its hidden states [B, C, M] instead of saving them, and the target's
+  logit is selected (`_selected_target`), so its gradient, softmax minus
+  one-hot, has no scatter.
   """
   B, T, _ = hidden_BTM.shape
   C = min(T, max(1, chunk_size // B))
