@@ -18,9 +18,9 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import base, validation
+from configs import base, gpt2_small, validation
 from configs.errors import UserError
-from model import build_model
+from model import accounting, build_model
 from tests.helpers import ROOT, small_cfg
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
@@ -271,6 +271,19 @@ def test_the_chunked_train_step_has_no_float32_logits_of_the_whole_batch():
   chunked = compiled_train_step(12)
   assert not f32_logit_shapes(chunked)
   assert re.search(rf"f32\[(?:{B * 3},{V}|{B},3,{V})\]", chunked)  # a chunk's logits
+
+
+def test_the_memory_estimate_counts_the_logits_of_one_chunk():
+  """GPT-2 small at 32 x 1024 tokens, with 2 MTP depths: the float32 logits of
+  3 heads x 32,768 tokens become those of one chunk of 4,096."""
+  config = gpt2_small.get_config()
+  config.train.mtp_depth = 2
+  whole = accounting.training_memory_bytes(config)
+  config.train.loss_chunk_size = 4096
+  chunked = accounting.training_memory_bytes(config)
+  assert whole["activations"] - chunked["activations"] == (3 * 32768 - 4096) * 4 * 50304
+  assert {k: v for k, v in chunked.items() if k not in ("activations", "total")} == {
+      k: v for k, v in whole.items() if k not in ("activations", "total")}
 
 
 def test_loss_chunk_size_must_be_a_non_negative_integer():
