@@ -123,7 +123,8 @@ def _lower_train(config, mesh):
                         tc.grad_accum_steps, state_sharding=shardings,
                         batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss,
                         context_strategy=config.mesh.context_strategy,
-                        router_losses=router_losses(config))
+                        router_losses=router_losses(config),
+                        loss_chunk_size=tc.loss_chunk_size)
   held = {"parameters": _shard_bytes(state["params"]),
           "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
   return step.lower(state, batch), held
@@ -139,8 +140,9 @@ def _lower_eval(config, mesh):
   graphdef, params = _abstract_params(config, mesh)
   batch = abstract_batch(config, mesh)
   held = {"parameters": _shard_bytes(params), "optimizer_state": 0, "batch": _shard_bytes(batch)}
-  return (jit_eval_step(graphdef, config.train.objective, mesh,
-                        config.mesh.context_strategy).lower(params, batch), held)
+  return (jit_eval_step(graphdef, config.train.objective, mesh, config.mesh.context_strategy,
+                        loss_chunk_size=config.train.loss_chunk_size).lower(params, batch),
+          held)
 
 
 def _lower_generate(config, mesh):

@@ -256,6 +256,7 @@ def get_config() -> config_dict.ConfigDict:
   #   cross-entropies, added to the main loss (DeepSeek-V3: 0.3, then 0.1)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
   tr.remat = False  # recompute block activations in the backward pass
+  tr.loss_chunk_size = 0  # tokens per chunk of the LM head and loss (no f32 [B, T, V]); 0: off
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
   #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE, else
   #   jax/ in $TRANSFORMER_LAB_CACHE or ~/.cache/transformer_lab; "none": compile at every start

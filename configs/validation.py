@@ -782,7 +782,7 @@ def validate(config: config_dict.ConfigDict) -> None:
                 "data.task_min_len", "data.task_max_len", "tokenizer.train_bytes"):
     _check_positive(config, field)
   for field in ("train.warmup_steps", "train.tgt_seq_len", "data.task_test_min_len",
-                "data.tokenize_workers"):
+                "data.tokenize_workers", "train.loss_chunk_size"):
     _check_positive(config, field, allow_zero=True)
   _check_positive(config, "train.eval_every", allow_none=True)
   _check_positive(config, "data.seed", allow_none=True, allow_zero=True)

@@ -536,6 +536,10 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   `backend` means); `total`: their sum. The train.mtp_depth multi-token
   prediction modules count in each: their parameters (`formula_params`),
   gradients, moments and activations (`mtp_activation_bytes_per_token`).
+  With train.loss_chunk_size the float32 logits (4 V bytes a token, each
+  head's) count for one chunk of that many tokens instead
+  (training/objectives.py `chunked_loss_sums`: a chunk's logits live at a
+  time, recomputed in the backward pass).
   """
   m, t = ModelConfig.resolve(config.model), config.train
   params = formula_params(m, t.mtp_depth)
@@ -546,10 +550,15 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
                                          config.mesh.get("expert", 1))
   if t.mtp_depth:
     per_token += t.mtp_depth * mtp_activation_bytes_per_token(m, t.seq_len, backend, context)
+  activations = tokens * per_token
+  if t.loss_chunk_size:
+    logits_per_token = 4 * m.vocab_size
+    activations -= tokens * (1 + t.mtp_depth) * logits_per_token
+    activations += min(tokens, t.loss_chunk_size) * logits_per_token
   memory = dict(parameters=n * _itemsize(m.param_dtype),
                 gradients=n * _itemsize(m.param_dtype),
                 optimizer_state=_moments(t, params) * 4,
-                activations=tokens * per_token)
+                activations=activations)
   memory["total"] = sum(memory.values())
   return memory
 

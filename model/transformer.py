@@ -575,6 +575,12 @@ class Decoder(_WithHead):
     depth k = 1..D, position i predicting token i+k+1 from `hidden_BTM` (the
     decoder's final hidden states of `tokens_BT`, `hidden`) and the tokens
     i+1..i+k (`model/mtp.py`); the last k positions of depth k read padding."""
+    return [self.logits(self.decoder, normed_BTM)
+            for normed_BTM in self.mtp_hidden(hidden_BTM, tokens_BT, segment_ids, positions)]
+
+  def mtp_hidden(self, hidden_BTM, tokens_BT, segment_ids=None, positions=None) -> list:
+    """The multi-token prediction modules' normed hidden states [B, T, M] per
+    depth k = 1..D, what the head turns into `mtp_logits`."""
     bias_positions = _bias_positions(tokens_BT, positions)
     positions = _default_positions(tokens_BT, positions)
     bias = self.decoder.self_bias(bias_positions, bias_positions)
@@ -583,7 +589,7 @@ class Decoder(_WithHead):
       emb_BTM = self.decoder.embed_tokens(mtp_shift(tokens_BT, k), positions)
       h_BTM, normed_BTM = module(h_BTM, emb_BTM, positions_BT=positions,
                                  segment_ids=segment_ids, bias=bias)
-      out.append(self.logits(self.decoder, normed_BTM))
+      out.append(normed_BTM)
     return out
 
   def padded_hidden(self, tokens_BT, padding_mask_BT, token_type_ids_BT=None):
@@ -657,14 +663,17 @@ class EncoderDecoder(_WithHead):
       return None
     return (jnp.ones(tgt_BT.shape, jnp.int32), src_padding_mask.astype(jnp.int32))
 
-  def decode(self, tgt_BT, encoded_BSM, src_padding_mask=None):
+  def decode_hidden(self, tgt_BT, encoded_BSM, src_padding_mask=None):
+    """The decoder's final hidden states [B, T, M] of `tgt_BT` reading `encoded_BSM`."""
     positions = _default_positions(tgt_BT, None)
     x_BTM = self.decoder.embed_tokens(tgt_BT, positions)
-    x_BTM = self.decoder.run_blocks(
+    return self.decoder.run_blocks(
         x_BTM, bias_positions_BT=_bias_positions(tgt_BT, None), positions_BT=positions,
         causal=True, context_BSM=encoded_BSM,
         cross_segment_ids=self._cross_segments(tgt_BT, src_padding_mask))
-    return self.logits(self.decoder, x_BTM)
+
+  def decode(self, tgt_BT, encoded_BSM, src_padding_mask=None):
+    return self.logits(self.decoder, self.decode_hidden(tgt_BT, encoded_BSM, src_padding_mask))
 
   def __call__(self, src_BS, tgt_BT, src_padding_mask=None):
     return self.decode(tgt_BT, self.encode(src_BS, src_padding_mask), src_padding_mask)

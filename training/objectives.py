@@ -19,6 +19,12 @@ computed from float32 logits. Each objective returns (sum of per-target
 losses, number of targets, number of correct argmax predictions, sum of
 log^2 Z), so that micro-batches and evaluation passes add up exactly.
 
+With `train.loss_chunk_size` > 0 the objectives with an LM head (all but
+`classify`) compute the head and the loss chunk by chunk of tokens
+(`chunked_loss_sums`): no float32 logits of the whole batch [B, T, V] are
+made, forward or backward, and the sums equal the unchunked ones to
+float32 rounding.
+
 Multi-token prediction (DeepSeek-V3; `train.mtp_depth` = D > 0, next_token
 decoders): `next_token_mtp_loss` returns the main sums and, per depth k, the
 sums of the MTP modules' predictions of token i+k+1 (`model/mtp.py`); the
@@ -34,6 +40,8 @@ logits stay in the range where float32 and bfloat16 softmaxes are exact
 """
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model.mtp import depth_weights, shift
 
@@ -51,15 +59,93 @@ def loss_sums(logits_BTV, targets_BT, weights_BT):
     return _loss_sums(logits_BTV, targets_BT, weights_BT)
 
 
-def _loss_sums(logits_BTV, targets_BT, weights_BT):
+def _gathered_target(logits_BTV, targets_BT):
+  """The target's logit [B, T], gathered (its gradient a scatter)."""
+  return jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+
+
+def _selected_target(logits_BTV, targets_BT):
+  """The target's logit [B, T], selected where an iota over the vocabulary
+  equals the target (its gradient a select: no scatter); the same value as
+  `_gathered_target`, the other logits adding exact zeros."""
+  hit_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, 2) == targets_BT[..., None]
+  return jnp.where(hit_BTV, logits_BTV, 0.0).sum(axis=-1)
+
+
+def _loss_sums(logits_BTV, targets_BT, weights_BT, target_logit=_gathered_target):
   logits_BTV = logits_BTV.astype(jnp.float32)
   max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
   lse_BT = max_BT + jnp.log(jnp.exp(logits_BTV - max_BT[..., None]).sum(axis=-1))
-  target_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
+  target_BT = target_logit(logits_BTV, targets_BT)
   losses_BT = lse_BT - target_BT
   correct_BT = (target_BT >= max_BT).astype(jnp.float32)
   return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum(),
           (jnp.square(lse_BT) * weights_BT).sum())
+
+
+def chunked_loss_sums(logits_fn, hidden_BTM, targets_BT, weights_BT, chunk_size: int):
+  """`loss_sums(logits_fn(hidden_BTM), targets_BT, weights_BT)` without the
+  float32 logits of the whole batch (train.loss_chunk_size).
+
+  The positions are taken in n chunks of C = max(1, chunk_size // B) per
+  row (at most T; B x C tokens a chunk): chunk c holds positions c, c + n,
+  c + 2n, ... of every row, so that rows or positions split over devices
+  split each chunk alike; T is padded to n x C with weight 0. A `lax.scan`
+  over the chunks computes each chunk's logits [B, C, V] with `logits_fn`
+  (the head), reduces them to the four sums and adds those up;
+  `jax.checkpoint` makes the backward pass recompute each chunk's logits
+  from its hidden states [B, C, M] instead of saving them, and the target's
+  logit is selected (`_selected_target`), so its gradient, softmax minus
+  one-hot, has no scatter.
+  """
+  B, T, _ = hidden_BTM.shape
+  C = min(T, max(1, chunk_size // B))
+  n = -(-T // C)
+
+  def chunks(x_BT):  # [B, T, ...] -> [n, B, C, ...], chunk c = positions c, c + n, ...
+    padded = jnp.pad(x_BT, [(0, 0), (0, n * C - T)] + [(0, 0)] * (x_BT.ndim - 2))
+    return jnp.moveaxis(padded.reshape(B, C, n, *x_BT.shape[2:]), 2, 0)
+
+  @jax.checkpoint
+  def chunk_sums(x_BCM, targets_BC, weights_BC):
+    return _loss_sums(logits_fn(x_BCM), targets_BC, weights_BC, target_logit=_selected_target)
+
+  def add_chunk(sums, chunk):
+    return tuple(a + b for a, b in zip(sums, chunk_sums(*chunk))), None
+
+  zeros = tuple(jnp.zeros((), jnp.float32) for _ in range(4))
+  with jax.named_scope("loss"):
+    sums, _ = jax.lax.scan(add_chunk, zeros, (chunks(hidden_BTM), chunks(targets_BT),
+                                              chunks(weights_BT.astype(jnp.float32))))
+  return sums
+
+
+def _whole_on_every_device(model, stack):
+  """(`model`, its `stack`) with every parameter constrained whole on every
+  device of the mesh (as they are without one). The chunked head then
+  gathers its weights once, before its loop over the chunks, where
+  parameters split over devices (mesh.fsdp) would otherwise be gathered
+  in every chunk, forward and backward, and their gradients split in every
+  chunk (XLA leaves a loop's collectives in the loop); the price is the
+  head's weights whole on each device, also over mesh.tensor."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return model, stack
+  graphdef, params, rest = nnx.split((model, stack), nnx.Param, ...)
+  whole = jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, P()), params)
+  return nnx.merge(graphdef, whole, rest)
+
+
+def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0):
+  """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
+  final hidden states `hidden_BTM`: with `chunk_size` > 0 chunk by chunk
+  (`chunked_loss_sums`, the head's weights whole on every device:
+  `_whole_on_every_device`), with 0 from the whole batch's logits."""
+  if not chunk_size:
+    return loss_sums(model.logits(stack, hidden_BTM), targets_BT, weights_BT)
+  model, stack = _whole_on_every_device(model, stack)
+  return chunked_loss_sums(lambda x_BCM: model.logits(stack, x_BCM), hidden_BTM, targets_BT,
+                           weights_BT, chunk_size)
 
 
 def cross_entropy_sums(logits_BTV, targets_BT, weights_BT):
@@ -89,9 +175,12 @@ def next_token_logits(model, batch):
                positions=batch["positions"])
 
 
-def next_token_loss(model, batch):
-  """Causal LM loss."""
-  return loss_sums(next_token_logits(model, batch), batch["targets"], batch["loss_mask"])
+def next_token_loss(model, batch, chunk_size: int = 0):
+  """Causal LM loss (`chunk_size`: train.loss_chunk_size, `head_loss_sums`)."""
+  hidden_BTM = model.hidden(batch["inputs"], segment_ids=batch.get("segment_ids"),
+                            positions=batch["positions"])
+  return head_loss_sums(model, model.decoder, hidden_BTM, batch["targets"], batch["loss_mask"],
+                        chunk_size)
 
 
 def mtp_weights(batch, depth: int) -> list:
@@ -102,20 +191,21 @@ def mtp_weights(batch, depth: int) -> list:
           for k in range(1, depth + 1)]
 
 
-def next_token_mtp_loss(model, batch):
+def next_token_mtp_loss(model, batch, chunk_size: int = 0):
   """(the causal LM's `loss_sums`, and per multi-token prediction depth k =
   1..D its (loss sum, target count, correct count)): one pass of the
   decoder, whose final hidden states the MTP modules continue from
-  (`Decoder.mtp_logits`); depth k's targets are the batch's targets k
-  positions on."""
+  (`Decoder.mtp_hidden`); depth k's targets are the batch's targets k
+  positions on. Every head's loss is chunked alike (`head_loss_sums`)."""
   segment_ids, positions = batch.get("segment_ids"), batch["positions"]
   hidden_BTM = model.hidden(batch["inputs"], segment_ids=segment_ids, positions=positions)
-  sums = loss_sums(model.logits(model.decoder, hidden_BTM), batch["targets"],
-                   batch["loss_mask"])
-  depth_logits = model.mtp_logits(hidden_BTM, batch["inputs"], segment_ids, positions)
-  weights = mtp_weights(batch, len(depth_logits))
-  mtp = tuple(cross_entropy_sums(logits_BTV, shift(batch["targets"], k), w_BT)
-              for k, (logits_BTV, w_BT) in enumerate(zip(depth_logits, weights), start=1))
+  sums = head_loss_sums(model, model.decoder, hidden_BTM, batch["targets"], batch["loss_mask"],
+                        chunk_size)
+  depth_hidden = model.mtp_hidden(hidden_BTM, batch["inputs"], segment_ids, positions)
+  weights = mtp_weights(batch, len(depth_hidden))
+  mtp = tuple(head_loss_sums(model, model.decoder, h_BTM, shift(batch["targets"], k), w_BT,
+                             chunk_size)[:3]
+              for k, (h_BTM, w_BT) in enumerate(zip(depth_hidden, weights), start=1))
   return sums, mtp
 
 
@@ -130,15 +220,19 @@ def mtp_training_sum(mtp, weight: float, count, depth_counts):
   return weight / len(mtp) * sum(terms) * count
 
 
-def encoder_decoder_loss(model, batch):
-  logits_BTV = model(batch["src"], batch["tgt_in"], src_padding_mask=batch["src_mask"] > 0)
-  return loss_sums(logits_BTV, batch["tgt_out"], batch["loss_mask"])
+def encoder_decoder_loss(model, batch, chunk_size: int = 0):
+  src_padding_mask = batch["src_mask"] > 0
+  hidden_BTM = model.decode_hidden(batch["tgt_in"], model.encode(batch["src"], src_padding_mask),
+                                   src_padding_mask)
+  return head_loss_sums(model, model.decoder, hidden_BTM, batch["tgt_out"], batch["loss_mask"],
+                        chunk_size)
 
 
-def masked_lm_loss(model, batch):
-  logits_BTV = model(batch["inputs"], segment_ids=batch["segment_ids"],
-                     positions=batch["positions"])
-  return loss_sums(logits_BTV, batch["targets"], batch["loss_mask"])
+def masked_lm_loss(model, batch, chunk_size: int = 0):
+  hidden_BTM = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"],
+                            positions=batch["positions"])
+  return head_loss_sums(model, model.encoder, hidden_BTM, batch["targets"], batch["loss_mask"],
+                        chunk_size)
 
 
 def classify_loss(model, batch):
@@ -146,12 +240,14 @@ def classify_loss(model, batch):
   return loss_sums(logits_BL, batch["labels"], batch["weights"])
 
 
-def batch_loss(objective: str, model, batch):
-  """(loss sum, target count, correct count, (log Z)^2 sum) of `batch` for `objective`."""
+def batch_loss(objective: str, model, batch, chunk_size: int = 0):
+  """(loss sum, target count, correct count, (log Z)^2 sum) of `batch` for
+  `objective`; `chunk_size`: train.loss_chunk_size of the objectives with an
+  LM head (`head_loss_sums`; a classifier's logits are [B, num_labels])."""
   if objective == "mlm":
-    return masked_lm_loss(model, batch)
+    return masked_lm_loss(model, batch, chunk_size)
   if objective == "classify":
     return classify_loss(model, batch)
   if objective == "seq2seq" and "src" in batch:
-    return encoder_decoder_loss(model, batch)
-  return next_token_loss(model, batch)
+    return encoder_decoder_loss(model, batch, chunk_size)
+  return next_token_loss(model, batch, chunk_size)
