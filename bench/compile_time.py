@@ -13,12 +13,10 @@ itself, scanned over looped: the two compiled steps run alternately
 (`--steps` each, after a warm-up) and the ratio of their medians is printed.
 The persistent compilation cache stays off, so every compile is a real one.
 
-`--pattern L:F` makes the layers differ: L sliding-window layers (window of
-a quarter of the rows) before each full-attention one, as hybrid models
-repeat their layer kinds. Three layouts are then compiled at each depth:
-the cycle scanned as one body (`model.layer_types`), runs of identical
-layers scanned one after another (the same layers as
-`model.sliding_window_layers`, `scan_layers=True`) and the loop.
+`--pattern L:F` makes the layers a hybrid: L linear-attention layers (Gated
+DeltaNet) before each F full-attention ones (`model.layer_types`), as
+Qwen3-Next's 3:1. Two layouts are then compiled at each depth: the cycle
+scanned as one body (`scan_layers=True`) and the loop.
 """
 import argparse
 import datetime
@@ -48,20 +46,13 @@ def config(num_layers: int, scan: bool):
   return c
 
 
-def pattern_configs(num_layers: int, sliding: int, full: int) -> dict:
-  """configs/tiny.py with `sliding` windowed layers before each `full` ones,
-  in three layouts: {"cycle": layer_types scanned by its cycle, "runs":
-  sliding_window_layers scanned in runs, "looped"}."""
-  kinds = ("sliding_attention",) * sliding + ("full_attention",) * full
+def pattern_configs(num_layers: int, linear: int, full: int) -> dict:
+  """configs/tiny.py with `linear` linear-attention layers before each `full`
+  ones, {"cycle": scanned by its cycle, "looped": a loop}."""
   layouts = {}
-  for name in ("cycle", "runs", "looped"):
-    c = config(num_layers, name != "looped")
-    c.model.sliding_window = c.train.seq_len // 4
-    if name == "cycle":
-      c.model.layer_types = kinds
-    else:
-      c.model.sliding_window_layers = tuple(i for i in range(num_layers)
-                                            if kinds[i % len(kinds)] == "sliding_attention")
+  for name in ("cycle", "looped"):
+    c = config(num_layers, name == "cycle")
+    c.model.layer_types = ("linear_attention",) * linear + ("full_attention",) * full
     layouts[name] = c
   return layouts
 
@@ -128,8 +119,8 @@ def main():
   parser.add_argument("--steps", type=int, default=30,
                       help="timed train steps of each layout (0 skips the step timing)")
   parser.add_argument("--pattern", default="",
-                      help='"L:F": L sliding-window layers before each F full ones, in three '
-                           "layouts (cycle, runs, looped); empty: identical layers")
+                      help='"L:F": L linear-attention layers before each F full ones, scanned '
+                           "by the cycle and looped; empty: identical layers")
   args = parser.parse_args()
   depths = [int(d) for d in args.depths.split(",") if d] if args.cpu or args.tpu else []
   result = {
@@ -138,10 +129,10 @@ def main():
       "model": "configs/tiny.py (d=128) at each depth",
       "compile": [{"layers": layers} for layers in depths]}
   if args.pattern:
-    sliding, full = map(int, args.pattern.split(":"))
-    result.update(pattern=args.pattern, model=result["model"] + f", {sliding} sliding-window "
+    linear, full = map(int, args.pattern.split(":"))
+    result.update(pattern=args.pattern, model=result["model"] + f", {linear} linear-attention "
                   f"layers before each {full} full-attention ones")
-    names, layouts = ("cycle", "runs", "looped"), lambda n: pattern_configs(n, sliding, full)
+    names, layouts = ("cycle", "looped"), lambda n: pattern_configs(n, linear, full)
   else:
     names = ("scanned", "looped")
     layouts = lambda n: {"scanned": config(n, True), "looped": config(n, False)}
