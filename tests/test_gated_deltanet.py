@@ -236,3 +236,15 @@ def test_a_context_mesh_refuses_linear_layers():
   with pytest.raises(UserError, match="mesh.context=2: splits rows over devices, which "
                      "linear_attention layers do not take yet"):
     validate(config)
+
+
+def test_the_chunked_rule_is_matrix_products_only():
+  """No triangular-solve call in the compiled CPU program: XLA runs one as a
+  LAPACK call, which wedged a multithreaded train step (`unit_lower_solve`)."""
+  inputs = rule_inputs(40)
+  text = jax.jit(lambda *x: gdn.chunked(*x, chunk=16)).lower(*inputs).compile().as_text()
+  assert "custom-call" not in text and "triangular-solve" not in text
+  A = jnp.tril(jnp.asarray(np.random.default_rng(0).normal(size=(16, 16)), jnp.float32), -1)
+  rhs = jnp.asarray(np.random.default_rng(1).normal(size=(16, 3)), jnp.float32)
+  np.testing.assert_allclose(gdn.unit_lower_solve(A, rhs),
+                             jnp.linalg.solve(jnp.eye(16) + A, rhs), rtol=1e-4, atol=1e-4)
