@@ -7,7 +7,11 @@ shared experts (`model.num_shared_experts`).
 The routers: DeepSeek-V3's group-limited sigmoid routing is
 `moe_router=deepseek` (renormalised, `norm_topk_prob` true, scaled by
 `routed_scaling_factor`), its `e_score_correction_bias` the layer's
-selection bias `score_bias`; DeepSeek-V2's `topk_method=greedy` softmax top
+selection bias `score_bias`, its ineligible groups' experts never chosen
+(`moe_group_mask_fill="-inf"`, the default: DeepSeek's reference code and
+transformers 5's DeepseekV3TopkRouter; a run of "0", the older fill, does
+not export: transformers would route it otherwise whenever a token's best
+eligible biased score is negative); DeepSeek-V2's `topk_method=greedy` softmax top
 k, as transformers runs it (never renormalised, `norm_topk_prob` unread), is
 `moe_router=softmax_topk` at `routed_scaling_factor` 1. The rest is refused
 in one line: V2's group_limited_greedy, other scaling factors and

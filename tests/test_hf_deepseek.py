@@ -241,6 +241,25 @@ def test_export_of_mla_models_names_what_deepseek_cannot_hold():
     hf_convert.export_architecture(ModelConfig.resolve(config.model))
 
 
+def test_group_mask_fill_exports_as_transformers_routes():
+  """transformers' DeepseekV3TopkRouter never chooses a masked group's expert
+  (`moe_group_mask_fill="-inf"`): a V3 config imports as "-inf", and a run
+  of the older fill "0" is refused by name (transformers would route it
+  otherwise)."""
+  v3 = hf_mappings.ARCHITECTURES["deepseek_v3"]
+  config = base_config.get_config()
+  config.model.update(attention="mla", q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16, tie_embeddings=False, num_experts=8,
+                      moe_router="deepseek", moe_n_group=4, moe_topk_group=2)
+  cfg = ModelConfig.resolve(config.model)
+  assert v3.config_from_hf(v3.config_to_hf(cfg, cfg.vocab_size))["moe_n_group"] == 4
+  assert cfg.moe_group_mask_fill == "-inf"
+  assert hf_convert.round_trip_mismatch(v3, cfg) == ""
+  config.model.moe_group_mask_fill = "0"
+  assert hf_convert.round_trip_mismatch(v3, ModelConfig.resolve(config.model)) == (
+      "model.moe_group_mask_fill='0' (needs '-inf')")
+
+
 @pytest.mark.parametrize("version,change,message", [
     (3, dict(norm_topk_prob=False), "norm_topk_prob=False is not supported by the deepseek_v3 "
      "import (model.moe_router=deepseek renormalises"),
