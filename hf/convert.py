@@ -194,7 +194,8 @@ def _shape(path: str, flat: dict) -> tuple:
   return tuple(flat[stacked].shape)[len(index):]
 
 
-def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=(), mtp_depth=0) -> list:
+def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=(),
+          mtp_depth: int = 0) -> list:
   """[(Tensor, full HF name)], every name and shape checked before reading;
   the name is None for a missing `Tensor.zeros_if_missing` (read as zeros).
   Names starting with one of `dropped` (after the prefix) are read past;

@@ -211,7 +211,8 @@ def test_the_join_is_the_normed_embedding_then_the_normed_hidden_state():
   h, emb = jax.random.normal(jax.random.key(1), (2, 2, 5, 32))
   kernel = np.asarray(module.eh_proj.kernel[...]).reshape(64, 32)
   want = np.concatenate([module.enorm(emb), module.hnorm(h)], axis=-1) @ kernel
-  np.testing.assert_allclose(np.asarray(module._join(h, emb)), want, rtol=1e-5, atol=1e-5)  # pylint: disable=protected-access
+  got = module._join(h, emb)  # pylint: disable=protected-access
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
