@@ -68,6 +68,7 @@ def get_config() -> config_dict.ConfigDict:
   #   groups, those with the best sums of their two best affinities (DeepSeek-V3's topk_group)
   m.moe_routed_scaling_factor = 1.0  # moe_router=deepseek: the chosen experts' weights, which
   #   sum to 1, times this (DeepSeek-V3's routed_scaling_factor, 2.5)
+  m.moe_group_mask_fill = "-inf"  # moe_n_group > 1: masked groups' score, "-inf" or "0" (older)
   m.moe_layers = config_dict.placeholder(tuple)  # MoE: the layers (0-based) with experts, the
   #   others dense (DeepSeek's first dense layers: (1, 2, ...)); None: every layer
   m.moe_capacity_factor = 0.0  # MoE: each expert takes at most ceil(this x tokens x k / E) of a

@@ -32,6 +32,7 @@ CHOICES = {
     "model.norm_position": ("pre", "post"),
     "model.mlp": ("gelu", "gelu_tanh", "relu", "swiglu", "geglu", "geglu_tanh"),
     "model.moe_router": ("softmax_topk_norm", "softmax_topk", "deepseek"),
+    "model.moe_group_mask_fill": ("-inf", "0"),
     "model.parametrization": ("sp", "mup"),
     "model.attention_impl": ("reference", "xla", "cudnn", "pallas", "auto"),
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
@@ -724,13 +725,15 @@ def _validate_moe(m: config_dict.ConfigDict) -> None:
 
 
 # The fields only `model.moe_router=deepseek` reads, with their defaults.
-_DEEPSEEK_ROUTER = {"moe_n_group": 1, "moe_topk_group": 1, "moe_routed_scaling_factor": 1.0}
+_DEEPSEEK_ROUTER = {"moe_n_group": 1, "moe_topk_group": 1, "moe_routed_scaling_factor": 1.0,
+                    "moe_group_mask_fill": "-inf"}
 
 
 def _validate_deepseek_router(m: config_dict.ConfigDict) -> None:
   """DeepSeek-V3's router fields (model/moe.py `route_sigmoid`): set only
   under `moe_router=deepseek`; groups that split the experts, at least two
-  experts each, enough eligible experts for the top k."""
+  experts each, enough eligible experts for the top k, a group mask fill
+  only with groups to mask."""
   if m.moe_router != "deepseek":
     for field, default in _DEEPSEEK_ROUTER.items():
       if m[field] != default:
@@ -742,6 +745,9 @@ def _validate_deepseek_router(m: config_dict.ConfigDict) -> None:
   if m.num_experts % m.moe_n_group or (m.moe_n_group > 1 and m.num_experts < 2 * m.moe_n_group):
     _fail("model.moe_n_group", m.moe_n_group, f"must split model.num_experts={m.num_experts} "
           "into equal groups of at least 2 experts (a group scores by its best two)")
+  if m.moe_n_group == 1 and m.moe_group_mask_fill != "-inf":
+    _fail("model.moe_group_mask_fill", m.moe_group_mask_fill,
+          "is read with model.moe_n_group > 1 only (no group is masked); set it to '-inf'")
   if m.moe_topk_group > m.moe_n_group:
     _fail("model.moe_topk_group", m.moe_topk_group,
           f"must be <= model.moe_n_group={m.moe_n_group} (the groups a token may use)")

@@ -194,10 +194,12 @@ def _shape(path: str, flat: dict) -> tuple:
   return tuple(flat[stacked].shape)[len(index):]
 
 
-def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=()) -> list:
+def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=(),
+          mtp_depth: int = 0) -> list:
   """[(Tensor, full HF name)], every name and shape checked before reading;
   the name is None for a missing `Tensor.zeros_if_missing` (read as zeros).
-  Names starting with one of `dropped` (after the prefix) are read past."""
+  Names starting with one of `dropped` (after the prefix) are read past;
+  `mtp_depth` modules' tensors (`Architecture.mtp`) are read too."""
   names = {}
   for name in files:
     short = name.removeprefix(arch.prefix)
@@ -208,7 +210,7 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=()) -> 
         short = short.removesuffix(old) + new
     names[short] = name
   plan, wanted = [], set()
-  for tensor in arch.tensors(cfg):
+  for tensor in _tensors(arch, cfg, mtp_depth):
     wanted.add(tensor.hf_name)
     if tensor.hf_name not in names and tensor.zeros_if_missing:
       plan.append((tensor, None))
@@ -228,6 +230,13 @@ def _plan(arch, cfg, files: dict, abstract_params: dict, hf_dir, dropped=()) -> 
     raise UserError(f"{hf_dir}: tensor {names[extra[0]]} is not used by the {arch.model_type} "
                     f"mapping ({len(extra)} unused)")
   return plan
+
+
+def _tensors(arch, cfg, mtp_depth: int) -> list:
+  """The model's tensors (`arch.tensors`) and its `mtp_depth` multi-token
+  prediction modules' (`Architecture.mtp`; none where it has no mapping)."""
+  mtp = arch.mtp.tensors(cfg, mtp_depth) if arch.mtp and mtp_depth else []
+  return arch.tensors(cfg) + mtp
 
 
 def _hf_shape(tensor, abstract_params: dict, vocab: int) -> tuple:
@@ -310,12 +319,17 @@ def from_hf(hf_dir: str, workdir: str, *, fsdp: int = 1, tensor: int = 1,
   config.mesh.update(fsdp=fsdp, tensor=tensor)
   config.model.scan_layers = scan_layers
   files = _weight_files(hf_dir)
+  if arch.mtp:
+    config.train.mtp_depth = arch.mtp.depth(hf, {n.removeprefix(arch.prefix) for n in files})
   if config.model.tie_embeddings and _own_head(arch, files):
     config.model.tie_embeddings = False
   cfg = ModelConfig.resolve(config.model)
   _, abstract = abstract_state(config)
   abstract_params = _flat(abstract["params"])
-  plan = _plan(arch, cfg, files, abstract_params, hf_dir, arch.dropped(hf))
+  depth = config.train.mtp_depth
+  dropped = ([t.hf_name for t in arch.mtp.copies(cfg, depth)] if depth
+             else arch.dropped(hf))
+  plan = _plan(arch, cfg, files, abstract_params, hf_dir, dropped, depth)
 
   mesh, rules = make_mesh(config.mesh), config.mesh.rules
   shardings = _flat(state_shardings(abstract["params"], mesh, rules))
@@ -435,7 +449,9 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
   dtype = jnp.dtype(cfg.param_dtype)
   np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
   tensors = {}
-  for tensor in arch.tensors(cfg):
+  depth = config.train.mtp_depth if arch.mtp else 0
+  copies = arch.mtp.copies(cfg, depth) if depth else []
+  for tensor in _tensors(arch, cfg, depth) + copies:
     arrays = [_array(params, p) for p in tensor.paths]
     if tensor.vocab_axis is not None:
       arrays = [np.take(arrays[0], np.arange(vocab), axis=tensor.vocab_axis)]
@@ -443,6 +459,8 @@ def to_hf(workdir: str, out_dir: str, step: int | None = None) -> pathlib.Path:
             else arch.prefix + tensor.hf_name)
     tensors[name] = np.ascontiguousarray(tensor.to_hf(*arrays).astype(np_dtype))
   hf = arch.config_to_hf(cfg, vocab)
+  if arch.mtp:
+    hf.update(arch.mtp.config(depth))
   hf.update(dtype=dtype.name, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
             pad_token_id=tok.pad_id)
   if cfg.family == "encoder_decoder":

@@ -7,7 +7,11 @@ shared experts (`model.num_shared_experts`).
 The routers: DeepSeek-V3's group-limited sigmoid routing is
 `moe_router=deepseek` (renormalised, `norm_topk_prob` true, scaled by
 `routed_scaling_factor`), its `e_score_correction_bias` the layer's
-selection bias `score_bias`; DeepSeek-V2's `topk_method=greedy` softmax top
+selection bias `score_bias`, its ineligible groups' experts never chosen
+(`moe_group_mask_fill="-inf"`, the default: DeepSeek's reference code and
+transformers 5's DeepseekV3TopkRouter; a run of "0", the older fill, does
+not export: transformers would route it otherwise whenever a token's best
+eligible biased score is negative); DeepSeek-V2's `topk_method=greedy` softmax top
 k, as transformers runs it (never renormalised, `norm_topk_prob` unread), is
 `moe_router=softmax_topk` at `routed_scaling_factor` 1. The rest is refused
 in one line: V2's group_limited_greedy, other scaling factors and
@@ -20,8 +24,11 @@ Two conventions, as model/mla.py says: the rope columns of `q_b_proj` (or
 is refused); DeepSeek's yarn (`mscale`, `mscale_all_dim`)
 becomes `rope_attention_factor` and `attention_scale`. DeepSeek-V3's
 multi-token-prediction layers (`num_nextn_predict_layers`, stored as layers
-L, L + 1, ...) are not in transformers' model: an import reads past them
-(`Architecture.dropped`), an export writes none.
+L, L + 1, ...) are not in transformers' model: an import whose file holds
+them reads them as our MTP modules (train.mtp_depth, `_mtp_tensors`; their
+copies of the embedding and head read past), one whose file has none (as
+transformers saves) reads past the config's; an export writes a run's
+modules as those layers, with the copies.
 """
 import math
 
@@ -29,7 +36,8 @@ import numpy as np
 
 from configs.errors import UserError
 from hf.llama import MOE_TRAINING, QWEN_EXPERTS, expert_tensors, rope_from_hf, rope_to_hf
-from hf.tables import Architecture, ROTARY, Tensor, check_fields, same, transposed
+from hf.tables import (Architecture, MTPLayers, ROTARY, Tensor, check_fields, same,
+                       transposed)
 from model.mla import deinterleave
 
 # Fields every DeepSeek config.json may hold. `head_dim` and `qk_head_dim`
@@ -288,28 +296,34 @@ def _mla_tensors(cfg, hf: str, ours: str) -> list[Tensor]:
   return out
 
 
+def _layer_tensors(cfg, hf: str, ours: str, *, moe: bool, selection_bias: bool) -> list[Tensor]:
+  """One decoder layer's (`hf` and `ours` its name prefixes): its norms,
+  attention (`_mla_tensors`) and MLP, dense or experts
+  (`hf.llama.expert_tensors`) with the shared experts' MLP."""
+  out = [same(hf + "input_layernorm.weight", ours + "norm_attn/scale"),
+         same(hf + "post_attention_layernorm.weight", ours + "norm_mlp/scale"),
+         *_mla_tensors(cfg, hf, ours)]
+  if not moe:
+    return out + [transposed(hf + f"mlp.{p}_proj.weight", ours + f"mlp/{p}/kernel")
+                  for p in ("gate", "up", "down")]
+  if selection_bias:  # zeros in a file without it, as transformers initialises it
+    out.append(Tensor(hf + "mlp.gate.e_score_correction_bias", (ours + "mlp/score_bias",),
+                      lambda b: (b,), lambda b: b, zeros_if_missing=True))
+  out += expert_tensors(cfg, hf, ours, QWEN_EXPERTS)
+  if cfg.num_shared_experts:
+    out += [transposed(hf + f"mlp.shared_experts.{p}_proj.weight",
+                       ours + f"mlp/shared/{p}/kernel") for p in ("gate", "up", "down")]
+  return out
+
+
 def _tensors(cfg, *, selection_bias: bool) -> list[Tensor]:
-  """The embedding, each layer's norms, attention (`_mla_tensors`) and MLP,
-  dense or experts (`hf.llama.expert_tensors`) with the shared experts'
-  MLP, the final norm and the head."""
+  """The embedding, each layer's (`_layer_tensors`), the final norm and the
+  head."""
   out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
          same("norm.weight", "decoder/final_norm/scale")]
   for i in range(cfg.num_layers):
-    hf, ours = f"layers.{i}.", f"decoder/layers/{i}/"
-    out += [same(hf + "input_layernorm.weight", ours + "norm_attn/scale"),
-            same(hf + "post_attention_layernorm.weight", ours + "norm_mlp/scale"),
-            *_mla_tensors(cfg, hf, ours)]
-    if cfg.layer_is_moe(i):
-      if selection_bias:  # zeros in a file without it, as transformers initialises it
-        out.append(Tensor(hf + "mlp.gate.e_score_correction_bias", (ours + "mlp/score_bias",),
-                          lambda b: (b,), lambda b: b, zeros_if_missing=True))
-      out += expert_tensors(cfg, hf, ours, QWEN_EXPERTS)
-      if cfg.num_shared_experts:
-        out += [transposed(hf + f"mlp.shared_experts.{p}_proj.weight",
-                           ours + f"mlp/shared/{p}/kernel") for p in ("gate", "up", "down")]
-    else:
-      out += [transposed(hf + f"mlp.{p}_proj.weight", ours + f"mlp/{p}/kernel")
-              for p in ("gate", "up", "down")]
+    out += _layer_tensors(cfg, f"layers.{i}.", f"decoder/layers/{i}/", moe=cfg.layer_is_moe(i),
+                          selection_bias=selection_bias)
   if not cfg.tie_embeddings:
     out.append(transposed("lm_head.weight", "head/kernel", 1))
   return out
@@ -327,16 +341,60 @@ def _read_past(cfg) -> tuple[str, ...]:
 
 def _mtp_layers(hf: dict) -> tuple[str, ...]:
   """The tensor-name prefixes of DeepSeek-V3's multi-token-prediction layers,
-  layers L .. L + n - 1 (transformers' default n: 1), which its model has not."""
+  layers L .. L + n - 1 (transformers' default n: 1), which its model has
+  not: read past where the import does not read them (`_mtp_depth` 0)."""
   layers = hf.get("num_hidden_layers", _V3_DEFAULTS["num_hidden_layers"])
   n = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0
   return tuple(f"layers.{layers + j}." for j in range(n))
 
 
+def _mtp_depth(hf: dict, names: set) -> int:
+  """The multi-token-prediction modules a V3 import reads (train.mtp_depth):
+  `num_nextn_predict_layers` when the file holds the first one's `eh_proj`
+  (layer L), else 0 (transformers' own saves hold none: read past)."""
+  layers = hf.get("num_hidden_layers", _V3_DEFAULTS["num_hidden_layers"])
+  n = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers", 1)) or 0
+  return n if f"layers.{layers}.eh_proj.weight" in names else 0
+
+
+def _mtp_tensors(cfg, depth: int) -> list[Tensor]:
+  """Module j's tensors as DeepSeek-V3 names layer L + j: `enorm`, `hnorm`,
+  `eh_proj` [d, 2d] (its input [enorm(emb); hnorm(h)], our M_k [2, d, d]),
+  the decoder layer of the last layer's kind (`_layer_tensors`) and
+  `shared_head.norm` (our final norm)."""
+  d, moe = cfg.d_model, cfg.layer_is_moe(cfg.num_layers - 1)
+  out = []
+  for j in range(depth):
+    hf, ours = f"layers.{cfg.num_layers + j}.", f"mtp/{j}/"
+    out += [same(hf + "enorm.weight", ours + "enorm/scale"),
+            same(hf + "hnorm.weight", ours + "hnorm/scale"),
+            Tensor(hf + "eh_proj.weight", (ours + "eh_proj/kernel",),
+                   lambda w: (w.T.reshape(2, d, d),), lambda k: k.reshape(2 * d, d).T),
+            same(hf + "shared_head.norm.weight", ours + "final_norm/scale"),
+            *_layer_tensors(cfg, hf, ours + "block/", moe=moe, selection_bias=True)]
+  return out
+
+
+def _mtp_copies(cfg, depth: int) -> list[Tensor]:
+  """Module j's `embed_tokens` and `shared_head.head`: the model's embedding
+  and head (the embedding when tied), which our modules share."""
+  head = (same if cfg.tie_embeddings else transposed)
+  out = []
+  for j in range(depth):
+    hf = f"layers.{cfg.num_layers + j}."
+    out += [same(hf + "embed_tokens.weight", "decoder/embed/embedding", 0),
+            head(hf + "shared_head.head.weight",
+                 "decoder/embed/embedding" if cfg.tie_embeddings else "head/kernel",
+                 0 if cfg.tie_embeddings else 1)]
+  return out
+
+
 DEEPSEEK_V3 = Architecture(
     "deepseek_v3", "DeepseekV3ForCausalLM", "model.", _v3_from_hf, _v3_to_hf,
     lambda cfg: _tensors(cfg, selection_bias=True), skipped=ROTARY, read_past=_read_past,
-    dropped=_mtp_layers)
+    dropped=_mtp_layers,
+    mtp=MTPLayers(_mtp_depth, _mtp_tensors, _mtp_copies,
+                  lambda depth: {"num_nextn_predict_layers": depth}))
 DEEPSEEK_V2 = Architecture(
     "deepseek_v2", "DeepseekV2ForCausalLM", "model.", _v2_from_hf, _v2_to_hf,
     lambda cfg: _tensors(cfg, selection_bias=False), skipped=ROTARY, read_past=_read_past)

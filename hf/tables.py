@@ -113,6 +113,25 @@ def labels_to_hf(names) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
+class MTPLayers:
+  """How an architecture's checkpoints hold multi-token prediction modules
+  (`model/mtp.py`, train.mtp_depth), which transformers' model has not.
+
+  `depth(hf, names)`: the modules an import reads (its train.mtp_depth; 0:
+  none, read past as `Architecture.dropped` says) from config.json and the
+  file's tensor names (after the prefix). `tensors(cfg, depth)`: their
+  tensors, both ways. `copies(cfg, depth)`: tensors the file holds again
+  for each module that are the model's own (the embedding, the head):
+  written by an export, read past by an import. `config(depth)`: the
+  config.json fields of an export with `depth` modules.
+  """
+  depth: Callable[[dict, set], int]
+  tensors: Callable
+  copies: Callable
+  config: Callable[[int], dict]
+
+
+@dataclasses.dataclass(frozen=True)
 class Architecture:
   """One Hugging Face architecture (see the module docstring).
 
@@ -134,7 +153,9 @@ class Architecture:
   transformers 5: its T5Config always says tie_word_embeddings=true).
   `dropped(hf)`: tensor-name prefixes (after `prefix`) an import reads past,
   modules of the checkpoint that transformers' model has not (DeepSeek-V3's
-  multi-token-prediction layers).
+  multi-token-prediction layers, where the import does not read them).
+  `mtp`: an `MTPLayers` where the checkpoints can hold multi-token
+  prediction modules that import as ours (None: an export writes none).
   """
   model_type: str
   hf_class: str
@@ -149,6 +170,7 @@ class Architecture:
   auto_class: str = "AutoModelForCausalLM"
   tied_head: tuple[str, str] = ()
   dropped: Callable = lambda hf: ()
+  mtp: MTPLayers | None = None
 
 
 ROTARY = (".rotary_emb.inv_freq",)

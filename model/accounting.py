@@ -34,7 +34,8 @@ whose count is off. Both return the same dict:
 - `params_final_norms`: the norm after each stack (pre-norm only).
 - `params_mtp` (only with `mtp_depth` > 0, train.mtp_depth): DeepSeek-V3's
   multi-token prediction modules (`model/mtp.py`), in `params_total` and
-  `params_active` (they run in every training step).
+  `params_active` (they run in every training step; less the experts a
+  token skips in a module's MoE block, `mtp_inactive_params`).
 
 FLOPs follow the PaLM appendix convention of docs/benchmarks.md, and the memory
 estimate is documented at `activation_bytes_per_token`. A token or FLOP
@@ -81,12 +82,15 @@ def _layer_stacks(m) -> list[tuple[str, int, bool]]:
   return [(m.family, m.num_layers, False)]
 
 
-def _assemble(m, per_layer: dict[str, dict[str, int]], **counts: int) -> dict:
+def _assemble(m, per_layer: dict[str, dict[str, int]], mtp_depth: int = 0,
+              **counts: int) -> dict:
   """The params dict from per-layer breakdowns keyed by stack name, with
   `params_active`: the total less the experts a token is not routed to
-  (`inactive_params`; the total for a dense model)."""
+  (`inactive_params`, and the `mtp_depth` modules' `mtp_inactive_params`;
+  the total for a dense model)."""
   out = dict(counts)
-  out["params_active"] = counts["params_total"] - inactive_params(m)
+  mtp_inactive = mtp_inactive_params(m) * mtp_depth if mtp_depth else 0
+  out["params_active"] = counts["params_total"] - inactive_params(m) - mtp_inactive
   if m.family == "encoder_decoder":
     out.update(params_per_layer=per_layer["decoder"], num_layers=m.num_decoder_layers,
                params_per_encoder_layer=per_layer["encoder"], num_encoder_layers=m.num_layers)
@@ -146,7 +150,7 @@ def measured_params(model_cfg, mtp_depth: int = 0) -> dict:
         counts["params_position_table"] += size
   for layer in per_layer.values():
     layer["total"] = sum(layer.values())
-  return _assemble(model_cfg, per_layer, **counts)
+  return _assemble(model_cfg, per_layer, mtp_depth, **counts)
 
 
 def _attention_params(m) -> int:
@@ -235,11 +239,21 @@ def _layer_params(m, cross: bool, moe: bool = False, linear: bool = False) -> di
 
 
 def mtp_module_params(m) -> int:
-  """One multi-token prediction module (`model/mtp.py`): the norms of h and
-  of the embedding, M_k (2d x d), a dense decoder layer and, pre-norm, its
-  final norm."""
+  """One multi-token prediction module (`model/mtp.py`): the norms of the
+  embedding and of h, M_k (2d x d), a decoder layer of the last layer's
+  kind (softmax attention; with experts where the last layer has them) and,
+  pre-norm, its final norm."""
   final_norm = _norm_params(m) if m.norm_position == "pre" else 0
-  return 2 * _norm_params(m) + 2 * m.d_model ** 2 + _layer_params(m, False)["total"] + final_norm
+  block = _layer_params(m, False, moe=m.layer_is_moe(m.num_layers - 1))["total"]
+  return 2 * _norm_params(m) + 2 * m.d_model ** 2 + block + final_norm
+
+
+def mtp_inactive_params(m) -> int:
+  """Parameters of one multi-token prediction module a token does not use:
+  the E - k experts of its block where it has experts (else 0)."""
+  if not m.layer_is_moe(m.num_layers - 1):
+    return 0
+  return (m.num_experts - m.experts_per_token) * _expert_params(m)
 
 
 def formula_params(model_cfg, mtp_depth: int = 0) -> dict:
@@ -259,7 +273,7 @@ def formula_params(model_cfg, mtp_depth: int = 0) -> dict:
             + len(m.moe_layers) * (_moe_params(m) - _mlp_params(m))
             + len(linear) * (linear_params(m) - _attention_params(m)))
   mtp = {"params_mtp": mtp_depth * mtp_module_params(m)} if mtp_depth else {}
-  return _assemble(m, per_layer,
+  return _assemble(m, per_layer, mtp_depth,
                    params_total=layers + embedding + final_norms + mtp_depth * mtp_module_params(m),
                    params_embedding=embedding, params_position_table=position_table,
                    params_final_norms=final_norms, **mtp)
@@ -357,8 +371,9 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int 
   `gated_deltanet.rule_flops` per token instead, whatever S.
 
   With `mtp_depth` = D multi-token prediction modules (train.mtp_depth), each
-  adds its own 2 x `mtp_module_params`, its block's attention and the shared
-  head's d x V matmul once more: D x (2 (module + d V) + 4 S d_attn).
+  adds its own 2 x `mtp_module_params` (less its experts a token skips,
+  `mtp_inactive_params`), its block's attention and the shared head's d x V
+  matmul once more: D x (2 (module + d V) + 4 S d_attn).
   """
   m = ModelConfig.resolve(model_cfg)
   params = formula_params(m)
@@ -366,8 +381,9 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int 
   linear = len(validation.linear_layers(m))
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m)) - linear
   attention = 2 * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
+  mtp_active = mtp_module_params(m) - mtp_inactive_params(m)
   forward = 2 * n + attention_layers * attention + linear * rule_flops(m) + mtp_depth * (
-      2 * (mtp_module_params(m) + m.d_model * m.vocab_size) + attention)
+      2 * (mtp_active + m.d_model * m.vocab_size) + attention)
   return 3 * forward if train else forward
 
 
@@ -502,16 +518,19 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
 
 
 def mtp_activation_bytes_per_token(model_cfg, seq_len: int, backend: str | None = None,
-                                   context: int = 1) -> int:
+                                   context: int = 1, expert: int = 1) -> int:
   """Activation memory per token of one multi-token prediction module
   (`model/mtp.py`, train.mtp_depth), counted as `activation_bytes_per_token`
-  counts a layer: the inputs of its norms of h and of the embedding (2 d),
-  of M_k (2 d), its dense block's (a decoder layer's), its final norm's
+  counts a layer: the inputs of its norms of the embedding and of h (2 d),
+  of M_k (2 d), its block's (a decoder layer's, with experts over `expert`
+  devices where the last layer has them), its final norm's
   (d, pre-norm), the head's input (d; 3 d more with `head_transform`) and
   its float32 logits (4 V bytes). train.remat leaves the modules out (only
   the decoder's blocks recompute), so this holds with it too."""
   m = ModelConfig.resolve(model_cfg)
-  elements = (4 * m.d_model + _layer_activation_elements(m, seq_len, False, backend, context)
+  block = _layer_activation_elements(m, seq_len, False, backend, context,
+                                     moe=m.layer_is_moe(m.num_layers - 1), expert=expert)
+  elements = (4 * m.d_model + block
               + m.d_model * (m.norm_position == "pre") + m.d_model * (1 + 3 * m.head_transform))
   return elements * _itemsize(m.dtype) + 4 * m.vocab_size
 
@@ -549,7 +568,8 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   per_token = activation_bytes_per_token(m, t.seq_len, t.remat, backend, context,
                                          config.mesh.get("expert", 1))
   if t.mtp_depth:
-    per_token += t.mtp_depth * mtp_activation_bytes_per_token(m, t.seq_len, backend, context)
+    per_token += t.mtp_depth * mtp_activation_bytes_per_token(m, t.seq_len, backend, context,
+                                                              config.mesh.get("expert", 1))
   activations = tokens * per_token
   if t.loss_chunk_size:
     logits_per_token = 4 * m.vocab_size

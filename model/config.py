@@ -107,6 +107,7 @@ class ModelConfig:
   moe_n_group: int
   moe_topk_group: int
   moe_routed_scaling_factor: float
+  moe_group_mask_fill: str
   moe_layers: tuple[int, ...]
   moe_capacity_factor: float
   use_bias: bool

@@ -86,7 +86,8 @@ ROUTERS = Registry("model.moe_router", [
     Router("deepseek", "sigmoid affinities, the top k of the best moe_topk_group of "
            "moe_n_group expert groups, renormalised to sum 1 and scaled by "
            "moe_routed_scaling_factor (DeepSeek-V3)", True,
-           reads=("moe_n_group", "moe_topk_group", "moe_routed_scaling_factor"), sigmoid=True),
+           reads=("moe_n_group", "moe_topk_group", "moe_routed_scaling_factor",
+                  "moe_group_mask_fill"), sigmoid=True),
 ])
 
 
@@ -128,13 +129,24 @@ def route(logits_NE, k: int, normalize: bool):
   return weights_NK, experts_NK.astype(jnp.int32), probs_NE
 
 
+# `model.moe_group_mask_fill`: the biased score an ineligible group's experts
+# get in the top k. "-inf" never picks them (DeepSeek's reference inference
+# code, transformers 5.24's DeepseekV3TopkRouter, vLLM's grouped_topk since
+# its PR 13474); "0" picks one over an eligible expert whose biased score is
+# below 0 (the earlier fill: DeepSeek's Hub modeling_deepseek.py before
+# V3-0324, vLLM before that PR, earlier transformers).
+GROUP_MASK_FILLS = {"-inf": -jnp.inf, "0": 0.0}
+
+
 def route_sigmoid(logits_NE, k: int, *, n_group: int, topk_group: int, scale: float,
-                  bias_E=None):
+                  bias_E=None, mask_fill: str = "-inf"):
   """DeepSeek-V3's routing (transformers' DeepseekV3TopkRouter), as `route`
   returns it: sigmoid affinities s [N, E]; the experts in `n_group` groups of
   E / n_group, a group scored by the sum of its two best s + `bias_E`, only
-  the best `topk_group` groups eligible; the top k of s + `bias_E` among
-  them; their weights s (the bias selects, it does not weigh) renormalised to
+  the best `topk_group` groups eligible; the top k of s + `bias_E` with the
+  other groups' experts set to `mask_fill` (`GROUP_MASK_FILLS`: "-inf" only
+  ever chooses eligible experts, "0" also ineligible ones over eligible ones
+  scoring below 0); their weights s (the bias selects, it does not weigh) renormalised to
   sum 1 and times `scale`. The probabilities returned are s / sum s, each
   token's affinities normalised (what the balance statistics read)."""
   scores_NE = jax.nn.sigmoid(logits_NE.astype(jnp.float32))
@@ -144,7 +156,8 @@ def route_sigmoid(logits_NE, k: int, *, n_group: int, topk_group: int, scale: fl
     group_NG = jax.lax.top_k(choice_NE.reshape(N, n_group, E // n_group), 2)[0].sum(-1)
     best_NG = jax.lax.top_k(group_NG, topk_group)[1]
     eligible_NG = jnp.zeros((N, n_group), bool).at[jnp.arange(N)[:, None], best_NG].set(True)
-    choice_NE = jnp.where(jnp.repeat(eligible_NG, E // n_group, axis=1), choice_NE, -jnp.inf)
+    choice_NE = jnp.where(jnp.repeat(eligible_NG, E // n_group, axis=1), choice_NE,
+                          GROUP_MASK_FILLS[mask_fill])
   experts_NK = jax.lax.top_k(choice_NE, k)[1]
   weights_NK = jnp.take_along_axis(scores_NE, experts_NK, axis=1)
   weights_NK = weights_NK / (weights_NK.sum(axis=-1, keepdims=True) + 1e-20) * scale
@@ -159,7 +172,8 @@ def routing(cfg):
   if entry.sigmoid:
     return functools.partial(route_sigmoid, k=cfg.experts_per_token, n_group=cfg.moe_n_group,
                              topk_group=cfg.moe_topk_group,
-                             scale=cfg.moe_routed_scaling_factor)
+                             scale=cfg.moe_routed_scaling_factor,
+                             mask_fill=cfg.moe_group_mask_fill)
   return functools.partial(route, k=cfg.experts_per_token, normalize=entry.normalize)
 
 

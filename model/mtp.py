@@ -1,15 +1,23 @@
 """DeepSeek-V3's multi-token prediction (MTP, arXiv:2412.19437 §2.2).
 
 `train.mtp_depth` = D modules after a decoder, run one after the other.
-Module k (1..D) takes the previous depth's hidden state h^{k-1}_i (h^0: the
-decoder's final hidden state) and the embedding of token i+k (the decoder's
-own `embed_tokens`, shared), normalises each with the model's norm (RMSNorm
-in DeepSeek's configs), projects their concatenation with M_k (2d -> d, no
-bias), runs one transformer block (the model's attention and its dense MLP
-of model.d_ff; causal, over the same positions and segments as the decoder)
-and a final norm (pre-norm models), giving h^k_i; the shared output head of
-h^k_i predicts token i+k+1. Positions whose token i+k+1 lies past the row or
-in another segment are not scored (`shift`, `depth_weights`).
+Module k (1..D) takes the embedding of token i+k (the decoder's own
+`embed_tokens`, shared) and the previous depth's hidden state h^{k-1}_i
+(h^0: the decoder's final hidden state), normalises each with the model's
+norm (`enorm`, `hnorm`; RMSNorm in DeepSeek's configs), projects their
+concatenation [enorm(emb); hnorm(h)], in that order, with M_k (`eh_proj`,
+2d -> d, no bias), runs one transformer block of the kind of the decoder's
+last layer (its attention, MLA where the model has it, its sliding window,
+its experts where it has them; a linear_attention last layer's module
+attends in full, as Qwen3-Next's MTP layer does; causal, over the same
+positions and segments as the decoder) and a final norm (pre-norm models;
+DeepSeek's `shared_head.norm`), giving h^k_i; the shared output head of
+h^k_i predicts token i+k+1. This is DeepSeek-V3's module as its files
+store it (`model.layers.{L}.*`, hf/deepseek.py). Positions whose token
+i+k+1 lies past the row or in another segment are not scored (`shift`,
+`depth_weights`). An MoE block's router statistics are not among the
+router losses, and its selection bias is not moved by
+`train.moe_bias_update_rate` (the decoder's layers' are).
 
 The modules' parameters count in `model/accounting.py` (`mtp_module_params`); the
 loss and its report are training/objectives.py's `next_token_mtp_loss`. At generation
@@ -25,31 +33,35 @@ from model.norms import make_norm
 
 
 class MTPModule(nnx.Module):
-  """One depth: norms of h and of the embedding, M_k, a block, a final norm."""
+  """One depth: norms of the embedding and of h, M_k, a block, a final norm."""
 
   def __init__(self, cfg, *, rope, rngs: nnx.Rngs):
-    self.norm_hidden = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
-    self.norm_embed = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
-    # M_k [2, d, d]: the concatenation [norm(h); norm(emb)] contracted as one 2d axis.
-    self.proj = Dense((2, cfg.d_model), (cfg.d_model,), (None, "embed", None), use_bias=False,
-                      cfg=cfg, rngs=rngs, in_axes=2)
-    self.block = Block(cfg, cross=False, rope=rope, rngs=rngs)
+    last = cfg.num_layers - 1
+    self.enorm = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.hnorm = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
+    # M_k [2, d, d]: the concatenation [enorm(emb); hnorm(h)] contracted as one 2d axis.
+    self.eh_proj = Dense((2, cfg.d_model), (cfg.d_model,), (None, "embed", None),
+                         use_bias=False, cfg=cfg, rngs=rngs, in_axes=2)
+    self.block = Block(cfg, cross=False, rope=rope, rngs=rngs, window=cfg.layer_window(last),
+                       moe=cfg.layer_is_moe(last))
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
 
+  def _join(self, h_BTM, emb_BTM):
+    """M_k [enorm(emb); hnorm(h)] [B, T, M]."""
+    return self.eh_proj(jnp.stack([self.enorm(emb_BTM), self.hnorm(h_BTM)], axis=-2))
+
   def __call__(self, h_BTM, emb_BTM, *, positions_BT, segment_ids=None, bias=None):
     """(h^k [B, T, M] before the final norm, h^k after it: what the head reads)."""
-    x_BT2M = jnp.stack([self.norm_hidden(h_BTM), self.norm_embed(emb_BTM)], axis=-2)
-    x_BTM, _ = self.block(self.proj(x_BT2M), positions_BT=positions_BT, causal=True,
+    x_BTM, _ = self.block(self._join(h_BTM, emb_BTM), positions_BT=positions_BT, causal=True,
                           segment_ids=segment_ids, bias=bias)
     return x_BTM, (self.final_norm(x_BTM) if self.final_norm is not None else x_BTM)
 
   def decode(self, h_BTM, emb_BTM, *, positions_BT, cache, bias=None):
     """`__call__` at `positions_BT` against this module's block's KV cache
     (`Block.decode`): (h^k, h^k after the final norm, the new cache)."""
-    x_BT2M = jnp.stack([self.norm_hidden(h_BTM), self.norm_embed(emb_BTM)], axis=-2)
-    x_BTM, cache = self.block.decode(self.proj(x_BT2M), positions_BT=positions_BT, cache=cache,
-                                     bias=bias)
+    x_BTM, cache = self.block.decode(self._join(h_BTM, emb_BTM), positions_BT=positions_BT,
+                                     cache=cache, bias=bias)
     return x_BTM, (self.final_norm(x_BTM) if self.final_norm is not None else x_BTM), cache
 
 

@@ -113,13 +113,121 @@ def _with_mtp_layer(hf_dir, layers: int):
   safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
 
 
+def _with_full_mtp_layer(hf_model, hf_dir, layers: int) -> dict:
+  """DeepSeek-V3's multi-token-prediction module as its files hold it, layer
+  `layers` in DeepSeek's tensor names, random: `enorm`, `hnorm`, `eh_proj`,
+  a decoder layer shaped as the last one (experts, selection bias, shared
+  expert), `shared_head.norm`, and copies of the embedding and head
+  (`embed_tokens`, `shared_head.head`). Returns the file's tensors."""
+  path = hf_dir / "model.safetensors"
+  tensors = safetensors.numpy.load_file(str(path))
+  gen = np.random.default_rng(5)
+  mtp, last = f"model.layers.{layers}.", f"model.layers.{layers - 1}."
+  d = hf_model.config.hidden_size
+  norm = lambda shape: (1.0 + 0.3 * gen.normal(size=shape)).astype(np.float32)
+  for name, value in list(tensors.items()):
+    if name.startswith(last):
+      mean = 1.0 if name.endswith("norm.weight") else 0.0
+      tensors[mtp + name[len(last):]] = (mean + 0.3 * gen.normal(size=value.shape)).astype(
+          np.float32)
+  tensors.update({mtp + "enorm.weight": norm(d), mtp + "hnorm.weight": norm(d),
+                  mtp + "eh_proj.weight": (0.3 * gen.normal(size=(d, 2 * d))).astype(np.float32),
+                  mtp + "shared_head.norm.weight": norm(d),
+                  mtp + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+                  mtp + "shared_head.head.weight": tensors["lm_head.weight"]})
+  safetensors.numpy.save_file(tensors, str(path), metadata={"format": "pt"})
+  edit_hf_config(hf_dir, num_nextn_predict_layers=1)
+  return tensors
+
+
+def _deepseek_mtp_logits(hf_model, tensors, layers: int, ids, tmp_path):
+  """DeepSeek-V3's module 1 on `ids`, written out in torch: h^0 the main
+  model's final hidden states, e the embedding of token i+1, eh_proj
+  [enorm(e); hnorm(h^0)], the layer (transformers' DeepseekV3DecoderLayer,
+  loaded from the layer's tensors as layer `layers` of a model one layer
+  deeper), shared_head.norm, shared_head.head. [B, T - 1, V]: the last
+  position reads past the row."""
+  mtp = f"model.layers.{layers}."
+  own = ("enorm.", "hnorm.", "eh_proj.", "shared_head.", "embed_tokens.")
+  deeper = tmp_path / "deeper"
+  deeper.mkdir()
+  safetensors.numpy.save_file({k: v for k, v in tensors.items()
+                               if not k.startswith(tuple(mtp + o for o in own))},
+                              str(deeper / "model.safetensors"), metadata={"format": "pt"})
+  config = hf_model.config.to_dict()
+  config.update(num_hidden_layers=layers + 1)
+  (deeper / "config.json").write_text(json.dumps(config))
+  ref = transformers.AutoModelForCausalLM.from_pretrained(deeper,
+                                                          attn_implementation="eager").eval()
+  t = lambda name: torch.from_numpy(np.array(tensors[mtp + name]))
+
+  def rms(x, scale):
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + hf_model.config.rms_norm_eps)
+    return x * scale
+
+  ids = torch.as_tensor(ids)
+  B, T = ids.shape
+  with torch.no_grad():
+    h0 = hf_model.model(ids).last_hidden_state
+    e = hf_model.model.embed_tokens(ids[:, 1:])
+    x = torch.cat([rms(e, t("enorm.weight")), rms(h0[:, :-1], t("hnorm.weight"))], -1)
+    x = x @ t("eh_proj.weight").T
+    positions = torch.arange(T - 1)[None].expand(B, -1)
+    mask = torch.full((T - 1, T - 1), float("-inf")).triu(1)[None, None]
+    out = ref.model.layers[layers](x, attention_mask=mask, position_ids=positions,
+                                   position_embeddings=ref.model.rotary_emb(x, positions))
+    out = out[0] if isinstance(out, tuple) else out
+    return (rms(out, t("shared_head.norm.weight")) @ t("shared_head.head.weight").T).numpy()
+
+
+def test_v3_mtp_layer_imports_as_the_module_and_exports_back(tok, tmp_path, capsys):
+  """A V3 file with its MTP layer (layer L in DeepSeek's names, experts in
+  it): the import is a run with train.mtp_depth=1 whose module's logits are
+  DeepSeek's module written out (join order, MoE block with its selection
+  bias, shared head); the export writes every tensor of the file back as it
+  was (the copies of the embedding and head too) with
+  num_nextn_predict_layers 1, and imports again to the same module. An MTP
+  layer whose shapes disagree with config.json is one line."""
+  layers = _TINY["num_hidden_layers"]
+  hf_model = _deepseek(3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+  hf_dir = tmp_path / "hf"
+  save_hf(hf_model, tok, hf_dir)
+  tensors = _with_full_mtp_layer(hf_model, hf_dir, layers)
+  assert run_convert("from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "run") == 0
+  config, _, model, _ = load_run(str(tmp_path / "run"))
+  assert config.train.mtp_depth == 1
+  ids = _ids(tok).astype(np.int32)
+  hidden = model.hidden(ids)
+  got = np.asarray(model.mtp_logits(hidden, ids)[0])[:, :-1]
+  want = _deepseek_mtp_logits(hf_model, tensors, layers, ids, tmp_path)
+  assert_close(got, want)
+  out = tmp_path / "exported"
+  assert run_convert("to_hf", "--workdir", tmp_path / "run", "--out", out) == 0
+  exported = safetensors.numpy.load_file(str(out / "model.safetensors"))
+  assert sorted(exported) == sorted(tensors)
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(exported[name], value, err_msg=name)
+  assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+  assert run_convert("from_hf", "--hf_dir", out, "--workdir", tmp_path / "again") == 0
+  _, _, again, _ = load_run(str(tmp_path / "again"))
+  np.testing.assert_array_equal(np.asarray(again.mtp_logits(again.hidden(ids), ids)[0]),
+                                np.asarray(model.mtp_logits(hidden, ids)[0]))
+  bad = {**tensors, f"model.layers.{layers}.eh_proj.weight": np.zeros((32, 32), np.float32)}
+  safetensors.numpy.save_file(bad, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+  err = convert_error_line(capsys, "from_hf", "--hf_dir", hf_dir, "--workdir", tmp_path / "bad")
+  assert f"tensor model.layers.{layers}.eh_proj.weight has shape (32, 32), config.json " \
+         "implies (32, 64)" in err
+  assert not (tmp_path / "bad").exists()
+
+
 @pytest.mark.parametrize("generation,scan", [(False, True),
                                              pytest.param(True, None, marks=pytest.mark.slow)])
 def test_deepseek_v3_in_and_out(tok, tmp_path, generation, scan):
   """DeepseekV3ForCausalLM: a dense layer, then 8 experts (top 2 of the best
   2 of 4 groups, scaled by 2.5, a selection bias) with a shared expert;
-  query latents, biases, yarn with mscale; an MTP layer in the file, read
-  past; the selection bias lands in `score_bias`. The exported config.json
+  query latents, biases, yarn with mscale; config.json's MTP layer, which
+  transformers' file has not, read past; the selection bias lands in
+  `score_bias`. The exported config.json
   imports back to the same config. Into scanned runs of layers (the dense
   one, the MoE ones: `--scan_layers`), and into the loop with greedy
   generation (slow)."""
@@ -127,7 +235,6 @@ def test_deepseek_v3_in_and_out(tok, tmp_path, generation, scan):
                        routed_scaling_factor=2.5, rope_parameters=_YARN)
   hf_dir = tmp_path / "hf"
   save_hf(hf_model, tok, hf_dir)
-  _with_mtp_layer(hf_dir, 2)
   m, model = _in_and_out(hf_model, tok, tmp_path, str(hf_dir), generation, scan)
   assert ModelConfig.resolve(m).scan_layers is bool(scan)
   assert (m.attention, m.num_experts, m.experts_per_token, m.moe_d_ff, m.num_shared_experts,
@@ -239,6 +346,25 @@ def test_export_of_mla_models_names_what_deepseek_cannot_hold():
   config.model.update(num_layers=3, num_experts=4, moe_layers=(1,), moe_router="deepseek")
   with pytest.raises(UserError, match=r"deepseek_v3: model.moe_layers=\(1,\) \(needs \(2,\)\)"):
     hf_convert.export_architecture(ModelConfig.resolve(config.model))
+
+
+def test_group_mask_fill_exports_as_transformers_routes():
+  """transformers' DeepseekV3TopkRouter never chooses a masked group's expert
+  (`moe_group_mask_fill="-inf"`): a V3 config imports as "-inf", and a run
+  of the older fill "0" is refused by name (transformers would route it
+  otherwise)."""
+  v3 = hf_mappings.ARCHITECTURES["deepseek_v3"]
+  config = base_config.get_config()
+  config.model.update(attention="mla", q_lora_rank=16, kv_lora_rank=32, qk_nope_head_dim=16,
+                      qk_rope_head_dim=8, v_head_dim=16, tie_embeddings=False, num_experts=8,
+                      moe_router="deepseek", moe_n_group=4, moe_topk_group=2)
+  cfg = ModelConfig.resolve(config.model)
+  assert v3.config_from_hf(v3.config_to_hf(cfg, cfg.vocab_size))["moe_n_group"] == 4
+  assert cfg.moe_group_mask_fill == "-inf"
+  assert hf_convert.round_trip_mismatch(v3, cfg) == ""
+  config.model.moe_group_mask_fill = "0"
+  assert hf_convert.round_trip_mismatch(v3, ModelConfig.resolve(config.model)) == (
+      "model.moe_group_mask_fill='0' (needs '-inf')")
 
 
 @pytest.mark.parametrize("version,change,message", [

@@ -13,6 +13,7 @@ from flax import nnx
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model, summary
+from model.moe import MoE
 from tests.helpers import (assert_one_line_error, assert_trees_equal, run_python,
                            small_cfg)
 from tests.test_optim import run_config, straight_and_stopped
@@ -169,6 +170,49 @@ def test_the_closed_form_counts_the_modules(overrides):
   assert extra == D * (2 * (counts["params_mtp"] // D + m.d_model * m.vocab_size)
                        + 2 * 32 * m.num_heads * (accounting.ModelConfig.resolve(m).head_dim
                                                  + accounting.ModelConfig.resolve(m).v_head_dim))
+
+
+_EXPERTS = dict(num_experts=4, experts_per_token=2, moe_d_ff=16, num_shared_experts=1,
+                moe_router="deepseek", moe_n_group=2, moe_topk_group=1)
+
+
+@pytest.mark.parametrize("moe_layers,moe", [((1,), True), ((0,), False)])
+def test_the_modules_block_is_the_last_layers_kind_and_counted(moe_layers, moe):
+  """With experts in the last layer the module's block has them (MoE, the
+  router's selection bias) and the closed form counts them, in the total
+  and, less the E - k a token skips, in the active count and the FLOPs;
+  with a dense last layer the block is dense. Its sliding window is the
+  last layer's."""
+  m = small_cfg(**_EXPERTS, moe_layers=moe_layers, sliding_window=4,
+                sliding_window_layers=(1,))
+  model = build_model(m, nnx.Rngs(0), mtp_depth=D)
+  cfg = accounting.ModelConfig.resolve(m)
+  for module in model.mtp:
+    assert isinstance(module.block.mlp, MoE) is moe
+    assert module.block.attn.window == 4
+  accounting.check_formula(m, mtp_depth=D)
+  counts, without = accounting.formula_params(m, D), accounting.formula_params(m)
+  assert counts == accounting.measured_params(m, D)
+  skipped = D * (cfg.num_experts - cfg.experts_per_token) * 3 * cfg.d_model * cfg.moe_d_ff
+  assert counts["params_active"] == without["params_active"] + counts["params_mtp"] - (
+      skipped if moe else 0)
+  extra = (accounting.flops_per_token(m, 32, train=False, mtp_depth=D)
+           - accounting.flops_per_token(m, 32, train=False))
+  assert extra == 2 * (counts["params_mtp"] - (skipped if moe else 0)) + D * (
+      2 * cfg.d_model * cfg.vocab_size + 2 * 32 * cfg.num_heads * (cfg.head_dim + cfg.v_head_dim))
+
+
+def test_the_join_is_the_normed_embedding_then_the_normed_hidden_state():
+  """M_k reads [enorm(emb); hnorm(h)] in that order (DeepSeek-V3's eh_proj):
+  its first d rows multiply the embedding's norm, the last d h's."""
+  model = build_model(small_cfg(), nnx.Rngs(0), mtp_depth=1)
+  module = model.mtp[0]
+  module.hnorm.scale[...] = module.hnorm.scale[...] * 2.0  # tell the two norms apart
+  h, emb = jax.random.normal(jax.random.key(1), (2, 2, 5, 32))
+  kernel = np.asarray(module.eh_proj.kernel[...]).reshape(64, 32)
+  want = np.concatenate([module.enorm(emb), module.hnorm(h)], axis=-1) @ kernel
+  got = module._join(h, emb)  # pylint: disable=protected-access
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow

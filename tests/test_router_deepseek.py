@@ -1,6 +1,7 @@
 """`model.moe_router=deepseek` (`model/moe.py` `route_sigmoid`): DeepSeek-V3's
 group-limited sigmoid routing equals transformers' DeepseekV3TopkRouter on
-the same weights (and selection bias), and a whole layer with its shared
+the same weights (and selection bias), `model.moe_group_mask_fill` decides
+where a token's best eligible biased score is negative, and a whole layer with its shared
 experts equals DeepseekV3MoE; the sequence-wise balance loss
 (`train.moe_seq_aux_loss`) is the paper's; mistakes are one line."""
 import jax
@@ -88,6 +89,60 @@ def test_layer_routes_as_transformers():
                              rtol=1e-5)
 
 
+def _reference_choice(scores_NE, bias_E, n_group, topk_group, k, fill):
+  """DeepSeek's rule written out token by token (inference/model.py's Gate):
+  groups scored by their two best biased scores, the other groups' biased
+  scores replaced by `fill`, the top k of the result (ties to the lower
+  expert, as a stable sort orders them), weighed by their scores."""
+  N, E = scores_NE.shape
+  choice_NE = scores_NE + bias_E
+  experts, weights = [], []
+  for n in range(N):
+    groups = choice_NE[n].reshape(n_group, E // n_group)
+    group_score = np.sort(groups, axis=1)[:, -2:].sum(1)
+    best = set(np.argsort(-group_score, kind="stable")[:topk_group])
+    masked = np.array([c if e // (E // n_group) in best else fill
+                       for e, c in enumerate(choice_NE[n])], np.float32)
+    chosen = np.argsort(-masked, kind="stable")[:k]
+    experts.append(np.sort(chosen))
+    weights.append(scores_NE[n, np.sort(chosen)] / scores_NE[n, chosen].sum())
+  return np.array(experts), np.array(weights)
+
+
+def test_group_mask_fill_decides_when_the_best_eligible_score_is_negative():
+  """Selection biases of -2 make every biased score negative: "-inf" keeps
+  the top k in the eligible groups (DeepSeek's rule, and transformers'
+  DeepseekV3TopkRouter), "0" takes the masked groups' experts, scored 0,
+  over them (the older fill's rule); every token's choice differs."""
+  E, k, d, N, n_group, topk_group = 8, 3, 16, 32, 4, 2
+  gen = np.random.default_rng(1)
+  weight = gen.normal(size=(E, d)).astype(np.float32)
+  x = gen.normal(size=(N, d)).astype(np.float32)
+  bias_E = (gen.normal(size=E) * 0.3 - 2.0).astype(np.float32)
+  logits = x @ weight.T
+  scores = 1 / (1 + np.exp(-logits))
+  assert (scores + bias_E).max() < 0
+  got = {}
+  for fill, fill_value in (("-inf", -np.inf), ("0", 0.0)):
+    cfg = ModelConfig.resolve(_config(moe_n_group=n_group, moe_topk_group=topk_group,
+                                      moe_group_mask_fill=fill).model)
+    w, i, _ = routing(cfg)(jnp.asarray(logits), bias_E=jnp.asarray(bias_E))
+    order = np.argsort(np.asarray(i), axis=1)
+    got[fill] = np.take_along_axis(np.asarray(i), order, 1)
+    want_i, want_w = _reference_choice(scores, bias_E, n_group, topk_group, k, fill_value)
+    np.testing.assert_array_equal(got[fill], want_i)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(w), order, 1), want_w, rtol=1e-5)
+  hf = DeepseekV3TopkRouter(DeepseekV3Config(
+      hidden_size=d, n_routed_experts=E, num_experts_per_tok=k, n_group=n_group,
+      topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=1.0))
+  with torch.no_grad():
+    hf.weight.copy_(torch.from_numpy(weight))
+    hf.e_score_correction_bias.copy_(torch.from_numpy(bias_E))
+    hf_i = np.sort(hf(torch.from_numpy(x))[2].numpy(), axis=1)
+  np.testing.assert_array_equal(hf_i, got["-inf"])
+  assert (got["-inf"] != got["0"]).any(axis=1).all()
+
+
 @pytest.mark.parametrize("overrides,message", [
     (dict(moe_router="softmax_topk_norm", moe_n_group=2),
      "model.moe_n_group=2: is read by model.moe_router=deepseek only"),
@@ -97,6 +152,12 @@ def test_layer_routes_as_transformers():
      "model.moe_router='deepseek': needs model.num_experts > 0"),
     (dict(num_experts=0, moe_d_ff=None, moe_router="softmax_topk_norm", moe_topk_group=2),
      "model.moe_topk_group=2: needs model.num_experts > 0 and model.moe_router=deepseek"),
+    (dict(moe_router="softmax_topk", moe_group_mask_fill="0"),
+     "model.moe_group_mask_fill='0': is read by model.moe_router=deepseek only"),
+    (dict(moe_group_mask_fill="0"), "model.moe_group_mask_fill='0': is read with "
+     "model.moe_n_group > 1 only (no group is masked); set it to '-inf'"),
+    (dict(moe_n_group=2, moe_group_mask_fill="zero"),
+     "model.moe_group_mask_fill='zero': must be one of -inf, 0"),
     (dict(moe_n_group=3), "model.moe_n_group=3: must split model.num_experts=8"),
     (dict(moe_n_group=8), "model.moe_n_group=8: must split model.num_experts=8 into equal "
      "groups of at least 2"),

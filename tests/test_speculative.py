@@ -107,9 +107,9 @@ def copying_model(cfg, depth: int, copies: int):
   those drafts are accepted."""
   model = build_model(cfg, nnx.Rngs(0), mtp_depth=depth)
   for module in list(model.mtp)[:copies]:
-    kernel = np.zeros(module.proj.kernel.shape, np.float32)
-    kernel[1] = np.eye(cfg.d_model)
-    module.proj.kernel[...] = jnp.asarray(kernel)
+    kernel = np.zeros(module.eh_proj.kernel.shape, np.float32)
+    kernel[0] = np.eye(cfg.d_model)  # [enorm(emb); hnorm(h)]: the embedding's half
+    module.eh_proj.kernel[...] = jnp.asarray(kernel)
     module.block.attn.o_proj.kernel[...] = jnp.zeros_like(module.block.attn.o_proj.kernel[...])
     module.block.mlp.down.kernel[...] = jnp.zeros_like(module.block.mlp.down.kernel[...])
   return model
