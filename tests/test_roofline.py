@@ -235,3 +235,17 @@ def test_tiny_roofline_for_a_v5e_slice(tmp_path):
   cost = report["compiler_cost_analysis"]
   assert cost["flops"] == pytest.approx(report["total"]["flops"], rel=0.5)
   assert 0 < report["mfu_bound"] <= 1 and report["measured"] is None
+
+
+def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
+  from bench import roofline as cli  # pylint: disable=import-outside-toplevel
+  from configs import gpt2_small, tiny  # pylint: disable=import-outside-toplevel
+  one = cli.parse_target("gpu:h200")
+  assert (one.name, one.num_devices) == ("gpu:h200:1", 1)
+  c = gpt2_small.get_config()
+  c.model.scan_layers, c.train.loss_chunk_size = False, 4096
+  assert cli._is_measured_run(c, one)  # pylint: disable=protected-access
+  assert not cli._is_measured_run(c, cli.parse_target("gpu:h200:8"))  # pylint: disable=protected-access
+  assert not cli._is_measured_run(tiny.get_config(), one)  # pylint: disable=protected-access
+  c.train.batch_size = 16
+  assert not cli._is_measured_run(c, one)  # pylint: disable=protected-access
