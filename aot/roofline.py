@@ -337,8 +337,8 @@ def _bytes(instruction: _Instruction, shapes: dict[str, str],
   body = computations.get(called[0], []) if called else [instruction]
   names = {i.name: i for i in body}
   if called:
-    local = [next((i.name for i in body if i.opcode == "parameter"
-                   and i.arguments.strip() == str(n)), "") for n in range(len(instruction.operands))]
+    parameters = {i.arguments.strip(): i.name for i in body if i.opcode == "parameter"}
+    local = [parameters.get(str(n), "") for n in range(len(instruction.operands))]
     outer = dict(zip(local, instruction.operands))
   else:
     local, outer = instruction.operands, {name: name for name in instruction.operands}
