@@ -279,8 +279,8 @@ def group_of(op_name: str, opcode: str) -> str:
 
 
 def kernels(hlo_text: str, *, causal: bool = True) -> list[Kernel]:
-  """The kernels a compiled program launches, in program order (see the
-  module's docstring). `causal`: whether the Pallas attention kernels mask
+  """The kernels a compiled program launches (see the module's docstring):
+  the entry computation's in program order, then each loop body's. `causal`: whether the Pallas attention kernels mask
   causally (the model's attention; their mask is in their code)."""
   computations, entry = _parse(hlo_text)
   runs = multiplicities(hlo_text)

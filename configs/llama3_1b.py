@@ -3,9 +3,11 @@
 KV heads of 64, SwiGLU MLP 8192, pre-norm RMSNorm (eps 1e-5), RoPE with base
 500,000 and Llama 3.1's wavelength bands (factor 32, low 1, high 4, original
 context 8,192), context 131,072, no biases, vocabulary 128,256 tied to the
-head. bf16 compute, float32 params. Its roofline on an H200:
-`python -m bench.roofline --config configs/llama3_1b.py --target gpu:h200`
-(docs/benchmarks.md).
+head. bf16 compute, float32 params. A step of 8 x 4,096 tokens with the
+head and loss in chunks of 4,096 (without them the step needs 128 GiB on
+one H200, which XLA cannot bring under its 107 GiB). Its roofline on an
+H200: `python -m bench.roofline --config configs/llama3_1b.py --target
+gpu:h200` (docs/benchmarks.md).
 """
 from configs import base
 
@@ -20,6 +22,6 @@ def get_config():
                  norm_eps=1e-5, mlp="swiglu", use_bias=False, tie_embeddings=True,
                  dtype="bfloat16")
   c.tokenizer.update(kind="bpe", vocab_size=128256)
-  c.train.update(batch_size=16, seq_len=4096, learning_rate=3e-4, warmup_steps=2000,
-                 num_steps=20000, weight_decay=0.1)
+  c.train.update(batch_size=8, seq_len=4096, loss_chunk_size=4096, learning_rate=3e-4,
+                 warmup_steps=2000, num_steps=20000, weight_decay=0.1)
   return c
