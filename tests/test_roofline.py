@@ -249,3 +249,21 @@ def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
   assert not cli._is_measured_run(tiny.get_config(), one)  # pylint: disable=protected-access
   c.train.batch_size = 16
   assert not cli._is_measured_run(c, one)  # pylint: disable=protected-access
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_tiny_roofline_for_one_h200(monkeypatch):
+  """configs/tiny.py with our Hopper kernel (bf16, head_dim 64) on a
+  compile-only H200: no cost analysis, attention FLOPs from the kernels."""
+  from bench import roofline as cli  # pylint: disable=import-outside-toplevel
+  from configs import tiny  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  c = tiny.get_config()
+  c.model.update(attention_impl="pallas", num_layers=1, dtype="bfloat16", num_heads=2)
+  report = cli.roofline_report(c, cli.parse_target("gpu:h200"))
+  assert report["compiler_cost_analysis"] is None and report["measured"] is None
+  assert report["launch_seconds_per_kernel"] == 5e-6
+  attention = [k for k in report["kernels"] if k["kind"] == "mosaic_gpu_v2"]
+  assert len(attention) == 3 and all(k["flops"] > 0 for k in attention)  # forward, dQ, dK/dV
+  assert report["total"]["kernels"] > 10 and 0 < report["mfu_bound"] <= 1
