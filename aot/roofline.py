@@ -12,18 +12,21 @@ loop's body counts once per iteration (`aot.compiler.multiplicities`).
 Per kernel, per run:
 
 - FLOPs: 2 x (result elements) x (contracted size) for each dot in it
-  (inside a fusion too), 2 x (output elements) x (kernel elements per output
-  feature) for each convolution, the same from a cuBLAS GEMM's shapes and
-  dimension numbers. Attention kernels by the FlashAttention convention
-  (docs/benchmarks.md): a forward 4 B H T S D, half when causal; a fused
-  backward 2.5 forwards. A backward split in two kernels recomputes QK^T and
-  dO V^T in both: its dQ kernel counts 1.5 forwards (three matmuls), its
-  dK/dV kernel 2 (four), 3.5 in all. A cuDNN call's mask type says whether it
-  is causal; a Pallas kernel's mask is compiled into its code, so `causal`
-  (the model's) says it. Every other op counts 0 FLOPs.
+  (inside a fusion too) and from a cuBLAS GEMM's shapes and dimension
+  numbers; for each convolution (how libtpu writes most dots) 2 x output
+  batch x output features x input features x the window positions that
+  read the input rather than its padding (`_convolution_flops`).
+  Attention kernels by the FlashAttention convention (docs/benchmarks.md):
+  a forward 4 B H T S D, half when causal; a fused backward 2.5 forwards. A
+  backward split in two kernels recomputes QK^T and dO V^T in both: its dQ
+  kernel counts 1.5 forwards (three matmuls), its dK/dV kernel 2 (four),
+  3.5 in all. A cuDNN call's mask type says whether it is causal; a Pallas
+  kernel's mask is compiled into its code, so `causal` (the model's) says
+  it. Every other op counts 0 FLOPs.
 - bytes read and written: the operands' and the results' array shapes x
-  their dtype size (what an unfused kernel moves through HBM; a kernel that
-  reads part of an operand, or updates a buffer in place, counts all of it).
+  their dtype size (what a kernel moves through HBM once), except that an
+  operand only sliced counts its slices and a buffer updated in place its
+  update (`_bytes`).
 - time at peak: FLOPs / peak FLOP/s, bytes / HBM bandwidth, and the larger
   of the two, plus `launch_seconds` per kernel (`LAUNCH_SECONDS`).
 
@@ -172,16 +175,50 @@ def _dot_flops(instruction: _Instruction, shapes: dict[str, str], lhs_contractin
   return 2.0 * math.prod(result[0][1]) * contracted
 
 
+def _window_pairs(out_size: int, in_size: int, window: int, stride: int, pad_low: int,
+                  dilation: int) -> int:
+  """(output position, window position) pairs of one spatial dimension of a
+  convolution that land on the input rather than its padding."""
+  pairs = 0
+  for w in range(window):
+    offset = w * dilation - pad_low  # input index of output 0 at this window position
+    first = max(0, -(offset // stride))  # the first output whose input index is >= 0
+    last = min(out_size - 1, (in_size - 1 - offset) // stride)
+    pairs += max(0, last - first + 1)
+  return pairs
+
+
 def _convolution_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
-  """2 x output elements x the kernel's elements per output feature."""
-  labels = re.search(r"dim_labels=\w+_(\w+)->", instruction.attributes)
+  """2 x output batch x output features x input features per group x, per
+  spatial dimension, the (output, window) position pairs that read the input
+  rather than its padding. The TPU compiler writes dots as such
+  convolutions, with padded windows (`window={size=1x4 pad=0_0x3_3}`)."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
   result = _arrays(instruction.shape)
-  rhs = _arrays(shapes.get(instruction.operands[1], "")) if len(instruction.operands) > 1 else []
-  if not labels or not result or not rhs or "o" not in labels.group(1):
+  operands = [_arrays(shapes.get(name, "")) for name in instruction.operands[:2]]
+  if not labels or not result or len(operands) < 2 or not all(operands):
     return 0.0
-  kernel = rhs[0][1]
-  per_output = math.prod(kernel) / kernel[labels.group(1).index("o")]
-  return 2.0 * math.prod(result[0][1]) * per_output
+  lhs_labels, rhs_labels, out_labels = labels.groups()
+  lhs, rhs, out = operands[0][0][1], operands[1][0][1], result[0][1]
+  if not len(lhs) == len(rhs) == len(out) == len(lhs_labels):
+    return 0.0
+  spatial = sorted(c for c in out_labels if c.isdigit())
+
+  def window_field(name, default):
+    match = re.search(name + r"=([\d_x]+)", instruction.attributes)
+    values = match.group(1).split("x") if match else []
+    return values if len(values) == len(spatial) else [default] * len(spatial)
+
+  sizes = [int(v) for v in window_field("size", "1")]
+  strides = [int(v) for v in window_field("stride", "1")]
+  pads = [int(v.split("_")[0]) for v in window_field("pad", "0_0")]
+  dilations = [int(v) for v in window_field("rhs_dilate", "1")]
+  pairs = math.prod(
+      _window_pairs(out[out_labels.index(d)], lhs[lhs_labels.index(d)], size, stride, pad,
+                    dilation)
+      for d, size, stride, pad, dilation in zip(spatial, sizes, strides, pads, dilations))
+  return (2.0 * out[out_labels.index("b")] * out[out_labels.index("f")]
+          * rhs[rhs_labels.index("i")] * pairs)
 
 
 def _kernel_name(op_name: str) -> str:
@@ -280,8 +317,9 @@ def group_of(op_name: str, opcode: str) -> str:
 
 def kernels(hlo_text: str, *, causal: bool = True) -> list[Kernel]:
   """The kernels a compiled program launches (see the module's docstring):
-  the entry computation's in program order, then each loop body's. `causal`: whether the Pallas attention kernels mask
-  causally (the model's attention; their mask is in their code)."""
+  the entry computation's in program order, then each loop body's.
+  `causal`: whether the Pallas attention kernels mask causally (the
+  model's attention; their mask is in their code)."""
   computations, entry = _parse(hlo_text)
   runs = multiplicities(hlo_text)
   shapes = {name: {i.name: i.shape for i in instructions}

@@ -144,6 +144,27 @@ def test_groups_from_op_names():
   assert roofline.group_of("jit(train_step)/mlp/dot_general", "all-gather-start") == "collectives"
 
 
+def test_convolution_flops_count_only_window_positions_on_the_input():
+  # As libtpu writes a projection [4,128,128] x [128,4,32] -> [4,128,4,32]: the
+  # heads axis is a spatial dimension of size 1 under a window of 4 padded by 3
+  # a side, of whose 16 (output, window) pairs 4 read the input.
+  tpu = """ENTRY %main (a: f32[4,128,128,1], w: f32[128,4,32,1]) -> f32[4,128,4,32] {
+  %a = f32[4,128,128,1]{2,1,3,0} parameter(0)
+  %w = f32[128,4,32,1]{0,2,1,3} parameter(1)
+  ROOT %c = f32[4,128,4,32]{3,1,2,0} convolution(%a, %w), window={size=1x4 pad=0_0x3_3 rhs_reversal=0x1}, dim_labels=0bf1_i1o0->0b1f, metadata={op_name="jit(train_step)/jvp(attention)/dot_general"}
+}
+"""
+  assert roofline.kernels(tpu)[0].flops == 2 * (4 * 128) * 128 * (4 * 32)
+  # A causal depthwise convolution over 10 positions, kernel 4, padded 3 on the left.
+  depthwise = """ENTRY %main (x: f32[2,10,8], k: f32[4,1,8]) -> f32[2,10,8] {
+  %x = f32[2,10,8]{2,1,0} parameter(0)
+  %k = f32[4,1,8]{2,1,0} parameter(1)
+  ROOT %c = f32[2,10,8]{2,1,0} convolution(%x, %k), window={size=4 pad=3_0}, dim_labels=b0f_0io->b0f, feature_group_count=8
+}
+"""
+  assert roofline.kernels(depthwise)[0].flops == 2 * 2 * 8 * 1 * (10 * 4 - 6)
+
+
 def attention_module(target, names_and_shapes, extra=""):
   lines = [f'  %k{i} = {result} custom-call({", ".join(f"%{o}" for o in operands)}), '
            f'custom_call_target="{target}"{extra}, metadata={{op_name="jit(train_step)/attention/'
