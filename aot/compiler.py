@@ -375,7 +375,7 @@ def _group_size(line: str) -> int:
   return 2 if pairs else 1
 
 
-def _cost(compiled) -> dict:
+def cost_analysis(compiled) -> dict:
   """The compiler's cost analysis; empty where it gives none (a compile-only GPU)."""
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):
@@ -496,7 +496,7 @@ def compile_report(config, target: Target, *, step: str = "train") -> dict:
   chip = target.chip
   fits = compiled is not None and memory["peak"] <= chip.hbm_bytes
 
-  cost = _cost(compiled) if compiled is not None else {}
+  cost = cost_analysis(compiled) if compiled is not None else {}
   hlo_text = compiled.as_text() if compiled is not None else ""
   looped = has_loops(hlo_text)
   flops, hbm_bytes = (None, None) if looped else (cost.get("flops"), cost.get("bytes accessed"))

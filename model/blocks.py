@@ -9,6 +9,7 @@ then cross-attention (decoder of an
 encoder-decoder only; multi-head), then the MLP (or a mixture of experts,
 `model/moe.py`), each wrapped that way.
 """
+import jax
 from flax import nnx
 
 from model.attention import Attention
@@ -36,11 +37,16 @@ class Block(nnx.Module):
     self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, rngs=rngs)
     self.norm_mlp = make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
 
-  def _residual(self, x, norm, sublayer):
+  def _residual(self, x, norm, sublayer, scope: str):
+    """The sublayer wrapped by the norm and the residual; its ops run under
+    the named scope `scope` ("attention", "mlp"), which names them in the
+    compiled program's metadata (`aot/roofline.py` groups kernels by it)."""
+    h = norm(x) if self.pre_norm else x
+    with jax.named_scope(scope):
+      branch = sublayer(h)
     if self.pre_norm:
-      branch = sublayer(norm(x))
       return x + (branch if self.branch_mult is None else branch * self.branch_mult)
-    return norm(x + sublayer(x))
+    return norm(x + branch)
 
   def _cross_and_mlp(self, x, context_BSM, cross_segment_ids, context_kv=None,
                      segment_ids=None):
@@ -48,9 +54,10 @@ class Block(nnx.Module):
     `segment_ids` (0: padding) keep padding tokens away from the experts."""
     if self.cross_attn is not None:
       x = self._residual(x, self.norm_cross, lambda h: self.cross_attn(
-          h, context_BSM=context_BSM, context_kv=context_kv, segment_ids=cross_segment_ids))
+          h, context_BSM=context_BSM, context_kv=context_kv, segment_ids=cross_segment_ids),
+                         "attention")
     if not isinstance(self.mlp, MoE):
-      return self._residual(x, self.norm_mlp, self.mlp), None
+      return self._residual(x, self.norm_mlp, self.mlp, "mlp"), None
     stats = []
 
     def experts(h):
@@ -58,14 +65,15 @@ class Block(nnx.Module):
       stats.append(layer_stats)
       return out
 
-    return self._residual(x, self.norm_mlp, experts), stats[0]
+    return self._residual(x, self.norm_mlp, experts, "mlp"), stats[0]
 
   def __call__(self, x_BTM, *, positions_BT, causal, segment_ids=None, context_BSM=None,
                cross_segment_ids=None, bias=None):
     """(the block's output, its experts' `MoEStats` or None for a dense MLP);
     `bias`: the stack's relative position bias for self-attention, or None."""
     x_BTM = self._residual(x_BTM, self.norm_attn, lambda h: self.attn(
-        h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids, bias=bias))
+        h, positions_BT=positions_BT, causal=causal, segment_ids=segment_ids, bias=bias),
+                           "attention")
     return self._cross_and_mlp(x_BTM, context_BSM, cross_segment_ids, segment_ids=segment_ids)
 
   def attention_weights(self, x_BTM, *, positions_BT, causal, bias=None):
@@ -92,6 +100,6 @@ class Block(nnx.Module):
                                               **linear)
       return out
 
-    x_BTM = self._residual(x_BTM, self.norm_attn, self_attention)
+    x_BTM = self._residual(x_BTM, self.norm_attn, self_attention, "attention")
     return (self._cross_and_mlp(x_BTM, None, cross_segment_ids, context_kv)[0],
             new_cache["kv"])

@@ -1,0 +1,452 @@
+"""A roofline of a compiled step, kernel by kernel, read from its optimized HLO.
+
+`kernels(hlo_text)` lists what the program launches: every instruction of
+the entry computation and of the computations it runs as loops or branches
+(while bodies and conditions, conditional branches, called computations),
+except those that launch nothing (parameters, constants, tuples, bitcasts,
+the while / conditional / call instructions themselves, the `-done` half of
+an asynchronous pair). A fusion, a custom call (a cuBLAS GEMM, a cuDNN or
+Pallas attention kernel), a collective or a lone op is one kernel; one in a
+loop's body counts once per iteration (`aot.compiler.multiplicities`).
+
+Per kernel, per run:
+
+- FLOPs: 2 x (result elements) x (contracted size) for each dot in it
+  (inside a fusion too) and from a cuBLAS GEMM's shapes and dimension
+  numbers; for each convolution (how libtpu writes most dots) 2 x output
+  batch x output features x input features x the window positions that
+  read the input rather than its padding (`_convolution_flops`).
+  Attention kernels by the FlashAttention convention (docs/benchmarks.md):
+  a forward 4 B H T S D, half when causal; a fused backward 2.5 forwards. A
+  backward split in two kernels recomputes QK^T and dO V^T in both: its dQ
+  kernel counts 1.5 forwards (three matmuls), its dK/dV kernel 2 (four),
+  3.5 in all. A cuDNN call's mask type says whether it is causal; a Pallas
+  kernel's mask is compiled into its code, so `causal` (the model's) says
+  it. Every other op counts 0 FLOPs.
+- bytes read and written: the operands' and the results' array shapes x
+  their dtype size (what a kernel moves through HBM once), except that an
+  operand only sliced counts its slices and a buffer updated in place its
+  update (`_bytes`).
+- time at peak: FLOPs / peak FLOP/s, bytes / HBM bandwidth, and the larger
+  of the two, plus `launch_seconds` per kernel (`LAUNCH_SECONDS`).
+
+`group_of` puts each kernel in the part of the model it comes from, by its
+`op_name` metadata (the named scopes of the model and the train step).
+`summary` adds it all up: a predicted step time (the sum over kernels of
+max(FLOP time, byte time) + launch), per group and per kernel.
+"""
+import dataclasses
+import math
+import re
+
+from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
+
+# Seconds a kernel costs beyond its FLOPs and bytes, a stated constant, not a
+# measurement: on a GPU the launch and the gap between two kernels, about 5 us
+# for a small kernel (CUDA graphs shorten it; XLA uses them for some loops);
+# a TPU runs the program's ops back to back from one binary, without host
+# launches, so 0.
+LAUNCH_SECONDS = {"gpu": 5e-6, "tpu": 0.0}
+
+GROUPS = ("attention", "mlp", "norms and residuals", "head and loss", "optimizer",
+          "casts and copies", "collectives", "other")
+
+_DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+_ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
+_HEADER_RE = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
+_INSTRUCTION_RE = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
+_OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
+# Instructions that launch nothing: bookkeeping, or a loop whose body's kernels count instead.
+_NO_KERNEL = frozenset({"parameter", "constant", "get-tuple-element", "tuple", "bitcast",
+                        "while", "conditional", "call", "after-all", "partition-id",
+                        "replica-id", "opt-barrier", "add-dependency", "domain"})
+_COLLECTIVE_OPS = frozenset(COLLECTIVES) | {f"{kind}-start" for kind in COLLECTIVES}
+# The forwards' worth of matmuls an attention kernel runs, by its name's end.
+_ATTENTION_FACTORS = (("forward", 1.0), ("fwd", 1.0), ("dq", 1.5), ("dkdv", 2.0),
+                      ("backward", 2.5), ("bwd", 2.5))
+
+
+@dataclasses.dataclass
+class Kernel:
+  """One kernel of the program: an instruction that launches work."""
+  name: str  # the instruction's name
+  kind: str  # the opcode; a fusion's kind (kLoop, ...); a custom call's target
+  op_name: str  # its metadata's op_name ("" where it has none)
+  group: str  # one of GROUPS
+  runs: int  # launches per step (a loop body's kernel: the trip count)
+  flops: float  # per launch
+  bytes_read: int  # per launch
+  bytes_written: int  # per launch
+
+
+def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
+  """The (dtype, dims) of each array of an HLO shape ('f32[2,3]{1,0}' or a tuple)."""
+  return [(dtype, tuple(int(d) for d in dims.split(",") if d))
+          for dtype, dims in _ARRAY_RE.findall(shape)]
+
+
+def _nbytes(arrays) -> int:
+  return int(sum(math.prod(dims) * _DTYPE_BYTES.get(dtype, 4) for dtype, dims in arrays))
+
+
+def _split_arguments(rest: str) -> tuple[str, str]:
+  """(the text inside an opcode's parentheses, the attributes after them) of
+  the text after its '('."""
+  depth = 1
+  for i, char in enumerate(rest):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return rest[:i], rest[i + 1:]
+  return rest, ""
+
+
+@dataclasses.dataclass
+class _Instruction:
+  """One HLO instruction: `%name = shape opcode(arguments), attributes`."""
+  name: str
+  shape: str
+  opcode: str
+  arguments: str  # as written: operand names, or a parameter's number
+  attributes: str
+  root: bool
+
+  @property
+  def operands(self) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", self.arguments)
+
+
+def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
+  """({computation: its instructions}, the entry computation's name)."""
+  computations, entry, current = {}, None, None
+  for line in hlo_text.splitlines():
+    header = _HEADER_RE.match(line)
+    if header:
+      current = header.group(2)
+      computations[current] = []
+      entry = current if header.group(1) else entry
+      continue
+    match = _INSTRUCTION_RE.match(line)
+    if match and current is not None:
+      root, name, shape, opcode, rest = match.groups()
+      arguments, attributes = _split_arguments(rest)
+      computations[current].append(_Instruction(name, shape, opcode, arguments, attributes,
+                                                bool(root)))
+  return computations, entry
+
+
+def _called(instruction: _Instruction, roles: tuple[str, ...]) -> list[str]:
+  """The computations `instruction` names in its attributes `roles` (body=, calls=...)."""
+  out = []
+  for role, names in re.findall(r"\b(\w+)=(\{[^}]*\}|%[\w.\-]+)", instruction.attributes):
+    if role in roles:
+      out += re.findall(r"%([\w.\-]+)", names)
+  return out
+
+
+def _launching_computations(computations, entry) -> list[str]:
+  """The entry and the computations it runs as its own sequences of kernels:
+  while bodies and conditions, conditional branches, called computations."""
+  found, todo = [], [entry] if entry else []
+  while todo:
+    name = todo.pop()
+    if name in found or name not in computations:
+      continue
+    found.append(name)
+    for instruction in computations[name]:
+      if instruction.opcode == "while":
+        todo += _called(instruction, ("body", "condition"))
+      elif instruction.opcode == "conditional":
+        todo += _called(instruction, ("branch_computations", "true_computation",
+                                      "false_computation"))
+      elif instruction.opcode == "call":
+        todo += _called(instruction, ("to_apply",))
+  return found
+
+
+def _dot_flops(instruction: _Instruction, shapes: dict[str, str], lhs_contracting: list[int]):
+  """2 x result elements x the product of the lhs's contracted dimensions."""
+  result = _arrays(instruction.shape)
+  lhs = _arrays(shapes.get(instruction.operands[0], "")) if instruction.operands else []
+  if not result or not lhs:
+    return 0.0
+  contracted = math.prod(lhs[0][1][d] for d in lhs_contracting if d < len(lhs[0][1]))
+  return 2.0 * math.prod(result[0][1]) * contracted
+
+
+def _window_pairs(out_size: int, in_size: int, window: int, stride: int, pad_low: int,
+                  dilation: int) -> int:
+  """(output position, window position) pairs of one spatial dimension of a
+  convolution that land on the input rather than its padding."""
+  pairs = 0
+  for w in range(window):
+    offset = w * dilation - pad_low  # input index of output 0 at this window position
+    first = max(0, -(offset // stride))  # the first output whose input index is >= 0
+    last = min(out_size - 1, (in_size - 1 - offset) // stride)
+    pairs += max(0, last - first + 1)
+  return pairs
+
+
+def _convolution_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
+  """2 x output batch x output features x input features per group x, per
+  spatial dimension, the (output, window) position pairs that read the input
+  rather than its padding. The TPU compiler writes dots as such
+  convolutions, with padded windows (`window={size=1x4 pad=0_0x3_3}`)."""
+  labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", instruction.attributes)
+  result = _arrays(instruction.shape)
+  operands = [_arrays(shapes.get(name, "")) for name in instruction.operands[:2]]
+  if not labels or not result or len(operands) < 2 or not all(operands):
+    return 0.0
+  lhs_labels, rhs_labels, out_labels = labels.groups()
+  lhs, rhs, out = operands[0][0][1], operands[1][0][1], result[0][1]
+  if not len(lhs) == len(rhs) == len(out) == len(lhs_labels):
+    return 0.0
+  spatial = sorted(c for c in out_labels if c.isdigit())
+
+  def window_field(name, default):
+    match = re.search(name + r"=([\d_x]+)", instruction.attributes)
+    values = match.group(1).split("x") if match else []
+    return values if len(values) == len(spatial) else [default] * len(spatial)
+
+  sizes = [int(v) for v in window_field("size", "1")]
+  strides = [int(v) for v in window_field("stride", "1")]
+  pads = [int(v.split("_")[0]) for v in window_field("pad", "0_0")]
+  dilations = [int(v) for v in window_field("rhs_dilate", "1")]
+  pairs = math.prod(
+      _window_pairs(out[out_labels.index(d)], lhs[lhs_labels.index(d)], size, stride, pad,
+                    dilation)
+      for d, size, stride, pad, dilation in zip(spatial, sizes, strides, pads, dilations))
+  return (2.0 * out[out_labels.index("b")] * out[out_labels.index("f")]
+          * rhs[rhs_labels.index("i")] * pairs)
+
+
+def _kernel_name(op_name: str) -> str:
+  """A Pallas kernel's name: its op name's part before the primitive's."""
+  parts = op_name.split("/")
+  return parts[-2] if len(parts) >= 2 else ""
+
+
+def _attention_flops(instruction: _Instruction, shapes: dict[str, str], factor: float,
+                     causal: bool, heads_first: bool) -> float:
+  """`factor` forwards of 4 B H T S D (half when causal), from the first two
+  4-D operands (queries, keys): [B, T, H, D] and [B, S, K, D], or with
+  `heads_first` [B, H, T, D] and [B, K, S, D]."""
+  four_d = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))
+            if len(a[1]) == 4]
+  if len(four_d) < 2:
+    return 0.0
+  q, k = four_d[0][1], four_d[1][1]
+  s = k[2] if heads_first else k[1]
+  return factor * 4.0 * math.prod(q) * s / (2 if causal else 1)
+
+
+def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_name: str,
+                       causal: bool, split_backward: bool) -> float:
+  """A custom call's FLOPs: a cuBLAS GEMM's dot, a cuDNN or Pallas attention
+  kernel's formula (`_attention_flops`), else 0."""
+  target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+  target = target.group(1) if target else ""
+  if "cublas" in target:
+    contracting = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', instruction.attributes)
+    dims = [int(d) for d in re.findall(r"\d+", contracting.group(1))] if contracting else []
+    return _dot_flops(instruction, shapes, dims)
+  if target.startswith("__cudnn$fmha"):
+    mask = re.search(r'"mask_type":"(\w+)"', instruction.attributes)
+    return _attention_flops(instruction, shapes, 2.5 if "Backward" in target else 1.0,
+                            bool(mask) and "CAUSAL" in mask.group(1), heads_first=False)
+  kernel = _kernel_name(op_name)
+  if target in KERNEL_CALLS and "attention" in kernel:
+    for suffix, factor in _ATTENTION_FACTORS:
+      if kernel.endswith(suffix):
+        factor = 2.5 if suffix == "dkdv" and not split_backward else factor
+        return _attention_flops(instruction, shapes, factor, causal,
+                                heads_first=KERNEL_CALLS[target] == "mosaic_tpu")
+  return 0.0
+
+
+def _kind(instruction: _Instruction) -> str:
+  """A fusion's kind (kLoop, kInput, kOutput, kCustom: with its emitter, as
+  kCustom:__triton_nested_gemm_fusion), a custom call's target, else the opcode."""
+  if instruction.opcode == "fusion":
+    kind = re.search(r"kind=(\w+)", instruction.attributes)
+    emitter = re.search(r'"fusion_backend_config":\{"kind":"([^"]+)"', instruction.attributes)
+    return (kind.group(1) if kind else "fusion") + (f":{emitter.group(1)}" if emitter else "")
+  if instruction.opcode == "custom-call":
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    return target.group(1) if target else "custom-call"
+  return instruction.opcode
+
+
+# Primitives that cast or move data: casts, copies, transposes, and the slices,
+# updates and concatenations that stack a scan's layers or split a batch.
+_CAST_OPS = frozenset({"convert_element_type", "copy", "copy_p", "transpose", "reshape",
+                       "squeeze", "slice", "dynamic_slice", "dynamic_update_slice",
+                       "concatenate", "pad"})
+
+
+def group_of(op_name: str, opcode: str) -> str:
+  """The part of the model a kernel comes from (one of GROUPS), by its op
+  name's named scopes (the innermost primitive last): collectives by their
+  opcode; then `optimizer`, `attention`, `mlp`, the LM head and loss
+  (`logits`, `loss`, and the embedding table's lookup `_take`, whose
+  gradient is the head's too), `norm`; then, outside those scopes, casts,
+  copies, transposes and moves of data (`_CAST_OPS`: a scan's stacking of
+  its layers' activations), and the residual stream's adds (`add`,
+  `add_any`); everything else is "other"."""
+  if opcode in _COLLECTIVE_OPS:
+    return "collectives"
+  words = set(re.findall(r"[A-Za-z_]\w*", op_name))
+  primitive = op_name.rsplit("/", 1)[-1]
+  if "optimizer" in words:
+    return "optimizer"
+  if "attention" in words:
+    return "attention"
+  if "mlp" in words:
+    return "mlp"
+  if words & {"logits", "loss", "_take"}:
+    return "head and loss"
+  if "norm" in words:
+    return "norms and residuals"
+  if opcode in ("copy", "copy-start", "transpose") or primitive in _CAST_OPS:
+    return "casts and copies"
+  if primitive in ("add", "add_any"):
+    return "norms and residuals"
+  return "other"
+
+
+def kernels(hlo_text: str, *, causal: bool = True) -> list[Kernel]:
+  """The kernels a compiled program launches (see the module's docstring):
+  the entry computation's in program order, then each loop body's.
+  `causal`: whether the Pallas attention kernels mask causally (the
+  model's attention; their mask is in their code)."""
+  computations, entry = _parse(hlo_text)
+  runs = multiplicities(hlo_text)
+  shapes = {name: {i.name: i.shape for i in instructions}
+            for name, instructions in computations.items()}
+  split_backward = re.search(r'op_name="[^"]*attention[^"/]*_dq/', hlo_text) is not None
+  flops_of: dict[str, float] = {}
+
+  def instruction_flops(instruction, computation, op_name):
+    if instruction.opcode == "dot":
+      contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", instruction.attributes)
+      dims = [int(d) for d in contracting.group(1).split(",") if d] if contracting else []
+      return _dot_flops(instruction, shapes[computation], dims)
+    if instruction.opcode == "convolution":
+      return _convolution_flops(instruction, shapes[computation])
+    if instruction.opcode == "custom-call":
+      return _custom_call_flops(instruction, shapes[computation], op_name, causal,
+                                split_backward)
+    return sum(computation_flops(callee) for callee in _called(instruction, ("calls",)))
+
+  def computation_flops(name):
+    if name not in flops_of:
+      flops_of[name] = 0.0  # a cycle (none in valid HLO) counts nothing
+      flops_of[name] = sum(instruction_flops(i, name, _op_name(i))
+                           for i in computations.get(name, ()))
+    return flops_of[name]
+
+  out = []
+  for computation in _launching_computations(computations, entry):
+    for instruction in computations[computation]:
+      if instruction.opcode in _NO_KERNEL or instruction.opcode.endswith("-done"):
+        continue
+      op_name = _op_name(instruction)
+      read, written = _bytes(instruction, shapes[computation], computations)
+      out.append(Kernel(instruction.name, _kind(instruction), op_name,
+                        group_of(op_name, instruction.opcode), runs.get(computation, 1),
+                        instruction_flops(instruction, computation, op_name), read, written))
+  return out
+
+
+_SLICES = frozenset({"slice", "dynamic-slice"})
+
+
+def _bytes(instruction: _Instruction, shapes: dict[str, str],
+           computations: dict[str, list[_Instruction]]) -> tuple[int, int]:
+  """(bytes read, bytes written) by one kernel: its operands and results,
+  except that an operand only sliced (slice, dynamic-slice) counts the
+  slices, and a buffer updated in place (dynamic-update-slice, a scan's
+  stacking of its layers' outputs) counts neither read nor written: its
+  update is. Inside a fusion, a parameter stands for the fusion's operand.
+  An asynchronous start's result tuple, which repeats its operands, counts
+  its results only."""
+  called = _called(instruction, ("calls",)) if instruction.opcode == "fusion" else []
+  body = computations.get(called[0], []) if called else [instruction]
+  names = {i.name: i for i in body}
+  if called:
+    parameters = {i.arguments.strip(): i.name for i in body if i.opcode == "parameter"}
+    local = [parameters.get(str(n), "") for n in range(len(instruction.operands))]
+    outer = dict(zip(local, instruction.operands))
+  else:
+    local, outer = instruction.operands, {name: name for name in instruction.operands}
+  local_shapes = {i.name: i.shape for i in body} if called else shapes
+
+  def shape(name):
+    return local_shapes.get(name) or shapes.get(outer.get(name, name), "")
+
+  root = next((i for i in body if i.root), body[-1]) if called else instruction
+  outputs = ([names[o] if o in names else None for o in root.operands]
+             if root.opcode == "tuple" else [root])
+  updated = {o.operands[0] for o in outputs
+             if o is not None and o.opcode == "dynamic-update-slice" and o.operands}
+  read = 0
+  for name in local:
+    users = [i for i in body if name in i.operands]
+    if name in updated:
+      continue
+    if users and all(u.opcode in _SLICES and u.operands[0] == name for u in users):
+      read += sum(_nbytes(_arrays(u.shape)) for u in users)
+    else:
+      read += _nbytes(_arrays(shape(name)))
+  if root.opcode == "tuple" or root.opcode == "dynamic-update-slice":
+    written = sum(_nbytes(_arrays(shape(o.operands[1]))) if o.opcode == "dynamic-update-slice"
+                  else _nbytes(_arrays(o.shape)) for o in outputs if o is not None)
+    if not called and root.opcode == "tuple":
+      written = _nbytes(_arrays(instruction.shape))
+  else:
+    results = _arrays(instruction.shape)
+    operands = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))]
+    if instruction.opcode.endswith("-start") and results[:len(operands)] == operands:
+      results = results[len(operands):]
+    written = _nbytes(results)
+  return read, written
+
+
+def _op_name(instruction: _Instruction) -> str:
+  match = _OP_NAME_RE.search(instruction.attributes)
+  return match.group(1) if match else ""
+
+
+def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
+            launch_seconds: float) -> dict:
+  """Per step: the kernels' count, FLOPs, bytes, and the predicted time (the
+  sum over launches of max(FLOPs / peak, bytes / bandwidth) + launch), in
+  all, per group (GROUPS order) and per kernel (longest first); also the
+  FLOPs and bytes with each loop body counted once, as a compiler's cost
+  analysis counts them."""
+  rows = []
+  for k in found:
+    flop_s, byte_s = k.flops / peak_flops, (k.bytes_read + k.bytes_written) / hbm_bandwidth
+    rows.append(dict(dataclasses.asdict(k), flop_seconds=flop_s, byte_seconds=byte_s,
+                     bound="compute" if flop_s >= byte_s else "memory",
+                     step_seconds=k.runs * (max(flop_s, byte_s) + launch_seconds)))
+  rows.sort(key=lambda r: -r["step_seconds"])
+
+  def total(subset):
+    return {"kernels": sum(r["runs"] for r in subset),
+            "flops": sum(r["runs"] * r["flops"] for r in subset),
+            "bytes": sum(r["runs"] * (r["bytes_read"] + r["bytes_written"]) for r in subset),
+            "flop_seconds": sum(r["runs"] * r["flop_seconds"] for r in subset),
+            "byte_seconds": sum(r["runs"] * r["byte_seconds"] for r in subset),
+            "launch_seconds": sum(r["runs"] for r in subset) * launch_seconds,
+            "step_seconds": sum(r["step_seconds"] for r in subset)}
+
+  groups = {g: total([r for r in rows if r["group"] == g]) for g in GROUPS}
+  return {"total": total(rows),
+          "loop_bodies_once": {"flops": sum(k.flops for k in found),
+                               "bytes": sum(k.bytes_read + k.bytes_written for k in found)},
+          "groups": {g: t for g, t in groups.items() if t["kernels"]},
+          "kernels": rows,
+          "peak_flops": peak_flops, "hbm_bandwidth": hbm_bandwidth,
+          "launch_seconds_per_kernel": launch_seconds}

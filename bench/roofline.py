@@ -1,0 +1,185 @@
+"""A roofline of a run's train step, kernel by kernel, without the chip.
+
+  JAX_PLATFORMS=cpu venv-cuda/bin/python -m bench.roofline --config configs/gpt2_small.py \\
+      --target gpu:h200
+  JAX_PLATFORMS=cpu .venv/bin/python -m bench.roofline --config configs/tiny.py \\
+      --target tpu:v5e:2x2 --json
+
+Compiles the run's real train step for the target as compile.py does
+(`aot.compiler.lower_step`: the model, AdamW, the mesh; `--config.x.y=`
+overrides as every tool parses them) and reads the optimized program
+(`compiled.as_text()`): each kernel's FLOPs, bytes and time at the chip's
+peak FLOP/s and HBM bandwidth (`aot/roofline.py`), grouped by the part of
+the model it comes from. The predicted step time is the sum over kernels
+of max(FLOP time, byte time) plus a stated launch cost per kernel
+(`aot.roofline.LAUNCH_SECONDS`: 5 us on a GPU, 0 on a TPU); the MFU bound
+it implies is the model's FLOPs per step (`model.accounting.flops_per_step`,
+per device) over that time at peak. Where the compiler gives a cost
+analysis (TPU targets) its FLOPs and bytes stand beside ours, both with
+each loop body counted once, as the compiler counts them. For GPT-2 small
+(configs/gpt2_small.py, 32 x 1024) on one H200, the step the card measured
+(`MEASURED`) is printed beside the prediction.
+
+`gpu:h200` is one H200 (`gpu:h200:1`). Prints a table (the `--top` kernels
+by time, then the groups); `--json` prints the report as JSON instead,
+`--out FILE` writes it there too. Bad input: one line on stderr, exit 2.
+"""
+import json
+import os
+import sys
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from configs.cli import parse_flags
+from configs.errors import UserError
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
+                                          lock_config=True)
+_TARGET = flags.DEFINE_string("target", None, "gpu:h200 (one H200), gpu:h200:<gpus> or "
+                              "tpu:<chip>:<topology> (tpu:v5e:2x2).")
+_JSON = flags.DEFINE_bool("json", False, "Print the report as JSON.")
+_OUT = flags.DEFINE_string("out", None, "Also write the report as JSON to this file.")
+_TOP = flags.DEFINE_integer("top", 20, "Kernels to list, longest first.")
+flags.mark_flags_as_required(["config", "target"])
+
+# The H200's measured step of GPT-2 small (configs/gpt2_small.py, batch 32 x 1024,
+# bf16 compute, float32 parameters): bench/RESULTS.md, "GPT-2 small training",
+# bench.train_throughput on 2026-12-04, median of 20 steps, attention_impl=pallas
+# (Mosaic GPU, which `auto` now picks there), MFU against 989 TFLOP/s.
+MEASURED = {"chip": "h200", "config": "configs/gpt2_small.py", "batch_size": 32,
+            "seq_len": 1024, "step_seconds": 0.10624, "mfu": 0.267,
+            "source": "bench/RESULTS.md (GPT-2 small training, H200, 2026-12-04, "
+                      "attention_impl=pallas)"}
+
+
+def _is_measured_run(config, target) -> bool:
+  """Whether `config` on `target` is the run `MEASURED` timed: GPT-2 small's
+  model (scanned or not) at its batch on one H200 (train.loss_chunk_size may
+  differ)."""
+  from configs import gpt2_small  # pylint: disable=import-outside-toplevel
+
+  def model(c):
+    fields = c.model.to_dict()
+    return {k: v for k, v in fields.items() if k not in ("scan_layers", "scan_unroll")}
+
+  return (target.chip_name == MEASURED["chip"] and target.num_devices == 1
+          and model(config) == model(gpt2_small.get_config())
+          and (config.train.batch_size, config.train.seq_len)
+          == (MEASURED["batch_size"], MEASURED["seq_len"]))
+
+
+def parse_target(text: str):
+  """`aot.targets.parse_target`, with `gpu:<chip>` meaning one GPU."""
+  from aot import targets  # pylint: disable=import-outside-toplevel
+  parts = text.split(":")
+  return targets.parse_target(f"{text}:1" if len(parts) == 2 and parts[0] == "gpu" else text)
+
+
+def roofline_report(config, target) -> dict:
+  """Compiles the train step of `config` for `target`; the roofline as a JSON-able dict.
+
+  Raises:
+    UserError: as `aot.compiler.lower_step` (a config or mesh that does not fit
+      the target, a target whose compiler is not installed).
+  """
+  # pylint: disable=import-outside-toplevel
+  from aot import compiler, roofline
+  from model import accounting
+  from model.resolve import resolve
+  measured = _is_measured_run(config, target)
+  config = resolve(config)
+  lowered, _, mesh = compiler.lower_step(config, target)
+  compiled = lowered.compile()
+  chip, devices = target.chip, mesh.devices.size
+  found = roofline.kernels(compiled.as_text(), causal=config.model.family != "encoder")
+  report = roofline.summary(found, peak_flops=chip.peak_flops,
+                            hbm_bandwidth=chip.hbm_bandwidth,
+                            launch_seconds=roofline.LAUNCH_SECONDS[chip.platform])
+  model_flops = accounting.flops_per_step(config) / devices
+  predicted = report["total"]["step_seconds"]
+  cost = compiler.cost_analysis(compiled)
+  report.update(
+      target=target.name, devices=devices, batch_size=config.train.batch_size,
+      seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      model_flops_per_device=model_flops,
+      mfu_bound=model_flops / (predicted * chip.peak_flops),
+      compiler_cost_analysis=({"flops": cost.get("flops"), "bytes": cost.get("bytes accessed")}
+                              if cost else None),
+      measured=MEASURED if measured else None,
+      chip_source=chip.source)
+  return report
+
+
+def _bytes(n: float) -> str:
+  return f"{n / 1e9:.3g} GB" if n >= 1e8 else f"{n / 1e6:.3g} MB"
+
+
+def format_report(report: dict, top: int) -> str:
+  """The report as the table bench.roofline prints."""
+  total = report["total"]
+  lines = [f"train step, batch {report['batch_size']} x {report['seq_len']}"
+           + (f", loss in chunks of {report['loss_chunk_size']}"
+              if report["loss_chunk_size"] else "")
+           + f", on {report['target']} ({report['devices']} device(s)); per device: peak "
+           f"{report['peak_flops'] / 1e12:.0f} TFLOP/s, {report['hbm_bandwidth'] / 1e12:.2f} "
+           f"TB/s HBM, {1e6 * report['launch_seconds_per_kernel']:.0f} us a kernel launch",
+           "", f"top {top} kernels by time per step (flop and byte times per launch):",
+           f"  {'kernel':<36} {'kind':<28} {'group':<20} {'runs':>4} {'GFLOP':>8} "
+           f"{'MB':>9} {'flop us':>8} {'byte us':>8} {'ms/step':>8}"]
+  for k in report["kernels"][:top]:
+    lines.append(f"  {k['name'][:36]:<36} {k['kind'][:28]:<28} {k['group']:<20} {k['runs']:4d} "
+                 f"{k['flops'] / 1e9:8.2f} {(k['bytes_read'] + k['bytes_written']) / 1e6:9.1f} "
+                 f"{1e6 * k['flop_seconds']:8.1f} {1e6 * k['byte_seconds']:8.1f} "
+                 f"{1e3 * k['step_seconds']:8.3f}")
+  lines += ["", "per group, per step:",
+            f"  {'group':<20} {'kernels':>7} {'TFLOP':>8} {'GB':>8} {'flop ms':>8} "
+            f"{'byte ms':>8} {'launch ms':>9} {'ms':>8}"]
+  for name, g in list(report["groups"].items()) + [("total", total)]:
+    lines.append(f"  {name:<20} {g['kernels']:7d} {g['flops'] / 1e12:8.2f} "
+                 f"{g['bytes'] / 1e9:8.1f} {1e3 * g['flop_seconds']:8.2f} "
+                 f"{1e3 * g['byte_seconds']:8.2f} {1e3 * g['launch_seconds']:9.2f} "
+                 f"{1e3 * g['step_seconds']:8.2f}")
+  lines += ["", f"predicted step {1e3 * total['step_seconds']:.1f} ms (the sum over kernels "
+            "of max(FLOP time, byte time) + launch): MFU <= "
+            f"{100 * report['mfu_bound']:.1f}% (model FLOPs "
+            f"{report['model_flops_per_device'] / 1e12:.2f} T a device a step); all FLOPs at "
+            f"peak {1e3 * total['flop_seconds']:.1f} ms, all bytes at peak bandwidth "
+            f"{1e3 * total['byte_seconds']:.1f} ms"]
+  once, cost = report["loop_bodies_once"], report["compiler_cost_analysis"]
+  if cost:
+    lines.append(f"each loop body once: FLOPs {once['flops']:.4g} here, {cost['flops']:.4g} by "
+                 f"the compiler's cost analysis; bytes {_bytes(once['bytes'])} here, "
+                 f"{_bytes(cost['bytes'])} by the compiler")
+  else:
+    lines.append("the compiler gives no cost analysis for this target")
+  measured = report["measured"]
+  if measured:
+    lines.append(f"measured on the card: {1e3 * measured['step_seconds']:.1f} ms a step, "
+                 f"{100 * measured['mfu']:.1f}% MFU ({measured['source']})")
+  lines.append(f"chip numbers: {report['chip_source']}")
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+  logging.set_verbosity(logging.WARNING)
+  # Compile-only: no TPU or GPU is attached; libtpu and the CUDA plugin must not look for one.
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  try:
+    report = roofline_report(_CONFIG.value, parse_target(_TARGET.value))
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  text = json.dumps(report, indent=1)
+  if _OUT.value:
+    with open(_OUT.value, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+  print(text if _JSON.value else format_report(report, _TOP.value))
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)
