@@ -37,7 +37,7 @@ _FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"
            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
            "linear_num_value_heads", "decoder_sparse_step", "moe_intermediate_size",
            "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts",
-           "norm_topk_prob", "mlp_only_layers"} | MOE_TRAINING
+           "norm_topk_prob", "mlp_only_layers", "full_attention_interval"} | MOE_TRAINING
 
 
 def shortest_cycle(kinds) -> tuple[str, ...]:
@@ -57,10 +57,12 @@ def _rope(hf: dict) -> dict:
 
 
 def _layers(hf: dict, num_layers: int) -> list[str]:
-  """Every layer's kind, ours: transformers' layer_types (by default three
-  linear layers then a full one), +moe where Qwen3-Next builds experts."""
+  """Every layer's kind, ours: transformers' layer_types (without it, every
+  `full_attention_interval`-th layer full, the others linear; the published
+  files' form), +moe where Qwen3-Next builds experts."""
+  interval = hf.get("full_attention_interval", 4)
   kinds = hf.get("layer_types") or [
-      "linear_attention" if (i + 1) % 4 else "full_attention" for i in range(num_layers)]
+      "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
   if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
     raise UserError(f"Hugging Face config field layer_types={kinds!r} is not supported by the "
                     f"qwen3_next import (needs {num_layers} of linear_attention, full_attention)")

@@ -13,10 +13,12 @@ import transformers
 from flax import nnx
 
 from configs import base as base_config
+from configs import qwen3_next_80b_a3b
 from configs.errors import UserError
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from hf.qwen3_next import shortest_cycle
+from model import accounting
 from model.config import ModelConfig
 from model.generate import generate
 from training.workdir import load_run
@@ -157,3 +159,35 @@ def test_export_check_names_what_qwen3_next_does_not_map():
 def _from_tiny():
   return hf_mappings.ARCHITECTURES["qwen3_next"].config_from_hf(dict(_TINY,
                                                                      model_type="qwen3_next"))
+
+
+# Qwen/Qwen3-Next-80B-A3B's published config.json (its model fields).
+_80B_JSON = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120,
+                 num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+                 head_dim=256, hidden_act="silu", max_position_embeddings=262144,
+                 rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                 rope_theta=10000000.0, partial_rotary_factor=0.25, full_attention_interval=4,
+                 linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_num_key_heads=16, linear_num_value_heads=32, decoder_sparse_step=1,
+                 moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                 num_experts_per_tok=10, num_experts=512, norm_topk_prob=True,
+                 mlp_only_layers=[])
+
+
+def test_80b_a3b_preset_counts_as_transformers():
+  """configs/qwen3_next_80b_a3b.py: our closed form, the module's count and
+  transformers' Qwen3NextForCausalLM of the published config (built on the
+  meta device) agree, 79,674,391,296; the preset is the import of that
+  config.json, field for field."""
+  hf_cfg = transformers.Qwen3NextConfig(**_80B_JSON)
+  with torch.device("meta"):
+    hf_model = transformers.Qwen3NextForCausalLM(hf_cfg)
+  theirs = sum(p.numel() for p in hf_model.parameters())
+  config = qwen3_next_80b_a3b.get_config()
+  accounting.check_formula(config.model)
+  assert accounting.formula_params(config.model)["params_total"] == theirs == 79_674_391_296
+  imported = base_config.get_config()
+  imported.model.update(hf_mappings.ARCHITECTURES["qwen3_next"].config_from_hf(
+      dict(_80B_JSON, model_type="qwen3_next")))
+  ours = ModelConfig.resolve(config.model).forward_fields()
+  assert ModelConfig.resolve(imported.model).forward_fields() == ours
