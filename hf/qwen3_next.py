@@ -15,6 +15,14 @@ of `shared_expert_intermediate_size` (`model.num_shared_experts` times
 `moe_intermediate_size`) gated by `shared_expert_gate`
 (`model.moe_shared_expert_gate`).
 
+Qwen3.5's text model (`qwen3_5_text`, `Qwen3_5ForCausalLM`) is the same
+hybrid with dense MLPs only and Gated DeltaNet's projections unfused by kind:
+`in_proj_qkv` (every key head's query, then every key head's key, then
+every value head's value), `in_proj_z`, `in_proj_b`, `in_proj_a`. Its
+multimodal RoPE (`mrope_section`, `mrope_interleaved`) rotates every
+section by the token's position for text, which is plain RoPE: the two
+fields are inert here.
+
 Tensors: `q_proj` holds each head's query then its gate ([q_h, gate_h] per
 head h), split into our W_Q and W_G. Gated DeltaNet's fused projections hold,
 per key head, its query, key, then its value heads' values and z
@@ -30,14 +38,16 @@ from hf.llama import MOE_TRAINING, QWEN_EXPERTS, expert_tensors, rope_from_hf, r
 from hf.tables import (Architecture, ROTARY, Tensor, check_fields, linear_in, linear_out, same,
                        transposed)
 
-_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+_BODY_FIELDS = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
            "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
            "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling",
            "rope_parameters", "partial_rotary_factor", "layer_types", "linear_conv_kernel_dim",
            "linear_key_head_dim", "linear_value_head_dim", "linear_num_key_heads",
-           "linear_num_value_heads", "decoder_sparse_step", "moe_intermediate_size",
-           "shared_expert_intermediate_size", "num_experts_per_tok", "num_experts",
-           "norm_topk_prob", "mlp_only_layers", "full_attention_interval"} | MOE_TRAINING
+           "linear_num_value_heads", "full_attention_interval"}
+_FIELDS = _BODY_FIELDS | {"decoder_sparse_step", "moe_intermediate_size",
+                          "shared_expert_intermediate_size", "num_experts_per_tok",
+                          "num_experts", "norm_topk_prob", "mlp_only_layers"} | MOE_TRAINING
+_MROPE = ("mrope_section", "mrope_interleaved")
 
 
 def shortest_cycle(kinds) -> tuple[str, ...]:
@@ -50,13 +60,14 @@ def shortest_cycle(kinds) -> tuple[str, ...]:
 def _rope(hf: dict) -> dict:
   """`rope_from_hf` with `partial_rotary_factor` taken out of
   `rope_parameters` (or the top level, older files); 0.25 without it."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  params = {k: v for k, v in dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+                                  ).items() if k not in _MROPE}
   factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
   rest = {k: v for k, v in hf.items() if k not in ("rope_scaling", "partial_rotary_factor")}
   return dict(rope_from_hf(dict(rest, rope_parameters=params)), partial_rotary_factor=factor)
 
 
-def _layers(hf: dict, num_layers: int) -> list[str]:
+def _layers(hf: dict, num_layers: int, name: str) -> list[str]:
   """Every layer's kind, ours: transformers' layer_types (without it, every
   `full_attention_interval`-th layer full, the others linear; the published
   files' form), +moe where Qwen3-Next builds experts."""
@@ -65,31 +76,35 @@ def _layers(hf: dict, num_layers: int) -> list[str]:
       "linear_attention" if (i + 1) % interval else "full_attention" for i in range(num_layers)]
   if len(kinds) != num_layers or not set(kinds) <= {"linear_attention", "full_attention"}:
     raise UserError(f"Hugging Face config field layer_types={kinds!r} is not supported by the "
-                    f"qwen3_next import (needs {num_layers} of linear_attention, full_attention)")
+                    f"{name} import (needs {num_layers} of linear_attention, full_attention)")
   step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or ())
   experts = hf.get("num_experts", 512) > 0
   return [kind + ("+moe" if experts and i not in dense and (i + 1) % step == 0 else "")
           for i, kind in enumerate(kinds)]
 
 
+def _body(hf: dict, kinds) -> dict:
+  """Our fields of the hybrid both families share, `kinds` every layer's."""
+  d, h = hf.get("hidden_size", 2048), hf.get("num_attention_heads", 16)
+  return dict(vocab_size=hf.get("vocab_size", 151936), d_model=d, num_layers=len(kinds),
+              num_heads=h, num_kv_heads=hf.get("num_key_value_heads") or h,
+              head_dim=hf.get("head_dim") or 256, d_ff=hf.get("intermediate_size", 5632),
+              max_len=hf.get("max_position_embeddings", 32768), pos_emb="rope",
+              norm="rmsnorm_zero_centred", norm_position="pre",
+              norm_eps=hf.get("rms_norm_eps", 1e-6), mlp="swiglu", use_bias=False, qk_norm=True,
+              attention_output_gate=True, tie_embeddings=hf.get("tie_word_embeddings", False),
+              **_rope(hf), layer_types=shortest_cycle(kinds),
+              linear_num_key_heads=hf.get("linear_num_key_heads", 16),
+              linear_num_value_heads=hf.get("linear_num_value_heads", 32),
+              linear_key_head_dim=hf.get("linear_key_head_dim", 128),
+              linear_value_head_dim=hf.get("linear_value_head_dim", 128),
+              linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
+
+
 def _from_hf(hf: dict) -> dict:
   check_fields(hf, _FIELDS, {"hidden_act": "silu", "attention_bias": False}, "qwen3_next")
-  d, h = hf.get("hidden_size", 2048), hf.get("num_attention_heads", 16)
-  num_layers = hf.get("num_hidden_layers", 48)
-  kinds = _layers(hf, num_layers)
-  out = dict(vocab_size=hf.get("vocab_size", 151936), d_model=d, num_layers=num_layers,
-             num_heads=h, num_kv_heads=hf.get("num_key_value_heads") or h,
-             head_dim=hf.get("head_dim") or 256, d_ff=hf.get("intermediate_size", 5632),
-             max_len=hf.get("max_position_embeddings", 32768), pos_emb="rope",
-             norm="rmsnorm_zero_centred", norm_position="pre", norm_eps=hf.get("rms_norm_eps", 1e-6),
-             mlp="swiglu", use_bias=False, qk_norm=True, attention_output_gate=True,
-             tie_embeddings=hf.get("tie_word_embeddings", False), **_rope(hf),
-             layer_types=shortest_cycle(kinds),
-             linear_num_key_heads=hf.get("linear_num_key_heads", 16),
-             linear_num_value_heads=hf.get("linear_num_value_heads", 32),
-             linear_key_head_dim=hf.get("linear_key_head_dim", 128),
-             linear_value_head_dim=hf.get("linear_value_head_dim", 128),
-             linear_conv_kernel_dim=hf.get("linear_conv_kernel_dim", 4))
+  kinds = _layers(hf, hf.get("num_hidden_layers", 48), "qwen3_next")
+  out = _body(hf, kinds)
   if not any(layer_kind(kind).moe for kind in kinds):
     return out
   f = hf.get("moe_intermediate_size", 512)
@@ -104,31 +119,47 @@ def _from_hf(hf: dict) -> dict:
               moe_router="softmax_topk_norm" if hf.get("norm_topk_prob", True) else "softmax_topk")
 
 
-def _to_hf(cfg, vocab_size: int) -> dict:
-  """Our config -> Qwen3-Next's config.json (written as Qwen3-Next has it
-  whatever ours says: the export check's round trip names what differs)."""
-  kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
-  moe = [i for i, kind in enumerate(kinds) if kind.moe]
+def _body_to_hf(cfg, vocab_size: int) -> dict:
+  """The fields both families share, written whatever ours says (the export
+  check's round trip names what differs)."""
   rope = dict(rope_to_hf(cfg), partial_rotary_factor=cfg.partial_rotary_factor)
-  return dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
-              vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+  return dict(vocab_size=vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
               num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
               num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_position_embeddings=cfg.max_len, rms_norm_eps=cfg.norm_eps, hidden_act="silu",
               tie_word_embeddings=cfg.tie_embeddings, rope_parameters=rope,
               attention_bias=False,
-              layer_types=["linear_attention" if kind.attention == "linear_attention"
-                           else "full_attention" for kind in kinds],
+              layer_types=["linear_attention" if cfg.layer_is_linear(i) else "full_attention"
+                           for i in range(cfg.num_layers)],
               linear_num_key_heads=cfg.linear_num_key_heads,
               linear_num_value_heads=cfg.linear_num_value_heads,
               linear_key_head_dim=cfg.linear_key_head_dim,
               linear_value_head_dim=cfg.linear_value_head_dim,
-              linear_conv_kernel_dim=cfg.linear_conv_kernel_dim,
-              num_experts=cfg.num_experts if moe else 0,
+              linear_conv_kernel_dim=cfg.linear_conv_kernel_dim)
+
+
+def _to_hf(cfg, vocab_size: int) -> dict:
+  """Our config -> Qwen3-Next's config.json."""
+  moe = [i for i in range(cfg.num_layers) if cfg.layer_is_moe(i)]
+  return dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+              **_body_to_hf(cfg, vocab_size), num_experts=cfg.num_experts if moe else 0,
               num_experts_per_tok=cfg.experts_per_token, moe_intermediate_size=cfg.moe_d_ff,
               shared_expert_intermediate_size=cfg.num_shared_experts * cfg.moe_d_ff,
               norm_topk_prob=cfg.moe_router == "softmax_topk_norm", decoder_sparse_step=1,
               mlp_only_layers=[i for i in range(cfg.num_layers) if i not in moe])
+
+
+def _qwen3_5_from_hf(hf: dict) -> dict:
+  """Qwen3.5's text model: the hybrid with dense MLPs."""
+  check_fields(hf, _BODY_FIELDS, {"hidden_act": "silu", "attention_bias": False},
+               "qwen3_5_text")
+  kinds = _layers(dict(hf, num_experts=0), hf.get("num_hidden_layers", 32), "qwen3_5_text")
+  return _body(hf, kinds)
+
+
+def _qwen3_5_to_hf(cfg, vocab_size: int) -> dict:
+  return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
+              **_body_to_hf(cfg, vocab_size))
 
 
 def _query_and_gate(name, ours, m, heads, d) -> Tensor:
@@ -141,8 +172,9 @@ def _query_and_gate(name, ours, m, heads, d) -> Tensor:
                 lambda q, g: np.stack([q, g], axis=2).reshape(m, heads * 2 * d).T)
 
 
-def _linear_tensors(cfg, hf: str, ours: str) -> list[Tensor]:
-  """Gated DeltaNet's tensors (see the module docstring for the fused layouts)."""
+def _linear_tensors(cfg, hf: str, ours: str, fused: bool) -> list[Tensor]:
+  """Gated DeltaNet's tensors (see the module docstring for the layouts):
+  Qwen3-Next's `fused` projections or Qwen3.5's."""
   m, Hk, Hv = cfg.d_model, cfg.linear_num_key_heads, cfg.linear_num_value_heads
   Dk, Dv, r, K = (cfg.linear_key_head_dim, cfg.linear_value_head_dim, Hv // Hk,
                   cfg.linear_conv_kernel_dim)
@@ -154,6 +186,13 @@ def _linear_tensors(cfg, hf: str, ours: str) -> list[Tensor]:
   def qkvz_to_hf(q, k, v, z):
     return np.concatenate([q, k, v.reshape(m, Hk, r * Dv), z.reshape(m, Hk, r * Dv)],
                           axis=-1).reshape(m, -1).T
+
+  def qkv_to_ours(w):
+    q, k, v = np.split(w.T, [Hk * Dk, 2 * Hk * Dk], axis=-1)
+    return q.reshape(m, Hk, Dk), k.reshape(m, Hk, Dk), v.reshape(m, Hv, Dv)
+
+  def qkv_to_hf(q, k, v):
+    return np.concatenate([x.reshape(m, -1) for x in (q, k, v)], axis=-1).T
 
   def ba_to_ours(w):
     ba = w.T.reshape(m, Hk, 2 * r)
@@ -170,10 +209,16 @@ def _linear_tensors(cfg, hf: str, ours: str) -> list[Tensor]:
     return np.concatenate([c.reshape(K, -1) for c in (cq, ck, cv)], axis=-1).T[:, None, :]
 
   a = ours + "attn/"
-  return [Tensor(hf + "in_proj_qkvz.weight", tuple(a + f"{p}_proj/kernel" for p in "qkvz"),
-                 qkvz_to_ours, qkvz_to_hf),
-          Tensor(hf + "in_proj_ba.weight", (a + "b_proj/kernel", a + "a_proj/kernel"),
-                 ba_to_ours, ba_to_hf),
+  projections = ([Tensor(hf + "in_proj_qkvz.weight", tuple(a + f"{p}_proj/kernel" for p in "qkvz"),
+                         qkvz_to_ours, qkvz_to_hf),
+                  Tensor(hf + "in_proj_ba.weight", (a + "b_proj/kernel", a + "a_proj/kernel"),
+                         ba_to_ours, ba_to_hf)] if fused else
+                 [Tensor(hf + "in_proj_qkv.weight", tuple(a + f"{p}_proj/kernel" for p in "qkv"),
+                         qkv_to_ours, qkv_to_hf),
+                  linear_in(hf + "in_proj_z.weight", a + "z_proj/kernel", m, Hv, Dv),
+                  transposed(hf + "in_proj_b.weight", a + "b_proj/kernel"),
+                  transposed(hf + "in_proj_a.weight", a + "a_proj/kernel")])
+  return projections + [
           Tensor(hf + "conv1d.weight", (a + "conv_q", a + "conv_k", a + "conv_v"),
                  conv_to_ours, conv_to_hf),
           same(hf + "A_log", a + "A_log"), same(hf + "dt_bias", a + "dt_bias"),
@@ -181,7 +226,8 @@ def _linear_tensors(cfg, hf: str, ours: str) -> list[Tensor]:
           linear_out(hf + "out_proj.weight", a + "o_proj/kernel", Hv, Dv, m)]
 
 
-def _tensors(cfg) -> list[Tensor]:
+def _tensors(cfg, fused: bool = True) -> list[Tensor]:
+  """Qwen3-Next's tensors (`fused`) or Qwen3.5's text model's."""
   m, h, k, d = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
   out = [same("embed_tokens.weight", "decoder/embed/embedding", 0),
          same("norm.weight", "decoder/final_norm/scale")]
@@ -190,7 +236,7 @@ def _tensors(cfg) -> list[Tensor]:
     out += [same(hf + "input_layernorm.weight", ours + "norm_attn/scale"),
             same(hf + "post_attention_layernorm.weight", ours + "norm_mlp/scale")]
     if cfg.layer_is_linear(i):
-      out += _linear_tensors(cfg, hf + "linear_attn.", ours)
+      out += _linear_tensors(cfg, hf + "linear_attn.", ours, fused)
     else:
       a = hf + "self_attn."
       out += [_query_and_gate(a + "q_proj.weight", ours + "attn/", m, h, d),
@@ -214,3 +260,6 @@ def _tensors(cfg) -> list[Tensor]:
 
 QWEN3_NEXT = Architecture("qwen3_next", "Qwen3NextForCausalLM", "model.", _from_hf, _to_hf,
                           _tensors, skipped=ROTARY)
+QWEN3_5_TEXT = Architecture("qwen3_5_text", "Qwen3_5ForCausalLM", "model.", _qwen3_5_from_hf,
+                            _qwen3_5_to_hf, lambda cfg: _tensors(cfg, fused=False),
+                            skipped=ROTARY)

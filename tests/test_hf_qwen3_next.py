@@ -37,12 +37,14 @@ _TINY = dict(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_la
                                                               partial_rotary_factor=0.25))
 
 
-def _qwen3_next(**fields):
-  """A tiny random Qwen3-Next: every weight normal (the zero-centred norms'
-  w around 0, the linear layers' A_log and dt_bias too) so that a misplaced
-  tensor shows."""
+def _qwen3_next(model_class=transformers.Qwen3NextForCausalLM,
+                config_class=transformers.Qwen3NextConfig, **fields):
+  """A tiny random Qwen3-Next (or Qwen3.5 text model, with `_TINY`'s dense
+  fields): every weight normal (the zero-centred norms' w around 0, the
+  linear layers' A_log and dt_bias too) so that a misplaced tensor shows."""
   torch.manual_seed(0)
-  hf_model = transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(**{**_TINY, **fields}))
+  hf_model = model_class(config_class(**{k: v for k, v in {**_TINY, **fields}.items()
+                                         if v is not None}))  # None: left out
   with torch.no_grad():
     for key, parameter in hf_model.named_parameters():
       plain_norm = key.endswith("linear_attn.norm.weight")  # Gated DeltaNet's: not zero-centred
@@ -59,10 +61,11 @@ def _hf_logits(hf_model, ids):
     return hf_model(torch.as_tensor(ids)).logits.float().numpy()
 
 
-def _in_and_out(hf_model, tok, tmp_path, generation=True):
+def _in_and_out(hf_model, tok, tmp_path, generation=True, exported_as=None):
   """from_hf: transformers' parameter count, logits and (with `generation`)
   greedy generation of two prompts of different lengths in one batch; to_hf:
-  transformers loads it back to the same logits. The run's model config."""
+  transformers loads it back (as `exported_as`, default the same class) to
+  the same logits. The run's model config."""
   hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   workdir = tmp_path / "run"
   count = hf_convert.from_hf(hf_dir, str(workdir))
@@ -83,7 +86,7 @@ def _in_and_out(hf_model, tok, tmp_path, generation=True):
   out = tmp_path / "exported"
   assert run_convert("to_hf", "--workdir", workdir, "--out", out) == 0
   exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-  assert type(exported) is type(hf_model)
+  assert type(exported) is (exported_as or type(hf_model))
   assert_close(_hf_logits(exported, ids), want)
   return config.model
 
@@ -113,10 +116,34 @@ def test_qwen3_next_generation(tok, tmp_path):
 
 @pytest.mark.slow
 def test_qwen3_next_dense_generation(tok, tmp_path):
-  """No experts (num_experts 0): dense SwiGLU MLPs; generation too."""
-  m = _in_and_out(_qwen3_next(num_experts=0), tok, tmp_path)
+  """No experts (num_experts 0): dense SwiGLU MLPs; generation too. The
+  export is Qwen3.5's text model, the dense hybrid's first architecture."""
+  m = _in_and_out(_qwen3_next(num_experts=0), tok, tmp_path,
+                  exported_as=transformers.Qwen3_5ForCausalLM)
   assert (m.num_experts, tuple(m.layer_types)) == (
       0, ("linear_attention",) * 3 + ("full_attention",))
+
+
+_DENSE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+          "shared_expert_intermediate_size")
+
+
+def _qwen3_5(**fields):
+  return _qwen3_next(transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig,
+                     **{k: None for k in _DENSE}, **fields)
+
+
+@pytest.mark.parametrize("generation", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_qwen3_5_text_in_and_out(tok, tmp_path, generation):
+  """Qwen3_5ForCausalLM (Gated DeltaNet's unfused in_proj_qkv, in_proj_z,
+  in_proj_b, in_proj_a; dense MLPs; multimodal RoPE fields that text leaves
+  plain): logits and export (fast), generation (slow)."""
+  rope = dict(_TINY["rope_parameters"], mrope_section=[1, 1, 0], mrope_interleaved=True)
+  m = _in_and_out(_qwen3_5(rope_parameters=rope), tok, tmp_path, generation)
+  assert (m.num_experts, tuple(m.layer_types)) == (
+      0, ("linear_attention",) * 3 + ("full_attention",))
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert exported["model_type"] == "qwen3_5_text"
 
 
 def test_shortest_cycle():
