@@ -25,6 +25,8 @@ ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL
                                            llama.QWEN3, llama.MIXTRAL, llama.QWEN3_MOE,
                                            deepseek.DEEPSEEK_V3, deepseek.DEEPSEEK_V2,
                                            qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5_TEXT,
+                                           qwen3_next.QWEN3_5_MOE_TEXT, qwen3_next.QWEN3_5,
+                                           qwen3_next.QWEN3_5_MOE,
                                            bert.BERT, t5.T5, t5.MT5, bart.BART, bloom.BLOOM)}
 
 # The sequence classifiers (`*ForSequenceClassification`, our model.num_labels),
@@ -38,7 +40,7 @@ CLASSIFIERS = {a.model_type: a for a in (llama.LLAMA_CLASSIFIER, llama.QWEN2_CLA
 # the only ones with MLA (V3 first: a dense MLA model exports as V3); Qwen3.5's text
 # model and Qwen3-Next the only ones with linear_attention layers and the attention
 # output gate (Qwen3.5 first: a dense hybrid exports as Qwen3.5, one with experts as
-# Qwen3-Next).
+# Qwen3-Next; Qwen3.5's MoE and multimodal directories are import only).
 EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "bert", "t5",
            "bart", "bloom", "deepseek_v3", "deepseek_v2", "qwen3_5_text", "qwen3_next")
 CLASSIFIER_EXPORTS = ("llama", "qwen2", "bert")

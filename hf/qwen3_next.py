@@ -107,16 +107,22 @@ def _from_hf(hf: dict) -> dict:
   out = _body(hf, kinds)
   if not any(layer_kind(kind).moe for kind in kinds):
     return out
+  return dict(out, **_experts(hf, "qwen3_next"),
+              moe_router="softmax_topk_norm" if hf.get("norm_topk_prob", True) else "softmax_topk")
+
+
+def _experts(hf: dict, name: str) -> dict:
+  """The experts' fields and the gated shared expert, whose width
+  `shared_expert_intermediate_size` must be a multiple of the experts'."""
   f = hf.get("moe_intermediate_size", 512)
   shared = hf.get("shared_expert_intermediate_size", 512)
   if not shared or shared % f:
     raise UserError(f"Hugging Face config field shared_expert_intermediate_size={shared!r} is "
-                    f"not supported by the qwen3_next import (needs a positive multiple of "
+                    f"not supported by the {name} import (needs a positive multiple of "
                     f"moe_intermediate_size={f}: our shared experts are experts of that width)")
-  return dict(out, num_experts=hf.get("num_experts", 512),
+  return dict(num_experts=hf.get("num_experts", 512),
               experts_per_token=hf.get("num_experts_per_tok", 10), moe_d_ff=f,
-              num_shared_experts=shared // f, moe_shared_expert_gate=True,
-              moe_router="softmax_topk_norm" if hf.get("norm_topk_prob", True) else "softmax_topk")
+              num_shared_experts=shared // f, moe_shared_expert_gate=True)
 
 
 def _body_to_hf(cfg, vocab_size: int) -> dict:
@@ -160,6 +166,59 @@ def _qwen3_5_from_hf(hf: dict) -> dict:
 def _qwen3_5_to_hf(cfg, vocab_size: int) -> dict:
   return dict(architectures=["Qwen3_5ForCausalLM"], model_type="qwen3_5_text",
               **_body_to_hf(cfg, vocab_size))
+
+
+_QWEN3_5_MOE_FIELDS = (_BODY_FIELDS - {"intermediate_size"}) | {
+    "moe_intermediate_size", "shared_expert_intermediate_size", "num_experts_per_tok",
+    "num_experts"} | MOE_TRAINING
+
+
+def _qwen3_5_moe_from_hf(hf: dict) -> dict:
+  """Qwen3.5's MoE text model: experts with the gated shared expert in every
+  layer, top-k always renormalised (no dense MLP, no intermediate_size)."""
+  check_fields(hf, _QWEN3_5_MOE_FIELDS, {"hidden_act": "silu", "attention_bias": False},
+               "qwen3_5_moe_text")
+  kinds = [kind + "+moe" for kind in _layers(dict(hf, num_experts=0),
+                                             hf.get("num_hidden_layers", 40), "qwen3_5_moe_text")]
+  return dict(_body(hf, kinds), **_experts(dict(hf, num_experts_per_tok=hf.get(
+      "num_experts_per_tok", 8), num_experts=hf.get("num_experts", 256)), "qwen3_5_moe_text"),
+              moe_router="softmax_topk_norm")
+
+
+def _qwen3_5_moe_to_hf(cfg, vocab_size: int) -> dict:
+  body = _body_to_hf(cfg, vocab_size)
+  del body["intermediate_size"]
+  return dict(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", **body,
+              num_experts=cfg.num_experts, num_experts_per_tok=cfg.experts_per_token,
+              moe_intermediate_size=cfg.moe_d_ff,
+              shared_expert_intermediate_size=cfg.num_shared_experts * cfg.moe_d_ff)
+
+
+# The multimodal directories' top-level fields besides text_config: the vision
+# tower's (read past) and its token ids.
+_MULTIMODAL_FIELDS = {"text_config", "vision_config", "image_token_id", "video_token_id",
+                      "vision_start_token_id", "vision_end_token_id", "tie_word_embeddings"}
+
+
+def _language_model(text_from_hf, text_to_hf, model_type: str, hf_class: str):
+  """(config_from_hf, config_to_hf) of a multimodal Qwen3.5 directory
+  (`model_type`, `hf_class`) over its text model's: `text_config` (the top
+  level's tie_word_embeddings winning) is the text model's config.json;
+  written back without a vision config."""
+  def config_from_hf(hf: dict) -> dict:
+    check_fields(hf, _MULTIMODAL_FIELDS, {}, model_type)
+    text = {k: v for k, v in dict(hf.get("text_config") or {}).items() if k != "model_type"}
+    if "tie_word_embeddings" in hf:
+      text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    return text_from_hf(text)
+
+  def config_to_hf(cfg, vocab_size: int) -> dict:
+    text = text_to_hf(cfg, vocab_size)
+    del text["architectures"]
+    return dict(architectures=[hf_class], model_type=model_type,
+                tie_word_embeddings=cfg.tie_embeddings, text_config=text)
+
+  return config_from_hf, config_to_hf
 
 
 def _query_and_gate(name, ours, m, heads, d) -> Tensor:
@@ -263,3 +322,21 @@ QWEN3_NEXT = Architecture("qwen3_next", "Qwen3NextForCausalLM", "model.", _from_
 QWEN3_5_TEXT = Architecture("qwen3_5_text", "Qwen3_5ForCausalLM", "model.", _qwen3_5_from_hf,
                             _qwen3_5_to_hf, lambda cfg: _tensors(cfg, fused=False),
                             skipped=ROTARY)
+QWEN3_5_MOE_TEXT = Architecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM", "model.",
+                                _qwen3_5_moe_from_hf, _qwen3_5_moe_to_hf,
+                                lambda cfg: _tensors(cfg, fused=False), skipped=ROTARY)
+# The multimodal directories (Qwen/Qwen3.5-*): the language model under
+# model.language_model., the vision tower (model.visual.) and the
+# multi-token-prediction module (mtp.) read past. Import only: their text
+# models export as Qwen3.5's text model or Qwen3-Next.
+_MULTIMODAL = dict(unprefixed=("lm_head.",), skipped=ROTARY,
+                   dropped=lambda hf: ("model.visual.", "mtp."))
+QWEN3_5 = Architecture("qwen3_5", "Qwen3_5ForConditionalGeneration", "model.language_model.",
+                       *_language_model(_qwen3_5_from_hf, _qwen3_5_to_hf, "qwen3_5",
+                                        "Qwen3_5ForConditionalGeneration"),
+                       lambda cfg: _tensors(cfg, fused=False), **_MULTIMODAL)
+QWEN3_5_MOE = Architecture("qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration",
+                           "model.language_model.",
+                           *_language_model(_qwen3_5_moe_from_hf, _qwen3_5_moe_to_hf,
+                                            "qwen3_5_moe", "Qwen3_5MoeForConditionalGeneration"),
+                           lambda cfg: _tensors(cfg, fused=False), **_MULTIMODAL)

@@ -62,14 +62,15 @@ def _hf_logits(hf_model, ids):
 
 
 def _in_and_out(hf_model, tok, tmp_path, generation=True, exported_as=None):
-  """from_hf: transformers' parameter count, logits and (with `generation`)
+  """from_hf: transformers' parameter count (a vision tower's aside), logits and (with `generation`)
   greedy generation of two prompts of different lengths in one batch; to_hf:
   transformers loads it back (as `exported_as`, default the same class) to
   the same logits. The run's model config."""
   hf_dir = save_hf(hf_model, tok, tmp_path / "hf")
   workdir = tmp_path / "run"
   count = hf_convert.from_hf(hf_dir, str(workdir))
-  assert count == sum(p.numel() for p in hf_model.parameters())
+  assert count == sum(p.numel() for name, p in hf_model.named_parameters()
+                     if not name.startswith("model.visual."))  # a vision tower: read past
   config, _, model, _ = load_run(str(workdir))
   ids = _ids(tok)
   want = _hf_logits(hf_model, ids)
@@ -144,6 +145,42 @@ def test_qwen3_5_text_in_and_out(tok, tmp_path, generation):
       0, ("linear_attention",) * 3 + ("full_attention",))
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert exported["model_type"] == "qwen3_5_text"
+
+
+def test_qwen3_5_moe_text_in_and_out(tok, tmp_path):
+  """Qwen3_5MoeForCausalLM: experts with the gated shared expert in every
+  layer, renormalised; exported as Qwen3-Next (the same function)."""
+  hf_model = _qwen3_next(transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig,
+                         intermediate_size=None)
+  m = _in_and_out(hf_model, tok, tmp_path, generation=False,
+                  exported_as=transformers.Qwen3NextForCausalLM)
+  assert (tuple(m.layer_types), m.num_shared_experts, m.moe_router) == (
+      ("linear_attention+moe",) * 3 + ("full_attention+moe",), 2, "softmax_topk_norm")
+  cfg = ModelConfig.resolve(m)
+  assert hf_convert.round_trip_mismatch(hf_mappings.ARCHITECTURES["qwen3_5_moe_text"], cfg) == ""
+
+
+_VISION = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=32)
+
+
+@pytest.mark.parametrize("generation", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_qwen3_5_multimodal_language_model(tok, tmp_path, generation):
+  """A Qwen3_5ForConditionalGeneration directory (as Qwen/Qwen3.5-* are
+  published): its language model imported, the vision tower read past; text
+  logits (and generation) as transformers' multimodal model gives them; the
+  export is the text model."""
+  text = {k: v for k, v in _TINY.items() if k not in _DENSE}
+  torch.manual_seed(0)
+  hf_model = transformers.Qwen3_5ForConditionalGeneration(
+      transformers.Qwen3_5Config(text_config=text, vision_config=_VISION))
+  with torch.no_grad():
+    for key, parameter in hf_model.named_parameters():
+      if "language_model" in key or key.startswith("lm_head"):
+        torch.nn.init.normal_(parameter, mean=float(key.endswith("linear_attn.norm.weight")),
+                              std=0.3)
+  m = _in_and_out(hf_model.eval(), tok, tmp_path, generation,
+                  exported_as=transformers.Qwen3_5ForCausalLM)
+  assert (m.num_experts, m.attention_output_gate) == (0, True)
 
 
 def test_shortest_cycle():
