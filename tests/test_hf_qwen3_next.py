@@ -93,18 +93,27 @@ def _in_and_out(hf_model, tok, tmp_path, generation=True, exported_as=None):
 
 
 def test_qwen3_next_in_and_out(tok, tmp_path):
-  """Three linear layers and a full one, experts in all but layer 1
-  (mlp_only_layers), a shared expert twice the experts' width; logits,
-  export (fast)."""
-  m = _in_and_out(_qwen3_next(mlp_only_layers=[1]), tok, tmp_path, generation=False)
-  assert tuple(m.layer_types) == ("linear_attention+moe", "linear_attention",
-                                  "linear_attention+moe", "full_attention+moe")
+  """Three linear layers and a full one, each with experts and a shared
+  expert twice the experts' width; logits, export (fast)."""
+  m = _in_and_out(_qwen3_next(), tok, tmp_path, generation=False)
+  assert tuple(m.layer_types) == ("linear_attention+moe",) * 3 + ("full_attention+moe",)
   assert (m.norm, m.qk_norm, m.attention_output_gate, m.partial_rotary_factor,
           m.num_shared_experts, m.moe_shared_expert_gate) == (
               "rmsnorm_zero_centred", True, True, 0.25, 2, True)
   exported = json.loads((tmp_path / "exported" / "config.json").read_text())
   assert (exported["model_type"], exported["mlp_only_layers"], exported["layer_types"]) == (
-      "qwen3_next", [1], ["linear_attention"] * 3 + ["full_attention"])
+      "qwen3_next", [], ["linear_attention"] * 3 + ["full_attention"])
+
+
+@pytest.mark.slow
+def test_qwen3_next_dense_layer_in_and_out(tok, tmp_path):
+  """Experts in all but layer 1 (mlp_only_layers): the kinds written as all
+  four layers, the dense layer exported back in mlp_only_layers."""
+  m = _in_and_out(_qwen3_next(mlp_only_layers=[1]), tok, tmp_path, generation=False)
+  assert tuple(m.layer_types) == ("linear_attention+moe", "linear_attention",
+                                  "linear_attention+moe", "full_attention+moe")
+  exported = json.loads((tmp_path / "exported" / "config.json").read_text())
+  assert exported["mlp_only_layers"] == [1]
 
 
 @pytest.mark.slow
