@@ -111,17 +111,18 @@ def _from_hf(hf: dict) -> dict:
               moe_router="softmax_topk_norm" if hf.get("norm_topk_prob", True) else "softmax_topk")
 
 
-def _experts(hf: dict, name: str) -> dict:
-  """The experts' fields and the gated shared expert, whose width
-  `shared_expert_intermediate_size` must be a multiple of the experts'."""
+def _experts(hf: dict, name: str, num_experts: int = 512, per_token: int = 10) -> dict:
+  """The experts' fields (`num_experts`, `per_token`: the family's defaults)
+  and the gated shared expert, whose width `shared_expert_intermediate_size`
+  must be a multiple of the experts'."""
   f = hf.get("moe_intermediate_size", 512)
   shared = hf.get("shared_expert_intermediate_size", 512)
   if not shared or shared % f:
     raise UserError(f"Hugging Face config field shared_expert_intermediate_size={shared!r} is "
                     f"not supported by the {name} import (needs a positive multiple of "
                     f"moe_intermediate_size={f}: our shared experts are experts of that width)")
-  return dict(num_experts=hf.get("num_experts", 512),
-              experts_per_token=hf.get("num_experts_per_tok", 10), moe_d_ff=f,
+  return dict(num_experts=hf.get("num_experts", num_experts),
+              experts_per_token=hf.get("num_experts_per_tok", per_token), moe_d_ff=f,
               num_shared_experts=shared // f, moe_shared_expert_gate=True)
 
 
@@ -180,8 +181,7 @@ def _qwen3_5_moe_from_hf(hf: dict) -> dict:
                "qwen3_5_moe_text")
   kinds = [kind + "+moe" for kind in _layers(dict(hf, num_experts=0),
                                              hf.get("num_hidden_layers", 40), "qwen3_5_moe_text")]
-  return dict(_body(hf, kinds), **_experts(dict(hf, num_experts_per_tok=hf.get(
-      "num_experts_per_tok", 8), num_experts=hf.get("num_experts", 256)), "qwen3_5_moe_text"),
+  return dict(_body(hf, kinds), **_experts(hf, "qwen3_5_moe_text", 256, 8),
               moe_router="softmax_topk_norm")
 
 
