@@ -54,6 +54,8 @@ def get_config() -> config_dict.ConfigDict:
   m.rope_truncate = True  # yarn: round the ramp's ends to whole pair indices (gpt-oss: False)
   m.rope_low_freq_factor = 1.0  # llama3: wavelengths over original/low are divided by the factor
   m.rope_high_freq_factor = 4.0  # llama3: wavelengths under original/high are kept
+  m.partial_rotary_factor = 1.0  # rope: the fraction of each head's dims RoPE rotates, the
+  #   first head_dim x this (even) dims, the rest pass unrotated (Qwen3-Next: 0.25); 1.0: all
   m.norm = "rmsnorm"  # a model/norms.py NORMS entry
   m.norm_position = "pre"  # pre | post
   m.norm_eps = 1e-6  # epsilon inside the norm's square root
@@ -62,6 +64,8 @@ def get_config() -> config_dict.ConfigDict:
   m.experts_per_token = 2  # MoE: experts each token is routed to (top-k)
   m.moe_d_ff = config_dict.placeholder(int)  # MoE: each expert's hidden width; None: d_ff
   m.num_shared_experts = 0  # MoE: always-on experts (DeepSeek), one MLP of this many x moe_d_ff
+  m.moe_shared_expert_gate = False  # MoE: the shared experts' output times sigmoid(x W_g),
+  #   W_g [d, 1] (Qwen2-MoE, Qwen3-Next's shared_expert_gate); needs num_shared_experts > 0
   m.moe_router = "softmax_topk_norm"  # MoE: a model/moe.py ROUTERS entry
   m.moe_n_group = 1  # moe_router=deepseek: the experts in this many groups (DeepSeek-V3's n_group)
   m.moe_topk_group = 1  # moe_router=deepseek: tokens choose among the experts of this many
@@ -95,6 +99,8 @@ def get_config() -> config_dict.ConfigDict:
   m.head_transform = False  # before the output projection: dense d->d with bias, the MLP's
   #   activation, a norm (BERT's masked-LM head)
   m.output_bias = False  # a bias over the vocabulary added to the logits (BERT)
+  m.attention_output_gate = False  # mha decoders: a gate projection W_G [d, h, d_k] beside
+  #   W_Q; each head's attention output times sigmoid(x W_G) before W_O (Qwen3-Next)
   m.qk_norm = False  # RMSNorm (learned scale) of each head's queries and keys over head_dim,
   #   before RoPE (Qwen3, OLMo-2, Gemma-3)
   m.attn_softcap = config_dict.placeholder(float)  # attention scores become c tanh(s / c)

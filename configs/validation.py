@@ -26,7 +26,7 @@ CHOICES = {
     "model.attention": ("mha", "mla"),
     "model.attention_score": ("softmax", "sigmoid"),
     "model.rope_scaling": ("none", "linear", "ntk", "yarn", "llama3"),
-    "model.norm": ("layernorm", "rmsnorm", "dyt"),
+    "model.norm": ("layernorm", "rmsnorm", "rmsnorm_zero_centred", "dyt"),
     "model.decoder_start": ("bos", "pad", "eos"),
     "model.pooling": ("cls", "mean", "last"),
     "model.norm_position": ("pre", "post"),
@@ -480,6 +480,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
           f"must divide model.num_heads={m.num_heads} (h query heads share g KV heads)")
   if m.attention == "mha" and m.pos_emb == "rope" and head_dim(m) % 2:
     _fail("model.head_dim", head_dim(m), "must be even for pos_emb=rope (RoPE rotates pairs)")
+  _validate_qwen3_next_parts(m)
   if m.pos_emb == "sinusoidal" and m.d_model % 2:
     _fail("model.d_model", m.d_model, "must be even for pos_emb=sinusoidal (sin/cos pairs)")
   if m.pos_emb == "relative" and m.relative_buckets < 4:
@@ -551,6 +552,34 @@ def _validate_mla(m: config_dict.ConfigDict) -> None:
   if m.parametrization == "mup":
     _fail("model.parametrization", m.parametrization, "with model.attention=mla is not "
           "supported (μP's rules have no case for the latent ranks); use sp")
+
+
+def _validate_qwen3_next_parts(m: config_dict.ConfigDict) -> None:
+  """Partial RoPE, the attention output gate and the shared expert's gate
+  (Qwen3-Next's pieces): each needs what it acts on."""
+  f = m.partial_rotary_factor
+  if not (isinstance(f, (int, float)) and 0 < f <= 1):
+    _fail("model.partial_rotary_factor", f, "must be in (0, 1] (the fraction of each head's "
+          "dims RoPE rotates)")
+  if f != 1:
+    if m.pos_emb != "rope" or m.attention != "mha":
+      _fail("model.partial_rotary_factor", f, "needs model.pos_emb=rope and "
+            "model.attention=mha (MLA rotates qk_rope_head_dim); set it to 1.0")
+    rotary = head_dim(m) * f
+    if rotary != int(rotary) or int(rotary) % 2 or not rotary:
+      _fail("model.partial_rotary_factor", f, f"times model.head_dim={head_dim(m)} must be a "
+            f"positive even whole number of dims (RoPE rotates pairs), not {rotary:g}")
+  if not isinstance(m.attention_output_gate, bool):
+    _fail("model.attention_output_gate", m.attention_output_gate, "must be true or false")
+  if m.attention_output_gate and (m.attention != "mha" or m.family != "decoder"):
+    _fail("model.attention_output_gate", m.attention_output_gate, "is for model.attention=mha "
+          "in a decoder (model.family=decoder); set it to false")
+  if not isinstance(m.moe_shared_expert_gate, bool):
+    _fail("model.moe_shared_expert_gate", m.moe_shared_expert_gate, "must be true or false")
+  if m.moe_shared_expert_gate and not (m.num_experts and m.num_shared_experts):
+    _fail("model.moe_shared_expert_gate", m.moe_shared_expert_gate, "gates the shared "
+          "experts: needs model.num_experts > 0 and model.num_shared_experts > 0; set it to "
+          "false")
 
 
 def _validate_classifier(m: config_dict.ConfigDict) -> None:

@@ -13,17 +13,20 @@ An `Architecture` says, for one Hugging Face `model_type`:
   (`Tensor`, with the transposes/reshapes both ways).
 
 One module per family (`gpt2.py`, `bloom.py`, `llama.py` with Mixtral and
-Qwen3-MoE, `deepseek.py` (V2, V3), `bert.py`, `t5.py`, `bart.py`)
+Qwen3-MoE, `deepseek.py` (V2, V3), `qwen3_next.py`, `bert.py`, `t5.py`, `bart.py`)
 over the shared machinery of `tables.py`; a new architecture is one more
 module and one more entry in `ARCHITECTURES`.
 """
 from configs.errors import UserError
-from hf import bart, bert, bloom, deepseek, gpt2, llama, t5
+from hf import bart, bert, bloom, deepseek, gpt2, llama, qwen3_next, t5
 from hf.tables import Architecture
 
 ARCHITECTURES = {a.model_type: a for a in (gpt2.GPT2, llama.LLAMA, llama.MISTRAL, llama.QWEN2,
                                            llama.QWEN3, llama.MIXTRAL, llama.QWEN3_MOE,
                                            deepseek.DEEPSEEK_V3, deepseek.DEEPSEEK_V2,
+                                           qwen3_next.QWEN3_NEXT, qwen3_next.QWEN3_5_TEXT,
+                                           qwen3_next.QWEN3_5_MOE_TEXT, qwen3_next.QWEN3_5,
+                                           qwen3_next.QWEN3_5_MOE,
                                            bert.BERT, t5.T5, t5.MT5, bart.BART, bloom.BLOOM)}
 
 # The sequence classifiers (`*ForSequenceClassification`, our model.num_labels),
@@ -34,9 +37,12 @@ CLASSIFIERS = {a.model_type: a for a in (llama.LLAMA_CLASSIFIER, llama.QWEN2_CLA
 # What a model of ours exports as, first match (LLaMA before Mistral: a model
 # without a window is LLaMA; an mT5 import exports as T5 v1.1); a classifier
 # as the first of CLASSIFIER_EXPORTS. BLOOM is the only one with ALiBi; DeepSeek
-# the only ones with MLA (V3 first: a dense MLA model exports as V3).
+# the only ones with MLA (V3 first: a dense MLA model exports as V3); Qwen3.5's text
+# model and Qwen3-Next the only ones with linear_attention layers and the attention
+# output gate (Qwen3.5 first: a dense hybrid exports as Qwen3.5, one with experts as
+# Qwen3-Next; Qwen3.5's MoE and multimodal directories are import only).
 EXPORTS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "bert", "t5",
-           "bart", "bloom", "deepseek_v3", "deepseek_v2")
+           "bart", "bloom", "deepseek_v3", "deepseek_v2", "qwen3_5_text", "qwen3_next")
 CLASSIFIER_EXPORTS = ("llama", "qwen2", "bert")
 
 

@@ -177,9 +177,10 @@ def _expert_params(m) -> int:
 
 def _moe_params(m) -> int:
   """A mixture-of-experts MLP: the router d x E, E experts, and the shared
-  experts' one MLP of num_shared_experts x moe_d_ff (with mlp_bias)."""
+  experts' one MLP of num_shared_experts x moe_d_ff (with mlp_bias) and its
+  gate W_g [d, 1] (moe_shared_expert_gate)."""
   shared = (MLPS[m.mlp].params(m.d_model, m.num_shared_experts * m.moe_d_ff, m.mlp_bias)
-            if m.num_shared_experts else 0)
+            if m.num_shared_experts else 0) + (m.d_model if m.moe_shared_expert_gate else 0)
   return m.d_model * m.num_experts + m.num_experts * _expert_params(m) + shared
 
 

@@ -66,7 +66,7 @@ from model.embeddings import apply_rope
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
 from model.layers import Dense, batch_axes, compile_device
-from model.norms import RMSNorm
+from model.norms import make_qk_norm
 from model.positions import POSITIONS
 from model.registry import Registry
 from model.scores import SCORES
@@ -665,7 +665,12 @@ class Attention(nnx.Module):
   head's queries and keys go through an RMSNorm over d_k (its own learned
   scale [d_k] for Q and for K, shared by the heads) before RoPE, as Qwen3,
   OLMo-2 and Gemma-3 do: the scores then grow with the scales, not with the
-  activations.
+  activations (zero-centred under model.norm=rmsnorm_zero_centred, as
+  Qwen3-Next's). RoPE rotates the first `rotary_dim` = head_dim x
+  partial_rotary_factor dims of each head (`rope`'s frequencies are that
+  wide). With `attention_output_gate` (Qwen3-Next), W_G [d, h, d_k] gives a
+  gate per head and dim: the attention output times sigmoid(x W_G) enters
+  W_O.
   """
 
   def __init__(self, cfg, *, rope=None, window: int | None = None, rngs: nnx.Rngs):
@@ -689,8 +694,10 @@ class Attention(nnx.Module):
                         rngs=rngs, std=std)
     self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
                         rngs=rngs, in_axes=2, std=std)
-    self.q_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
-    self.k_norm = RMSNorm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
+    self.gate_proj = (Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg,
+                            rngs=rngs, std=std) if cfg.attention_output_gate else None)
+    self.q_norm = make_qk_norm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
+    self.k_norm = make_qk_norm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
 
   def _rotate(self, x_BTHD, positions_BT):
     if self.rope is None or positions_BT is None:
@@ -714,6 +721,14 @@ class Attention(nnx.Module):
       k_BSKD = self.k_norm(k_BSKD)
     return self._rotate(k_BSKD, positions_BS), self.v_proj(context_BSM)
 
+  def project_out(self, out_BTHD, x_BTM):
+    """W_O of the heads' output, gated by sigmoid(x W_G) with
+    `attention_output_gate` (x: the layer's input, the queries' tokens)."""
+    if self.gate_proj is not None:
+      gate_BTHD = jax.nn.sigmoid(self.gate_proj(x_BTM).astype(jnp.float32))
+      out_BTHD = (out_BTHD.astype(jnp.float32) * gate_BTHD).astype(out_BTHD.dtype)
+    return self.o_proj(out_BTHD)
+
   def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, context_kv=None,
                causal=False, segment_ids=None, mask=None, bias=None):
     """Self-attention over x, or cross-attention to `context_BSM` (or to its
@@ -732,7 +747,7 @@ class Attention(nnx.Module):
                                   mask=mask, window=window, bias=bias)
     out_BTHD = attention(q_BTHD, k_BSKD, v_BSKD, options, implementation=self.implementation,
                          pallas_lowering=self.pallas_lowering)
-    return self.o_proj(out_BTHD)
+    return self.project_out(out_BTHD, x_BTM)
 
   def weights(self, x_BTM, *, positions_BT, causal, bias=None):
     """Self-attention weights [B, h, T, T] (for plots)."""
@@ -776,7 +791,7 @@ class Attention(nnx.Module):
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
     out_BTHD = attention(q_BTHD, k_BLKD.astype(q_BTHD.dtype), v_BLKD.astype(q_BTHD.dtype),
                          options, implementation=decode_implementation(self.implementation))
-    return self.o_proj(out_BTHD), cache
+    return self.project_out(out_BTHD, x_BTM), cache
 
 
 def cache_slot_mask(positions_BT, length: int, window: int | None):
@@ -800,10 +815,18 @@ def decode_implementation(implementation: str) -> str:
 def mha_params(m) -> int:
   """One `Attention`'s parameters: W_Q [d, h, d_k] and W_O [h, d_k, d]; W_K,
   W_V [d, g, d_k]; the biases of q, k, v (qkv_bias) and of o (out_bias); the
-  two RMSNorm scales [d_k] of qk_norm."""
+  two RMSNorm scales [d_k] of qk_norm; with attention_output_gate, W_G [d, h,
+  d_k] and its bias (qkv_bias)."""
   d, h, g, dk = m.d_model, m.num_heads, m.num_kv_heads, m.head_dim
   biases = (h * dk + 2 * g * dk if m.qkv_bias else 0) + (d if m.out_bias else 0)
-  return 2 * d * h * dk + 2 * d * g * dk + biases + (2 * dk if m.qk_norm else 0)
+  gate = (d * h * dk + (h * dk if m.qkv_bias else 0)) if m.attention_output_gate else 0
+  return 2 * d * h * dk + 2 * d * g * dk + biases + (2 * dk if m.qk_norm else 0) + gate
+
+
+def mha_rotary_dim(m) -> int:
+  """The width RoPE rotates in each query and key head: head_dim x
+  partial_rotary_factor (validated to be a whole even number)."""
+  return round(m.head_dim * m.partial_rotary_factor)
 
 
 def mha_activation_elements(m) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 from collections.abc import Callable
 
 from configs.validation import MLA_FIELDS
-from model.attention import Attention, mha_activation_elements, mha_params
+from model.attention import Attention, mha_activation_elements, mha_params, mha_rotary_dim
 from model.mla import LatentAttention, mla_activation_elements, mla_cache, mla_params
 from model.registry import Registry
 
@@ -60,9 +60,9 @@ def _describe_mla(cfg) -> str:
 ATTENTIONS = Registry("model.attention", [
     AttentionKind("mha", "multi-head attention: h query heads over num_kv_heads KV heads (MHA, "
                   "GQA, MQA); the cache keeps K and V", Attention, mha_params, _mha_cache,
-                  mha_activation_elements, lambda cfg: cfg.head_dim,
+                  mha_activation_elements, mha_rotary_dim,
                   lambda cfg: f"{cfg.num_heads} heads ({cfg.num_kv_heads} KV) of {cfg.head_dim}",
-                  reads=("num_kv_heads", "head_dim", "qk_norm")),
+                  reads=("num_kv_heads", "head_dim", "qk_norm", "attention_output_gate")),
     AttentionKind("mla", "DeepSeek's multi-head latent attention (V2, V3): keys and values from "
                   "one latent, a shared RoPE key; the cache keeps the latent", LatentAttention,
                   mla_params, mla_cache, mla_activation_elements,

@@ -95,6 +95,7 @@ class ModelConfig:
   rope_truncate: bool
   rope_low_freq_factor: float
   rope_high_freq_factor: float
+  partial_rotary_factor: float
   norm: str
   norm_position: str
   norm_eps: float
@@ -103,6 +104,7 @@ class ModelConfig:
   experts_per_token: int
   moe_d_ff: int
   num_shared_experts: int
+  moe_shared_expert_gate: bool
   moe_router: str
   moe_n_group: int
   moe_topk_group: int
@@ -123,6 +125,7 @@ class ModelConfig:
   embedding_norm: bool
   head_transform: bool
   output_bias: bool
+  attention_output_gate: bool
   qk_norm: bool
   attn_softcap: float | None
   final_softcap: float | None
@@ -181,7 +184,7 @@ class ModelConfig:
       unused |= {"mup_base_depth"}
     if not self.num_experts:
       unused |= {"experts_per_token", "moe_d_ff", "num_shared_experts", "moe_router",
-                 "moe_capacity_factor"}
+                 "moe_capacity_factor", "moe_shared_expert_gate"}
     elif len(self.moe_layers) == self.num_layers:
       unused |= {"d_ff"}  # every MLP is a mixture of experts of moe_d_ff
     if not any(self.layer_kind(i).attention == "linear_attention"

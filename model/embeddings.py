@@ -219,7 +219,9 @@ def rope_from_config(cfg):
 
 
 def apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor: float = 1.0):
-  """Rotates pairs (x[i], x[i + D/2]) of every head by position * inv_freq[i].
+  """Rotates pairs (x[i], x[i + R/2]) of the first R = 2 len(inv_freq) dims
+  of every head by position * inv_freq[i]; dims past R (partial RoPE,
+  `model.partial_rotary_factor` < 1) pass unchanged.
 
   cos and sin are multiplied by `attention_factor` (YaRN's). Computed in
   float32 and cast back to x's dtype.
@@ -227,6 +229,7 @@ def apply_rope(x_BTHD, positions_BT, inv_freq, attention_factor: float = 1.0):
   angles_BTF = positions_BT[..., None].astype(jnp.float32) * jnp.asarray(inv_freq, jnp.float32)
   cos = (jnp.cos(angles_BTF) * attention_factor)[:, :, None, :]
   sin = (jnp.sin(angles_BTF) * attention_factor)[:, :, None, :]
-  x1, x2 = jnp.split(x_BTHD.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BTHD.dtype)
+  R = 2 * len(inv_freq)
+  x1, x2 = jnp.split(x_BTHD[..., :R].astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return jnp.concatenate([rotated.astype(x_BTHD.dtype), x_BTHD[..., R:]], axis=-1)

@@ -12,7 +12,9 @@ sigmoid affinities, group-limited and scaled: `route_sigmoid`). A token then cos
 k experts' FLOPs while the layer stores E experts' parameters: more
 knowledge at the same compute (Switch, Mixtral, Qwen3-MoE, DeepSeek).
 `model.num_shared_experts` adds always-on experts (DeepSeek; Qwen2-MoE's
-shared expert without its gate), one MLP of that many times the width.
+shared expert), one MLP of that many times the width; with
+`model.moe_shared_expert_gate` its output is scaled per token by
+sigmoid(x W_g), W_g [d, 1] (Qwen2-MoE's and Qwen3-Next's shared_expert_gate).
 
 Dropless by default: every (token, expert) assignment is computed. The
 N x k assignments are sorted by expert and run through grouped matmuls
@@ -420,6 +422,8 @@ class MoE(nnx.Module):
     self.down = Experts(E, f, d, ("mlp", "embed"), cfg=cfg, rngs=rngs)
     self.shared = (MLP(dataclasses.replace(cfg, d_ff=cfg.num_shared_experts * f), rngs=rngs)
                    if cfg.num_shared_experts else None)
+    self.shared_gate = (Dense(d, (1,), ("embed", None), use_bias=False, cfg=cfg, rngs=rngs)
+                        if cfg.moe_shared_expert_gate else None)
     # Unannotated: replicated on every device (E numbers), with a `layers` axis when scanned.
     self.score_bias = ExpertBias(jnp.zeros((E,), jnp.float32)) if has_score_bias(cfg) else None
 
@@ -484,5 +488,8 @@ class MoE(nnx.Module):
                                                                           *weights)
     y_BTM = y_BTM.astype(self.dtype)
     if self.shared is not None:
-      y_BTM = y_BTM + self.shared(x_BTM)
+      shared_BTM = self.shared(x_BTM)
+      if self.shared_gate is not None:
+        shared_BTM = shared_BTM * jax.nn.sigmoid(self.shared_gate(x_BTM))
+      y_BTM = y_BTM + shared_BTM
     return y_BTM, stats_of_sums(*sums)

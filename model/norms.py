@@ -2,6 +2,9 @@
 
 LN(x) = gamma * (x - mean) / sqrt(var + eps) + beta;
 RMSNorm(x) = gamma * x / sqrt(mean(x^2) + eps) (no mean, no beta);
+zero-centred RMSNorm(x) = (1 + w) * x / sqrt(mean(x^2) + eps), w stored and
+initialised to zeros (Qwen3-Next, Qwen3.5, Gemma: weight decay pulls the
+scale towards 1, not 0);
 DyT(x) = gamma * tanh(alpha * x) + beta (Zhu et al. 2025, "Transformers
 without Normalization": no statistics at all, one learned scalar alpha per
 norm, initialised to 0.5).
@@ -52,6 +55,21 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
+class RMSNormZeroCentred(nnx.Module):
+  """RMSNorm whose learned scale is stored as w and applied as (1 + w), w
+  initialised to zeros (transformers' Qwen3NextRMSNorm)."""
+
+  def __init__(self, dim: int, *, cfg, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = param(rngs, jax.nn.initializers.zeros, (dim,), ("norm",), cfg.param_dtype)
+
+  @jax.named_scope("norm")
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.square(x32).mean(-1, keepdims=True) + self.eps)
+    return (y * (1.0 + self.scale[...].astype(jnp.float32))).astype(x.dtype)
+
+
 class DyT(nnx.Module):
   """Dynamic Tanh: gamma * tanh(alpha * x) + beta, alpha a learned scalar."""
 
@@ -86,6 +104,8 @@ NORMS = Registry("model.norm", [
          LayerNorm, lambda dim: 2 * dim),
     Norm("rmsnorm", "RMSNorm: root mean square, gamma only (LLaMA, T5)", RMSNorm,
          lambda dim: dim),
+    Norm("rmsnorm_zero_centred", "RMSNorm with its scale applied as (1 + w), w initialised to "
+         "zeros (Qwen3-Next, Qwen3.5); qk_norm's norms too", RMSNormZeroCentred, lambda dim: dim),
     Norm("dyt", "Dynamic Tanh, gamma tanh(alpha x) + beta, no statistics (Zhu et al. 2025)",
          DyT, lambda dim: 2 * dim + 1),
 ])
@@ -94,3 +114,12 @@ NORMS = Registry("model.norm", [
 def make_norm(dim: int, *, cfg, rngs: nnx.Rngs) -> nnx.Module:
   """The `model.norm` entry's module over the last axis, of width `dim`."""
   return NORMS[cfg.norm].module(dim, cfg=cfg, rngs=rngs)
+
+
+def make_qk_norm(dim: int, *, cfg, rngs: nnx.Rngs) -> nnx.Module:
+  """`qk_norm`'s RMSNorm over each head's `dim`: zero-centred under
+  model.norm=rmsnorm_zero_centred (Qwen3-Next's q_norm and k_norm), else
+  plain RMSNorm whatever model.norm is (Qwen3, OLMo-2)."""
+  if cfg.norm == "rmsnorm_zero_centred":
+    return RMSNormZeroCentred(dim, cfg=cfg, rngs=rngs)
+  return RMSNorm(dim, cfg=cfg, rngs=rngs)

@@ -26,7 +26,7 @@ from model.relative_bias import RelativeBias
 
 ROPE_FIELDS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_original_max_len",
                "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
-               "rope_low_freq_factor", "rope_high_freq_factor")
+               "rope_low_freq_factor", "rope_high_freq_factor", "partial_rotary_factor")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -245,12 +245,17 @@ def _rmsnorm(x, p, eps):
   return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * p["scale"]
 
 
+def _rmsnorm_zero_centred(x, p, eps):
+  return x / np.sqrt((x ** 2).mean(-1, keepdims=True) + eps) * (1 + p["scale"])
+
+
 def _dyt(x, p, eps):
   del eps
   return np.tanh(p["alpha"] * x) * p["scale"] + p["bias"]
 
 
-NORM_DEFINITIONS = {"layernorm": _layernorm, "rmsnorm": _rmsnorm, "dyt": _dyt}
+NORM_DEFINITIONS = {"layernorm": _layernorm, "rmsnorm": _rmsnorm,
+                    "rmsnorm_zero_centred": _rmsnorm_zero_centred, "dyt": _dyt}
 
 
 def test_every_norm_has_a_definition():

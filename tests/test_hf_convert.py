@@ -349,7 +349,8 @@ _OTHER_VALUES = dict(
     head_transform=True, output_bias=True, sliding_window=8, real_vocab_size=1000,
     sliding_window_layers=(1,), num_labels=4, qk_norm=True, attn_softcap=50.0,
     final_softcap=30.0, attention_score="sigmoid", num_experts=4, moe_layers=(1,),
-    parametrization="mup", attention="mla", layer_types=("full_attention", "sliding_attention"))
+    parametrization="mup", attention="mla", layer_types=("full_attention", "sliding_attention"),
+    partial_rotary_factor=0.5, attention_output_gate=True)
 _LLAMA_MAPS = ("vocab_size", "real_vocab_size", "d_model", "num_layers", "num_heads",
                "num_kv_heads", "head_dim", "d_ff", "max_len", "rope_theta", "norm_eps",
                "tie_embeddings")
