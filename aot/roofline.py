@@ -39,7 +39,11 @@ import dataclasses
 import math
 import re
 
+from aot import compiler, targets
 from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
+from configs import gpt2_small
+from model import accounting
+from model.resolve import resolve
 
 # Seconds a kernel costs beyond its FLOPs and bytes, a stated constant, not a
 # measurement: on a GPU the launch and the gap between two kernels, about 5 us
@@ -450,3 +454,64 @@ def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
           "kernels": rows,
           "peak_flops": peak_flops, "hbm_bandwidth": hbm_bandwidth,
           "launch_seconds_per_kernel": launch_seconds}
+
+
+# The H200's measured step of GPT-2 small (configs/gpt2_small.py, batch 32 x 1024,
+# bf16 compute, float32 parameters): bench/RESULTS.md, "GPT-2 small training",
+# bench.train_throughput on 2026-12-04, median of 20 steps, attention_impl=pallas
+# (Mosaic GPU, which `auto` now picks there), MFU against 989 TFLOP/s.
+MEASURED = {"chip": "h200", "config": "configs/gpt2_small.py", "batch_size": 32,
+            "seq_len": 1024, "step_seconds": 0.10624, "mfu": 0.267,
+            "source": "bench/RESULTS.md (GPT-2 small training, H200, 2026-12-04, "
+                      "attention_impl=pallas)"}
+
+
+def is_measured_run(config, target) -> bool:
+  """Whether `config` on `target` is the run `MEASURED` timed: GPT-2 small's
+  model (scanned or not) at its batch on one H200 (train.loss_chunk_size may
+  differ)."""
+  def model(c):
+    fields = c.model.to_dict()
+    return {k: v for k, v in fields.items() if k not in ("scan_layers", "scan_unroll")}
+
+  return (target.chip_name == MEASURED["chip"] and target.num_devices == 1
+          and model(config) == model(gpt2_small.get_config())
+          and (config.train.batch_size, config.train.seq_len)
+          == (MEASURED["batch_size"], MEASURED["seq_len"]))
+
+
+def parse_target(text: str):
+  """`aot.targets.parse_target`, with `gpu:<chip>` meaning one GPU."""
+  parts = text.split(":")
+  return targets.parse_target(f"{text}:1" if len(parts) == 2 and parts[0] == "gpu" else text)
+
+
+def roofline_report(config, target) -> dict:
+  """Compiles the train step of `config` for `target`; the roofline as a JSON-able dict.
+
+  Raises:
+    UserError: as `aot.compiler.lower_step` (a config or mesh that does not fit
+      the target, a target whose compiler is not installed).
+  """
+  measured = is_measured_run(config, target)
+  config = resolve(config)
+  lowered, _, mesh = compiler.lower_step(config, target)
+  compiled = lowered.compile()
+  chip, devices = target.chip, mesh.devices.size
+  found = kernels(compiled.as_text(), causal=config.model.family != "encoder")
+  report = summary(found, peak_flops=chip.peak_flops,
+                            hbm_bandwidth=chip.hbm_bandwidth,
+                            launch_seconds=LAUNCH_SECONDS[chip.platform])
+  model_flops = accounting.flops_per_step(config) / devices
+  predicted = report["total"]["step_seconds"]
+  cost = compiler.cost_analysis(compiled)
+  report.update(
+      target=target.name, devices=devices, batch_size=config.train.batch_size,
+      seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      model_flops_per_device=model_flops,
+      mfu_bound=model_flops / (predicted * chip.peak_flops),
+      compiler_cost_analysis=({"flops": cost.get("flops"), "bytes": cost.get("bytes accessed")}
+                              if cost else None),
+      measured=MEASURED if measured else None,
+      chip_source=chip.source)
+  return report

@@ -259,17 +259,16 @@ def test_tiny_roofline_for_a_v5e_slice(tmp_path):
 
 
 def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
-  from bench import roofline as cli  # pylint: disable=import-outside-toplevel
   from configs import gpt2_small, tiny  # pylint: disable=import-outside-toplevel
-  one = cli.parse_target("gpu:h200")
+  one = roofline.parse_target("gpu:h200")
   assert (one.name, one.num_devices) == ("gpu:h200:1", 1)
   c = gpt2_small.get_config()
   c.model.scan_layers, c.train.loss_chunk_size = False, 4096
-  assert cli._is_measured_run(c, one)  # pylint: disable=protected-access
-  assert not cli._is_measured_run(c, cli.parse_target("gpu:h200:8"))  # pylint: disable=protected-access
-  assert not cli._is_measured_run(tiny.get_config(), one)  # pylint: disable=protected-access
+  assert roofline.is_measured_run(c, one)
+  assert not roofline.is_measured_run(c, roofline.parse_target("gpu:h200:8"))
+  assert not roofline.is_measured_run(tiny.get_config(), one)
   c.train.batch_size = 16
-  assert not cli._is_measured_run(c, one)  # pylint: disable=protected-access
+  assert not roofline.is_measured_run(c, one)
 
 
 @pytest.mark.cuda
@@ -277,12 +276,11 @@ def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
 def test_tiny_roofline_for_one_h200(monkeypatch):
   """configs/tiny.py with our Hopper kernel (bf16, head_dim 64) on a
   compile-only H200: no cost analysis, attention FLOPs from the kernels."""
-  from bench import roofline as cli  # pylint: disable=import-outside-toplevel
   from configs import tiny  # pylint: disable=import-outside-toplevel
   monkeypatch.setenv("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   c = tiny.get_config()
   c.model.update(attention_impl="pallas", num_layers=1, dtype="bfloat16", num_heads=2)
-  report = cli.roofline_report(c, cli.parse_target("gpu:h200"))
+  report = roofline.roofline_report(c, roofline.parse_target("gpu:h200"))
   assert report["compiler_cost_analysis"] is None and report["measured"] is None
   assert report["launch_seconds_per_kernel"] == 5e-6
   attention = [k for k in report["kernels"] if k["kind"] == "mosaic_gpu_v2"]
