@@ -226,24 +226,26 @@ def layer_cycle(m) -> int:
               if all(declared[i] == declared[i % p] for i in range(len(declared))))
 
 
-def sliding_window_layers(m) -> tuple[int, ...]:
-  """The layers whose self-attention has `model.sliding_window`, sorted
-  (`layer_types`' sliding_attention layers of the first stack)."""
+def _layers_where(m, test) -> tuple[int, ...]:
+  """The layers of the first stack whose `LayerKind` passes `test`, sorted."""
   return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
-               if layer_kind(kind).attention == "sliding_attention")
+               if test(layer_kind(kind)))
+
+
+def sliding_window_layers(m) -> tuple[int, ...]:
+  """The layers whose self-attention has `model.sliding_window`
+  (`layer_types`' sliding_attention layers)."""
+  return _layers_where(m, lambda kind: kind.attention == "sliding_attention")
 
 
 def moe_layers(m) -> tuple[int, ...]:
-  """The layers whose MLP is a mixture of experts, sorted (`layer_types`'
-  +moe layers of the first stack)."""
-  return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
-               if layer_kind(kind).moe)
+  """The layers whose MLP is a mixture of experts (`layer_types`' +moe layers)."""
+  return _layers_where(m, lambda kind: kind.moe)
 
 
 def linear_layers(m) -> tuple[int, ...]:
   """The layers whose token mixer is Gated DeltaNet's linear attention."""
-  return tuple(i for i, kind in enumerate(layer_types(m)[:m.num_layers])
-               if layer_kind(kind).attention == "linear_attention")
+  return _layers_where(m, lambda kind: kind.attention == "linear_attention")
 
 
 def linear_heads(m) -> dict[str, int]:

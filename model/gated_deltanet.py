@@ -163,20 +163,19 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_id
   return o_BTHV[:, :T], state
 
 
-def causal_conv(x_BTHD, kernel_KHD, past_BPHD=None, segment_ids_BT=None):
+def causal_conv(window_BPHD, kernel_KHD, segment_ids_BT=None):
   """SiLU of the causal depthwise convolution out_t = sum_i w_i x_{t-K+1+i}
-  over time, each channel by itself; `past_BPHD` (the K-1 inputs before
-  these, zeros when None) is what decoding keeps. A tap that reaches into
-  another document (a changed segment id) reads zero."""
+  over time, each channel by itself, of the T inputs at the end of
+  `window_BPHD` [B, K-1+T, ...]: the K-1 before them first (zeros at a row's
+  start; what decoding keeps). A tap that reaches into another document (a
+  changed segment id; the K-1 before continue the first) reads zero."""
   K = kernel_KHD.shape[0]
-  B, T = x_BTHD.shape[:2]
-  past = (jnp.zeros((B, K - 1, *x_BTHD.shape[2:]), x_BTHD.dtype) if past_BPHD is None
-          else past_BPHD.astype(x_BTHD.dtype))
-  padded = jnp.concatenate([past, x_BTHD], axis=1)
+  B, T = window_BPHD.shape[0], window_BPHD.shape[1] - (K - 1)
+  dtype = window_BPHD.dtype
   seg_BT = _segments(segment_ids_BT, (B, T))
   seg_padded = jnp.concatenate([jnp.repeat(seg_BT[:, :1], K - 1, axis=1), seg_BT], axis=1)
-  out = sum(padded[:, i:i + T] * kernel_KHD[i].astype(x_BTHD.dtype)
-            * (seg_padded[:, i:i + T] == seg_BT)[..., None, None].astype(x_BTHD.dtype)
+  out = sum(window_BPHD[:, i:i + T] * kernel_KHD[i].astype(dtype)
+            * (seg_padded[:, i:i + T] == seg_BT)[..., None, None].astype(dtype)
             for i in range(K))
   return jax.nn.silu(out)
 
@@ -233,11 +232,11 @@ class GatedDeltaNet(nnx.Module):
     for name, proj in (("q", self.q_proj), ("k", self.k_proj), ("v", self.v_proj)):
       y_BTHD = proj(x_BTM)
       kernel = getattr(self, f"conv_{name}")[...]
-      before = None if past is None else past[f"conv_{name}"]
-      convs[name] = causal_conv(y_BTHD, kernel, before, segment_ids_BT)
-      window = jnp.concatenate([jnp.zeros((y_BTHD.shape[0], kernel.shape[0] - 1,
-                                           *y_BTHD.shape[2:]), y_BTHD.dtype)
-                                if before is None else before.astype(y_BTHD.dtype), y_BTHD], 1)
+      before = (jnp.zeros((y_BTHD.shape[0], kernel.shape[0] - 1, *y_BTHD.shape[2:]),
+                          y_BTHD.dtype) if past is None
+                else past[f"conv_{name}"].astype(y_BTHD.dtype))
+      window = jnp.concatenate([before, y_BTHD], axis=1)
+      convs[name] = causal_conv(window, kernel, segment_ids_BT)
       convs[f"past_{name}"] = window
     a_BTH = self.a_proj(x_BTM).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
     g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BTH)

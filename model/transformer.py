@@ -131,6 +131,7 @@ class _Stack(nnx.Module):
     # A linear_attention layer's state instead, per sequence (no token axis).
     self.state_shapes = tuple(gated_deltanet.state_shapes(cfg).items())
     self.linear = tuple(cfg.layer_is_linear(i) for i in range(num_layers))
+    self.moe_layers = tuple(i for i in range(num_layers) if cfg.layer_is_moe(i))
     # Layer i's index among the layers of its kind of cache (attention or
     # linear): its slice of a scanned stack's cache, stacked per kind.
     self.cache_index = tuple(self.linear[:i].count(self.linear[i]) for i in range(num_layers))
@@ -264,7 +265,8 @@ class _Stack(nnx.Module):
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
     bias = None
     if self.relative_bias is not None:
-      length = (cache if self.scan else cache[self.linear.index(False)])["k"].shape[-3]
+      kv = cache if self.scan else cache[self.linear.index(False)]
+      length = kv[self.cache_shapes[0][0]].shape[-3]
       bias = self.self_bias(positions_BT, positions_row(length))
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):
@@ -307,7 +309,7 @@ class _Stack(nnx.Module):
     `router_stats` (one per MoE layer, in layer order) that it holds, in
     its own order: one [E] per MoE layer of a loop, one [n, E] per run of n
     MoE layers of a scanned stack and per MoE block of a scanned cycle."""
-    moe = [i for i in range(self.num_layers) if isinstance(self._mlp(i), MoE)]
+    moe = list(self.moe_layers)
     if not self.scan:
       return [(self.layers[i].mlp.score_bias, (moe.index(i),)) for i in moe]
     out = []
@@ -316,13 +318,6 @@ class _Stack(nnx.Module):
       out += [(body.mlp.score_bias, tuple(moe.index(seg.layer(r, j)) for r in range(seg.repeats)))
               for body, j in bodies if isinstance(body.mlp, MoE)]
     return out
-
-  def _mlp(self, i: int) -> nnx.Module:
-    """Layer i's MLP module (a scanned stack's: its stacked body's)."""
-    if not self.scan:
-      return self.layers[i].mlp
-    seg, layers = next((seg, layers) for seg, layers in self._groups() if i in seg.layers)
-    return layers.mlp if seg.period == 1 else layers[seg.where(i)[1]].mlp
 
   def attention_maps(self, tokens_BT, *, causal: bool):
     """Every block's self-attention weights [B, h, T, T], in order (no
