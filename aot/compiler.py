@@ -179,7 +179,7 @@ def _lower_generate(config, mesh):
           held)
 
 
-def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+def split_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
   """({computation name: its instruction lines}, the entry's name) of an HLO module."""
   computations, entry, current = {}, None, None
   for line in hlo_text.splitlines():
@@ -213,7 +213,7 @@ def multiplicities(hlo_text: str) -> dict[str, int]:
   entry: a while loop's body and condition run its trip count times
   (`_trip_count`) per run of the computation holding the loop; other called
   computations once per call."""
-  computations, entry = _computations(hlo_text)
+  computations, entry = split_computations(hlo_text)
   calls = {name: [] for name in computations}
   for name, lines in computations.items():
     for line in lines:
@@ -247,7 +247,7 @@ def _lines_with_runs(hlo_text: str):
 
 def has_loops(hlo_text: str) -> bool:
   """Whether the program holds a loop that runs more than once (scanned layers)."""
-  computations, _ = _computations(hlo_text)
+  computations, _ = split_computations(hlo_text)
   return any(_trip_count(line, computations) > 1 for lines in computations.values()
              for line in lines if " while(" in line)
 
@@ -303,7 +303,7 @@ def async_overlap(hlo_text: str) -> dict[str, dict]:
   how many pairs run per step, and how many of those have compute scheduled
   between start and done (`_COMPUTE_OPS`, in the scheduled program's order),
   which is where the compiler overlaps the transfer with work."""
-  computations, _ = _computations(hlo_text)
+  computations, _ = split_computations(hlo_text)
   runs = multiplicities(hlo_text)
   out = {}
   for name, lines in computations.items():

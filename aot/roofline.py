@@ -59,7 +59,6 @@ _DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1
                 "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _ARRAY_RE = re.compile(r"\b(pred|[suf]\d+|bf16|f8e4m3fn|f8e5m2|c64|c128)\[([\d,]*)\]")
-_HEADER_RE = re.compile(r"^(ENTRY )?%([\w.\-]+) .*\{\s*$")
 _INSTRUCTION_RE = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _OP_NAME_RE = re.compile(r'op_name="([^"]*)"')
 # Instructions that launch nothing: bookkeeping, or a loop whose body's kernels count instead.
@@ -122,22 +121,18 @@ class _Instruction:
 
 
 def _parse(hlo_text: str) -> tuple[dict[str, list[_Instruction]], str | None]:
-  """({computation: its instructions}, the entry computation's name)."""
-  computations, entry, current = {}, None, None
-  for line in hlo_text.splitlines():
-    header = _HEADER_RE.match(line)
-    if header:
-      current = header.group(2)
-      computations[current] = []
-      entry = current if header.group(1) else entry
-      continue
-    match = _INSTRUCTION_RE.match(line)
-    if match and current is not None:
-      root, name, shape, opcode, rest = match.groups()
+  """({computation: its instructions}, the entry computation's name), the
+  computations as `aot.compiler.split_computations` splits them."""
+  lines, entry = compiler.split_computations(hlo_text)
+  parsed = {}
+  for name, body in lines.items():
+    parsed[name] = []
+    for match in filter(None, map(_INSTRUCTION_RE.match, body)):
+      root, instruction, shape, opcode, rest = match.groups()
       arguments, attributes = _split_arguments(rest)
-      computations[current].append(_Instruction(name, shape, opcode, arguments, attributes,
-                                                bool(root)))
-  return computations, entry
+      parsed[name].append(_Instruction(instruction, shape, opcode, arguments, attributes,
+                                       bool(root)))
+  return parsed, entry
 
 
 def _called(instruction: _Instruction, roles: tuple[str, ...]) -> list[str]:
