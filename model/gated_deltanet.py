@@ -318,12 +318,16 @@ def state_shapes(cfg) -> dict[str, tuple[int, ...]]:
 def rule_flops(cfg) -> int:
   """Forward matmul FLOPs per token of one layer's chunked rule (not halved
   for causal, as attention's 4 S d_attn): per value head and chunk of C
-  tokens, beta K K^T and Q K^T (2 C^2 d_k each), the triangular solve for U
-  and W (C^2 (d_v + d_k)), W S, Q S and the state update K^T V (2 C d_k d_v
-  each) and the scores times V (2 C^2 d_v); over C tokens, linear in the
-  row's length."""
+  tokens, beta K K^T and Q K^T (2 C^2 d_k each), `unit_lower_solve` for U
+  and W (m = ceil(log2 C) products of a C x C factor with the C x (d_v +
+  d_k) right-hand side and m - 1 squarings of the factor), W S, Q S and the
+  state update K^T V (2 C d_k d_v each) and the scores times V (2 C^2 d_v);
+  over C tokens, linear in the row's length."""
   C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-  return cfg.linear_num_value_heads * (C * (5 * Dk + 3 * Dv) + 6 * Dk * Dv)
+  m = max(1, math.ceil(math.log2(C)))
+  per_chunk = (4 * C * C * Dk + 2 * m * C * C * (Dv + Dk) + 2 * (m - 1) * C ** 3
+               + 6 * C * Dk * Dv + 2 * C * C * Dv)
+  return cfg.linear_num_value_heads * per_chunk // C
 
 
 def linear_params(cfg) -> int:
