@@ -52,7 +52,7 @@ def parse_grid(flags: list[str], config_path: str) -> dict[str, list]:
     kind = field_type(config, field)
     if kind not in VALUE_TYPES:
       raise UserError(f"--grid {field}: a {kind.__name__} field, whose values hold commas; "
-                      "list its variants in a sweep file (--sweep), each value a string")
+                      "list its variants in a sweep file (--sweep), each value a tuple")
     typed = [_typed(config_path, field, text, kind) for text in texts]
     for value in typed:
       if typed.count(value) > 1:

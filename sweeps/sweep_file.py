@@ -10,7 +10,7 @@ import re
 from configs.errors import UserError, first_line
 from sweeps import ladder
 
-VALUE_TYPES = (str, int, float, bool)
+VALUE_TYPES = (str, int, float, bool)  # a value, or a tuple of them for a tuple field
 
 
 DEFAULT_GRID_CONFIG = "configs/tiny.py"  # the base config of a --grid sweep without --config
@@ -108,16 +108,25 @@ def expand(sweep, where: str) -> list[dict]:
                     f"not {type(sweep).__name__}")
   for overrides in variants:
     for field, value in overrides.items():
-      if not isinstance(value, VALUE_TYPES):
-        raise UserError(f"{where}: {field}={value!r}: a value must be a str, int, float or bool")
+      items = value if isinstance(value, tuple) else (value,)
+      if not items or not all(isinstance(item, VALUE_TYPES) for item in items):
+        raise UserError(f"{where}: {field}={value!r}: a value must be a str, int, float or "
+                        "bool, or a non-empty tuple of them")
   return variants
 
 
 def format_value(value) -> str:
-  """A value as a `--config.<field>=` flag takes it."""
+  """A value as a `--config.<field>=` flag takes it (a tuple as Python writes it)."""
   if isinstance(value, bool):
     return "true" if value else "false"
   return str(value)
+
+
+def _name_value(value) -> str:
+  """A value in a variant's name: a tuple's items joined by `-`."""
+  if isinstance(value, tuple):
+    return "-".join(format_value(item) for item in value)
+  return format_value(value)
 
 
 def _path_safe(text: str) -> str:
@@ -126,10 +135,12 @@ def _path_safe(text: str) -> str:
 
 def variant_name(overrides: dict) -> str:
   """`pos_emb=rope,norm_position=pre`: each field by its last part (all of it when
-  two fields share the last part); characters unsafe in a path become `_`."""
+  two fields share the last part), a tuple's items joined by `-`
+  (`layer_types=linear_attention-full_attention`); characters unsafe in a path
+  become `_`."""
   if not overrides:
     return "base"
   lasts = [field.rsplit(".", 1)[-1] for field in overrides]
   return ",".join(f"{_path_safe(last if lasts.count(last) == 1 else field)}="
-                  f"{_path_safe(format_value(value))}"
+                  f"{_path_safe(_name_value(value))}"
                   for (field, value), last in zip(overrides.items(), lasts))

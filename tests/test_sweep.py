@@ -56,6 +56,19 @@ def get_sweep():
       True, 1e-4, 2)
 
 
+def test_a_tuple_value_names_its_variant_by_its_items_and_reaches_the_tuple_field(tmp_path):
+  path = write_sweep(tmp_path, """
+def get_sweep():
+  return [{"model.num_layers": 4,
+           "model.layer_types": ("linear_attention",) * 3 + ("full_attention",)}]
+""")
+  variant, = sweep_lib.make_variants(sweep_lib.load_sweep(path), TINY, [], str(tmp_path))
+  assert variant.name == (
+      "num_layers=4,layer_types=linear_attention-linear_attention-linear_attention-full_attention")
+  config = sweep_lib.load_config(TINY, variant.train_command[6:])
+  assert config.model.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+
+
 @pytest.mark.parametrize("body,message", [
     ('{"model.pos_embb": ["rope"]}', "model.pos_embb: no such config field (did you mean "
      "model.pos_emb?)"),
@@ -64,6 +77,7 @@ def get_sweep():
     ('{"model.pos_emb": []}', "grid field model.pos_emb needs a non-empty list of values"),
     ('["rope"]', "each variant must be a dict of field -> value"),
     ('[{"model.num_kv_heads": None}]', "a value must be a str, int, float or bool"),
+    ('[{"model.layer_types": ()}]', "or a non-empty tuple of them"),
     ('{"model.pos_emb": ["xpos"]}', "variant pos_emb=xpos: config field model.pos_emb='xpos': "
      "must be one of none, sinusoidal, learned, rope"),
     ('{"model.num_layers": ["two"]}', "variant num_layers=two: flag --config.model.num_layers=two"),
