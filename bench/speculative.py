@@ -15,9 +15,12 @@ a temporary folder (train.py, on the stdlib corpus). For each batch size of
 over `--repeats` calls each, alternating, with no EOS so every row runs `--new_tokens` tokens;
 the table shows the median new tokens per second of each, the speedup, the
 share of drafts accepted and the tokens each main-model pass commits, and
-checks that both gave the same tokens. The same numbers go to the JSON file,
-with the run, the machine (CPU model from /proc/cpuinfo) and `--note` (what
-else ran on the machine, for example).
+checks that both gave the same tokens, and the machine's load average
+(`os.getloadavg`, 1 minute) before and after the batch's timing: on a
+shared machine the ratio of the interleaved medians is the figure, the
+absolute tokens/s are not. The same numbers go to the JSON file, with the
+run, the machine (CPU model from /proc/cpuinfo) and `--note` (what else ran
+on the machine, for example).
 """
 import argparse
 import datetime
@@ -77,24 +80,26 @@ def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tu
         f"{config.train.mtp_depth} MTP modules; {new_tokens} new tokens; "
         f"{jax.default_backend()}, {hardware.cpu_model()}, {hardware.usable_cpus()} CPUs")
   print("| batch | greedy tokens/s | MTP drafted tokens/s | speedup | accepted | "
-        "tokens per pass | same tokens |")
-  print("|---:|---:|---:|---:|---:|---:|---|")
+        "tokens per pass | same tokens | load before / after |")
+  print("|---:|---:|---:|---:|---:|---:|---|---|")
   results = []
   for batch in batches:
     rows = (prompts * batch)[:batch]
+    load_before = os.getloadavg()[0]
     common = dict(max_new_tokens=new_tokens, eos_id=-1, pad_id=tok.pad_id, prompt_width=width,
                   num_tokens=tok.vocab_size)
     (plain_s, plain), (spec_s, (drafted, stats)) = median_seconds(
         [lambda: generate(model, m, rows, **common),
          lambda: mtp_speculative(model, m, rows, **common)], repeats)
-    tokens = batch * new_tokens
-    result = dict(batch=batch, greedy_seconds=plain_s, mtp_seconds=spec_s,
+    tokens, load_after = batch * new_tokens, os.getloadavg()[0]
+    result = dict(batch=batch, load_before=load_before, load_after=load_after, greedy_seconds=plain_s, mtp_seconds=spec_s,
                   greedy_tokens_per_s=tokens / plain_s, mtp_tokens_per_s=tokens / spec_s,
                   speedup=plain_s / spec_s, same_tokens=drafted == plain, **stats)
     results.append(result)
     print(f"| {batch} | {tokens / plain_s:,.1f} | {tokens / spec_s:,.1f} | "
           f"{plain_s / spec_s:.2f}x | {stats['acceptance_rate']:.1%} | "
-          f"{stats['tokens_per_pass']:.2f} | {drafted == plain} |")
+          f"{stats['tokens_per_pass']:.2f} | {drafted == plain} | "
+          f"{load_before:.1f} / {load_after:.1f} |")
   run = {"workdir": workdir, "step": step, "mtp_depth": config.train.mtp_depth,
          "mtp_weight": config.train.mtp_weight, "layers": m.num_layers, "d_model": m.d_model,
          "vocab_size": m.vocab_size}
