@@ -15,9 +15,20 @@ a temporary folder (train.py, on the stdlib corpus). For each batch size of
 over `--repeats` calls each, alternating, with no EOS so every row runs `--new_tokens` tokens;
 the table shows the median new tokens per second of each, the speedup, the
 share of drafts accepted and the tokens each main-model pass commits, and
-checks that both gave the same tokens. The same numbers go to the JSON file,
-with the run, the machine (CPU model from /proc/cpuinfo) and `--note` (what
-else ran on the machine, for example).
+checks that both gave the same tokens, and the machine's load average
+(`os.getloadavg`, 1 minute) before and after the batch's timing: on a
+shared machine the ratio of the interleaved medians is the figure, the
+absolute tokens/s are not. The same numbers go to the JSON file, with the
+run, the machine (CPU model from /proc/cpuinfo) and `--note` (what else ran
+on the machine, for example).
+
+Where a drafted pass's time goes (`components`, batch 1): each piece of a
+pass in a compiled loop of its own, timed interleaved with greedy's step
+like the calls above and given in greedy steps: the main model reading D+1
+tokens against its cache (the verification) and the D modules reading the
+2D positions a pass recomputes (the drafts, each with its head at the last
+position). A pass cannot cost less than their sum; with t tokens a pass
+the speedup is at most t over it.
 """
 import argparse
 import datetime
@@ -30,6 +41,8 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from bench.bench_utils import command_line, git_commit
 from model.generate import generate, mtp_speculative
@@ -65,6 +78,49 @@ def median_seconds(fns, repeats: int):
   return [(statistics.median(t), out) for t, out in zip(times, outs)]
 
 
+def components(model, repeats: int, steps: int = 64, length: int = 256) -> dict:
+  """Seconds of one greedy step (one token through the main model and its
+  head), of one verification (D+1 tokens) and of the D modules' drafts (2D
+  positions each), batch 1, each the median over `repeats` runs of a loop of
+  `steps`; the last two also in greedy steps."""
+  graphdef, state = nnx.split(model)
+  D = len(model.mtp)
+
+  def loop(tokens: int, modules: bool):
+    @jax.jit
+    def run(state, token_B):
+      model = nnx.merge(graphdef, state)
+      blocks = model.decoder.blocks()
+      caches = [{name: jnp.zeros((1, length, *shape)) for name, shape
+                 in model.decoder.cache_shapes} for _ in range(D)]
+
+      def body(i, carry):
+        token_B, cache, caches = carry
+        positions_BT = i + jnp.arange(tokens)[None]
+        tokens_BT = jnp.broadcast_to(token_B[:, None], (1, tokens))
+        if not modules:
+          x_BTM, cache = model.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
+          return jnp.argmax(model.logits(model.decoder, x_BTM)[:, -1], -1), cache, caches
+        h_BTM, new = model.decoder.embed_tokens(tokens_BT, positions_BT), []
+        for module, module_cache in zip(model.mtp, caches):
+          h_BTM, normed_BTM, module_cache = module.decode(h_BTM, h_BTM, positions_BT=positions_BT,
+                                                          cache=module_cache)
+          token_B = jnp.argmax(model.logits(model.decoder, normed_BTM[:, -1:])[:, 0], -1)
+          new.append(module_cache)
+        return token_B, cache, new
+
+      carry = (token_B, model.init_cache(1, length + 2 * D), caches)
+      return jax.lax.fori_loop(0, steps, body, carry)[0]
+    return lambda: run(state, jnp.ones((1,), jnp.int32)).block_until_ready()
+
+  timed = median_seconds([loop(1, False), loop(D + 1, False), loop(2 * D, True)], repeats)
+  greedy_s, verify_s, drafts_s = (seconds / steps for seconds, _ in timed)
+  return {"greedy_step_seconds": greedy_s, "verify_seconds": verify_s,
+          "drafts_seconds": drafts_s, "verify_in_greedy_steps": verify_s / greedy_s,
+          "drafts_in_greedy_steps": drafts_s / greedy_s,
+          "pass_floor_in_greedy_steps": (verify_s + drafts_s) / greedy_s}
+
+
 def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tuple[dict, list]:
   config, tok, model, step = workdir_lib.load_run(workdir)
   if not config.train.mtp_depth:
@@ -77,28 +133,37 @@ def bench(workdir: str, batches: list[int], new_tokens: int, repeats: int) -> tu
         f"{config.train.mtp_depth} MTP modules; {new_tokens} new tokens; "
         f"{jax.default_backend()}, {hardware.cpu_model()}, {hardware.usable_cpus()} CPUs")
   print("| batch | greedy tokens/s | MTP drafted tokens/s | speedup | accepted | "
-        "tokens per pass | same tokens |")
-  print("|---:|---:|---:|---:|---:|---:|---|")
+        "tokens per pass | same tokens | load before / after |")
+  print("|---:|---:|---:|---:|---:|---:|---|---|")
   results = []
   for batch in batches:
     rows = (prompts * batch)[:batch]
+    load_before = os.getloadavg()[0]
     common = dict(max_new_tokens=new_tokens, eos_id=-1, pad_id=tok.pad_id, prompt_width=width,
                   num_tokens=tok.vocab_size)
     (plain_s, plain), (spec_s, (drafted, stats)) = median_seconds(
         [lambda: generate(model, m, rows, **common),
          lambda: mtp_speculative(model, m, rows, **common)], repeats)
-    tokens = batch * new_tokens
-    result = dict(batch=batch, greedy_seconds=plain_s, mtp_seconds=spec_s,
+    tokens, load_after = batch * new_tokens, os.getloadavg()[0]
+    result = dict(batch=batch, load_before=load_before, load_after=load_after, greedy_seconds=plain_s, mtp_seconds=spec_s,
                   greedy_tokens_per_s=tokens / plain_s, mtp_tokens_per_s=tokens / spec_s,
                   speedup=plain_s / spec_s, same_tokens=drafted == plain, **stats)
     results.append(result)
     print(f"| {batch} | {tokens / plain_s:,.1f} | {tokens / spec_s:,.1f} | "
           f"{plain_s / spec_s:.2f}x | {stats['acceptance_rate']:.1%} | "
-          f"{stats['tokens_per_pass']:.2f} | {drafted == plain} |")
+          f"{stats['tokens_per_pass']:.2f} | {drafted == plain} | "
+          f"{load_before:.1f} / {load_after:.1f} |")
+  parts = components(model, repeats)
+  D = config.train.mtp_depth
+  print(f"a drafted pass, batch 1, in greedy steps ({parts['greedy_step_seconds'] * 1e6:,.0f} us): "
+        f"the main model over {D + 1} tokens {parts['verify_in_greedy_steps']:.2f}, the "
+        f"{D} module(s) over {2 * D} {parts['drafts_in_greedy_steps']:.2f}, together "
+        f"{parts['pass_floor_in_greedy_steps']:.2f} (at {D + 1} tokens a pass, every draft "
+        f"accepted, at most {(D + 1) / parts['pass_floor_in_greedy_steps']:.2f}x greedy)")
   run = {"workdir": workdir, "step": step, "mtp_depth": config.train.mtp_depth,
          "mtp_weight": config.train.mtp_weight, "layers": m.num_layers, "d_model": m.d_model,
          "vocab_size": m.vocab_size}
-  return run, results
+  return run, results, parts
 
 
 def main() -> None:
@@ -124,7 +189,7 @@ def main() -> None:
       train_run(workdir, args.steps, args.mtp_depth)
       trained = {"config": "configs/tiny.py", "steps": args.steps,
                  "seconds": round(time.perf_counter() - start, 1)}
-    run, results = bench(workdir, batches, args.new_tokens, args.repeats)
+    run, results, parts = bench(workdir, batches, args.new_tokens, args.repeats)
   if trained is not None:
     run = {**run, "workdir": None, "trained_here": trained}
   report = {"command": command_line(), "commit": git_commit(),
@@ -133,7 +198,7 @@ def main() -> None:
             "machine": {"cpu_model": hardware.cpu_model(), "cpus": hardware.usable_cpus(),
                         "xla_threads": hardware.xla_cpu_threads()},
             "note": args.note, "run": run, "new_tokens": args.new_tokens,
-            "repeats": args.repeats, "prompts": PROMPTS, "results": results}
+            "repeats": args.repeats, "prompts": PROMPTS, "results": results, "components": parts}
   args.out.parent.mkdir(parents=True, exist_ok=True)
   workdir_lib.write_json_atomic(str(args.out), report)
   print(f"wrote {args.out}")
