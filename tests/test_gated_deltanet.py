@@ -228,14 +228,16 @@ def test_bad_linear_fields_are_one_line(overrides, message):
   assert "\n" not in str(err.value)
 
 
-def test_a_context_mesh_refuses_linear_layers():
+def test_a_context_mesh_refuses_chunks_shorter_than_the_convolution():
   config = base.get_config()
   config.model = model_cfg()
   config.tokenizer.vocab_size = 64
-  config.mesh.context = 2
-  with pytest.raises(UserError, match="mesh.context=2: splits rows over devices, which "
-                     "linear_attention layers do not take yet"):
+  config.mesh.context = 4
+  config.train.seq_len = 16
+  with pytest.raises(UserError, match="train.seq_len=16: gives chunks of 2 tokens over 2 x "
+                     "mesh.context = 8, fewer than the 3 inputs") as err:
     validate(config)
+  assert "\n" not in str(err.value)
 
 
 def test_the_chunked_rule_is_matrix_products_only():
