@@ -260,11 +260,13 @@ HYBRID = dict(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_atten
 
 def test_hybrid_training_on_context_devices_equals_one_device():
   """A tiny hybrid (three Gated DeltaNet layers, then a full one) with packed
-  documents at seq_len 64: the loss and every gradient on mesh.context=8 and
-  on context=2 x data=2 x tensor=2 within 1e-5 relative of one device's; the
-  linear layers' chunks of the row (4 and 16 tokens) are shorter and longer
-  than the rule's chunk of 8 (`model/linear_context.py`)."""
+  documents at seq_len 64: the loss and every gradient on mesh.context=8,
+  context=4 x fsdp=2 and context=2 x data=2 x tensor=2 within 1e-5 relative
+  of one device's; the linear layers' chunks of the row (4, 8 and 16 tokens)
+  are shorter than, as long as and longer than the rule's chunk of 8
+  (`model/linear_context.py`)."""
   out = _train_check(64, [(dict(data=1, fsdp=1, context=8), "ring"),
+                          (dict(data=1, fsdp=2, context=4), "ring"),
                           (dict(data=2, fsdp=1, context=2, tensor=2), "all_gather")],
                      model=HYBRID)
   for name, errors in out.items():
