@@ -943,12 +943,14 @@ def _validate_context(config) -> None:
   if m.family != "decoder":
     _fail("mesh.context", n, f"splits the sequence of a decoder's rows; model.family={m.family} "
           "is not supported yet (use mesh.context=1)")
-  if linear_layers(m):
-    _fail("mesh.context", n, "splits rows over devices, which linear_attention layers do not "
-          "take yet (their state would pass from device to device); use mesh.context=1")
   if t.seq_len % (2 * n):
     _fail("train.seq_len", t.seq_len, f"must be a multiple of 2 x mesh.context = {2 * n} "
           "(the zig-zag layout gives each device two chunks of every row)")
+  if linear_layers(m) and t.seq_len // (2 * n) < m.linear_conv_kernel_dim - 1:
+    _fail("train.seq_len", t.seq_len, f"gives chunks of {t.seq_len // (2 * n)} tokens over "
+          f"2 x mesh.context = {2 * n}, fewer than the {m.linear_conv_kernel_dim - 1} inputs "
+          "before a token the linear_attention convolution reads; use a longer seq_len or a "
+          "smaller mesh.context")
 
 
 def _validate_tracking(t: config_dict.ConfigDict) -> None:

@@ -338,19 +338,66 @@ def kv_cache_bytes_per_token(model_cfg) -> int:
     return 0
   layers = m.num_decoder_layers if m.family == "encoder_decoder" else m.num_layers
   layers -= len(validation.linear_layers(m))  # a linear layer's state does not grow
+  return layers * _kv_bytes_per_token_and_layer(m)
+
+
+def _kv_bytes_per_token_and_layer(m) -> int:
+  """One attention layer's KV cache per token: the `model.attention`
+  entry's arrays in model.dtype."""
   per_layer = sum(math.prod(shape) for shape in ATTENTIONS[m.attention].cache(m).values())
-  return layers * per_layer * _itemsize(m.dtype)
+  return per_layer * _itemsize(m.dtype)
+
+
+def _linear_state_bytes_per_layer(m) -> int:
+  """One linear_attention layer's decoding state per sequence: the rule
+  state h_v x d_k x d_v in float32 and the convolutions' K-1 last inputs in
+  model.dtype."""
+  shapes = state_shapes(m)
+  return (4 * math.prod(shapes["state"]) + _itemsize(m.dtype) * sum(
+      math.prod(shape) for name, shape in shapes.items() if name != "state"))
 
 
 def linear_state_bytes(model_cfg) -> int:
   """Bytes of the linear_attention layers' decoding state per sequence,
-  whatever its length: each layer's rule state h_v x d_k x d_v in float32
-  and its convolutions' K-1 last inputs in model.dtype (0 without them)."""
+  whatever its length (`_linear_state_bytes_per_layer` each; 0 without
+  them)."""
   m = ModelConfig.resolve(model_cfg)
-  shapes = state_shapes(m)
-  per_layer = (4 * math.prod(shapes["state"]) + _itemsize(m.dtype) * sum(
-      math.prod(shape) for name, shape in shapes.items() if name != "state"))
-  return len(validation.linear_layers(m)) * per_layer
+  return len(validation.linear_layers(m)) * _linear_state_bytes_per_layer(m)
+
+
+def _attention_flops(m, seq_len: int) -> int:
+  """Forward FLOPs per token of one softmax attention sublayer's scores and
+  weighted values, 2 S h (d_qk + d_v) (4 S d_attn where d_v = d_qk)."""
+  return 2 * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
+
+
+def layer_kind_costs(model_cfg, seq_len: int) -> dict[str, dict[str, int]]:
+  """A decoder's costs per layer kind (`model.layer_types`' names, in the
+  order they first appear), the lesson's cost side by side for a hybrid:
+  `layers` of the kind; of one such layer, `params` and `params_active`
+  (less the E - k experts a token skips), `flops_per_token_forward` (2 x
+  its active parameters plus its token mixer's: `_attention_flops` at S =
+  `seq_len`, or a linear layer's `gated_deltanet.rule_flops`, as
+  `flops_per_token` counts them), and its decoding cache:
+  `kv_cache_bytes_per_token` for an attention layer (grows with the
+  context), `state_bytes_per_sequence` for a linear one (fixed)."""
+  m = ModelConfig.resolve(model_cfg)
+  costs = {}
+  for i, name in enumerate(m.layer_types[:m.num_layers]):
+    if name in costs:
+      costs[name]["layers"] += 1
+      continue
+    kind = m.layer_kind(i)
+    linear = kind.attention == "linear_attention"
+    params = _layer_params(m, False, kind.moe, linear)["total"]
+    active = params - ((m.num_experts - m.experts_per_token) * _expert_params(m) if kind.moe
+                       else 0)
+    mixer = rule_flops(m) if linear else _attention_flops(m, seq_len)
+    costs[name] = dict(layers=1, params=params, params_active=active,
+                       flops_per_token_forward=2 * active + mixer,
+                       kv_cache_bytes_per_token=0 if linear else _kv_bytes_per_token_and_layer(m),
+                       state_bytes_per_sequence=_linear_state_bytes_per_layer(m) if linear else 0)
+  return costs
 
 
 def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int = 0) -> int:
@@ -381,7 +428,7 @@ def flops_per_token(model_cfg, seq_len: int, train: bool = True, mtp_depth: int 
   n = params["params_active"] - params["params_position_table"]
   linear = len(validation.linear_layers(m))
   attention_layers = sum(num * (2 if cross else 1) for _, num, cross in _layer_stacks(m)) - linear
-  attention = 2 * seq_len * m.num_heads * (m.head_dim + m.v_head_dim)
+  attention = _attention_flops(m, seq_len)
   mtp_active = mtp_module_params(m) - mtp_inactive_params(m)
   forward = 2 * n + attention_layers * attention + linear * rule_flops(m) + mtp_depth * (
       2 * (mtp_active + m.d_model * m.vocab_size) + attention)
@@ -589,11 +636,12 @@ def context_attention_flops(model_cfg, seq_len: int, n: int) -> dict:
   of the context axis (`model/context_parallel.py`): the (query, key) pairs a
   device computes (`causal_work`: hidden chunk pairs skipped) x 2 (head_dim
   + v_head_dim) (Q K^T and P V, 2 FLOPs a multiply-add; 4 head_dim but under
-  MLA) x heads x layers x 3 (forward and
-  backward), with the zig-zag layout the model uses and, for comparison,
-  the contiguous split."""
+  MLA) x heads x attention layers (a hybrid's linear layers have none) x 3
+  (forward and backward), with the zig-zag layout the model uses and, for
+  comparison, the contiguous split."""
   m = ModelConfig.resolve(model_cfg)
-  per_pair = 2 * (m.head_dim + m.v_head_dim) * m.num_heads * m.num_layers * 3
+  layers = m.num_layers - len(validation.linear_layers(m))
+  per_pair = 2 * (m.head_dim + m.v_head_dim) * m.num_heads * layers * 3
   return {layout: [int(pairs) * per_pair for pairs in context_parallel.causal_work(seq_len, n,
                                                                                    layout)]
           for layout in ("zigzag", "contiguous")}

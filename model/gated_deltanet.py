@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from model import context_parallel
 from model.layers import Dense, param
 
 
@@ -238,10 +239,14 @@ class GatedDeltaNet(nnx.Module):
       window = jnp.concatenate([before, y_BTHD], axis=1)
       convs[name] = causal_conv(window, kernel, segment_ids_BT)
       convs[f"past_{name}"] = window
+    return convs, *self._gates(x_BTM), self.z_proj(x_BTM)
+
+  def _gates(self, x_BTM):
+    """The log decay g = -exp(A_log) softplus(x W_a + dt_bias) and the write
+    strength beta = sigmoid(x W_b), [B, T, h_v] float32."""
     a_BTH = self.a_proj(x_BTM).astype(jnp.float32) + self.dt_bias[...].astype(jnp.float32)
     g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BTH)
-    beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTM).astype(jnp.float32))
-    return convs, g_BTH, beta_BTH, self.z_proj(x_BTM)
+    return g_BTH, jax.nn.sigmoid(self.b_proj(x_BTM).astype(jnp.float32))
 
   def _output(self, o_BTHV, z_BTHV, dtype):
     """The gated output norm RMSNorm(o) * SiLU(z), then W_o."""
@@ -254,10 +259,22 @@ class GatedDeltaNet(nnx.Module):
     """The layer over whole rows (the chunked form); `segment_ids` (packed
     rows) start a new state at each document; positions and bias unused."""
     del positions_BT, causal, bias
+    if context_parallel.context_size() > 1:
+      return self._across_context(x_BTM, segment_ids)
     convs, g, beta, z = self._inputs(x_BTM, None, segment_ids)
     o, _ = chunked(convs["q"], convs["k"], convs["v"], g, beta, segment_ids_BT=segment_ids,
                    chunk=self.chunk)
     return self._output(o, z, x_BTM.dtype)
+
+  def _across_context(self, x_BTM, segment_ids):
+    """The layer over rows split across the context axis (zig-zag layout):
+    the projections as on one device, the convolutions and the rule by
+    `model.linear_context.context_rule` (each device's chunk state passed on)."""
+    from model.linear_context import context_rule  # pylint: disable=import-outside-toplevel
+    kernels = tuple(getattr(self, f"conv_{name}")[...] for name in ("q", "k", "v"))
+    o = context_rule(self.q_proj(x_BTM), self.k_proj(x_BTM), self.v_proj(x_BTM),
+                     *self._gates(x_BTM), segment_ids, kernels, chunk=self.chunk)
+    return self._output(o, self.z_proj(x_BTM), x_BTM.dtype)
 
   def weights(self, x_BTM, *, positions_BT=None, causal=True, bias=None):
     """The [B, h_v, T, T] matrix the layer's rule applies to the values

@@ -58,6 +58,8 @@ def summarize(config, backend: str = "gpu") -> dict:
       train_steps=config.train.num_steps,
       train_tokens=config.train.num_steps * accounting.tokens_per_step(config.train),
       train_flops=config.train.num_steps * accounting.flops_per_step(config))
+  if m.family == "decoder" and len(set(m.layer_types[:m.num_layers])) > 1:
+    report["layer_kinds"] = accounting.layer_kind_costs(m, config.train.seq_len)
   if config.mesh.context > 1:
     report["context_attention_flops"] = accounting.context_attention_flops(
         m, config.train.seq_len, config.mesh.context)
@@ -85,6 +87,24 @@ def _rows(title: str, rows: list[tuple[str, int, str]]) -> list[str]:
 def _layer_rows(name: str, num: int, layer: dict[str, int]) -> list[tuple[str, int, str]]:
   rows = [(f"{name}: {component}", count, "") for component, count in layer.items()]
   rows.append((f"{num} {name}s", num * layer["total"], ""))
+  return rows
+
+
+def _kind_rows(kinds: dict[str, dict[str, int]]) -> list[tuple[str, int, str]]:
+  """A hybrid's rows per layer kind (`accounting.layer_kind_costs`): the
+  parameters, FLOPs per token and cache of one layer of each kind."""
+  rows = []
+  for name, kind in kinds.items():
+    active = ("" if kind["params_active"] == kind["params"]
+              else f"{_count(kind['params_active'])} active")
+    rows += [(f"{name} (x{kind['layers']}): parameters", kind["params"], active),
+             (f"{name}: FLOPs per token", kind["flops_per_token_forward"], "")]
+    if kind["state_bytes_per_sequence"]:
+      rows.append((f"{name}: state per sequence", kind["state_bytes_per_sequence"],
+                   f"bytes = {_bytes(kind['state_bytes_per_sequence'])}, any length"))
+    else:
+      rows.append((f"{name}: KV cache per token", kind["kv_cache_bytes_per_token"],
+                   f"bytes = {_bytes(kind['kv_cache_bytes_per_token'])}"))
   return rows
 
 
@@ -138,6 +158,9 @@ def format_table(config, report: dict) -> str:
   flops = [("forward", report["flops_per_token_forward"], f"{n} + {attention}{mtp}"),
            ("train", report["flops_per_token_train"], "3 x forward")]
   lines += _rows(f"FLOPs per token (PaLM, S = train.seq_len = {t.seq_len})", flops) + [""]
+  if "layer_kinds" in report:
+    lines += _rows("Per layer kind (one layer of each; FLOPs forward, per token)",
+                   _kind_rows(report["layer_kinds"])) + [""]
   budget = validation.budget(t)
   steps_from = f"{budget[0]}={budget[1]:g}" if budget else "train.num_steps"
   run = [("steps", report["train_steps"], steps_from),

@@ -180,6 +180,7 @@ def config(seq_len, impl="xla", **mesh):
   c = base.get_config()
   c.model.update(vocab_size=128, d_model=64, num_layers=2, num_heads=4, num_kv_heads=2,
                  d_ff=128, max_len=seq_len, attention_impl=impl)
+  c.model.update(**MODEL)
   c.train.seq_len = seq_len
   c.mesh.update(**mesh)
   return c
@@ -217,9 +218,9 @@ print(json.dumps(out))
 """
 
 
-def _train_check(seq_len, meshes, impl="xla"):
+def _train_check(seq_len, meshes, impl="xla", model=None):
   code = TRAINING.replace("SEQ_LEN", str(seq_len)).replace("MESHES", repr(meshes)).replace(
-      "IMPL", repr(impl))
+      "IMPL", repr(impl)).replace("MODEL", repr(model or {}))
   return run_on_8_devices(code)
 
 
@@ -252,6 +253,25 @@ def test_training_on_eight_context_devices_equals_one_device(impl):
     if not name.endswith("_collectives"):
       assert max(errors) < 1e-5, (name, errors)
 
+
+HYBRID = dict(num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+              linear_chunk_size=8)
+
+
+def test_hybrid_training_on_context_devices_equals_one_device():
+  """A tiny hybrid (three Gated DeltaNet layers, then a full one) with packed
+  documents at seq_len 64: the loss and every gradient on mesh.context=8,
+  context=4 x fsdp=2 and context=2 x data=2 x tensor=2 within 1e-5 relative
+  of one device's; the linear layers' chunks of the row (4, 8 and 16 tokens)
+  are shorter than, as long as and longer than the rule's chunk of 8
+  (`model/linear_context.py`)."""
+  out = _train_check(64, [(dict(data=1, fsdp=1, context=8), "ring"),
+                          (dict(data=1, fsdp=2, context=4), "ring"),
+                          (dict(data=2, fsdp=1, context=2, tensor=2), "all_gather")],
+                     model=HYBRID)
+  for name, errors in out.items():
+    if not name.endswith("_collectives"):
+      assert max(errors) < 1e-5, (name, errors)
 
 
 def test_summary_prints_attention_flops_per_device():

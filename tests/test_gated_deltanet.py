@@ -14,6 +14,7 @@ from configs.validation import validate, validate_model
 from model import accounting, build_model, gated_deltanet as gdn
 from model.config import ModelConfig
 from model.generate import generate
+from model.summary import format_table, summarize
 from model.transformer import Segment, layer_plan
 from tests.helpers import scanned_copy
 
@@ -228,14 +229,51 @@ def test_bad_linear_fields_are_one_line(overrides, message):
   assert "\n" not in str(err.value)
 
 
-def test_a_context_mesh_refuses_linear_layers():
+def test_a_context_mesh_refuses_chunks_shorter_than_the_convolution():
   config = base.get_config()
   config.model = model_cfg()
   config.tokenizer.vocab_size = 64
-  config.mesh.context = 2
-  with pytest.raises(UserError, match="mesh.context=2: splits rows over devices, which "
-                     "linear_attention layers do not take yet"):
+  config.mesh.context = 4
+  config.train.seq_len = 16
+  with pytest.raises(UserError, match="train.seq_len=16: gives chunks of 2 tokens over 2 x "
+                     "mesh.context = 8, fewer than the 3 inputs") as err:
     validate(config)
+  assert "\n" not in str(err.value)
+
+
+def test_the_summary_gives_each_layer_kind_its_cost():
+  """`model.summary` per layer kind of `model_cfg` (d 32, 4 heads of 8, 4 KV
+  heads, SwiGLU d_ff 64, float32; linear: 4 key heads of 4, 8 value heads of
+  4, convolution 4, chunks of 4) at S = 64, against hand counts."""
+  config = base.get_config()
+  config.model, config.train.seq_len = model_cfg(), 64
+  report = summarize(config, "cpu")
+  mlp, norms = 3 * 32 * 64, 2 * 32
+  linear_mixer = (32 * (2 * 16 + 2 * 32 + 2 * 8) + 4 * (2 * 16 + 32) + 2 * 8 + 4
+                  + 32 * 32)  # W_q,k,v,z,b,a; convolutions; A_log, dt_bias; norm; W_o
+  assert linear_mixer == 4884
+  # rule per value head and chunk of 4: beta K K^T and Q K^T 4 C^2 d_k, the
+  # solve (2 squarings: 2 products with the C x (d_v + d_k) side, 1 of the
+  # factor), W S, Q S, K^T V 6 C d_k d_v, scores V 2 C^2 d_v; 8 heads / 4 tokens
+  rule = 8 * (4 * 16 * 4 + 2 * 2 * 16 * 8 + 2 * 64 + 6 * 4 * 16 + 2 * 16 * 4) // 4
+  linear = dict(layers=2, params=linear_mixer + mlp + norms,
+                params_active=linear_mixer + mlp + norms,
+                flops_per_token_forward=2 * (linear_mixer + mlp + norms) + rule,
+                kv_cache_bytes_per_token=0,
+                state_bytes_per_sequence=4 * 8 * 4 * 4 + 4 * 3 * (4 * 4 + 4 * 4 + 8 * 4))
+  full_params = 4 * 32 * 32 + mlp + norms
+  full = dict(layers=2, params=full_params, params_active=full_params,
+              flops_per_token_forward=2 * full_params + 2 * 64 * 4 * (8 + 8),
+              kv_cache_bytes_per_token=2 * 4 * 8 * 4, state_bytes_per_sequence=0)
+  assert report["layer_kinds"] == {"linear_attention": linear, "full_attention": full}
+  assert linear["flops_per_token_forward"] == 25_000 and full["state_bytes_per_sequence"] == 0
+  embedding_and_norms = report["params_embedding"] + report["params_final_norms"]
+  assert report["flops_per_token_forward"] == 2 * (
+      linear["flops_per_token_forward"] + full["flops_per_token_forward"]) + 2 * (
+          embedding_and_norms)
+  table = format_table(config, report)
+  assert "linear_attention: state per sequence" in table
+  assert "full_attention: KV cache per token" in table
 
 
 def test_the_chunked_rule_is_matrix_products_only():

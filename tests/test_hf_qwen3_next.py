@@ -13,7 +13,7 @@ import transformers
 from flax import nnx
 
 from configs import base as base_config
-from configs import qwen3_next_80b_a3b
+from configs import qwen3_5_9b, qwen3_next_80b_a3b
 from configs.errors import UserError
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
@@ -247,20 +247,53 @@ _80B_JSON = dict(vocab_size=151936, hidden_size=2048, intermediate_size=5120,
                  mlp_only_layers=[])
 
 
-def test_80b_a3b_preset_counts_as_transformers():
-  """configs/qwen3_next_80b_a3b.py: our closed form, the module's count and
-  transformers' Qwen3NextForCausalLM of the published config (built on the
-  meta device) agree, 79,674,391,296; the preset is the import of that
-  config.json, field for field."""
-  hf_cfg = transformers.Qwen3NextConfig(**_80B_JSON)
+def _check_preset(preset, hf_json: dict, model_type: str, hf_class, hf_config) -> int:
+  """Asserts that `preset`'s closed-form count is its module's and that it
+  is the import of `hf_json`, field for field; returns the count of
+  transformers' `hf_class` of that config (built on the meta device), equal
+  to the preset's."""
   with torch.device("meta"):
-    hf_model = transformers.Qwen3NextForCausalLM(hf_cfg)
+    hf_model = hf_class(hf_config(**hf_json))
   theirs = sum(p.numel() for p in hf_model.parameters())
-  config = qwen3_next_80b_a3b.get_config()
+  config = preset.get_config()
   accounting.check_formula(config.model)
-  assert accounting.formula_params(config.model)["params_total"] == theirs == 79_674_391_296
+  assert accounting.formula_params(config.model)["params_total"] == theirs
   imported = base_config.get_config()
-  imported.model.update(hf_mappings.ARCHITECTURES["qwen3_next"].config_from_hf(
-      dict(_80B_JSON, model_type="qwen3_next")))
+  imported.model.update(hf_mappings.ARCHITECTURES[model_type].config_from_hf(
+      dict(hf_json, model_type=model_type)))
   ours = ModelConfig.resolve(config.model).forward_fields()
   assert ModelConfig.resolve(imported.model).forward_fields() == ours
+  return theirs
+
+
+def test_80b_a3b_preset_counts_as_transformers():
+  """configs/qwen3_next_80b_a3b.py: our closed form, the module's count and
+  transformers' Qwen3NextForCausalLM of the published config agree,
+  79,674,391,296; the preset is the import of that config.json."""
+  assert _check_preset(qwen3_next_80b_a3b, _80B_JSON, "qwen3_next",
+                       transformers.Qwen3NextForCausalLM,
+                       transformers.Qwen3NextConfig) == 79_674_391_296
+
+
+# Qwen/Qwen3.5-9B's language model: transformers' Qwen3_5TextConfig defaults
+# (the "Qwen3.5-9B style configuration") with the model card's RoPE base and
+# context length (configs/qwen3_5_9b.py says why).
+_9B_JSON = dict(vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
+                head_dim=256, hidden_act="silu", max_position_embeddings=262144,
+                rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False,
+                rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                     partial_rotary_factor=0.25),
+                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_num_key_heads=16, linear_num_value_heads=32)
+
+
+def test_qwen3_5_9b_preset_counts_as_transformers():
+  """configs/qwen3_5_9b.py: our closed form, the module's count and
+  transformers' Qwen3_5ForCausalLM agree, 8,953,803,264; the config's sizes
+  are Qwen3_5TextConfig's defaults; the preset is the import of it."""
+  defaults = transformers.Qwen3_5TextConfig().to_dict()
+  assert all(defaults[k] == v for k, v in _9B_JSON.items()
+             if k not in ("max_position_embeddings", "rope_parameters"))
+  assert _check_preset(qwen3_5_9b, _9B_JSON, "qwen3_5_text", transformers.Qwen3_5ForCausalLM,
+                       transformers.Qwen3_5TextConfig) == 8_953_803_264
