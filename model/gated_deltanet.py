@@ -22,7 +22,9 @@ Two forms compute the rule, both in float32:
   log decay, (I + A) U = beta V and (I + A) W = beta K exp(G)), so that the
   chunk's outputs and its state update are matrix products; a `lax.scan`
   over the chunks carries S. What training and prefill run.
-They agree to float32 rounding at any length (the last chunk is padded with
+A third computes `chunked` by a Pallas kernel (`model/kernels/gated_delta.py`),
+which `rule_implementation` picks from `model.attention_impl` as the softmax
+layers' kernels are picked. They agree to float32 rounding at any length (the last chunk is padded with
 tokens that leave S as it is) and both start a new state where a packed
 row starts a new document (its segment id changes), as the convolution
 does not reach across one.
@@ -39,8 +41,10 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
-from model.layers import Dense, param
+from model.kernels import LINEAR_KERNEL_CHUNKS
+from model.layers import Dense, batch_axes, compile_device, param
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -86,17 +90,17 @@ def recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_
   return jnp.moveaxis(o_TBHV, 0, 1), state
 
 
-def unit_lower_solve(A, rhs):
+def unit_lower_solve(A, rhs, matmul=jnp.matmul):
   """(I + A)^-1 rhs for A strictly lower triangular [..., C, C], in matrix
-  products only: A is nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k =
+  products only (`matmul`; the delta-rule kernel passes its own): A is nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k =
   (I - A)(I + A^2)(I + A^4)... over ceil(log2 C) factors. No triangular-solve
   call: XLA's CPU backend runs that as a LAPACK call, which wedged a
   multithreaded train step (every thread waiting), and on accelerators a
   few C x C products keep the matrix units busy where a solve is sequential."""
   power, out = -A, rhs
   for _ in range(max(1, math.ceil(math.log2(A.shape[-1])))):
-    out = out + power @ out
-    power = power @ power
+    out = out + matmul(power, out)
+    power = matmul(power, power)
   return out
 
 
@@ -163,6 +167,52 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_id
   return o_BTHV[:, :T], state
 
 
+def rule_refusal(attention_impl: str, chunk: int) -> tuple[str, str] | None:
+  """(field, why) where `model.attention_impl` cannot run the linear layers'
+  rule with chunks of `chunk` tokens, or None."""
+  if attention_impl == "cudnn":
+    return ("model.attention_impl", "cuDNN has no gated delta rule for the linear_attention "
+            "layers; use attention_impl xla, pallas or auto")
+  if attention_impl == "pallas" and chunk not in LINEAR_KERNEL_CHUNKS:
+    return ("model.linear_chunk_size", "the delta-rule kernel (attention_impl=pallas) takes "
+            f"chunks of {', '.join(map(str, LINEAR_KERNEL_CHUNKS))} tokens; choose one or "
+            "attention_impl xla")
+  return None
+
+
+def rule_implementation(attention_impl: str, chunk: int, platform: str) -> str:
+  """Which form runs the linear layers' chunked rule on `platform`, following
+  `model.attention_impl` as the softmax layers do: "pallas" (the kernel,
+  `model/kernels/gated_delta.py`; interpreted on a CPU) for pallas, and for
+  auto on a GPU or TPU where the kernel takes the chunk size; "xla"
+  (`chunked`) for reference and xla, and for auto otherwise (on a CPU the
+  interpreter would be far slower than XLA)."""
+  if attention_impl == "pallas" or (attention_impl == "auto" and platform in ("gpu", "tpu")
+                                    and chunk in LINEAR_KERNEL_CHUNKS):
+    return "pallas"
+  return "xla"
+
+
+def _rows_on_each_device(rule, *arrays):
+  """`rule(*arrays)` (arrays or None, batch first; returns a pair) on each
+  device's rows under `jax.shard_map` over the mesh's batch axes, since XLA
+  cannot partition a Pallas call; as it is without a mesh of several."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return rule(*arrays)
+  given = [i for i, x in enumerate(arrays) if x is not None]
+
+  def local(*xs):
+    full = [None] * len(arrays)
+    for i, x in zip(given, xs):
+      full[i] = x
+    return rule(*full)
+
+  rows = P(batch_axes(mesh))
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(given), out_specs=(rows, rows),
+                       check_vma=False)(*(arrays[i] for i in given))
+
+
 def causal_conv(window_BPHD, kernel_KHD, segment_ids_BT=None):
   """SiLU of the causal depthwise convolution out_t = sum_i w_i x_{t-K+1+i}
   over time, each channel by itself, of the T inputs at the end of
@@ -207,6 +257,7 @@ class GatedDeltaNet(nnx.Module):
     K = cfg.linear_conv_kernel_dim
     pdt = cfg.param_dtype
     self.chunk = cfg.linear_chunk_size
+    self.attention_impl, self.pallas_lowering = cfg.attention_impl, cfg.pallas_lowering
     self.eps = cfg.norm_eps
     dense = lambda shape, axes: Dense(d, shape, ("embed", *axes), use_bias=False, cfg=cfg,
                                       rngs=rngs, std=std)
@@ -243,6 +294,18 @@ class GatedDeltaNet(nnx.Module):
     beta_BTH = jax.nn.sigmoid(self.b_proj(x_BTM).astype(jnp.float32))
     return convs, g_BTH, beta_BTH, self.z_proj(x_BTM)
 
+  def _rule(self, q, k, v, g, beta, state_BHKV=None, segment_ids_BT=None):
+    """The chunked rule by the form `rule_implementation` picks: (o, state)."""
+    device = compile_device()
+    if rule_implementation(self.attention_impl, self.chunk, device.platform) == "xla":
+      return chunked(q, k, v, g, beta, state_BHKV, segment_ids_BT, chunk=self.chunk)
+    from model.kernels.gated_delta import (  # pylint: disable=import-outside-toplevel
+        LOWERINGS, gated_delta_rule)
+    lowering = self.pallas_lowering if self.pallas_lowering in LOWERINGS else None
+    return _rows_on_each_device(
+        lambda *a: gated_delta_rule(*a, chunk=self.chunk, lowering=lowering, device=device),
+        q, k, v, g, beta, state_BHKV, segment_ids_BT)
+
   def _output(self, o_BTHV, z_BTHV, dtype):
     """The gated output norm RMSNorm(o) * SiLU(z), then W_o."""
     o = o_BTHV * jax.lax.rsqrt(jnp.mean(o_BTHV * o_BTHV, -1, keepdims=True) + self.eps)
@@ -255,8 +318,7 @@ class GatedDeltaNet(nnx.Module):
     rows) start a new state at each document; positions and bias unused."""
     del positions_BT, causal, bias
     convs, g, beta, z = self._inputs(x_BTM, None, segment_ids)
-    o, _ = chunked(convs["q"], convs["k"], convs["v"], g, beta, segment_ids_BT=segment_ids,
-                   chunk=self.chunk)
+    o, _ = self._rule(convs["q"], convs["k"], convs["v"], g, beta, segment_ids_BT=segment_ids)
     return self._output(o, z, x_BTM.dtype)
 
   def weights(self, x_BTM, *, positions_BT=None, causal=True, bias=None):
@@ -285,7 +347,7 @@ class GatedDeltaNet(nnx.Module):
     if valid_BT is not None:  # padding neither decays nor writes
       g, beta = jnp.where(valid_BT[..., None], g, 0.0), jnp.where(valid_BT[..., None], beta, 0.0)
     T = x_BTM.shape[1]
-    form = recurrent if T == 1 else lambda *a, **kw: chunked(*a, **kw, chunk=self.chunk)
+    form = recurrent if T == 1 else self._rule
     o, state = form(convs["q"], convs["k"], convs["v"], g, beta, mine["state"].astype(
         jnp.float32))
     count_B = (jnp.full(x_BTM.shape[:1], T) if valid_BT is None

@@ -1,0 +1,112 @@
+"""The chunked gated delta rule's Pallas kernel (`model/kernels/gated_delta.py`):
+both lowerings in the Pallas interpreter against the XLA chunked form
+(`gated_deltanet.chunked`), forward and gradients in float32, with packed
+rows, a length no multiple of the chunk and an initial state; the linear
+layers following `model.attention_impl`; one-line refusals; and the Mosaic
+lowering compiled for a v5p (with libtpu), the Triton one for an H200 (with
+JAX's CUDA plugin), no accelerator attached."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from configs.errors import UserError
+from model import build_model, gated_deltanet as gdn
+from model.config import ModelConfig
+from model.kernels import gated_delta
+from tests.test_gated_deltanet import model_cfg, rule_inputs
+
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
+
+
+@pytest.mark.parametrize("lowering", gated_delta.LOWERINGS)
+def test_kernel_equals_the_xla_form(lowering):
+  """Three documents over a row of 40 tokens (chunks of 16: the last one
+  padded, boundaries inside chunks), two value heads per key head, from a
+  given state: outputs, final states and every input's gradient."""
+  inputs = rule_inputs(40, Hk=1, Hv=2, K=16, V=16)
+  state = jnp.asarray(np.random.default_rng(1).normal(size=(2, 2, 16, 16)), jnp.float32)
+  seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 4]], [13, 20, 7], axis=1), jnp.int32)
+  kernel = lambda *x: gated_delta.gated_delta_rule(*x, seg, chunk=16, lowering=lowering)
+  xla = lambda *x: gdn.chunked(*x, seg, chunk=16)
+  (o_k, s_k), (o_x, s_x) = kernel(*inputs, state), xla(*inputs, state)
+  np.testing.assert_allclose(o_k, o_x, atol=2e-6)
+  np.testing.assert_allclose(s_k, s_x, atol=2e-6)
+  loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
+  grads_k = jax.grad(loss(kernel), argnums=range(6))(*inputs, state)
+  grads_x = jax.grad(loss(xla), argnums=range(6))(*inputs, state)
+  for got, want in zip(grads_k, grads_x):
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_the_layers_follow_attention_impl():
+  """attention_impl=pallas runs the linear layers on the kernel (interpreted
+  here) and gives xla's logits; auto runs XLA on a CPU and the kernel on a
+  GPU or TPU."""
+  assert gdn.rule_implementation("pallas", 64, "cpu") == "pallas"
+  assert [gdn.rule_implementation("auto", 64, p) for p in ("cpu", "gpu", "tpu")] == [
+      "xla", "pallas", "pallas"]
+  assert gdn.rule_implementation("auto", 48, "gpu") == "xla"
+  assert gdn.rule_implementation("reference", 64, "gpu") == "xla"
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)), jnp.int32)
+  logits = {impl: build_model(model_cfg(attention_impl=impl, linear_chunk_size=16),
+                              nnx.Rngs(0))(tokens) for impl in ("xla", "pallas")}
+  np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=2e-5)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (dict(attention_impl="pallas", linear_chunk_size=48), "config field "
+     "model.linear_chunk_size=48: the delta-rule kernel .attention_impl=pallas. takes chunks "
+     "of 16, 32, 64, 128 tokens; choose one or attention_impl xla"),
+    (dict(attention_impl="cudnn"), "config field model.attention_impl='cudnn': cuDNN has no "
+     "gated delta rule for the linear_attention layers; use attention_impl xla, pallas or auto"),
+])
+def test_what_the_kernel_cannot_run_is_one_line(overrides, message):
+  with pytest.raises(UserError, match=message) as err:
+    ModelConfig.resolve(model_cfg(**overrides))
+  assert "\n" not in str(err.value)
+  with pytest.raises(ValueError, match="takes chunks of 16, 32, 64, 128 tokens, not 8"):
+    gated_delta.gated_delta_rule(*rule_inputs(8), chunk=8)
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+def test_compiles_for_v5p():
+  """Forward and backward through Mosaic and XLA for a v5p: d_k = d_v = 128,
+  chunks of 64, packed rows of 1,000 tokens, bfloat16 inputs."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+  compiled = compile_forward_and_backward(device, "tpu")
+  assert "gated_delta_rule_forward_tpu" in compiled.as_text()
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_compiles_for_h200():
+  """The same through Triton and XLA for a compile-only H200
+  (`bench/compile_h200.py`'s), d_k = d_v = 64."""
+  from bench.compile_h200 import h200_device  # pylint: disable=import-outside-toplevel
+  compiled = compile_forward_and_backward(h200_device(), "cuda", D=64)
+  assert "gated_delta_rule_forward" in compiled.as_text()
+
+
+def compile_forward_and_backward(device, platform: str, B: int = 2, T: int = 1000,
+                                 Hk: int = 2, Hv: int = 4, D: int = 128):
+  """The kernel's forward and its backward compiled for `device` (abstract)."""
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+  def step(q, k, v, g, beta, seg, do):
+    rule = lambda *x: gated_delta.gated_delta_rule(*x, None, seg, chunk=64, device=device)[0]
+    out, vjp = jax.vjp(rule, q, k, v, g, beta)
+    return out, vjp(do)
+
+  with jax.default_device(device):
+    lowered = jax.jit(step).trace(
+        spec((B, T, Hk, D)), spec((B, T, Hk, D)), spec((B, T, Hv, D)),
+        spec((B, T, Hv), jnp.float32), spec((B, T, Hv), jnp.float32), spec((B, T), jnp.int32),
+        spec((B, T, Hv, D), jnp.float32)).lower(lowering_platforms=(platform,))
+  return lowered.compile()
