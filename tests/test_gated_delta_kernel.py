@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from aot import roofline
 from configs.errors import UserError
 from model import build_model, gated_deltanet as gdn
 from model.config import ModelConfig
 from model.kernels import gated_delta
+from tests.helpers import run_python
 from tests.test_gated_deltanet import model_cfg, rule_inputs
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
@@ -72,6 +74,16 @@ def test_what_the_kernel_cannot_run_is_one_line(overrides, message):
     gated_delta.gated_delta_rule(*rule_inputs(8), chunk=8)
 
 
+def test_a_hybrid_on_cudnn_exits_2_with_one_line():
+  result = run_python(["-m", "model.summary", "--config", "configs/tiny.py",
+                       "--config.model.layer_types=('linear_attention', 'full_attention')",
+                       "--config.model.attention_impl=cudnn"])
+  assert result.returncode == 2
+  assert result.stderr.strip().splitlines() == [
+      "error: config field model.attention_impl='cudnn': cuDNN has no gated delta rule for "
+      "the linear_attention layers; use attention_impl xla, pallas or auto"]
+
+
 @pytest.mark.tpu
 @pytest.mark.slow
 def test_compiles_for_v5p():
@@ -80,7 +92,7 @@ def test_compiles_for_v5p():
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
   compiled = compile_forward_and_backward(device, "tpu")
-  assert "gated_delta_rule_forward_tpu" in compiled.as_text()
+  assert_roofline_counts_the_kernel(compiled.as_text(), D=128)
 
 
 @pytest.mark.cuda
@@ -90,7 +102,15 @@ def test_compiles_for_h200():
   (`bench/compile_h200.py`'s), d_k = d_v = 64."""
   from bench.compile_h200 import h200_device  # pylint: disable=import-outside-toplevel
   compiled = compile_forward_and_backward(h200_device(), "cuda", D=64)
-  assert "gated_delta_rule_forward" in compiled.as_text()
+  assert_roofline_counts_the_kernel(compiled.as_text(), D=64)
+
+
+def assert_roofline_counts_the_kernel(hlo_text: str, D: int, B: int = 2, T: int = 1000,
+                                      Hv: int = 4):
+  """The roofline finds the kernel once in the compiled step and counts its
+  chunks' FLOPs (`gated_delta.chunk_flops`, chunks of 64)."""
+  found = [k for k in roofline.kernels(hlo_text) if "gated_delta_rule_forward" in k.op_name]
+  assert [k.flops for k in found] == [B * Hv * -(-T // 64) * gated_delta.chunk_flops(64, D, D)]
 
 
 def compile_forward_and_backward(device, platform: str, B: int = 2, T: int = 1000,

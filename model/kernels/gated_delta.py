@@ -35,6 +35,7 @@ speeds the forward (and prefill); gradients are the XLA form's, so they are
 exact by construction. A Pallas backward is left for later.
 """
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -201,6 +202,20 @@ def _rule_bwd(chunk, lowering, interpret, residuals, cotangents):
 
 
 _rule.defvjp(_rule_fwd, _rule_bwd)
+
+
+def chunk_flops(C: int, d_k: int, d_v: int) -> int:
+  """Matmul FLOPs of one chunk of C tokens of one value head as
+  `_chunk_step` computes it (what the roofline counts per program and
+  chunk): beta K K^T and Q K^T (2 C^2 d_k each); T by doubling on the
+  identity, m = ceil(log2 C) products with it and m - 1 squarings (2 C^3
+  each; the last squaring is dead code); U and W as products with T (2 C^2
+  d_v, 2 C^2 d_k); W S, Q S and the state update (2 C d_k d_v each); the
+  scores times V' (2 C^2 d_v). The XLA form solves on [beta V, beta K exp(G)]
+  instead (`gated_deltanet.rule_flops`), which costs more once d_k + d_v > C."""
+  m = max(1, math.ceil(math.log2(C)))
+  return (4 * C * C * d_k + 2 * (2 * m - 1) * C ** 3 + 2 * C * C * (d_v + d_k)
+          + 6 * C * d_k * d_v + 2 * C * C * d_v)
 
 
 def refusal(chunk: int) -> str | None:
