@@ -612,7 +612,7 @@ def check_support(cfg) -> None:
   rule cannot run on `cfg.attention_impl` (`gated_deltanet.rule_refusal`)."""
   linear = any(cfg.layer_kind(i).attention == "linear_attention"
                for i in range(len(cfg.layer_types)))
-  refused_linear = linear and rule_refusal(cfg.attention_impl, cfg.linear_chunk_size)
+  refused_linear = linear and rule_refusal(cfg)
   if refused_linear:
     field, why = refused_linear
     raise UserError(f"config field {field}={getattr(cfg, field.split('.')[1])!r}: {why}")

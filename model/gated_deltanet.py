@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from model.kernels import LINEAR_KERNEL_CHUNKS
+from model.kernels import LINEAR_KERNEL_CHUNKS, triton_takes_head_dims
 from model.layers import Dense, batch_axes, compile_device, param
 
 
@@ -167,30 +167,40 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_id
   return o_BTHV[:, :T], state
 
 
-def rule_refusal(attention_impl: str, chunk: int) -> tuple[str, str] | None:
-  """(field, why) where `model.attention_impl` cannot run the linear layers'
-  rule with chunks of `chunk` tokens, or None."""
-  if attention_impl == "cudnn":
+def rule_refusal(cfg) -> tuple[str, str] | None:
+  """(field, why) where the model config's `attention_impl` (and
+  `pallas_lowering`) cannot run its linear layers' rule with chunks of
+  `linear_chunk_size` tokens and its head dims, or None."""
+  if cfg.attention_impl == "cudnn":
     return ("model.attention_impl", "cuDNN has no gated delta rule for the linear_attention "
             "layers; use attention_impl xla, pallas or auto")
-  if attention_impl == "pallas" and chunk not in LINEAR_KERNEL_CHUNKS:
+  if cfg.attention_impl != "pallas":
+    return None
+  if cfg.linear_chunk_size not in LINEAR_KERNEL_CHUNKS:
     return ("model.linear_chunk_size", "the delta-rule kernel (attention_impl=pallas) takes "
             f"chunks of {', '.join(map(str, LINEAR_KERNEL_CHUNKS))} tokens; choose one or "
             "attention_impl xla")
+  dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+  if cfg.pallas_lowering == "triton" and not triton_takes_head_dims(*dims):
+    return ("model.pallas_lowering", f"the delta-rule kernel's Triton lowering takes head dims "
+            f"that are powers of two, not d_k, d_v = {dims[0]}, {dims[1]}; use attention_impl "
+            "xla")
   return None
 
 
-def rule_implementation(attention_impl: str, chunk: int, platform: str) -> str:
+def rule_implementation(attention_impl: str, chunk: int, platform: str,
+                        head_dims: tuple[int, int]) -> str:
   """Which form runs the linear layers' chunked rule on `platform`, following
   `model.attention_impl` as the softmax layers do: "pallas" (the kernel,
   `model/kernels/gated_delta.py`; interpreted on a CPU) for pallas, and for
-  auto on a GPU or TPU where the kernel takes the chunk size; "xla"
-  (`chunked`) for reference and xla, and for auto otherwise (on a CPU the
-  interpreter would be far slower than XLA)."""
-  if attention_impl == "pallas" or (attention_impl == "auto" and platform in ("gpu", "tpu")
-                                    and chunk in LINEAR_KERNEL_CHUNKS):
+  auto on a TPU, or a GPU where its Triton lowering takes the head dims
+  (d_k, d_v), where the kernel takes the chunk size; "xla" (`chunked`) for
+  reference and xla, and for auto otherwise (on a CPU the interpreter would
+  be far slower than XLA)."""
+  if attention_impl == "pallas":
     return "pallas"
-  return "xla"
+  runs = platform == "tpu" or (platform == "gpu" and triton_takes_head_dims(*head_dims))
+  return "pallas" if attention_impl == "auto" and runs and chunk in LINEAR_KERNEL_CHUNKS else "xla"
 
 
 def _rows_on_each_device(rule, *arrays):
@@ -297,7 +307,8 @@ class GatedDeltaNet(nnx.Module):
   def _rule(self, q, k, v, g, beta, state_BHKV=None, segment_ids_BT=None):
     """The chunked rule by the form `rule_implementation` picks: (o, state)."""
     device = compile_device()
-    if rule_implementation(self.attention_impl, self.chunk, device.platform) == "xla":
+    head_dims = (k.shape[-1], v.shape[-1])
+    if rule_implementation(self.attention_impl, self.chunk, device.platform, head_dims) == "xla":
       return chunked(q, k, v, g, beta, state_BHKV, segment_ids_BT, chunk=self.chunk)
     from model.kernels.gated_delta import (  # pylint: disable=import-outside-toplevel
         LOWERINGS, gated_delta_rule)

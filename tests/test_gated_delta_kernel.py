@@ -48,11 +48,13 @@ def test_the_layers_follow_attention_impl():
   """attention_impl=pallas runs the linear layers on the kernel (interpreted
   here) and gives xla's logits; auto runs XLA on a CPU and the kernel on a
   GPU or TPU."""
-  assert gdn.rule_implementation("pallas", 64, "cpu") == "pallas"
-  assert [gdn.rule_implementation("auto", 64, p) for p in ("cpu", "gpu", "tpu")] == [
+  dims = (128, 128)
+  assert gdn.rule_implementation("pallas", 64, "cpu", dims) == "pallas"
+  assert [gdn.rule_implementation("auto", 64, p, dims) for p in ("cpu", "gpu", "tpu")] == [
       "xla", "pallas", "pallas"]
-  assert gdn.rule_implementation("auto", 48, "gpu") == "xla"
-  assert gdn.rule_implementation("reference", 64, "gpu") == "xla"
+  assert gdn.rule_implementation("auto", 48, "gpu", dims) == "xla"
+  assert gdn.rule_implementation("auto", 64, "gpu", (96, 128)) == "xla"  # not Triton's
+  assert gdn.rule_implementation("reference", 64, "gpu", dims) == "xla"
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)), jnp.int32)
   logits = {impl: build_model(model_cfg(attention_impl=impl, linear_chunk_size=16),
                               nnx.Rngs(0))(tokens) for impl in ("xla", "pallas")}
@@ -65,6 +67,10 @@ def test_the_layers_follow_attention_impl():
      "of 16, 32, 64, 128 tokens; choose one or attention_impl xla"),
     (dict(attention_impl="cudnn"), "config field model.attention_impl='cudnn': cuDNN has no "
      "gated delta rule for the linear_attention layers; use attention_impl xla, pallas or auto"),
+    (dict(attention_impl="pallas", pallas_lowering="triton", linear_value_head_dim=24,
+          linear_chunk_size=16),
+     "config field model.pallas_lowering='triton': the delta-rule kernel's Triton lowering "
+     "takes head dims that are powers of two, not d_k, d_v = 4, 24; use attention_impl xla"),
 ])
 def test_what_the_kernel_cannot_run_is_one_line(overrides, message):
   with pytest.raises(UserError, match=message) as err:
@@ -72,6 +78,10 @@ def test_what_the_kernel_cannot_run_is_one_line(overrides, message):
   assert "\n" not in str(err.value)
   with pytest.raises(ValueError, match="takes chunks of 16, 32, 64, 128 tokens, not 8"):
     gated_delta.gated_delta_rule(*rule_inputs(8), chunk=8)
+  with pytest.raises(ValueError, match="Triton lowering takes head dims that are powers of two, "
+                     r"not d_k, d_v = \(16, 12\)"):
+    gated_delta.gated_delta_rule(*rule_inputs(8, K=16, V=12), chunk=16, lowering="triton",
+                                 interpret=False)
 
 
 def test_a_hybrid_on_cudnn_exits_2_with_one_line():

@@ -35,3 +35,9 @@ def is_hopper(device_kind: str) -> bool:
 # Powers of two, as Triton's blocks must be, from 16, the smallest side of
 # its matrix products, to 128, whose C x C products still fit on chip.
 LINEAR_KERNEL_CHUNKS = (16, 32, 64, 128)
+
+
+def triton_takes_head_dims(*dims: int) -> bool:
+  """Whether the delta-rule kernel's Triton lowering takes these head dims:
+  it loads [C, d] blocks, and Triton takes only power-of-two sizes."""
+  return all(d > 0 and d & (d - 1) == 0 for d in dims)

@@ -45,7 +45,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from model import gated_deltanet as gdn
-from model.kernels import LINEAR_KERNEL_CHUNKS
+from model.kernels import LINEAR_KERNEL_CHUNKS, triton_takes_head_dims
 
 LOWERINGS = ("triton", "mosaic_tpu")
 
@@ -246,6 +246,10 @@ def gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None,
     raise ValueError(f"gated_delta_rule: lowering={lowering!r}; choose one of {LOWERINGS}")
   if interpret is None:
     interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  dims = (k_BTHK.shape[-1], v_BTHV.shape[-1])
+  if lowering == "triton" and not interpret and not triton_takes_head_dims(*dims):
+    raise ValueError(f"gated_delta_rule: the Triton lowering takes head dims that are powers "
+                     f"of two, not d_k, d_v = {dims}; use gated_deltanet.chunked")
   B, _, H, V = v_BTHV.shape
   S0 = (jnp.zeros((B, H, k_BTHK.shape[-1], V), jnp.float32) if state_BHKV is None
         else state_BHKV.astype(jnp.float32))
