@@ -5,7 +5,10 @@ rows, a length no multiple of the chunk and an initial state; the linear
 layers following `model.attention_impl`; one-line refusals; and the Mosaic
 lowering compiled for a v5p (with libtpu), the Triton one for an H200 (with
 JAX's CUDA plugin), no accelerator attached."""
+import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +21,7 @@ from configs.errors import UserError
 from model import build_model, gated_deltanet as gdn
 from model.config import ModelConfig
 from model.kernels import gated_delta
-from tests.helpers import run_python
+from tests.helpers import ROOT, run_python
 from tests.test_gated_deltanet import model_cfg, rule_inputs
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
@@ -92,6 +95,44 @@ def test_a_hybrid_on_cudnn_exits_2_with_one_line():
   assert result.stderr.strip().splitlines() == [
       "error: config field model.attention_impl='cudnn': cuDNN has no gated delta rule for "
       "the linear_attention layers; use attention_impl xla, pallas or auto"]
+
+
+ON_4_DEVICES = """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+from model import gated_deltanet as gdn
+from model.kernels import gated_delta
+from tests.test_gated_deltanet import rule_inputs
+mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+rows = NamedSharding(mesh, P("data"))
+seg = np.repeat([[1, 2]] * 4, [9, 11], axis=1).astype(np.int32)
+q, k, v, g, beta, state, seg = (jax.device_put(jnp.asarray(x), rows) for x in (
+    *rule_inputs(20, B=4, K=8, V=8), np.full((4, 4, 8, 8), 0.1, np.float32), seg))
+def kernel(*x):
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return gdn._rows_on_each_device(lambda *a: gated_delta.gated_delta_rule(
+        *a, chunk=16, lowering="triton", interpret=True), *x, seg)
+xla = lambda *x: gdn.chunked(*x, seg, chunk=16)
+loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
+got = jax.jit(jax.value_and_grad(loss(kernel), argnums=range(6)))(q, k, v, g, beta, state)
+want = jax.value_and_grad(loss(xla), argnums=range(6))(q, k, v, g, beta, state)
+print(json.dumps([float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.leaves,
+                                                                      (got, want)))]))
+"""
+
+
+@pytest.mark.slow
+def test_on_a_mesh_each_device_runs_its_rows():
+  """On 4 CPU devices (data 2 x tensor 2) the kernel runs under shard_map on
+  each device's rows: the same loss and gradients as the XLA form."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
+  proc = subprocess.run([sys.executable, "-c", ON_4_DEVICES], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  assert max(json.loads(proc.stdout.strip().splitlines()[-1])) < 1e-5
 
 
 @pytest.mark.tpu
