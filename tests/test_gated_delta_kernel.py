@@ -2,9 +2,10 @@
 both lowerings in the Pallas interpreter against the XLA chunked form
 (`gated_deltanet.chunked`), forward and gradients in float32, with packed
 rows, a length no multiple of the chunk and an initial state; the linear
-layers following `model.attention_impl`; one-line refusals; and the Mosaic
-lowering compiled for a v5p (with libtpu), the Triton one for an H200 (with
-JAX's CUDA plugin), no accelerator attached."""
+layers following `model.attention_impl`; one-line refusals; the kernel on
+each device's rows of a 4-device CPU mesh; and the Mosaic lowering compiled
+for a v5p (with libtpu), the Triton one for an H200 (with JAX's CUDA
+plugin), no accelerator attached, with the roofline counting its FLOPs."""
 import json
 import os
 import subprocess
