@@ -22,12 +22,12 @@ Two forms compute the rule, both in float32:
   log decay, (I + A) U = beta V and (I + A) W = beta K exp(G)), so that the
   chunk's outputs and its state update are matrix products; a `lax.scan`
   over the chunks carries S. What training and prefill run.
-A third computes `chunked` by a Pallas kernel (`model/kernels/gated_delta.py`),
-which `rule_implementation` picks from `model.attention_impl` as the softmax
-layers' kernels are picked. They agree to float32 rounding at any length (the last chunk is padded with
-tokens that leave S as it is) and both start a new state where a packed
-row starts a new document (its segment id changes), as the convolution
-does not reach across one.
+A Pallas kernel (`model/kernels/gated_delta.py`) computes `chunked` too;
+`rule_implementation` picks it from `model.attention_impl` as the softmax
+layers' kernels are picked. The forms agree to float32 rounding at any
+length (the last chunk is padded with tokens that leave S as it is) and
+all start a new state where a packed row starts a new document (its
+segment id changes), as the convolution does not reach across one.
 
 The layer (`GatedDeltaNet`, transformers' Qwen3NextGatedDeltaNet): q, k, v
 = SiLU(causal depthwise convolution of width K over x W_q, x W_k, x W_v);
@@ -92,8 +92,9 @@ def recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_
 
 def unit_lower_solve(A, rhs, matmul=jnp.matmul):
   """(I + A)^-1 rhs for A strictly lower triangular [..., C, C], in matrix
-  products only (`matmul`; the delta-rule kernel passes its own): A is nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k =
-  (I - A)(I + A^2)(I + A^4)... over ceil(log2 C) factors. No triangular-solve
+  products only (`matmul`; the delta-rule kernel passes its own): A is
+  nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)
+  (I + A^4)... over ceil(log2 C) factors. No triangular-solve
   call: XLA's CPU backend runs that as a LAPACK call, which wedged a
   multithreaded train step (every thread waiting), and on accelerators a
   few C x C products keep the matrix units busy where a solve is sequential."""
