@@ -63,6 +63,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
 from model.embeddings import apply_rope
+from model.gated_deltanet import rule_refusal
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
 from model.layers import Dense, batch_axes, compile_device
@@ -607,7 +608,14 @@ def check_support(cfg) -> None:
   config asks for (`config_features`: one line naming the field), or when
   `cfg.pallas_lowering` names a kernel that does not take the config's dtype
   or head dim (the kernel package declares what each takes; `flash_attention`
-  checks the arrays again at trace time)."""
+  checks the arrays again at trace time), or when the linear_attention layers'
+  rule cannot run on `cfg.attention_impl` (`gated_deltanet.rule_refusal`)."""
+  linear = any(cfg.layer_kind(i).attention == "linear_attention"
+               for i in range(len(cfg.layer_types)))
+  refused_linear = linear and rule_refusal(cfg)
+  if refused_linear:
+    field, why = refused_linear
+    raise UserError(f"config field {field}={getattr(cfg, field.split('.')[1])!r}: {why}")
   implementation = IMPLEMENTATIONS[cfg.attention_impl]
   features = config_features(cfg)
   if implementation.run is not None:

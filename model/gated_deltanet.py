@@ -22,10 +22,12 @@ Two forms compute the rule, both in float32:
   log decay, (I + A) U = beta V and (I + A) W = beta K exp(G)), so that the
   chunk's outputs and its state update are matrix products; a `lax.scan`
   over the chunks carries S. What training and prefill run.
-They agree to float32 rounding at any length (the last chunk is padded with
-tokens that leave S as it is) and both start a new state where a packed
-row starts a new document (its segment id changes), as the convolution
-does not reach across one.
+A Pallas kernel (`model/kernels/gated_delta.py`) computes `chunked` too;
+`rule_implementation` picks it from `model.attention_impl` as the softmax
+layers' kernels are picked. The forms agree to float32 rounding at any
+length (the last chunk is padded with tokens that leave S as it is) and
+all start a new state where a packed row starts a new document (its
+segment id changes), as the convolution does not reach across one.
 
 The layer (`GatedDeltaNet`, transformers' Qwen3NextGatedDeltaNet): q, k, v
 = SiLU(causal depthwise convolution of width K over x W_q, x W_k, x W_v);
@@ -39,9 +41,11 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from model import context_parallel
-from model.layers import Dense, param
+from model.kernels import LINEAR_KERNEL_CHUNKS, triton_takes_head_dims
+from model.layers import Dense, batch_axes, compile_device, param
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -87,17 +91,18 @@ def recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_
   return jnp.moveaxis(o_TBHV, 0, 1), state
 
 
-def unit_lower_solve(A, rhs):
+def unit_lower_solve(A, rhs, matmul=jnp.matmul):
   """(I + A)^-1 rhs for A strictly lower triangular [..., C, C], in matrix
-  products only: A is nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k =
-  (I - A)(I + A^2)(I + A^4)... over ceil(log2 C) factors. No triangular-solve
+  products only (`matmul`; the delta-rule kernel passes its own): A is
+  nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)
+  (I + A^4)... over ceil(log2 C) factors. No triangular-solve
   call: XLA's CPU backend runs that as a LAPACK call, which wedged a
   multithreaded train step (every thread waiting), and on accelerators a
   few C x C products keep the matrix units busy where a solve is sequential."""
   power, out = -A, rhs
   for _ in range(max(1, math.ceil(math.log2(A.shape[-1])))):
-    out = out + power @ out
-    power = power @ power
+    out = out + matmul(power, out)
+    power = matmul(power, power)
   return out
 
 
@@ -164,6 +169,62 @@ def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_id
   return o_BTHV[:, :T], state
 
 
+def rule_refusal(cfg) -> tuple[str, str] | None:
+  """(field, why) where the model config's `attention_impl` (and
+  `pallas_lowering`) cannot run its linear layers' rule with chunks of
+  `linear_chunk_size` tokens and its head dims, or None."""
+  if cfg.attention_impl == "cudnn":
+    return ("model.attention_impl", "cuDNN has no gated delta rule for the linear_attention "
+            "layers; use attention_impl xla, pallas or auto")
+  if cfg.attention_impl != "pallas":
+    return None
+  if cfg.linear_chunk_size not in LINEAR_KERNEL_CHUNKS:
+    return ("model.linear_chunk_size", "the delta-rule kernel (attention_impl=pallas) takes "
+            f"chunks of {', '.join(map(str, LINEAR_KERNEL_CHUNKS))} tokens; choose one or "
+            "attention_impl xla")
+  dims = (cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+  if cfg.pallas_lowering == "triton" and not triton_takes_head_dims(*dims):
+    return ("model.pallas_lowering", f"the delta-rule kernel's Triton lowering takes head dims "
+            f"that are powers of two, not d_k, d_v = {dims[0]}, {dims[1]}; use attention_impl "
+            "xla")
+  return None
+
+
+def rule_implementation(attention_impl: str, chunk: int, platform: str,
+                        head_dims: tuple[int, int]) -> str:
+  """Which form runs the linear layers' chunked rule on `platform`, following
+  `model.attention_impl` as the softmax layers do: "pallas" (the kernel,
+  `model/kernels/gated_delta.py`; interpreted on a CPU) for pallas, and for
+  auto on a TPU, or a GPU where its Triton lowering takes the head dims
+  (d_k, d_v), where the kernel takes the chunk size; "xla" (`chunked`) for
+  reference and xla, and for auto otherwise (on a CPU the interpreter would
+  be far slower than XLA)."""
+  if attention_impl == "pallas":
+    return "pallas"
+  runs = platform == "tpu" or (platform == "gpu" and triton_takes_head_dims(*head_dims))
+  return "pallas" if attention_impl == "auto" and runs and chunk in LINEAR_KERNEL_CHUNKS else "xla"
+
+
+def _rows_on_each_device(rule, *arrays):
+  """`rule(*arrays)` (arrays or None, batch first; returns a pair) on each
+  device's rows under `jax.shard_map` over the mesh's batch axes, since XLA
+  cannot partition a Pallas call; as it is without a mesh of several."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return rule(*arrays)
+  given = [i for i, x in enumerate(arrays) if x is not None]
+
+  def local(*xs):
+    full = [None] * len(arrays)
+    for i, x in zip(given, xs):
+      full[i] = x
+    return rule(*full)
+
+  rows = P(batch_axes(mesh))
+  return jax.shard_map(local, mesh=mesh, in_specs=(rows,) * len(given), out_specs=(rows, rows),
+                       check_vma=False)(*(arrays[i] for i in given))
+
+
 def causal_conv(window_BPHD, kernel_KHD, segment_ids_BT=None):
   """SiLU of the causal depthwise convolution out_t = sum_i w_i x_{t-K+1+i}
   over time, each channel by itself, of the T inputs at the end of
@@ -208,6 +269,7 @@ class GatedDeltaNet(nnx.Module):
     K = cfg.linear_conv_kernel_dim
     pdt = cfg.param_dtype
     self.chunk = cfg.linear_chunk_size
+    self.attention_impl, self.pallas_lowering = cfg.attention_impl, cfg.pallas_lowering
     self.eps = cfg.norm_eps
     dense = lambda shape, axes: Dense(d, shape, ("embed", *axes), use_bias=False, cfg=cfg,
                                       rngs=rngs, std=std)
@@ -248,6 +310,19 @@ class GatedDeltaNet(nnx.Module):
     g_BTH = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(a_BTH)
     return g_BTH, jax.nn.sigmoid(self.b_proj(x_BTM).astype(jnp.float32))
 
+  def _rule(self, q, k, v, g, beta, state_BHKV=None, segment_ids_BT=None):
+    """The chunked rule by the form `rule_implementation` picks: (o, state)."""
+    device = compile_device()
+    head_dims = (k.shape[-1], v.shape[-1])
+    if rule_implementation(self.attention_impl, self.chunk, device.platform, head_dims) == "xla":
+      return chunked(q, k, v, g, beta, state_BHKV, segment_ids_BT, chunk=self.chunk)
+    from model.kernels.gated_delta import (  # pylint: disable=import-outside-toplevel
+        LOWERINGS, gated_delta_rule)
+    lowering = self.pallas_lowering if self.pallas_lowering in LOWERINGS else None
+    return _rows_on_each_device(
+        lambda *a: gated_delta_rule(*a, chunk=self.chunk, lowering=lowering, device=device),
+        q, k, v, g, beta, state_BHKV, segment_ids_BT)
+
   def _output(self, o_BTHV, z_BTHV, dtype):
     """The gated output norm RMSNorm(o) * SiLU(z), then W_o."""
     o = o_BTHV * jax.lax.rsqrt(jnp.mean(o_BTHV * o_BTHV, -1, keepdims=True) + self.eps)
@@ -262,8 +337,7 @@ class GatedDeltaNet(nnx.Module):
     if context_parallel.context_size() > 1:
       return self._across_context(x_BTM, segment_ids)
     convs, g, beta, z = self._inputs(x_BTM, None, segment_ids)
-    o, _ = chunked(convs["q"], convs["k"], convs["v"], g, beta, segment_ids_BT=segment_ids,
-                   chunk=self.chunk)
+    o, _ = self._rule(convs["q"], convs["k"], convs["v"], g, beta, segment_ids_BT=segment_ids)
     return self._output(o, z, x_BTM.dtype)
 
   def _across_context(self, x_BTM, segment_ids):
@@ -302,7 +376,7 @@ class GatedDeltaNet(nnx.Module):
     if valid_BT is not None:  # padding neither decays nor writes
       g, beta = jnp.where(valid_BT[..., None], g, 0.0), jnp.where(valid_BT[..., None], beta, 0.0)
     T = x_BTM.shape[1]
-    form = recurrent if T == 1 else lambda *a, **kw: chunked(*a, **kw, chunk=self.chunk)
+    form = recurrent if T == 1 else self._rule
     o, state = form(convs["q"], convs["k"], convs["v"], g, beta, mine["state"].astype(
         jnp.float32))
     count_B = (jnp.full(x_BTM.shape[:1], T) if valid_BT is None

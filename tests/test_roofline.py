@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from aot import roofline
+from model.kernels import gated_delta
 from tests.helpers import ROOT, with_libtpu
 
 # A scan over 3 layers (known trip count) whose body holds a GEMM fusion, an
@@ -197,6 +198,21 @@ def test_pallas_attention_flops_by_the_flashattention_convention():
                                               q)]).replace("bf16[2,256,2,64]", "bf16[2,2,256,64]")
   assert roofline.kernels(tpu.replace("bf16[2,128,4,64]", "bf16[2,4,128,64]"))[0].flops == \
       FORWARD / 2
+
+
+def test_gated_delta_kernel_flops_per_row_head_and_chunk():
+  """The delta-rule kernel: `chunk_flops` for each of B H N chunks, read off
+  q [B, H, N, C, d_k] and v [B, H, N, C, d_v] (K^T [B, H, N, d_k, C] between)."""
+  q, kT, v = "f32[2,4,3,64,32]", "f32[2,4,3,32,64]", "f32[2,4,3,64,16]"
+  module = (f"ENTRY %main (q: {q}, t: {kT}, v: {v}) -> {v} {{\n"
+            f"  %q = {q}{{4,3,2,1,0}} parameter(0)\n"
+            f"  %t = {kT}{{4,3,2,1,0}} parameter(1)\n"
+            f"  %v = {v}{{4,3,2,1,0}} parameter(2)\n"
+            f"  %o = {v}{{4,3,2,1,0}} custom-call(%q, %q, %t, %v), "
+            'custom_call_target="tpu_custom_call", '
+            'metadata={op_name="jit(step)/gated_delta_rule_forward_tpu/pallas_call"}\n}\n')
+  assert [k.flops for k in roofline.kernels(module)] == [
+      2 * 4 * 3 * gated_delta.chunk_flops(64, 32, 16)]
 
 
 def test_cudnn_attention_flops_by_mask_type():

@@ -2,7 +2,8 @@
 entry point), one file per kernel (`flash_attention_triton.py`,
 `flash_attention_hopper.py` over its pipeline machinery `hopper_pipeline.py`,
 `flash_attention_tpu.py`), and what they share (`common.py`, the block-sparse
-plans of `block_sparse.py`).
+plans of `block_sparse.py`); and the chunked gated delta rule's kernel
+(`gated_delta.py`, the linear_attention layers').
 
 What each kernel takes, declared here so that the attention dispatcher
 (`model/attention.py`) can check a config without importing the kernels.
@@ -28,3 +29,15 @@ def is_hopper(device_kind: str) -> bool:
   """Whether a GPU of this `device_kind` is a Hopper (sm_90), which the
   Mosaic GPU kernels (`flash_attention_hopper.py`) target."""
   return any(name in device_kind for name in ("H100", "H200", "H800", "GH200"))
+
+# The chunked gated delta rule's kernel (`gated_delta.py`, Gated DeltaNet's
+# linear_attention layers): chunk sizes it takes (model.linear_chunk_size).
+# Powers of two, as Triton's blocks must be, from 16, the smallest side of
+# its matrix products, to 128, whose C x C products still fit on chip.
+LINEAR_KERNEL_CHUNKS = (16, 32, 64, 128)
+
+
+def triton_takes_head_dims(*dims: int) -> bool:
+  """Whether the delta-rule kernel's Triton lowering takes these head dims:
+  it loads [C, d] blocks, and Triton takes only power-of-two sizes."""
+  return all(d > 0 and d & (d - 1) == 0 for d in dims)
