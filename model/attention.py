@@ -37,9 +37,10 @@ Values may be narrower or wider than queries and keys: v [B, S, K, D_v]
 with D_v != D gives [B, T, H, D_v] (DeepSeek's multi-head latent attention,
 `model/mla.py`). `reference` and `xla` take it (`xla` then runs the
 reference's einsums: `jax.nn.dot_product_attention` wants v shaped as k);
-`pallas` and context-parallel attention run q, k and v zero-padded to one
-width (`model.kernels.common.common_head_width`) and cut the output back;
-`cudnn` refuses it.
+`pallas` takes it without a score matrix: the Mosaic TPU kernel at the
+values' own width, the GPU kernels and context-parallel attention with q, k
+and v zero-padded to one width (`model.kernels.common.common_head_width`),
+the output cut back; `cudnn` refuses it.
 
 Every option travels as one `AttentionOptions` value, from `Attention` to the
 dispatcher and into the implementation, prefill and decode alike. Each

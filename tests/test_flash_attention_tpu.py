@@ -60,6 +60,15 @@ def test_values_narrower_than_keys_match_reference():
          D_v=32)
 
 
+def test_values_stay_narrow_in_the_tpu_kernel():
+  """Values 64 wide against keys 192 wide (after padding to whole lanes)
+  reach the forward kernel at 64, not padded to the keys' 192: the output of
+  its pallas_call is [B, H, T, 64] (the other lowerings pad)."""
+  q, k, v, _ = kernel_inputs(0, 1, 16, 16, 2, 2, 192, jnp.float32, 64)
+  jaxpr = str(jax.make_jaxpr(functools.partial(flash_attention, lowering="mosaic_tpu"))(q, k, v))
+  assert "f32[1,2,16,64]" in jaxpr and "f32[1,2,16,192]" in jaxpr
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)  # 8 interpreted compiles of three kernels, up to 2 min each when loaded
 @settings(max_examples=8, deadline=None)

@@ -19,6 +19,9 @@ from model.kernels import is_hopper
 
 
 LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
+# The lowerings whose kernels take values of another width than the keys as
+# they are (the others get them zero-padded to one width).
+NATIVE_VALUE_WIDTH = ("mosaic_tpu",)
 
 
 def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str,
@@ -53,7 +56,8 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
     q_BTHD: queries [B, T, H, D].
     k_BSKD, v_BSKD: keys [B, S, K, D] and values [B, S, K, D_v], H % K == 0;
       values of another width (multi-head latent attention: D_v 128, D 192)
-      run zero-padded to the wider of D and D_v
+      run at their width in the Mosaic TPU kernel (`NATIVE_VALUE_WIDTH`),
+      zero-padded to the wider of D and D_v in the others
       (`common.common_head_width`), their output cut back to D_v.
     causal: query i sees key j only if j <= i (top-left aligned when T != S).
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither;
@@ -94,12 +98,13 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
                      "[B, S, K, D] and v [B, S, K, D_v] with the same B, S and K")
   D_v = v_BSKD.shape[-1]
   scale = q_BTHD.shape[-1] ** -0.5 if scale is None else scale
-  q_BTHD, k_BSKD, v_BSKD = common.common_head_width(q_BTHD, k_BSKD, v_BSKD)
-  lowering, options = _configure(q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+  padded = common.common_head_width(q_BTHD, k_BSKD, v_BSKD)
+  lowering, options = _configure(*padded, causal=causal, scale=scale,
                                  softcap=softcap, window=window, block_q=block_q,
                                  block_k=block_k, interpret=interpret, lowering=lowering,
                                  device=device)
-  out_BTHD = _WHOLE[lowering](q_BTHD, k_BSKD, v_BSKD, q_segment_ids=q_segment_ids,
+  operands = (q_BTHD, k_BSKD, v_BSKD) if lowering in NATIVE_VALUE_WIDTH else padded
+  out_BTHD = _WHOLE[lowering](*operands, q_segment_ids=q_segment_ids,
                               kv_segment_ids=kv_segment_ids, **options)
   return out_BTHD[..., :D_v]
 
