@@ -356,10 +356,12 @@ def _narrow_value_inputs(dtype=jnp.float32):
   return q, k, v, jax.random.normal(ks[3], (2, 16, H, V), dtype)
 
 
-@pytest.mark.parametrize("impl", TAKERS)
-def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl):
+@pytest.mark.parametrize("impl,lowering", [(impl, "auto") for impl in TAKERS]
+                         + [("pallas", "mosaic_tpu")])
+def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl, lowering):
   """Output [.., V] and the three gradients equal the reference's, causal
-  with packed segments and a soft-cap."""
+  with packed segments and a soft-cap, float32; pallas also through the
+  Mosaic TPU kernel (interpreted here), which keeps the values narrow."""
   if impl == "cudnn" and jax.default_backend() != "gpu":
     pytest.skip("cudnn runs on a GPU only")
   q, k, v, do = _narrow_value_inputs()
@@ -367,7 +369,8 @@ def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl)
                              segment_ids=jnp.asarray([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4]))
 
   def run(name):
-    out, vjp = jax.vjp(lambda *a: attention(*a, options, implementation=name), q, k, v)
+    out, vjp = jax.vjp(lambda *a: attention(*a, options, implementation=name,
+                                            pallas_lowering=lowering), q, k, v)
     return [out, *vjp(do)]
 
   want = run("reference")
