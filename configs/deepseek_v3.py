@@ -15,9 +15,9 @@ sequence-wise balance loss at 1e-4 and the selection biases moved at 1e-3.
 
 Too big for one device; what a slice needs for it, without the slice
 (docs/models.md has the figures; docs/huggingface.md the checkpoint import):
-`python compile.py --config configs/deepseek_v3.py --target tpu:v5p:8x8x8
---config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.expert=8
---config.train.batch_size=512`.
+`python compile.py --config configs/deepseek_v3.py --target tpu:v5p:4x8x8
+--config.mesh.data=1 --config.mesh.fsdp=64 --config.mesh.expert=4` (a
+v5p-256, 86.66 GiB per chip with MLA on our kernels).
 """
 import math
 

@@ -37,7 +37,10 @@ Values may be narrower or wider than queries and keys: v [B, S, K, D_v]
 with D_v != D gives [B, T, H, D_v] (DeepSeek's multi-head latent attention,
 `model/mla.py`). `reference` and `xla` take it (`xla` then runs the
 reference's einsums: `jax.nn.dot_product_attention` wants v shaped as k);
-`cudnn` and `pallas` refuse it.
+`pallas` takes it without a score matrix: the Mosaic TPU kernel at the
+values' own width, the GPU kernels and context-parallel attention with q, k
+and v zero-padded to one width (`model.kernels.common.common_head_width`),
+the output cut back; `cudnn` refuses it.
 
 Every option travels as one `AttentionOptions` value, from `Attention` to the
 dispatcher and into the implementation, prefill and decode alike. Each
@@ -66,6 +69,7 @@ from model.embeddings import apply_rope
 from model.gated_deltanet import rule_refusal
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
+from model.kernels.common import common_head_width
 from model.layers import Dense, batch_axes, compile_device
 from model.norms import make_qk_norm
 from model.positions import POSITIONS
@@ -394,7 +398,8 @@ IMPLEMENTATIONS = Registry("model.attention_impl", [
                    lambda q, k, v, o, _: _jax_attention(q, k, v, o, "cudnn"),
                    frozenset({"mask", "window", "bias", score_feature("softmax")})),
     Implementation("pallas", "our FlashAttention kernels (model/kernels/)", _pallas_attention,
-                   frozenset(KERNEL_TAKES), reads=("pallas_lowering",)),
+                   frozenset(KERNEL_TAKES), reads=("pallas_lowering",),
+                   shapes=frozenset(SHAPES)),
     Implementation("auto", "the fastest implementation that takes the inputs, per device",
                    None, frozenset()),
 ])
@@ -425,8 +430,8 @@ def _context_takes(implementation: str) -> frozenset:
   `context_parallel.TAKES` for the JAX blocks, `KERNEL_BLOCK_TAKES` (no
   sliding window) for our kernels'."""
   if implementation == "pallas":
-    return context_parallel.KERNEL_BLOCK_TAKES
-  return context_parallel.TAKES
+    return context_parallel.KERNEL_BLOCK_TAKES | frozenset(SHAPES)
+  return context_parallel.TAKES | frozenset(SHAPES)
 
 
 def _context_refusal(implementation: str, features) -> tuple[str | None, str, str] | None:
@@ -480,7 +485,8 @@ def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementati
   layout = context_parallel.layout_for(o.causal)
   fn = {"ring": context_parallel.ring_attention,
         "all_gather": context_parallel.all_gather_attention}[strategy]
-  plain = dataclasses.replace(o, segment_ids=None)
+  scale = q_BTHD.shape[-1] ** -0.5 if o.scale is None else o.scale
+  plain = dataclasses.replace(o, segment_ids=None, scale=scale)
   kernel = None if implementation != "pallas" else dict(
       lowering=None if lowering == "auto" else lowering, device=compile_device())
 
@@ -488,8 +494,9 @@ def _context_attention(q_BTHD, k_BSKD, v_BSKD, o: AttentionOptions, implementati
     return fn(q, k, v, q_seg, kv_seg, options=plain, axis=context_parallel.AXIS, layout=layout,
               kernel=kernel)
 
-  return sharded_kernel(run, q_BTHD, k_BSKD, v_BSKD, *_split_segment_ids(o.segment_ids),
-                        sequence=context_parallel.AXIS)
+  out_BTHD = sharded_kernel(run, *common_head_width(q_BTHD, k_BSKD, v_BSKD),
+                            *_split_segment_ids(o.segment_ids), sequence=context_parallel.AXIS)
+  return out_BTHD[..., :v_BSKD.shape[-1]]
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,7 @@ from flax import nnx
 from model.attention import Attention
 from model.attention_kinds import ATTENTIONS
 from model.gated_deltanet import GatedDeltaNet
+from model.mla import LatentAttention
 from model.mlp import MLP
 from model.moe import MoE
 from model.norms import make_norm
@@ -86,18 +87,21 @@ class Block(nnx.Module):
     return self.cross_attn.project_kv(context_BSM)
 
   def decode(self, x_BTM, *, positions_BT, cache, context_kv=None, cross_segment_ids=None,
-             bias=None, layer=None, valid_BT=None):
+             bias=None, layer=None, valid_BT=None, prefill=False):
     """One generation step against this block's KV cache (and the encoder
     output's cross-attention `context_kv`); returns (x, cache). With `layer`,
     `cache` is the whole stack's, stacked (`Attention.decode`). `valid_BT`:
     the real tokens of right-padded prompts, which alone move a linear
-    layer's state (a KV cache's padding slots are overwritten later)."""
+    layer's state (a KV cache's padding slots are overwritten later).
+    `prefill`: the tokens are the prompt, every row's first T, which latent
+    attention runs in its expanded form (`LatentAttention.prefill`)."""
     new_cache = {}
-    linear = {"valid_BT": valid_BT} if isinstance(self.attn, GatedDeltaNet) else {}
+    extra = ({"valid_BT": valid_BT} if isinstance(self.attn, GatedDeltaNet)
+             else {"prefill": prefill} if isinstance(self.attn, LatentAttention) else {})
 
     def self_attention(h):
       out, new_cache["kv"] = self.attn.decode(h, positions_BT, cache, bias=bias, layer=layer,
-                                              **linear)
+                                              **extra)
       return out
 
     x_BTM = self._residual(x_BTM, self.norm_attn, self_attention, "attention")

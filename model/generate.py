@@ -131,9 +131,11 @@ def _prefill(model, tokens_BP, lengths_B, src_BS, src_lengths_B, *, max_new_toke
     step = functools.partial(decoder_step, cross_kv=cross_kv, src_padding_mask=src_mask_BS)
   cache = model.init_cache(B, P + max_new_tokens, jnp.dtype(model.decoder.dtype))
   positions_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
-  # A linear layer's state must not read a shorter prompt's padding.
-  valid = {} if src_BS is not None else {"valid_BT": positions_BP < lengths_B[:, None]}
-  logits_BPV, cache = step(tokens_BP, positions_BP, cache, **valid)
+  # A linear layer's state must not read a shorter prompt's padding; latent
+  # attention runs the prompt in its expanded form.
+  prompt = ({} if src_BS is not None
+            else {"valid_BT": positions_BP < lengths_B[:, None], "prefill": True})
+  logits_BPV, cache = step(tokens_BP, positions_BP, cache, **prompt)
   first_BV = logits_BPV[jnp.arange(B), lengths_B - 1]
   if copies == 1:
     return step, first_BV, cache
@@ -306,15 +308,18 @@ def _speculate(graphdef, state, tokens_BP, lengths_B, *, max_new_tokens, eos_id,
     return jnp.where(jnp.arange(logits.shape[-1]) < num_tokens, logits,
                      jnp.finfo(logits.dtype).min)
 
-  def main(tokens_BT, positions_BT, cache, h0_BLM):
-    """The main model over `tokens_BT`: (its greedy next tokens, cache, h^0 written)."""
-    x_BTM, cache = model.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
+  def main(tokens_BT, positions_BT, cache, h0_BLM, prefill=False):
+    """The main model over `tokens_BT`: (its greedy next tokens, cache, h^0
+    written); `prefill`: the tokens are the prompts (`Block.decode`)."""
+    x_BTM, cache = model.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks,
+                                             prefill=prefill)
     greedy_BT = jnp.argmax(limit(model.logits(model.decoder, x_BTM)), axis=-1).astype(jnp.int32)
     return greedy_BT, cache, h0_BLM.at[rows_B1, positions_BT].set(x_BTM.astype(h0_BLM.dtype))
 
   prompt_BP = jnp.broadcast_to(jnp.arange(P), (B, P))
   h0_BLM = jnp.zeros((B, L, model.decoder.d_model), dtype)
-  greedy_BP, cache, h0_BLM = main(tokens_BP, prompt_BP, model.init_cache(B, L, dtype), h0_BLM)
+  greedy_BP, cache, h0_BLM = main(tokens_BP, prompt_BP, model.init_cache(B, L, dtype), h0_BLM,
+                                  prefill=True)
   tokens_BL = jnp.full((B, L), pad_id, jnp.int32).at[:, :P].set(tokens_BP)
   tokens_BL = tokens_BL.at[rows_B, lengths_B].set(greedy_BP[rows_B, lengths_B - 1])
   caches = [{name: jnp.zeros((B, L, *shape), dtype) for name, shape in model.decoder.cache_shapes}

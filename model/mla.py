@@ -32,6 +32,11 @@ wide) and its value part W_UV into the output, so that a step is
 multi-query attention of [q_n,i W_UK,i^T, q_r,i] against the cached [c, k_r]
 with values c, each head's output times W_UV,i, then o_proj: the same
 scores and outputs as the expanded form, in another order of products.
+The prompt's prefill writes the same cache but attends in the expanded form,
+as training does (through our kernels where `attention_impl` picks them):
+T queries against T keys, where the absorbed form would make every head's
+query r + d_r = 576 wide against values r = 512 wide (DeepSeek-V3), 3 times
+the expanded form's 192 and 128, and the score matrix of a dense slot mask.
 """
 import dataclasses
 import functools
@@ -145,7 +150,7 @@ class LatentAttention(nnx.Module):
     B, K, G, T, S = w_BKGTS.shape
     return w_BKGTS.reshape(B, K * G, T, S)
 
-  def decode(self, x_BTM, positions_BT, cache, bias=None, layer=None):
+  def decode(self, x_BTM, positions_BT, cache, bias=None, layer=None, prefill=False):
     """Self-attention against the latent cache, with the up-projections
     absorbed (see the module docstring).
 
@@ -153,14 +158,19 @@ class LatentAttention(nnx.Module):
     layer's [layers, B, L, 1, r + d_r] (a scanned stack's, updated in place
     at `layer`); the tokens at `positions_BT` write their [c, k_r] at those
     slots and see slots 0..position (the last `window` of them with a
-    sliding window), as `Attention.decode`. Returns (output, updated cache).
+    sliding window), as `Attention.decode`. With `prefill` the tokens are
+    every row's first T (positions 0..T-1 of an empty cache, the prompt) and
+    attend to one another in the expanded form (`prefill`). Returns (output,
+    updated cache).
     """
-    q_nope_BTHD, q_rope_BTHD = self.project_q(x_BTM, positions_BT)
     rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
     slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
     stored = cache["latent"]
-    cache = dict(cache, latent=stored.at[slot].set(
-        self.latent(x_BTM, positions_BT).astype(stored.dtype)))
+    latent_BT1C = self.latent(x_BTM, positions_BT)
+    cache = dict(cache, latent=stored.at[slot].set(latent_BT1C.astype(stored.dtype)))
+    if prefill:
+      return self.prefill(x_BTM, positions_BT, latent_BT1C, bias), cache
+    q_nope_BTHD, q_rope_BTHD = self.project_q(x_BTM, positions_BT)
     latent_BL1C = (cache["latent"] if layer is None else cache["latent"][layer]).astype(
         q_nope_BTHD.dtype)
     w_RHD = self.kv_b_proj.kernel[...].astype(q_nope_BTHD.dtype)  # [r, h, d_n + d_v]
@@ -173,6 +183,22 @@ class LatentAttention(nnx.Module):
                          implementation=decode_implementation(self.implementation))
     out_BTHD = jnp.einsum("bthr,rhv->bthv", out_BTHR, w_RHD[..., self.nope:])
     return self.o_proj(out_BTHD), cache
+
+  def prefill(self, x_BTM, positions_BT, latent_BT1C, bias=None):
+    """A prompt's self-attention in the expanded form: its T tokens, at
+    positions 0..T-1, see one another causally (within the sliding window),
+    which is what they see of a cache they alone have written; through
+    `attention_impl` as in training (`pallas`: our kernels, no score matrix).
+    `bias` [1 or B, H, T, L] over the cache slots is cut to the T written."""
+    q_nope_BTHD, q_rope_BTHD = self.project_q(x_BTM, positions_BT)
+    k_BTHD, v_BTHD = self.expand(latent_BT1C.astype(q_nope_BTHD.dtype))
+    T = x_BTM.shape[1]
+    options = dataclasses.replace(self.options, causal=True, window=self.window,
+                                  bias=None if bias is None else bias[..., :T])
+    out_BTHD = attention(jnp.concatenate([q_nope_BTHD, q_rope_BTHD], axis=-1), k_BTHD, v_BTHD,
+                         options, implementation=self.implementation,
+                         pallas_lowering=self.pallas_lowering)
+    return self.o_proj(out_BTHD)
 
 
 def mla_params(m) -> int:

@@ -248,7 +248,7 @@ class _Stack(nnx.Module):
     return out
 
   def decode_step(self, tokens_BT, positions_BT, cache, cross_kv=None, cross_segment_ids=None,
-                  blocks=None, valid_BT=None):
+                  blocks=None, valid_BT=None, prefill=False):
     """Hidden states of `tokens_BT` at `positions_BT` given the cache (and,
     with cross-attention, each layer's `cross_kv`); new cache.
 
@@ -259,7 +259,8 @@ class _Stack(nnx.Module):
     of the stacked ones at every token: a scan over the layers inside the
     token loop copied each layer's weights and both caches per token, which
     made CPU decoding half as fast (docs/results.md, "Against PyTorch").
-    `valid_BT`: the real tokens of right-padded prompts (`Block.decode`).
+    `valid_BT`: the real tokens of right-padded prompts; `prefill`: the
+    tokens are the prompts, at positions 0..T-1 (`Block.decode`).
     """
     blocks = self.blocks() if blocks is None else blocks
     x_BTM = self.embed_tokens(tokens_BT, positions_BT)
@@ -271,7 +272,8 @@ class _Stack(nnx.Module):
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):
       kwargs = dict(positions_BT=positions_BT, cross_segment_ids=cross_segment_ids, bias=bias,
-                    context_kv=None if cross_kv is None else cross_kv[i], valid_BT=valid_BT)
+                    context_kv=None if cross_kv is None else cross_kv[i], valid_BT=valid_BT,
+                    prefill=prefill)
       if self.scan:
         x_BTM, new_cache = block.decode(x_BTM, cache=new_cache, layer=self.cache_index[i],
                                         **kwargs)
@@ -594,12 +596,14 @@ class Decoder(_WithHead):
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
     return self.decoder.init_cache(batch, length, dtype)
 
-  def decode_step(self, tokens_BT, positions_BT, cache, blocks=None, valid_BT=None):
+  def decode_step(self, tokens_BT, positions_BT, cache, blocks=None, valid_BT=None,
+                  prefill=False):
     """Logits of `tokens_BT` at `positions_BT` given the cache; new cache.
     `blocks`: `decoder.blocks()`, taken once per generation (`_Stack.decode_step`);
-    `valid_BT`: the real tokens of right-padded prompts (None: all)."""
+    `valid_BT`: the real tokens of right-padded prompts (None: all); `prefill`:
+    the tokens are the prompts, at positions 0..T-1 of an empty cache."""
     x_BTM, cache = self.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks,
-                                            valid_BT=valid_BT)
+                                            valid_BT=valid_BT, prefill=prefill)
     return self.logits(self.decoder, x_BTM), cache
 
 

@@ -250,13 +250,15 @@ def kernel_tolerance(dtype) -> float:
   return float32_tolerance() if dtype == jnp.float32 else 3e-2
 
 
-def kernel_inputs(seed, B, T, S, H, K, D, dtype):
-  """Random q, k, v and an output cotangent, in `dtype`."""
+def kernel_inputs(seed, B, T, S, H, K, D, dtype, D_v=None):
+  """Random q, k, v and an output cotangent, in `dtype`; v and the cotangent
+  `D_v` wide (None: D)."""
+  D_v = D if D_v is None else D_v
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   q = jax.random.normal(keys[0], (B, T, H, D), dtype)
   k = jax.random.normal(keys[1], (B, S, K, D), dtype)
-  v = jax.random.normal(keys[2], (B, S, K, D), dtype)
-  do = jax.random.normal(keys[3], (B, T, H, D), dtype)
+  v = jax.random.normal(keys[2], (B, S, K, D_v), dtype)
+  do = jax.random.normal(keys[3], (B, T, H, D_v), dtype)
   return q, k, v, do
 
 

@@ -172,6 +172,21 @@ def test_jit_and_grad_of_scalar_loss():
     assert_kernel_close(a, b, jnp.float32, "grad")
 
 
+@pytest.mark.parametrize("D,D_v", [(24, 16), (16, 24)])
+def test_values_of_another_width_match_reference(D, D_v):
+  """Values narrower than queries and keys (multi-head latent attention) or
+  wider, causal with packed segments, float32: output [.., D_v], and the
+  three gradients at their own widths, as the reference's."""
+  q, k, v, do = kernel_inputs(2, 2, 40, 40, 2, 2, D, jnp.float32, D_v)
+  rng = np.random.RandomState(2)
+  seg = random_segments(rng, 2, 40, "packed")
+  got, want = kernel_and_oracle(q, k, v, do, causal=True, q_seg=seg, kv_seg=seg,
+                                block_q=16, block_k=16)
+  for name, a, b, x in zip(("out", "dq", "dk", "dv"), got, want, (do, q, k, v)):
+    assert a.shape == x.shape, name
+    assert_kernel_close(a, b, jnp.float32, name)
+
+
 def test_bad_arguments_raise():
   q, k, v, _ = kernel_inputs(0, 1, 16, 16, 3, 2, 16, jnp.float32)
   with pytest.raises(ValueError, match="multiple"):
@@ -182,6 +197,8 @@ def test_bad_arguments_raise():
     flash_attention(q, k, v, q_segment_ids=seg)
   with pytest.raises(ValueError, match="power of two"):
     flash_attention(q, k, v, block_q=24)
+  with pytest.raises(ValueError, match="same B, S and K"):
+    flash_attention(q, k, v[:, :8])
 
 
 def test_block_sizes_follow_device_and_shape():

@@ -31,8 +31,8 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def _check(seed, B, T, S, H, K, D, *, causal, segment_mode, dtype, block_q=16,
-           block_k=16):
-  q, k, v, do = kernel_inputs(seed, B, T, S, H, K, D, dtype)
+           block_k=16, D_v=None):
+  q, k, v, do = kernel_inputs(seed, B, T, S, H, K, D, dtype, D_v)
   q_seg = kv_seg = None
   if segment_mode is not None:
     rng = np.random.RandomState(seed)
@@ -50,6 +50,23 @@ def test_matches_reference_gqa_causal_packed():
   (query rows that see nothing), lengths not a multiple of the tile, several
   tiles each way: the plan skips tiles, runs some whole and some masked."""
   _check(0, 2, 40, 50, 4, 2, 16, causal=True, segment_mode="packed", dtype=jnp.float32)
+
+
+def test_values_narrower_than_keys_match_reference():
+  """Multi-head latent attention's shapes (queries and keys 48 wide, values
+  32: DeepSeek-V3's 192 and 128 scaled down), causal with packed segments:
+  the output is 32 wide, and dq, dk, dv keep their widths."""
+  _check(1, 2, 40, 40, 2, 2, 48, causal=True, segment_mode="packed", dtype=jnp.float32,
+         D_v=32)
+
+
+def test_values_stay_narrow_in_the_tpu_kernel():
+  """Values 64 wide against keys 192 wide (after padding to whole lanes)
+  reach the forward kernel at 64, not padded to the keys' 192: the output of
+  its pallas_call is [B, H, T, 64] (the other lowerings pad)."""
+  q, k, v, _ = kernel_inputs(0, 1, 16, 16, 2, 2, 192, jnp.float32, 64)
+  jaxpr = str(jax.make_jaxpr(functools.partial(flash_attention, lowering="mosaic_tpu"))(q, k, v))
+  assert "f32[1,2,16,64]" in jaxpr and "f32[1,2,16,192]" in jaxpr
 
 
 @pytest.mark.slow

@@ -6,10 +6,12 @@
   interleaved pairs or halves, q_lora_rank or direct queries, biases, yarn
   with DeepSeek's mscale), and DeepSeek-V3's attention counted on the meta
   device.
-- Decoding against the latent cache (absorbed up-projections) equals the
-  full forward pass at every step, greedy, in both layer layouts and with a
-  sliding window; `generate` too; the cache keeps r + d_r values per token;
-  in bfloat16 no less accurate than the bfloat16 forward pass.
+- Decoding against the latent cache (absorbed up-projections, the prompt's
+  prefill expanded) equals the full forward pass at every step, greedy, in
+  both layer layouts and with a sliding window; `generate` too; the cache
+  keeps r + d_r values per token; in bfloat16 no less accurate than the
+  bfloat16 forward pass; the prefill runs through our kernels with
+  attention_impl=pallas and equals the absorbed form.
 - The accounting's closed forms (parameters, FLOPs, KV cache, with
   DeepSeek-V3's worked numbers of docs/models.md).
 - The value-width shape each attention implementation declares: computed as
@@ -290,10 +292,12 @@ def test_latent_cache_decoding_equals_the_full_forward_pass(overrides):
   assert shapes == ([(layers, 2, 12, 1, R + ROPE)] if section.scan_layers
                     else [(2, 12, 1, R + ROPE)] * layers)
   step = nnx.jit(lambda m, tokens, positions, cache: m.decode_step(tokens, positions, cache))
+  prefill = nnx.jit(lambda m, tokens, positions, cache: m.decode_step(tokens, positions, cache,
+                                                                      prefill=True))
   prompts, continuations = [[5, 9, 1, 33, 7], [2, 60, 14]], []
   for prompt in prompts:
     cache = model.init_cache(1, len(prompt) + 6)
-    logits, cache = step(model, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
+    logits, cache = prefill(model, jnp.asarray([prompt]), jnp.arange(len(prompt))[None], cache)
     generated, steps = list(prompt), [logits[0]]
     for t in range(6):
       generated.append(int(steps[-1][-1].argmax()))
@@ -311,7 +315,6 @@ def test_latent_cache_decoding_equals_the_full_forward_pass(overrides):
   changed = tokens.at[:, 6:].set((tokens[:, 6:] + 1) % 64)
   np.testing.assert_allclose(forward(model, changed)[:, :6], forward(model, tokens)[:, :6],
                              atol=1e-6)
-
 
 
 def test_latent_cache_decoding_in_bfloat16_is_as_accurate_as_the_forward_pass():
@@ -346,6 +349,28 @@ def test_latent_cache_decoding_in_bfloat16_is_as_accurate_as_the_forward_pass():
   assert decoded_err <= max(2 * forward_err, float32_tolerance())
 
 
+def test_prefill_runs_the_expanded_form_through_the_kernels():
+  """A prompt's prefill with attention_impl=pallas attends in the expanded
+  form through our kernels (a pallas_call; the interpreter here) and gives
+  the logits and the latent cache of the absorbed form, which has none."""
+  model = build_model(mla_section(attention_impl="pallas"), nnx.Rngs(0))
+  tokens = jnp.asarray(np.random.default_rng(2).integers(0, 64, (2, 7)))
+  positions = jnp.broadcast_to(jnp.arange(7), (2, 7))
+
+  def run(prefill):
+    fn = lambda m: m.decode_step(tokens, positions, m.init_cache(2, 9), prefill=prefill)
+    jaxpr = str(jax.make_jaxpr(lambda: nnx.split(model) and fn(model))())
+    return nnx.jit(fn)(model), "pallas_call" in jaxpr
+
+  (logits, cache), kernel = run(True)
+  (absorbed, absorbed_cache), absorbed_kernel = run(False)
+  assert kernel and not absorbed_kernel
+  scale = max(float(jnp.abs(absorbed).max()), 1.0)
+  np.testing.assert_allclose(logits, absorbed, atol=float32_tolerance() * scale, rtol=0)
+  for got, want in zip(jax.tree.leaves(cache), jax.tree.leaves(absorbed_cache)):
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=1e-6)
+
+
 # Attention with values narrower than queries and keys: what each implementation declares.
 
 RUNNABLE = [name for name, entry in IMPLEMENTATIONS.items() if entry.run is not None]
@@ -365,10 +390,12 @@ def _narrow_value_inputs(dtype=jnp.float32):
   return q, k, v, jax.random.normal(ks[3], (2, 16, H, V), dtype)
 
 
-@pytest.mark.parametrize("impl", TAKERS)
-def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl):
+@pytest.mark.parametrize("impl,lowering", [(impl, "auto") for impl in TAKERS]
+                         + [("pallas", "mosaic_tpu")])
+def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl, lowering):
   """Output [.., V] and the three gradients equal the reference's, causal
-  with packed segments and a soft-cap."""
+  with packed segments and a soft-cap, float32; pallas also through the
+  Mosaic TPU kernel (interpreted here), which keeps the values narrow."""
   if impl == "cudnn" and jax.default_backend() != "gpu":
     pytest.skip("cudnn runs on a GPU only")
   q, k, v, do = _narrow_value_inputs()
@@ -376,7 +403,8 @@ def test_an_implementation_that_takes_narrow_values_computes_the_reference(impl)
                              segment_ids=jnp.asarray([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4]))
 
   def run(name):
-    out, vjp = jax.vjp(lambda *a: attention(*a, options, implementation=name), q, k, v)
+    out, vjp = jax.vjp(lambda *a: attention(*a, options, implementation=name,
+                                            pallas_lowering=lowering), q, k, v)
     return [out, *vjp(do)]
 
   want = run("reference")
@@ -392,7 +420,7 @@ def test_an_implementation_without_narrow_values_refuses_them_by_name(impl):
   q, k, v, _ = _narrow_value_inputs(jnp.bfloat16)
   with pytest.raises(UserError, match=rf"^attention_impl={impl} takes no value head width "
                      r"other than the query and key width .*; use attention_impl reference, "
-                     r"xla or auto$") as err:
+                     r"xla, pallas or auto$") as err:
     attention(q, k, v, AttentionOptions(causal=True), implementation=impl)
   assert "\n" not in str(err.value)
   with pytest.raises(UserError, match=rf"^config field model.v_head_dim={V} \(model.attention="
@@ -403,9 +431,9 @@ def test_an_implementation_without_narrow_values_refuses_them_by_name(impl):
 
 
 def test_auto_and_context_parallelism_follow_the_declarations():
-  """`auto` picks only an implementation that takes narrow values (never our
-  kernels or cuDNN, on a Hopper with packed bf16 rows either); with values as
-  wide as the keys it may; mesh.context refuses narrow values in one line."""
+  """`auto` picks only an implementation that takes narrow values (never
+  cuDNN; our kernels, which pad the values, on a TPU); with values as wide as
+  the keys it may pick cuDNN; mesh.context takes narrow values (padded too)."""
   features = ("score:softmax", "value_head_dim")
   for backend, kind in (("gpu", "NVIDIA H100 80GB HBM3"), ("gpu", "A100"), ("tpu", "TPU v5p"),
                         ("cpu", "cpu")):
@@ -417,10 +445,9 @@ def test_auto_and_context_parallelism_follow_the_declarations():
   equal = ModelConfig.resolve(mla_section(attention_impl="auto", dtype="bfloat16",
                                           qk_nope_head_dim=60, v_head_dim=64))
   assert model_implementation(equal, "gpu") == "cudnn"
-  with pytest.raises(UserError, match=rf"^config field model.v_head_dim={V} .*: mesh.context=2 "
-                     r"takes no value head width") as err:
-    check_context(cfg, 2)
-  assert "\n" not in str(err.value)
+  assert model_implementation(cfg, "tpu") == "pallas"
+  for impl in ("auto", "xla", "pallas"):
+    check_context(ModelConfig.resolve(mla_section(attention_impl=impl, dtype="bfloat16")), 2)
 
 
 def test_training_gradients_reach_every_parameter():

@@ -150,6 +150,17 @@ def pad_to(x, axis: int, size: int):
   return jnp.pad(x, widths)
 
 
+def common_head_width(q_BTHD, k_BSKD, v_BSKD):
+  """q, k and v zero-padded to one head width, the wider of q's (and k's) and
+  v's: values narrower than the keys (multi-head latent attention, 128
+  against 192) through kernels that take one width. Zero columns of q and k
+  add nothing to a score, and zero columns of v give zero output columns,
+  which the caller cuts off (`[..., :v.shape[-1]]`); the pad's gradient is
+  the cut, so dq, dk and dv come back at their own widths."""
+  D = max(q_BTHD.shape[-1], v_BSKD.shape[-1])
+  return pad_to(q_BTHD, 3, D), pad_to(k_BSKD, 3, D), pad_to(v_BSKD, 3, D)
+
+
 def round_up(n: int, multiple: int) -> int:
   return -(-n // multiple) * multiple
 

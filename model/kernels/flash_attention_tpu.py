@@ -27,7 +27,11 @@ is a (rows, D) slab in the two minor dimensions TPUs tile by (8 sublanes x
 128 lanes). Query head h reads KV head h // G through the index map (G query
 heads per KV head), and the dK/dV kernel sums over the G query heads of a KV
 head as a grid axis, so K and V are never copied per query head. A query
-whose keys are all masked gets a zero output and zero gradients.
+whose keys are all masked gets a zero output and zero gradients. Values
+may be narrower than queries and keys (v [B, K, S, D_v], multi-head latent
+attention's 128 against 192): V, O, dO and dV tiles are D_v wide, so P V,
+dO V^T and P^T dO cost D_v, not D, per score (zero-padding V to D would add
+D / D_v - 1 = 50% to those products and to the O and dO bytes).
 
 On a CPU the kernels run in the Pallas interpreter (`interpret=True`; it
 keeps the TPU semantics used here: scalar prefetch, VMEM scratch that
@@ -50,7 +54,7 @@ from model.kernels import common
 
 LANES = 128  # the lane width: the key tile of a compiled kernel is a multiple of it
 _SUBLANES = 16  # rows of a bf16 (8 x 128 x 32-bit) vreg: the query tile is a multiple of it
-_HEAD_DIM_MULTIPLE = 64  # the head dim is zero-padded to a multiple of this
+_HEAD_DIM_MULTIPLE = 64  # each head dim (q and k's, v's) is zero-padded to a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,19 +331,24 @@ def _launch_plan(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, over_keys: bool, block_
   return tiles, bounds, N, seg_b, streamed
 
 
-def _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, D: int, group: int,
+def _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, D: int, D_v: int, group: int,
                      num_tiles: int):
   """The plan and block specs of a launch with grid (batch, query head, query
   tile, step over its key tiles), the forward's and dQ's: (tiles, bounds, N,
-  specs) with specs q (also dO, dQ, out), kv, row (lse, delta), q_seg, kv_seg."""
+  specs) with specs q (also dQ), k, v, o (out, dO: values' width D_v), row
+  (lse, delta), q_seg, kv_seg."""
   block_q, block_k = cfg.blocks.block_q, cfg.blocks.block_k
   tiles, bounds, N, seg_b, kv_tile = _launch_plan(
       q_seg_BT1, kv_seg_B1S, cfg, over_keys=True, block_q=block_q, block_k=block_k,
       num_tiles=num_tiles)
+  def kv(width):
+    return pl.BlockSpec((None, None, block_k, width), lambda b, h, i, n, *p: (
+        b, lax.div(h, group), kv_tile(b, i, n, *p), 0))
+
   specs = types.SimpleNamespace(
       q=pl.BlockSpec((None, None, block_q, D), lambda b, h, i, n, *_: (b, h, i, 0)),
-      kv=pl.BlockSpec((None, None, block_k, D), lambda b, h, i, n, *p: (
-          b, lax.div(h, group), kv_tile(b, i, n, *p), 0)),
+      o=pl.BlockSpec((None, None, block_q, D_v), lambda b, h, i, n, *_: (b, h, i, 0)),
+      k=kv(D), v=kv(D_v),
       row=pl.BlockSpec((None, None, block_q, 1), lambda b, h, i, n, *_: (b, h, i, 0)),
       q_seg=pl.BlockSpec((None, block_q, 1), lambda b, h, i, n, *_: (seg_b(b), i, 0)),
       kv_seg=pl.BlockSpec((None, 1, block_k), lambda b, h, i, n, *p: (
@@ -348,25 +357,26 @@ def _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg: _Config, *, D: int, group: int,
 
 
 def _forward(q_BHTD, k_BKSD, v_BKSD, q_seg_BT1, kv_seg_B1S, cfg: _Config):
-  """Launches the forward kernel: (out [B, H, T, D], lse [B, H, T, 1])."""
+  """Launches the forward kernel: (out [B, H, T, D_v], lse [B, H, T, 1])."""
   B, H, T, D = q_BHTD.shape
+  D_v = v_BKSD.shape[3]
   group = H // cfg.num_kv_heads
   C = T // cfg.blocks.block_q
-  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D, group=group,
-                                             num_tiles=C)
+  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D, D_v=D_v,
+                                             group=group, num_tiles=C)
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(B, H, C, N),
-      in_specs=[specs.q, specs.kv, specs.kv, specs.q_seg, specs.kv_seg],
-      out_specs=[specs.q, specs.row],
+      in_specs=[specs.q, specs.k, specs.v, specs.q_seg, specs.kv_seg],
+      out_specs=[specs.o, specs.row],
       scratch_shapes=[pltpu.VMEM((cfg.blocks.block_q, 1), jnp.float32),
                       pltpu.VMEM((cfg.blocks.block_q, 1), jnp.float32),
-                      pltpu.VMEM((cfg.blocks.block_q, D), jnp.float32)],
+                      pltpu.VMEM((cfg.blocks.block_q, D_v), jnp.float32)],
   )
   return pl.pallas_call(
       functools.partial(_forward_kernel, cfg=cfg, N=N, num_q_tiles=C),
       grid_spec=grid_spec,
-      out_shape=[jax.ShapeDtypeStruct(q_BHTD.shape, q_BHTD.dtype),
+      out_shape=[jax.ShapeDtypeStruct((B, H, T, D_v), q_BHTD.dtype),
                  jax.ShapeDtypeStruct((B, H, T, 1), jnp.float32)],
       compiler_params=_compiler_params(cfg, 4),
       interpret=cfg.interpret,
@@ -391,14 +401,14 @@ def _dq(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg
   group = H // k_BKSD.shape[1]
   args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
   C = T // cfg.blocks.block_q
-  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D, group=group,
-                                             num_tiles=C)
+  tiles, bounds, N, specs = _over_keys_specs(q_seg_BT1, kv_seg_B1S, cfg, D=D,
+                                             D_v=v_BKSD.shape[3], group=group, num_tiles=C)
   dq_BHTD = pl.pallas_call(
       functools.partial(_dq_kernel, cfg=cfg, N=N, num_q_tiles=C),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(B, H, C, N),
-          in_specs=[specs.q, specs.kv, specs.kv, specs.q, specs.row, specs.row, specs.q_seg,
+          in_specs=[specs.q, specs.k, specs.v, specs.o, specs.row, specs.row, specs.q_seg,
                     specs.kv_seg],
           out_specs=specs.q,
           scratch_shapes=[pltpu.VMEM((cfg.blocks.block_q, D), jnp.float32)],
@@ -414,9 +424,10 @@ def _dq(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg
 def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S, *,
           cfg: _Config):
   """Launches the dK/dV kernel, grid (batch, KV head, key tile, query head of
-  the group, step over its query tiles): (dk, dv) [B, K, S, D]."""
+  the group, step over its query tiles): dk [B, K, S, D], dv [B, K, S, D_v]."""
   H, D = q_BHTD.shape[1], q_BHTD.shape[3]
   B, K, S = k_BKSD.shape[:3]
+  D_v = v_BKSD.shape[3]
   group = H // K
   args = (q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_seg_B1S)
   block_q, block_k = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
@@ -425,25 +436,29 @@ def _dkdv(q_BHTD, k_BKSD, v_BKSD, do_BHTD, lse_BHT1, delta_BHT1, q_seg_BT1, kv_s
       q_seg_BT1, kv_seg_B1S, cfg, over_keys=False, block_q=block_q, block_k=block_k,
       num_tiles=C)
 
-  q_spec = pl.BlockSpec((None, None, block_q, D), lambda b, kh, j, g, n, *p: (
-      b, kh * group + g, q_tile(b, j, n, *p), 0))
-  row_spec = pl.BlockSpec((None, None, block_q, 1), lambda b, kh, j, g, n, *p: (
-      b, kh * group + g, q_tile(b, j, n, *p), 0))
-  kv_spec = pl.BlockSpec((None, None, block_k, D), lambda b, kh, j, g, n, *_: (b, kh, j, 0))
+  def per_query(width):
+    return pl.BlockSpec((None, None, block_q, width), lambda b, kh, j, g, n, *p: (
+        b, kh * group + g, q_tile(b, j, n, *p), 0))
+
+  def per_key(width):
+    return pl.BlockSpec((None, None, block_k, width), lambda b, kh, j, g, n, *_: (b, kh, j, 0))
+
+  q_spec, do_spec, row_spec = per_query(D), per_query(D_v), per_query(1)
+  k_spec, v_spec = per_key(D), per_key(D_v)
   dk_BKSD, dv_BKSD = pl.pallas_call(
       functools.partial(_dkdv_kernel, cfg=cfg, N=N, num_k_tiles=C, group=group),
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
           grid=(B, K, C, group, N),
           in_specs=[
-              q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
+              q_spec, k_spec, v_spec, do_spec, row_spec, row_spec,
               pl.BlockSpec((None, block_q, 1), lambda b, kh, j, g, n, *p: (
                   seg_b(b), q_tile(b, j, n, *p), 0)),
               pl.BlockSpec((None, 1, block_k), lambda b, kh, j, g, n, *_: (seg_b(b), 0, j)),
           ],
-          out_specs=[kv_spec, kv_spec],
+          out_specs=[k_spec, v_spec],
           scratch_shapes=[pltpu.VMEM((block_k, D), jnp.float32),
-                          pltpu.VMEM((block_k, D), jnp.float32)],
+                          pltpu.VMEM((block_k, D_v), jnp.float32)],
       ),
       out_shape=[jax.ShapeDtypeStruct(k_BKSD.shape, k_BKSD.dtype),
                  jax.ShapeDtypeStruct(v_BKSD.shape, v_BKSD.dtype)],
@@ -460,25 +475,26 @@ _flash = common.flash_vjp(_forward, _backward)
 @dataclasses.dataclass(frozen=True)
 class _Layout:
   """How [B, T, H, D] inputs become the kernels' operands: lengths padded to
-  whole tiles, the head dim to a multiple of 64, transposed to [B, heads,
-  length, D]; segment ids as [B, T, 1] and [B, 1, S] (without them, one
-  segment over the true lengths, [1, ...])."""
+  whole tiles, the head dims (D of q and k, D_v of v, the output and dO) each
+  to a multiple of 64, transposed to [B, heads, length, D]; segment ids as
+  [B, T, 1] and [B, 1, S] (without them, one segment over the true lengths,
+  [1, ...])."""
   T: int
   S: int
   D: int
+  D_v: int
   T_pad: int
   S_pad: int
-  D_pad: int
 
   @classmethod
-  def of(cls, q_BTHD, k_BSKD, blocks: TpuBlocks):
+  def of(cls, q_BTHD, k_BSKD, blocks: TpuBlocks, D_v: int):
     T, D, S = q_BTHD.shape[1], q_BTHD.shape[3], k_BSKD.shape[1]
-    return cls(T, S, D, common.round_up(T, max(blocks.block_q, blocks.block_q_dkv)),
-               common.round_up(S, max(blocks.block_k, blocks.block_k_dkv)),
-               common.round_up(D, _HEAD_DIM_MULTIPLE))
+    return cls(T, S, D, D_v, common.round_up(T, max(blocks.block_q, blocks.block_q_dkv)),
+               common.round_up(S, max(blocks.block_k, blocks.block_k_dkv)))
 
   def heads_first(self, x_BLHD, length: int):
-    return common.pad_to(common.pad_to(x_BLHD, 1, length), 3, self.D_pad).transpose(0, 2, 1, 3)
+    width = common.round_up(x_BLHD.shape[3], _HEAD_DIM_MULTIPLE)
+    return common.pad_to(common.pad_to(x_BLHD, 1, length), 3, width).transpose(0, 2, 1, 3)
 
   def operands(self, q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids):
     if q_segment_ids is None:
@@ -489,32 +505,38 @@ class _Layout:
     return (self.heads_first(q_BTHD, self.T_pad), self.heads_first(k_BSKD, self.S_pad),
             self.heads_first(v_BSKD, self.S_pad), q_seg[:, :, None], kv_seg[:, None, :])
 
-  def back(self, x_BHLD, length: int):
-    """[B, L, heads, D] cut to the true `length` and head dim."""
-    return x_BHLD.transpose(0, 2, 1, 3)[:, :length, :, :self.D]
+  def back(self, x_BHLD, length: int, width: int):
+    """[B, L, heads, width] cut to the true `length` and head dim `width`."""
+    return x_BHLD.transpose(0, 2, 1, 3)[:, :length, :, :width]
 
 
 def _setup(q_BTHD, k_BSKD, *, causal: bool, scale: float, segments: bool, blocks: TpuBlocks,
-           interpret: bool, softcap: float | None, window: int | None = None):
+           interpret: bool, softcap: float | None, window: int | None = None,
+           value_dim: int | None = None):
+  """The kernels' static config and the operands' `_Layout`; `value_dim`:
+  the values' head width (None: as the keys')."""
   cfg = _Config(scale=scale, causal=causal, softcap=softcap, window=window,
                 num_kv_heads=k_BSKD.shape[2],
                 blocks=blocks, interpret=interpret, per_batch_plan=segments)
-  return cfg, _Layout.of(q_BTHD, k_BSKD, blocks)
+  D_v = k_BSKD.shape[3] if value_dim is None else value_dim
+  return cfg, _Layout.of(q_BTHD, k_BSKD, blocks, D_v)
 
 
 def tpu_flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool, scale: float,
                         q_segment_ids, kv_segment_ids, blocks: TpuBlocks,
                         interpret: bool, softcap: float | None = None,
                         window: int | None = None):
-  """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k, v
-  [B, S, K, D] -> [B, T, H, D]; see `flash_attention.flash_attention`. The
+  """FlashAttention on a TPU (or its interpreter): q [B, T, H, D], k
+  [B, S, K, D], v [B, S, K, D_v] -> [B, T, H, D_v]; see
+  `router.flash_attention`. Values narrower than the keys (multi-head latent
+  attention) stay narrow: P V, dO V^T and P^T dO run at their width. The
   operands are laid out as `_Layout` says."""
   cfg, layout = _setup(q_BTHD, k_BSKD, causal=causal, scale=scale,
                        segments=q_segment_ids is not None, blocks=blocks, interpret=interpret,
-                       softcap=softcap, window=window)
+                       softcap=softcap, window=window, value_dim=v_BSKD.shape[3])
   out_BHTD = _flash(*layout.operands(q_BTHD, k_BSKD, v_BSKD, q_segment_ids, kv_segment_ids),
                     cfg)
-  return layout.back(out_BHTD, layout.T)
+  return layout.back(out_BHTD, layout.T, layout.D_v)
 
 
 def tpu_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
@@ -526,7 +548,8 @@ def tpu_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
 
   def forward(q, k, v, q_seg, kv_seg):
     out, lse = _forward(*layout.operands(q, k, v, q_seg, kv_seg), cfg)
-    return layout.back(out, T), common.lse_to_natural(lse[:, :, :T, 0], base2=False)
+    return layout.back(out, T, layout.D_v), common.lse_to_natural(lse[:, :, :T, 0],
+                                                                  base2=False)
 
   def backward(q, k, v, q_seg, kv_seg, out, lse, do):
     lse = jnp.pad(common.lse_from_natural(lse, base2=False),
@@ -534,6 +557,7 @@ def tpu_parts(q_BTHD, k_BSKD, **options) -> common.Parts:
     dq, dk, dv = _backward(*layout.operands(q, k, v, q_seg, kv_seg),
                            layout.heads_first(out, layout.T_pad), lse[..., None],
                            layout.heads_first(do, layout.T_pad), cfg)
-    return layout.back(dq, T), layout.back(dk, layout.S), layout.back(dv, layout.S)
+    return (layout.back(dq, T, layout.D), layout.back(dk, layout.S, layout.D),
+            layout.back(dv, layout.S, layout.D_v))
 
   return common.Parts(forward, backward)

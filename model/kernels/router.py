@@ -11,6 +11,7 @@ import functools
 
 import jax
 
+from model.kernels import common
 from model.kernels import flash_attention_hopper as hopper
 from model.kernels import flash_attention_tpu as tpu
 from model.kernels import flash_attention_triton as triton
@@ -18,6 +19,9 @@ from model.kernels import is_hopper
 
 
 LOWERINGS = ("triton", "mosaic_gpu", "mosaic_tpu")
+# The lowerings whose kernels take values of another width than the keys as
+# they are (the others get them zero-padded to one width).
+NATIVE_VALUE_WIDTH = ("mosaic_tpu",)
 
 
 def choose_lowering(q_BTHD, k_BSKD, *, backend: str, device_kind: str,
@@ -50,7 +54,11 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
 
   Args:
     q_BTHD: queries [B, T, H, D].
-    k_BSKD, v_BSKD: keys and values [B, S, K, D], H % K == 0.
+    k_BSKD, v_BSKD: keys [B, S, K, D] and values [B, S, K, D_v], H % K == 0;
+      values of another width (multi-head latent attention: D_v 128, D 192)
+      run at their width in the Mosaic TPU kernel (`NATIVE_VALUE_WIDTH`),
+      zero-padded to the wider of D and D_v in the others
+      (`common.common_head_width`), their output cut back to D_v.
     causal: query i sees key j only if j <= i (top-left aligned when T != S).
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither;
       query i sees key j only if the ids are equal and the key's is not 0.
@@ -80,17 +88,25 @@ def flash_attention(q_BTHD, k_BSKD, v_BSKD, *, causal: bool = False,
       (`model.attention.sharded_kernel`).
 
   Returns:
-    [B, T, H, D] in q's dtype; rows with no visible key are zeros.
+    [B, T, H, D_v] in q's dtype; rows with no visible key are zeros.
   """
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("flash_attention: give both q_segment_ids and "
                      "kv_segment_ids, or neither")
-  lowering, options = _configure(q_BTHD, k_BSKD, v_BSKD, causal=causal, scale=scale,
+  if v_BSKD.shape[:3] != k_BSKD.shape[:3]:
+    raise ValueError(f"flash_attention: k {k_BSKD.shape}, v {v_BSKD.shape}: want k "
+                     "[B, S, K, D] and v [B, S, K, D_v] with the same B, S and K")
+  D_v = v_BSKD.shape[-1]
+  scale = q_BTHD.shape[-1] ** -0.5 if scale is None else scale
+  padded = common.common_head_width(q_BTHD, k_BSKD, v_BSKD)
+  lowering, options = _configure(*padded, causal=causal, scale=scale,
                                  softcap=softcap, window=window, block_q=block_q,
                                  block_k=block_k, interpret=interpret, lowering=lowering,
                                  device=device)
-  return _WHOLE[lowering](q_BTHD, k_BSKD, v_BSKD, q_segment_ids=q_segment_ids,
-                          kv_segment_ids=kv_segment_ids, **options)
+  operands = (q_BTHD, k_BSKD, v_BSKD) if lowering in NATIVE_VALUE_WIDTH else padded
+  out_BTHD = _WHOLE[lowering](*operands, q_segment_ids=q_segment_ids,
+                              kv_segment_ids=kv_segment_ids, **options)
+  return out_BTHD[..., :D_v]
 
 
 def flash_attention_parts(q_BTHD, k_BSKD, *, segments: bool = False, **options):
