@@ -41,7 +41,7 @@ import re
 
 from aot import compiler, targets
 from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
-from configs import gpt2_small
+from configs import gpt2_small, validation
 from model import accounting
 from model.resolve import resolve
 
@@ -503,6 +503,7 @@ def roofline_report(config, target) -> dict:
   report.update(
       target=target.name, devices=devices, batch_size=config.train.batch_size,
       seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      remat=validation.remat_name(config.train.remat),
       model_flops_per_device=model_flops,
       mfu_bound=model_flops / (predicted * chip.peak_flops),
       compiler_cost_analysis=({"flops": cost.get("flops"), "bytes": cost.get("bytes accessed")}

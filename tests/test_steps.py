@@ -12,8 +12,10 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import base
+from configs import base, validation
+from configs.errors import UserError
 from model import build_model
+from model.remat import REMAT_POLICIES, remat_policy
 from training.steps import init_state, jit_eval_step, jit_train_step
 
 B, T = 8, 16
@@ -38,7 +40,7 @@ def next_token_batch() -> dict:
 
 
 @functools.cache
-def sgd_step(*, remat: bool = False, accum_steps: int = 1):
+def sgd_step(*, remat: bool | str = False, accum_steps: int = 1):
   """(loss, gradient, metrics) of one train step on `next_token_batch()` (computed once)."""
   graphdef, params = nnx.split(build_model(model_config(), nnx.Rngs(0), remat=remat))
   tx = optax.sgd(1.0)
@@ -61,6 +63,26 @@ def test_remat_gives_the_same_loss_and_gradients():
   assert loss_remat == pytest.approx(loss, rel=1e-6)
   assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(gradient)) > 1e-3
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_each_remat_policy_gives_the_same_loss_and_gradients(policy):
+  """float32: recomputing (all or part of) a block moves nothing past rounding."""
+  loss, gradient, _ = sgd_step()
+  loss_remat, gradient_remat, _ = sgd_step(remat=policy)
+  assert loss_remat == pytest.approx(loss, rel=1e-6)
+  assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_names_and_the_bools_before_them():
+  """True and False (configs and runs from before the names) are full and none;
+  the registry is the config's list of choices; a bad name is one line naming them."""
+  assert tuple(REMAT_POLICIES) == validation.CHOICES["train.remat"]
+  assert [remat_policy(v).name for v in (True, False, "True", "false", "save_dots")] == [
+      "full", "none", "full", "none", "save_dots"]
+  with pytest.raises(UserError, match="^config field train.remat='dots': must be one of none, "
+                     "full, save_dots, "):
+    remat_policy("dots")
 
 
 def test_remat_recomputes_in_the_backward_pass():
