@@ -15,26 +15,29 @@ from aot import compiler, roofline
 from model.remat import REMAT_POLICIES
 
 
+def policy_row(config, target, name: str) -> dict:
+  """The train step under policy `name`, compiled for `target`: peak and
+  temporary bytes per device, and per device per step the roofline's FLOPs,
+  kernel launches, kernel operand and result bytes and predicted step time
+  (`aot.roofline.summary`)."""
+  policy_config = copy.deepcopy(config)
+  policy_config.train.remat = name
+  lowered, held, _ = compiler.lower_step(policy_config, target)
+  compiled = lowered.compile()
+  memory = compiler._memory(compiled, held)  # pylint: disable=protected-access
+  found = roofline.kernels(compiled.as_text(), causal=config.model.family != "encoder")
+  total = roofline.summary(found, peak_flops=target.chip.peak_flops,
+                           hbm_bandwidth=target.chip.hbm_bandwidth,
+                           launch_seconds=roofline.LAUNCH_SECONDS[target.chip.platform])["total"]
+  return {"remat": name, "peak_bytes": memory["peak"], "temporary_bytes": memory["temporaries"],
+          "flops": total["flops"], "kernel_bytes": total["bytes"], "kernels": total["kernels"],
+          "predicted_step_seconds": total["step_seconds"]}
+
+
 def remat_rows(config, target) -> list[dict]:
-  """One row per policy, `none` first: peak and temporary bytes per device,
-  and per device per step the roofline's FLOPs, the recomputed FLOPs (beyond
-  `none`'s), kernel launches, kernel operand and result bytes and predicted
-  step time (`aot.roofline.summary`)."""
-  rows = []
-  for name in REMAT_POLICIES:
-    policy_config = copy.deepcopy(config)
-    policy_config.train.remat = name
-    lowered, held, _ = compiler.lower_step(policy_config, target)
-    compiled = lowered.compile()
-    memory = compiler._memory(compiled, held)  # pylint: disable=protected-access
-    found = roofline.kernels(compiled.as_text(), causal=config.model.family != "encoder")
-    total = roofline.summary(found, peak_flops=target.chip.peak_flops,
-                             hbm_bandwidth=target.chip.hbm_bandwidth,
-                             launch_seconds=roofline.LAUNCH_SECONDS[target.chip.platform])["total"]
-    rows.append({"remat": name, "peak_bytes": memory["peak"],
-                 "temporary_bytes": memory["temporaries"], "flops": total["flops"],
-                 "kernel_bytes": total["bytes"], "kernels": total["kernels"],
-                 "predicted_step_seconds": total["step_seconds"]})
+  """`policy_row` of every policy, `none` first, each with its recomputed
+  FLOPs (its FLOPs beyond `none`'s)."""
+  rows = [policy_row(config, target, name) for name in REMAT_POLICIES]
   for row in rows:
     row["recomputed_flops"] = row["flops"] - rows[0]["flops"]
   return rows

@@ -267,6 +267,10 @@ def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
   assert roofline.is_measured_run(c, one)
   assert not roofline.is_measured_run(c, roofline.parse_target("gpu:h200:8"))
   assert not roofline.is_measured_run(tiny.get_config(), one)
+  c.train.remat = "save_dots"  # the card ran without remat
+  assert not roofline.is_measured_run(c, one)
+  c.train.remat = False
+  assert roofline.is_measured_run(c, one)
   c.train.batch_size = 16
   assert not roofline.is_measured_run(c, one)
 
