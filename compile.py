@@ -6,7 +6,9 @@
 Prints per device the memory (compiler beside model.accounting), whether it
 fits the chip's HBM, FLOPs per step, the collectives and a roofline bound on
 step time and MFU (`aot/compiler.py`). --step=eval or --step=generate
-compiles the eval step or one KV-cache decoding step instead. TPU targets
+compiles the eval step or one KV-cache decoding step instead;
+--remat_policies compiles the train step once per train.remat policy and
+prints each one's memory and recomputed FLOPs. TPU targets
 need libtpu (`make install-tpu`), GPU targets
 `pip install -r requirements-gpu.txt`; no accelerator is needed.
 """
@@ -26,6 +28,9 @@ _TARGET = flags.DEFINE_string("target", None, "tpu:<chip>:<topology> (tpu:v5p:4x
                               "gpu:h200:<gpus> (gpu:h200:8).")
 _STEP = flags.DEFINE_enum("step", "train", ["train", "eval", "generate"], "Which step to compile.")
 _JSON = flags.DEFINE_bool("json", False, "Print the report as JSON.")
+_REMAT_POLICIES = flags.DEFINE_bool(
+    "remat_policies", False, "Compile the train step under every train.remat policy and print "
+    "each one's memory and recomputed FLOPs (aot/remat_policies.py) instead of the report.")
 flags.mark_flags_as_required(["config", "target"])
 
 
@@ -38,10 +43,15 @@ def main(argv):
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # several compiles at once
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver needed
   from aot import compiler as aot  # pylint: disable=import-outside-toplevel
+  from aot import remat_policies  # pylint: disable=import-outside-toplevel
   from aot import targets as aot_targets  # pylint: disable=import-outside-toplevel
   try:
-    report = aot.compile_report(_CONFIG.value, aot_targets.parse_target(_TARGET.value),
-                                step=_STEP.value)
+    target = aot_targets.parse_target(_TARGET.value)
+    if _REMAT_POLICIES.value:
+      rows = remat_policies.remat_rows(_CONFIG.value, target)
+      print(json.dumps(rows, indent=1) if _JSON.value else remat_policies.format_rows(rows))
+      return
+    report = aot.compile_report(_CONFIG.value, target, step=_STEP.value)
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -42,7 +42,7 @@ import re
 
 from aot import compiler, targets
 from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
-from configs import gpt2_small
+from configs import gpt2_small, validation
 from model import accounting
 from model.kernels import gated_delta
 from model.resolve import resolve
@@ -472,15 +472,15 @@ def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
 # bench.train_throughput on 2026-12-04, median of 20 steps, attention_impl=pallas
 # (Mosaic GPU, which `auto` now picks there), MFU against 989 TFLOP/s.
 MEASURED = {"chip": "h200", "config": "configs/gpt2_small.py", "batch_size": 32,
-            "seq_len": 1024, "step_seconds": 0.10624, "mfu": 0.267,
+            "seq_len": 1024, "remat": "none", "step_seconds": 0.10624, "mfu": 0.267,
             "source": "bench/RESULTS.md (GPT-2 small training, H200, 2026-12-04, "
                       "attention_impl=pallas)"}
 
 
 def is_measured_run(config, target) -> bool:
   """Whether `config` on `target` is the run `MEASURED` timed: GPT-2 small's
-  model (scanned or not) at its batch on one H200 (train.loss_chunk_size may
-  differ)."""
+  model (scanned or not) at its batch and train.remat policy on one H200
+  (train.loss_chunk_size may differ)."""
   def model(c):
     fields = c.model.to_dict()
     return {k: v for k, v in fields.items() if k not in ("scan_layers", "scan_unroll")}
@@ -488,7 +488,8 @@ def is_measured_run(config, target) -> bool:
   return (target.chip_name == MEASURED["chip"] and target.num_devices == 1
           and model(config) == model(gpt2_small.get_config())
           and (config.train.batch_size, config.train.seq_len)
-          == (MEASURED["batch_size"], MEASURED["seq_len"]))
+          == (MEASURED["batch_size"], MEASURED["seq_len"])
+          and validation.remat_name(config.train.remat) == MEASURED["remat"])
 
 
 def parse_target(text: str):
@@ -519,6 +520,7 @@ def roofline_report(config, target) -> dict:
   report.update(
       target=target.name, devices=devices, batch_size=config.train.batch_size,
       seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      remat=validation.remat_name(config.train.remat),
       model_flops_per_device=model_flops,
       mfu_bound=model_flops / (predicted * chip.peak_flops),
       compiler_cost_analysis=({"flops": cost.get("flops"), "bytes": cost.get("bytes accessed")}

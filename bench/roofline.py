@@ -20,6 +20,9 @@ each loop body counted once, as the compiler counts them. For GPT-2 small
 (configs/gpt2_small.py, 32 x 1024) on one H200, the step the card measured
 (`aot.roofline.MEASURED`) is printed beside the prediction.
 
+The report names its train.remat policy; `python compile.py ... --remat_policies`
+sets every policy side by side (memory, recomputed FLOPs).
+
 `gpu:h200` is one H200 (`gpu:h200:1`). Prints a table (the `--top` kernels
 by time, then the groups); `--json` prints the report as JSON instead,
 `--out FILE` writes it there too. Bad input: one line on stderr, exit 2.
@@ -54,7 +57,7 @@ def format_report(report: dict, top: int) -> str:
   lines = [f"train step, batch {report['batch_size']} x {report['seq_len']}"
            + (f", loss in chunks of {report['loss_chunk_size']}"
               if report["loss_chunk_size"] else "")
-           + f", on {report['target']} ({report['devices']} device(s)); per device: peak "
+           + f", remat {report['remat']}, on {report['target']} ({report['devices']} device(s)); per device: peak "
            f"{report['peak_flops'] / 1e12:.0f} TFLOP/s, {report['hbm_bandwidth'] / 1e12:.2f} "
            f"TB/s HBM, {1e6 * report['launch_seconds_per_kernel']:.0f} us a kernel launch",
            "", f"top {top} kernels by time per step (flop and byte times per launch):",

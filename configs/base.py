@@ -262,7 +262,11 @@ def get_config() -> config_dict.ConfigDict:
   tr.mtp_weight = 0.3  # lambda of the MTP loss, lambda / D x the sum of the D depths' mean
   #   cross-entropies, added to the main loss (DeepSeek-V3: 0.3, then 0.1)
   tr.grad_clip = 1.0  # global-norm clipping; 0 disables
-  tr.remat = False  # recompute block activations in the backward pass
+  tr.remat = config_dict.FieldReference("none", field_type=object)  # what the backward pass
+  #   recomputes (model/remat.py): none | full (each block from its input) | save_dots |
+  #   save_dots_except_mlp | save_qkv_proj | save_attention_out | save_out_proj (recompute the
+  #   block, keep what the name says); True and False (configs, flags and runs from before the
+  #   names) mean full and none
   tr.loss_chunk_size = 0  # tokens per chunk of the LM head and loss (no f32 [B, T, V]); 0: off
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
   #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE, else

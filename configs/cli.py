@@ -214,7 +214,7 @@ def _unknown_flag(arg: str, fields: list[str]) -> UserError:
 def _override_text(argv: list[str], i: int, kind: type) -> str | None:
   """The text that `argv[i]`, `--config.<field>[=text]`, gives its field of
   type `kind`: after the `=`, else the next argument (absl's `--flag value`);
-  None for a bare bool flag (`--config.train.remat`, true)."""
+  None for a bare bool flag (`--config.train.allow_config_changes`, true)."""
   arg = argv[i]
   if "=" in arg:
     return arg.split("=", 1)[1]

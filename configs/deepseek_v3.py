@@ -44,6 +44,6 @@ def get_config():
                  scan_layers=True)  # the 3 dense layers, then the 58 with experts: two scans
   c.tokenizer.update(vocab_size=129280)
   c.train.update(batch_size=256, seq_len=4096, learning_rate=2.2e-4, warmup_steps=2000,
-                 remat=True, moe_seq_aux_loss=1e-4,  # DeepSeek-V3's alpha and bias-update gamma
+                 remat="full", moe_seq_aux_loss=1e-4,  # DeepSeek-V3's alpha and bias-update gamma
                  moe_bias_update_rate=1e-3)
   return c

@@ -13,5 +13,7 @@ def get_config():
                  dtype="bfloat16")
   c.tokenizer.update(kind="bpe", vocab_size=50304)
   c.train.update(batch_size=32, seq_len=1024, learning_rate=6e-4, warmup_steps=700,
-                 num_steps=20000, b2=0.95, weight_decay=0.1)
+                 num_steps=20000, b2=0.95, weight_decay=0.1,
+                 remat="save_dots")  # scanned, the H200 roofline's step 81 -> 65 ms
+  #   (docs/benchmarks.md, remat policies): the scan stacks matmul outputs only
   return c

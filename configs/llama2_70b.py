@@ -19,5 +19,5 @@ def get_config():
                  scan_unroll=1)  # one block's working set per scan iteration: less HBM
   c.tokenizer.update(kind="spm_bpe", vocab_size=32000)
   c.train.update(batch_size=256, seq_len=4096, learning_rate=1.5e-4, warmup_steps=2000,
-                 remat=True)
+                 remat="full")
   return c

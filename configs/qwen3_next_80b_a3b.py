@@ -28,5 +28,5 @@ def get_config():
                  moe_shared_expert_gate=True, moe_router="softmax_topk_norm",
                  scan_layers=True)  # one scanned cycle of four layers, 12 times
   c.tokenizer.update(vocab_size=151936)
-  c.train.update(batch_size=256, seq_len=4096, remat=True)
+  c.train.update(batch_size=256, seq_len=4096, remat="full")
   return c

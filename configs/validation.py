@@ -48,6 +48,8 @@ CHOICES = {
     "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
     "train.optimizer": ("adamw", "adafactor", "lion", "muon"),
     "train.schedule": ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
+    "train.remat": ("none", "full", "save_dots", "save_dots_except_mlp", "save_qkv_proj",
+                    "save_attention_out", "save_out_proj"),
     "mesh.context_strategy": ("ring", "all_gather", "auto"),
 }
 
@@ -299,6 +301,21 @@ def attention_scale(m) -> float:
   if m.parametrization == "mup":
     return math.sqrt(head_dim(m) / width_mult(m)) / head_dim(m)
   return head_dim(m) ** -0.5
+
+
+def remat_name(value) -> str:
+  """The train.remat policy a value names (model/remat.py): a name of
+  `CHOICES["train.remat"]`, or the bool of configs and runs from before the
+  policies had names (True, also written "true" on the command line, is
+  `full`; False is `none`). UserError for anything else."""
+  if isinstance(value, str) and value.lower() in ("true", "false"):
+    value = value.lower() == "true"
+  if isinstance(value, bool):
+    return "full" if value else "none"
+  if value not in CHOICES["train.remat"]:
+    _fail("train.remat", value, f"must be one of {', '.join(CHOICES['train.remat'])} "
+          "(True and False mean full and none)")
+  return value
 
 
 def eval_every(t) -> int:
@@ -825,6 +842,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   _check_positive(config, "data.seed", allow_none=True, allow_zero=True)
   _check_positive(config, "train.restore_step", allow_none=True)
   _validate_budget(config.train)
+  remat_name(config.train.remat)
   family, objective = config.model.family, config.train.objective
   if objective not in OBJECTIVES[family]:
     _fail("train.objective", objective,

@@ -58,6 +58,7 @@ from model.gated_deltanet import linear_params, rule_flops, state_shapes
 from model.mlp import MLPS
 from model.norms import NORMS
 from model.positions import POSITIONS
+from model.remat import remat_policy
 from model.transformer import segment
 
 # The attribute of a `Block` that owns a parameter -> its component.
@@ -502,7 +503,18 @@ def _layer_activation_elements(m, seq_len: int, cross: bool, backend: str | None
   return (2 if cross else 1) * attention + mlp + norms
 
 
-def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
+def _saved_elements(m, policy) -> int:
+  """Elements per token one layer keeps beside its input under a remat
+  `policy` (model/remat.py): the tagged tensors it saves (an MLA or linear-
+  attention layer's projections count as multi-head attention's)."""
+  h, g, dk, d = m.num_heads, m.num_kv_heads, m.head_dim, m.d_model
+  sizes = {"query_proj": h * dk, "key_proj": g * dk, "value_proj": g * dk,
+           "attention_out": h * m.v_head_dim, "out_proj": d,
+           "mlp_hidden": (MLPS[m.mlp].matrices - 1) * m.d_ff, "mlp_out": d}
+  return sum(sizes[name] for name in policy.saves)
+
+
+def activation_bytes_per_token(model_cfg, seq_len: int, remat,
                                backend: str | None = None, context: int = 1,
                                expert: int = 1) -> int:
   """Activation memory per token of a training step, after Korthikanti et al.
@@ -544,9 +556,10 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   activation and norm), the input of each stack's `embedding_norm` (d) and
   the float32 logits (4 V bytes).
 
-  With remat (train.remat) each block keeps only its input (d elements per
-  layer) and recomputes the rest in the backward pass, where one block's
-  full activations are live at a time.
+  With remat (train.remat: a policy name of model/remat.py, or a bool, True
+  meaning full) each block keeps only its input (d elements per layer) and
+  the tensors its policy saves (`_saved_elements`) and recomputes the rest in
+  the backward pass, where one block's full activations are live at a time.
   """
   m = ModelConfig.resolve(model_cfg)
   stacks = _layer_stacks(m)
@@ -556,8 +569,9 @@ def activation_bytes_per_token(model_cfg, seq_len: int, remat: bool,
   if n_moe:
     per_layer.append((n_moe, _layer_activation_elements(m, seq_len, False, backend, context,
                                                         moe=True, expert=expert)))
-  if remat:
-    layer_elements = (sum(num for num, _ in per_layer) * m.d_model
+  policy = remat_policy(remat)
+  if policy.remat:
+    layer_elements = (sum(num for num, _ in per_layer) * (m.d_model + _saved_elements(m, policy))
                       + max(elements for num, elements in per_layer if num))
   else:
     layer_elements = sum(num * elements for num, elements in per_layer)

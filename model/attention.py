@@ -74,6 +74,7 @@ from model.layers import Dense, batch_axes, compile_device
 from model.norms import make_qk_norm
 from model.positions import POSITIONS
 from model.registry import Registry
+from model.remat import tag
 from model.scores import SCORES
 
 # The optional features of an attention call (`AttentionOptions.features`), in
@@ -723,7 +724,7 @@ class Attention(nnx.Module):
   def project_q(self, x_BTM, positions_BT=None):
     """Q [B, T, h, d_k]: normalised with `qk_norm`, then rotated when RoPE is
     on and `positions_BT` are given (self-attention)."""
-    q_BTHD = self.q_proj(x_BTM)
+    q_BTHD = tag(self.q_proj(x_BTM), "query_proj")
     if self.q_norm is not None:
       q_BTHD = self.q_norm(q_BTHD)
     return self._rotate(q_BTHD, positions_BT)
@@ -731,18 +732,19 @@ class Attention(nnx.Module):
   def project_kv(self, context_BSM, positions_BS=None):
     """K and V [B, S, g, d_k] (K normalised with `qk_norm`, then rotated when
     RoPE is on and `positions_BS` are given)."""
-    k_BSKD = self.k_proj(context_BSM)
+    k_BSKD = tag(self.k_proj(context_BSM), "key_proj")
     if self.k_norm is not None:
       k_BSKD = self.k_norm(k_BSKD)
-    return self._rotate(k_BSKD, positions_BS), self.v_proj(context_BSM)
+    return self._rotate(k_BSKD, positions_BS), tag(self.v_proj(context_BSM), "value_proj")
 
   def project_out(self, out_BTHD, x_BTM):
     """W_O of the heads' output, gated by sigmoid(x W_G) with
     `attention_output_gate` (x: the layer's input, the queries' tokens)."""
+    out_BTHD = tag(out_BTHD, "attention_out")
     if self.gate_proj is not None:
       gate_BTHD = jax.nn.sigmoid(self.gate_proj(x_BTM).astype(jnp.float32))
       out_BTHD = (out_BTHD.astype(jnp.float32) * gate_BTHD).astype(out_BTHD.dtype)
-    return self.o_proj(out_BTHD)
+    return tag(self.o_proj(out_BTHD), "out_proj")
 
   def __call__(self, x_BTM, *, positions_BT=None, context_BSM=None, context_kv=None,
                causal=False, segment_ids=None, mask=None, bias=None):

@@ -16,6 +16,7 @@ import jax
 from flax import nnx
 
 from model.layers import Dense
+from model.remat import tag
 from model.registry import Registry
 
 
@@ -71,11 +72,11 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BTM):
     if self.gate is not None:
-      gate_BTF, up_BTF = self.gate(x_BTM), self.up(x_BTM)
+      gate_BTF, up_BTF = tag(self.gate(x_BTM), "mlp_hidden"), tag(self.up(x_BTM), "mlp_hidden")
       with jax.named_scope("activation"):
         h_BTF = self.activation(gate_BTF) * up_BTF
     else:
-      up_BTF = self.up(x_BTM)
+      up_BTF = tag(self.up(x_BTM), "mlp_hidden")
       with jax.named_scope("activation"):
         h_BTF = self.activation(up_BTF)
-    return self.down(h_BTF)
+    return tag(self.down(h_BTF), "mlp_out")

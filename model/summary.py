@@ -179,7 +179,7 @@ def format_table(config, report: dict) -> str:
                    f"{config.mesh.context}, causal)", rows) + [""]
   memory = [(part, size, _bytes(size)) for part, size in report["training_memory_bytes"].items()]
   lines += _rows(f"Training memory, bytes ({t.optimizer}, batch {t.batch_size} x {t.seq_len}, "
-                 f"grad_accum {t.grad_accum_steps}, remat={t.remat})", memory)
+                 f"grad_accum {t.grad_accum_steps}, remat={validation.remat_name(t.remat)})", memory)
   return "\n".join(lines)
 
 

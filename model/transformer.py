@@ -54,6 +54,7 @@ from model.mtp import MTPModule, shift as mtp_shift
 from model.norms import make_norm
 from model.positions import POSITIONS
 from model.relative_bias import positions_row
+from model.remat import remat_policy
 
 
 # The logit of a padded vocabulary row (past `model.real_vocab_size`): finite,
@@ -90,11 +91,11 @@ class _Stack(nnx.Module):
   """Embedding, positions, a stack of blocks, final norm and output head."""
 
   def __init__(self, cfg, *, num_layers: int, cross: bool, causal: bool, embed: Embed | None,
-               rngs: nnx.Rngs, remat: bool = False):
+               rngs: nnx.Rngs, remat: bool | str = False):
     self.d_model = cfg.d_model
     self.dtype = cfg.dtype  # the KV cache's (model/generate.py)
     self.scale_embeddings = cfg.scale_embeddings
-    self.remat = remat
+    self.remat = remat_policy(remat)
     self.embed = embed if embed is not None else Embed(cfg, rngs=rngs)
     scheme = POSITIONS[cfg.pos_emb]
     self.positions = scheme.embedding(cfg, rngs=rngs) if scheme.embedding else None
@@ -174,8 +175,8 @@ class _Stack(nnx.Module):
 
     def block(layer, h_BTM):
       run = lambda blk, h: blk(h, **kwargs)
-      if self.remat:
-        run = nnx.remat(run, prevent_cse=barrier)
+      if self.remat.remat:
+        run = nnx.remat(run, prevent_cse=barrier, policy=self.remat.jax_policy())
       h_BTM, stats = run(layer, h_BTM)
       return _batch_split(h_BTM), stats
 
@@ -536,7 +537,7 @@ class _WithHead(nnx.Module):
 class Decoder(_WithHead):
   """Decoder-only language model (causal, next-token)."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False, mtp_depth: int = 0):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool | str = False, mtp_depth: int = 0):
     """`mtp_depth`: DeepSeek-V3's multi-token prediction modules after the
     stack (train.mtp_depth; `model/mtp.py`), built after everything else so
     that the model's own parameters draw what they draw without them."""
@@ -610,7 +611,7 @@ class Decoder(_WithHead):
 class Encoder(_WithHead):
   """Encoder-only model (bidirectional) with a masked-LM head."""
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool | str = False):
     self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=False,
                           embed=None, rngs=rngs, remat=remat)
     self._init_head(cfg, rngs)
@@ -643,7 +644,7 @@ class EncoderDecoder(_WithHead):
   The token embedding is shared by encoder, decoder and (when tied) head.
   """
 
-  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool = False):
+  def __init__(self, cfg, *, rngs: nnx.Rngs, remat: bool | str = False):
     self.encoder = _Stack(cfg, num_layers=cfg.num_layers, cross=False, causal=False,
                           embed=None, rngs=rngs, remat=remat)
     self.decoder = _Stack(cfg, num_layers=cfg.num_decoder_layers, cross=True, causal=True,

@@ -164,7 +164,7 @@ def test_encoder_decoder_layers_reported_separately():
 
 def test_activations_follow_korthikanti_without_dropout():
   config = gpt2_small.get_config()
-  config.model.attention_impl = "xla"
+  config.model.attention_impl, config.train.remat = "xla", "none"
   d, h, S, V, L, B = 768, 12, 1024, 50304, 12, 32
   per_token = L * (32 * d + 2 * h * S) + 2 * d + 4 * V
   memory = accounting.training_memory_bytes(config)

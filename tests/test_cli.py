@@ -52,8 +52,8 @@ def _parse(monkeypatch, *args):
      "--config.train.batch_size=3.5: expected an int, got '3.5'\n"),
     (["--config", "configs/tiny.py", "--config.train.learning_rate=fast"],
      "--config.train.learning_rate=fast: expected a float, got 'fast'\n"),
-    (["--config", "configs/tiny.py", "--config.train.remat=yes"],
-     "--config.train.remat=yes: expected a bool (true or false), got 'yes'\n"),
+    (["--config", "configs/tiny.py", "--config.train.allow_config_changes=yes"],
+     "--config.train.allow_config_changes=yes: expected a bool (true or false), got 'yes'\n"),
     (["--config", "configs/tiny.py", "--config.data.seed=None"],  # None by default
      "--config.data.seed=None: expected an int, got 'None' (a field is set to None in a "
      "config file, not on the command line)\n"),
@@ -111,8 +111,10 @@ def test_good_flags_parse(monkeypatch):
 @pytest.mark.parametrize("args,field,value", [
     (["--config.train.batch_size", "8"], "train.batch_size", 8),
     (["--config.train.learning_rate=1"], "train.learning_rate", 1.0),
-    (["--config.train.remat"], "train.remat", True),
-    (["--config.train.remat=false"], "train.remat", False),
+    (["--config.train.allow_config_changes"], "train.allow_config_changes", True),
+    (["--config.train.allow_config_changes=false"], "train.allow_config_changes", False),
+    (["--config.train.remat"], "train.remat", True),  # a policy name, or a bool for full/none
+    (["--config.train.remat=save_dots"], "train.remat", "save_dots"),
     (["--config.data.seed=0x10"], "data.seed", 16),
     (["--config.data.labels=('neg', 'pos')"], "data.labels", ("neg", "pos")),
     (["--config.data.labels=neg"], "data.labels", ("neg",)),
@@ -133,8 +135,8 @@ def test_values_of_each_type_parse(monkeypatch, args, field, value):
      "named 'no_such_module_here'"),
     (["--config", "configs/tiny.py", "--config.train.batch_size=abc"],
      "error: --config.train.batch_size=abc: expected an int, got 'abc'"),
-    (["--config", "configs/tiny.py", "--config.train.remat=maybe"],
-     "error: --config.train.remat=maybe: expected a bool (true or false), got 'maybe'"),
+    (["--config", "configs/tiny.py", "--config.train.allow_config_changes=maybe"],
+     "error: --config.train.allow_config_changes=maybe: expected a bool (true or false), got 'maybe'"),
     (["--config", "configs/tiny.py", "--num_steps=100"],
      "error: --num_steps: no such flag; the config field is --config.train.num_steps=100"),
     (["--config", "configs/tiny.py", "extra"], "error: unexpected arguments: extra (train.py "

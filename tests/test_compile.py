@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from configs import llama2_70b, tiny
+from configs import llama2_70b, tiny, validation
 from configs.errors import UserError
 from model import accounting
 from tests.helpers import ROOT, with_libtpu
@@ -282,6 +282,22 @@ def test_llama2_70b_scanned_needs_no_more_than_the_loop():
                        "--config.mesh.fsdp=256", "--json")
   assert result.returncode == 0, result.stderr
   assert json.loads(result.stdout)["memory_per_device"]["peak"] <= LLAMA2_70B_LOOPED_PEAK
+
+
+@pytest.mark.tpu
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # seven compiles: 3 minutes on 2 CPU cores at a load of 15
+def test_every_remat_policy_compiles_and_reports_memory_and_recomputed_flops():
+  """One row per train.remat policy: `none` recomputes nothing, `full` keeps the
+  least and recomputes the most, a policy that saves the matmuls in between."""
+  result = compile_cli("--config", "configs/tiny.py", "--target", "tpu:v5e:2x2",
+                       "--config.model.scan_layers=False", "--remat_policies", "--json")
+  assert result.returncode == 0, result.stderr
+  rows = {r["remat"]: r for r in json.loads(result.stdout)}
+  assert tuple(rows) == validation.CHOICES["train.remat"]
+  assert rows["none"]["recomputed_flops"] == 0
+  assert 0 < rows["save_dots"]["recomputed_flops"] < rows["full"]["recomputed_flops"]
+  assert rows["full"]["temporary_bytes"] < rows["none"]["temporary_bytes"]
 
 
 @pytest.mark.cuda

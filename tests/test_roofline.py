@@ -280,9 +280,13 @@ def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
   assert (one.name, one.num_devices) == ("gpu:h200:1", 1)
   c = gpt2_small.get_config()
   c.model.scan_layers, c.train.loss_chunk_size = False, 4096
+  assert not roofline.is_measured_run(c, one)  # the preset's save_dots; the card ran none
+  c.train.remat = "none"
   assert roofline.is_measured_run(c, one)
   assert not roofline.is_measured_run(c, roofline.parse_target("gpu:h200:8"))
   assert not roofline.is_measured_run(tiny.get_config(), one)
+  c.train.remat = False  # a bool from before the names: False is none
+  assert roofline.is_measured_run(c, one)
   c.train.batch_size = 16
   assert not roofline.is_measured_run(c, one)
 

@@ -53,6 +53,17 @@ def test_resume_records_safe_changes_and_refuses_others(tok_dir, tmp_path):
   assert report["config_history"][1].startswith("step 4: train.allow_config_changes False")
 
 
+def test_a_run_saved_with_remat_true_resumes_under_its_policy_name(tok_dir, tmp_path):
+  """train.remat=True (a bool, as runs saved it before the policies had names)
+  resumes as remat=full: the same policy, so no change to refuse or record."""
+  workdir = str(tmp_path / "run")
+  loop.train(_config(tok_dir, remat=True), workdir)
+  assert workdir_lib.load_config(workdir).train.remat is True
+  loop.train(_config(tok_dir, remat="full", num_steps=4), workdir)
+  assert [h["changes"] for h in workdir_lib.read_history(workdir)] == [
+      [["train.num_steps", 2, 4]]]
+
+
 def test_a_field_set_to_the_value_its_unset_default_means_is_no_change():
   saved = {"train": {"seed": 3}, "data": {"seed": None},
            "model": {"num_heads": 4, "num_kv_heads": None}}
@@ -263,8 +274,8 @@ def test_changed_sweep_is_refused_and_status_says_changed(tmp_path):
      "error: --num_steps: no such flag; the config field is --config.train.num_steps=100"),
     (["--config", "configs/nope.py"],
      "error: no such config file: configs/nope.py (the presets: configs/addition.py, "),
-    (["--config", "configs/tiny.py", "--config.train.remat=yes"],
-     "error: --config.train.remat=yes: expected a bool (true or false), got 'yes'"),
+    (["--config", "configs/tiny.py", "--config.train.allow_config_changes=yes"],
+     "error: --config.train.allow_config_changes=yes: expected a bool (true or false), got 'yes'"),
 ])
 def test_flag_mistakes_are_one_line(args, message):
   run = subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,

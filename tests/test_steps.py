@@ -12,17 +12,25 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import base
+from configs import base, gpt2_small, validation
+from configs.errors import UserError
 from model import build_model
+from model.remat import REMAT_POLICIES, remat_policy
 from training.steps import init_state, jit_eval_step, jit_train_step
 
 B, T = 8, 16
 
 
-def model_config():
+# GPT-2's kind of layer (configs/gpt2_small.py), two of them scanned.
+GPT2_LAYERS = dict(num_layers=2, scan_layers=True, pos_emb="learned", norm="layernorm",
+                   mlp="gelu_tanh", use_bias=True, tie_embeddings=True)
+
+
+def model_config(**overrides):
   m = base.get_config().model
   m.update(vocab_size=64, d_model=32, num_layers=1, num_heads=4, num_kv_heads=2, d_ff=64,
            max_len=T, pos_emb="rope", attention_impl="xla")
+  m.update(**overrides)
   return m
 
 
@@ -38,9 +46,11 @@ def next_token_batch() -> dict:
 
 
 @functools.cache
-def sgd_step(*, remat: bool = False, accum_steps: int = 1):
-  """(loss, gradient, metrics) of one train step on `next_token_batch()` (computed once)."""
-  graphdef, params = nnx.split(build_model(model_config(), nnx.Rngs(0), remat=remat))
+def sgd_step(*, remat: bool | str = False, accum_steps: int = 1, gpt2_layers: bool = False):
+  """(loss, gradient, metrics) of one train step on `next_token_batch()` (computed once),
+  of `model_config()`, or with `gpt2_layers` of its `GPT2_LAYERS` variant."""
+  cfg = model_config(**(GPT2_LAYERS if gpt2_layers else {}))
+  graphdef, params = nnx.split(build_model(cfg, nnx.Rngs(0), remat=remat))
   tx = optax.sgd(1.0)
   before = jax.device_get(params)
   step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", accum_steps)
@@ -61,6 +71,35 @@ def test_remat_gives_the_same_loss_and_gradients():
   assert loss_remat == pytest.approx(loss, rel=1e-6)
   assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
   assert max(float(np.abs(g).max()) for g in jax.tree.leaves(gradient)) > 1e-3
+
+
+@pytest.mark.parametrize("policy", [p for p in REMAT_POLICIES if p != "none"])
+def test_each_remat_policy_gives_the_same_loss_and_gradients(policy):
+  """float32: recomputing (all or part of) a block moves nothing past rounding."""
+  loss, gradient, _ = sgd_step()
+  loss_remat, gradient_remat, _ = sgd_step(remat=policy)
+  assert loss_remat == pytest.approx(loss, rel=1e-6)
+  assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
+
+
+def test_gpt2_smalls_policy_on_its_layers_scanned_gives_the_same_loss_and_gradients():
+  """configs/gpt2_small.py's train.remat on its kind of layer, two scanned, float32."""
+  policy = gpt2_small.get_config().train.remat
+  loss, gradient, _ = sgd_step(gpt2_layers=True)
+  loss_remat, gradient_remat, _ = sgd_step(remat=policy, gpt2_layers=True)
+  assert loss_remat == pytest.approx(loss, rel=1e-6)
+  assert_trees_close(gradient_remat, gradient, rtol=1e-5, atol=1e-7)
+
+
+def test_remat_names_and_the_bools_before_them():
+  """True and False (configs and runs from before the names) are full and none;
+  the registry is the config's list of choices; a bad name is one line naming them."""
+  assert tuple(REMAT_POLICIES) == validation.CHOICES["train.remat"]
+  assert [remat_policy(v).name for v in (True, False, "True", "false", "save_dots")] == [
+      "full", "none", "full", "none", "save_dots"]
+  with pytest.raises(UserError, match="^config field train.remat='dots': must be one of none, "
+                     "full, save_dots, "):
+    remat_policy("dots")
 
 
 def test_remat_recomputes_in_the_backward_pass():

@@ -53,30 +53,27 @@ def loss_sums(logits_BTV, targets_BT, weights_BT):
   loss = log Z - logit[target] with log Z = logsumexp(logits), in float32; a
   prediction is correct when the target's logit is the maximum, which reuses
   the max of the logsumexp instead of a separate argmax pass over the
-  vocabulary.
+  vocabulary. The target's logit is selected, not gathered
+  (`_selected_target`): the gradient, softmax minus one-hot, has no scatter.
   """
   with jax.named_scope("loss"):
     return _loss_sums(logits_BTV, targets_BT, weights_BT)
 
 
-def _gathered_target(logits_BTV, targets_BT):
-  """The target's logit [B, T], gathered (its gradient a scatter)."""
-  return jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
-
-
 def _selected_target(logits_BTV, targets_BT):
   """The target's logit [B, T], selected where an iota over the vocabulary
-  equals the target (its gradient a select: no scatter); the same value as
-  `_gathered_target`, the other logits adding exact zeros."""
+  equals the target (its gradient a select: no scatter into [B, T, V]); the
+  same value as a gather (`jnp.take_along_axis`), the other logits adding
+  exact zeros."""
   hit_BTV = jax.lax.broadcasted_iota(jnp.int32, logits_BTV.shape, 2) == targets_BT[..., None]
   return jnp.where(hit_BTV, logits_BTV, 0.0).sum(axis=-1)
 
 
-def _loss_sums(logits_BTV, targets_BT, weights_BT, target_logit=_gathered_target):
+def _loss_sums(logits_BTV, targets_BT, weights_BT):
   logits_BTV = logits_BTV.astype(jnp.float32)
   max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
   lse_BT = max_BT + jnp.log(jnp.exp(logits_BTV - max_BT[..., None]).sum(axis=-1))
-  target_BT = target_logit(logits_BTV, targets_BT)
+  target_BT = _selected_target(logits_BTV, targets_BT)
   losses_BT = lse_BT - target_BT
   correct_BT = (target_BT >= max_BT).astype(jnp.float32)
   return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum(),
@@ -108,7 +105,7 @@ def chunked_loss_sums(logits_fn, hidden_BTM, targets_BT, weights_BT, chunk_size:
 
   @jax.checkpoint
   def chunk_sums(x_BCM, targets_BC, weights_BC):
-    return _loss_sums(logits_fn(x_BCM), targets_BC, weights_BC, target_logit=_selected_target)
+    return _loss_sums(logits_fn(x_BCM), targets_BC, weights_BC)
 
   def add_chunk(sums, chunk):
     return tuple(a + b for a, b in zip(sums, chunk_sums(*chunk))), None

@@ -27,7 +27,7 @@ from model import accounting
 from training.hardware import device_memory_limit
 
 SHRINK_FLAGS = ("--config.train.batch_size (smaller), --config.train.grad_accum_steps (more "
-                "micro-batches), --config.train.seq_len, --config.train.remat=True, "
+                "micro-batches), --config.train.seq_len, --config.train.remat=full, "
                 "--config.model.dtype=bfloat16, or more devices on --config.mesh.fsdp")
 
 

@@ -45,11 +45,11 @@ def init_state(params, tx, seed: int) -> dict:
               jax.random.key(seed))}
 
 
-def abstract_state(config, remat: bool = False):
+def abstract_state(config, remat: bool | str = False):
   """(graphdef, train state of ShapeDtypeStructs) of a run config, nothing allocated.
 
-  The restore target for a checkpoint saved with `config`; with `remat` the
-  graphdef recomputes block activations in the backward pass (train.remat).
+  The restore target for a checkpoint saved with `config`; `remat` (train.remat,
+  a policy of model/remat.py) is what the graphdef recomputes in the backward pass.
   A model whose attention cannot run split over `mesh.context` devices is
   refused here, in one line, before anything is written.
   """

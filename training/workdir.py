@@ -223,6 +223,9 @@ def check_resume(config: config_dict.ConfigDict, workdir: str) -> list:
   # A layout left unset (None) resumes as the saved run's (`keep_layout`): no change.
   changes = [c for c in changes if not (c[0] == "model.scan_layers" and c[1] is None
                                         and c[2] == validation.scan_layers(saved.model))]
+  # A run saved with a bool train.remat resumes under the policy it names (True: full).
+  changes = [c for c in changes if not (c[0] == "train.remat" and
+                                        validation.remat_name(c[1]) == validation.remat_name(c[2]))]
   unsafe = unsafe_changes(changes)
   if unsafe and not config.train.allow_config_changes:
     raise UserError(f"{workdir} was trained with another config: {describe_changes(unsafe)}; "
