@@ -77,7 +77,8 @@ def format_report(report: dict, top: int) -> str:
   lines += ["", f"GEMMs: {gemms['kernels']} kernels a step, {gemms['bytes'] / 1e9:.1f} GB; "
             f"with FP8 operands {fp8['all']['kernels']}, {fp8['all']['bytes'] / 1e9:.1f} GB"]
   lines += [f"  {operands:<36} {g['kernels']:7d} kernels {g['bytes'] / 1e9:8.1f} GB "
-            f"{1e3 * g['step_seconds']:8.2f} ms" for operands, g in fp8.items() if operands != "all"]
+            f"{1e3 * g['step_seconds']:8.2f} ms"
+            for operands, g in fp8.items() if operands != "all"]
   lines += ["", f"predicted step {1e3 * total['step_seconds']:.1f} ms (the sum over kernels "
             "of max(FLOP time, byte time) + launch): MFU <= "
             f"{100 * report['mfu_bound']:.1f}% (model FLOPs "

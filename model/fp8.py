@@ -50,10 +50,18 @@ MIN_COMPUTE_CAPABILITY = (8, 9)
 
 
 class Fp8Meta(nnx.Variable):
-  """A projection's delayed-scaling state: `scales` [3] or `amax_history`
-  [3, history], rows input / kernel / output gradient. Part of the model's
-  state (checkpointed), not an `nnx.Param`: the optimizer leaves it alone and
-  the train step overwrites it with its gradient (`overwrite_fp8_meta`)."""
+  """A projection's delayed-scaling state, rows input / kernel / output
+  gradient. Part of the model's state (checkpointed), not an `nnx.Param`:
+  the optimizer leaves it alone and the train step overwrites it with its
+  gradient (`overwrite_fp8_meta`)."""
+
+
+class Fp8Scale(Fp8Meta):
+  """The three scales [3] the next step quantizes with."""
+
+
+class Fp8AmaxHistory(Fp8Meta):
+  """The three amax histories [3, history], newest first."""
 
 
 def is_fp8_meta(x) -> bool:
@@ -149,8 +157,8 @@ class Fp8Matmul(nnx.Module):
   def __init__(self, mode: str, history: int):
     self.mode = mode
     if mode == "delayed":
-      self.scales = Fp8Meta(jnp.ones((3,), jnp.float32))
-      self.amax_history = Fp8Meta(jnp.zeros((3, history), jnp.float32))
+      self.scales = Fp8Scale(jnp.ones((3,), jnp.float32))
+      self.amax_history = Fp8AmaxHistory(jnp.zeros((3, history), jnp.float32))
 
   def __call__(self, x_NK, w_KM, dtype):
     if self.mode == "current":
@@ -158,12 +166,25 @@ class Fp8Matmul(nnx.Module):
     return delayed_matmul(x_NK, w_KM, self.scales[...], self.amax_history[...], dtype)
 
 
-def fp8_meta_maximum(a, b):
-  """Two gradient trees combined as micro-batches are: `Fp8Meta` leaves by
-  their element-wise maximum (each micro-batch rolls its amax into the same
-  history; the maximum is the step's amax), the rest added."""
-  return jax.tree.map(lambda x, y: jax.tree.map(jnp.maximum if is_fp8_meta(x) else jnp.add, x, y),
-                      a, b, is_leaf=is_fp8_meta)
+def _min_scale(carry, scale):
+  """The smaller scale (the larger amax); the carry's initial zeros (no
+  micro-batch yet: a scale is never 0) take `scale`."""
+  return jnp.where(carry == 0, scale, jnp.minimum(carry, scale))
+
+
+def accumulate_grads(carry, grads):
+  """The gradients of micro-batches combined: each micro-batch rolls its
+  amaxes into the same old history, so the step's histories are their
+  element-wise maximum and its scales their minimum (fmax over the largest
+  amax); the true gradients are added."""
+  def combine(x, y):
+    if isinstance(x, Fp8AmaxHistory):
+      return jax.tree.map(jnp.maximum, x, y)
+    if isinstance(x, Fp8Scale):
+      return jax.tree.map(_min_scale, x, y)
+    return jax.tree.map(jnp.add, x, y)
+
+  return jax.tree.map(combine, carry, grads, is_leaf=is_fp8_meta)
 
 
 def zero_fp8_meta(grads):

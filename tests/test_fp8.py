@@ -88,6 +88,21 @@ def test_forward_in_e4m3_gradients_in_e5m2(mode):
     np.testing.assert_allclose(got, want, atol=0.15 * float(jnp.abs(want).max()))
 
 
+def test_micro_batch_state_combines_to_the_largest_amax():
+  """Histories by their maximum, scales by their minimum (the carry's zeros
+  take the first micro-batch's), true gradients added."""
+  def tree(scale, history, grad):
+    return {"s": fp8.Fp8Scale(jnp.array(scale)), "h": fp8.Fp8AmaxHistory(jnp.array(history)),
+            "w": nnx.Param(jnp.array(grad))}
+
+  combined = tree([0.0, 0.0], [0.0, 0.0], 0.0)  # the scan's initial carry
+  for micro_batch in (tree([4.0, 2.0], [1.0, 3.0], 1.0), tree([2.0, 8.0], [2.0, 0.5], 2.0)):
+    combined = fp8.accumulate_grads(combined, micro_batch)
+  np.testing.assert_array_equal(combined["s"][...], [2.0, 2.0])
+  np.testing.assert_array_equal(combined["h"][...], [2.0, 3.0])
+  assert float(combined["w"][...]) == 3.0
+
+
 def test_delayed_scaling_returns_the_new_state_as_its_gradient():
   """The step quantizes with the kept scales; the "gradients" of the state
   are the histories with this step's amaxes rolled in, and the scales
@@ -159,14 +174,17 @@ def test_the_train_step_overwrites_the_state_and_the_optimizer_leaves_it_alone()
 @pytest.mark.slow
 def test_micro_batches_roll_in_the_steps_amax_once():
   """With two micro-batches the history gains one entry per step, the larger
-  micro-batch amax."""
+  micro-batch amax, and the scales follow the histories' maxima."""
   _, whole, _ = _adamw_steps()
   _, accumulated, _ = _adamw_steps(accum_steps=2)
-  for path, history in _meta(accumulated["params"]).items():
+  meta = _meta(accumulated["params"])
+  for path, history in meta.items():
     if path[-1] == "amax_history":
       assert (history[:, :2] > 0).all() and (history[:, 2:] == 0).all()
       # The forward amaxes of the first step are the whole batch's.
       np.testing.assert_allclose(history[:2, 1], _meta(whole["params"])[path][:2, 1], rtol=1e-5)
+      np.testing.assert_allclose(meta[(*path[:-1], "scales")], fp8.FMAX_3 / history.max(axis=1),
+                                 rtol=1e-6)
 
 
 def test_a_stopped_run_resumes_to_the_same_scales_and_histories(tok_dir, tmp_path,

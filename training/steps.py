@@ -6,10 +6,11 @@ overhead), takes `jax.grad` of the objective, and applies the optimizer.
 The state is donated, so parameters and optimizer moments are updated in
 place. Under model.fp8=delayed the gradients of the projections' `Fp8Meta`
 variables are their new scales and amax histories: the step writes them
-over the old ones (the maximum over micro-batches), and the optimizer and the
-gradient norm see zeros in their place. Gradient accumulation runs the micro-batches in a `lax.scan` and
-adds the gradients of the summed losses, so a step with accumulation equals
-the step on the whole batch.
+over the old ones (combined over micro-batches by `accumulate_grads`), and
+the optimizer and the gradient norm see zeros in their place. Gradient
+accumulation runs the micro-batches in a `lax.scan` and adds the gradients
+of the summed losses, so a step with accumulation equals the step on the
+whole batch.
 
 A step whose loss or gradient norm is not finite leaves the parameters
 untouched and records its number in `state["bad_step"]` (-1 while all is
@@ -30,7 +31,7 @@ from flax import nnx
 from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
-from model.fp8 import fp8_meta_maximum, overwrite_fp8_meta, zero_fp8_meta
+from model.fp8 import accumulate_grads, overwrite_fp8_meta, zero_fp8_meta
 from model.moe import ExpertBias
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
@@ -186,7 +187,7 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
 
   def body(carry, mb):
     g, sums = grad_fn(params, mb)
-    return (fp8_meta_maximum(carry[0], g), jax.tree.map(jnp.add, carry[1], sums)), None
+    return (accumulate_grads(carry[0], g), jax.tree.map(jnp.add, carry[1], sums)), None
 
   # Zeros of the gradients' and sums' tree, shapes and dtypes, as the carry.
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
