@@ -212,16 +212,30 @@ def test_mistakes_are_one_line():
     c.model[field] = {"fp8": "none", "fp8_history": 16}[field]
 
 
+AMPERE = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB",
+                               compute_capability="8.0")
+
+
 def test_a_gpu_without_fp8_tensor_cores_is_refused():
-  ampere = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100-SXM4-80GB",
-                                 compute_capability="8.0")
   with pytest.raises(UserError) as err:
-    fp8.check_backend(ampere, "delayed")
+    fp8.check_backend(AMPERE, "delayed")
   assert str(err.value) == ("model.fp8=delayed: NVIDIA A100-SXM4-80GB (compute capability 8.0) "
                             "has no FP8 tensor cores (sm_89 or later: Ada, Hopper); use "
                             "model.fp8=none")
-  fp8.check_backend(ampere, "none")
+  fp8.check_backend(AMPERE, "none")
   for ok in (types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
                                    compute_capability="9.0"),
              types.SimpleNamespace(platform="cpu", device_kind="cpu")):
     fp8.check_backend(ok, "current")
+
+
+def test_the_model_asks_before_its_first_fp8_product(monkeypatch):
+  """A projection under model.fp8 checks the device the program is compiled
+  for (`model.layers.compile_device`) as it is traced: the UserError that
+  train.py prints as one line, exit 2."""
+  m = model_config()
+  m.update(fp8="current")
+  model = build_model(m, nnx.Rngs(0))
+  monkeypatch.setattr("model.layers.compile_device", lambda: AMPERE)
+  with pytest.raises(UserError, match=r"^model.fp8=current: NVIDIA A100-SXM4-80GB"):
+    model(jnp.zeros((1, 8), jnp.int32))
