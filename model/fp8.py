@@ -172,6 +172,19 @@ def _min_scale(carry, scale):
   return jnp.where(carry == 0, scale, jnp.minimum(carry, scale))
 
 
+def state_shape(model_cfg) -> tuple[int, int] | None:
+  """The shape of each projection's amax history under a model config (its
+  scales are [3]); None where the model keeps no FP8 state. A checkpoint
+  resumes only under the same (`training/workdir.check_same_shapes`)."""
+  return (3, model_cfg.fp8_history) if model_cfg.fp8 == "delayed" else None
+
+
+def is_state_path(name: str) -> bool:
+  """Whether a parameter path name, "decoder/layers/mlp/up/fp8/scales",
+  names delayed-scaling state (`Fp8Matmul`'s variables)."""
+  return name.split("/")[-2:] in (["fp8", "scales"], ["fp8", "amax_history"])
+
+
 def accumulate_grads(carry, grads):
   """The gradients of micro-batches combined: each micro-batch rolls its
   amaxes into the same old history, so the step's histories are their

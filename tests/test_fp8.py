@@ -19,6 +19,7 @@ from model import build_model, fp8
 from tests.helpers import assert_trees_equal
 from tests.test_optim import run_config, straight_and_stopped
 from tests.test_steps import model_config, next_token_batch
+from training import loop, workdir
 from training.optim import model_optimizer
 from training.steps import init_state, jit_train_step
 
@@ -239,3 +240,38 @@ def test_the_model_asks_before_its_first_fp8_product(monkeypatch):
   monkeypatch.setattr("model.layers.compile_device", lambda: AMPERE)
   with pytest.raises(UserError, match=r"^model.fp8=current: NVIDIA A100-SXM4-80GB"):
     model(jnp.zeros((1, 8), jnp.int32))
+
+
+def _config(**model):
+  c = run_config("unused")
+  c.model.update(**model)
+  return c
+
+
+def test_a_resume_that_changes_the_scaling_state_is_refused():
+  """model.fp8 none -> delayed, or another history length, changes the
+  checkpoint's tree: one line, not a "damaged" checkpoint; none <-> current
+  keep it."""
+  none, current = _config(fp8="none"), _config(fp8="current")
+  workdir.check_same_shapes(none, current, "run")
+  for saved, now in [(none, _config(fp8="delayed")),
+                     (_config(fp8="delayed", fp8_history=4), _config(fp8="delayed"))]:
+    with pytest.raises(UserError, match=r"^workdir run holds a model of other shapes: model.fp8"):
+      workdir.check_same_shapes(saved, now, "run")
+
+
+def test_restore_from_a_run_without_the_state_starts_it_fresh(capsys):
+  """train.restore_from a bf16 run into model.fp8=delayed takes its
+  parameters and starts the scaling state fresh, saying so in one line."""
+  def params(**model):
+    return nnx.split(nnx.eval_shape(lambda: build_model(_config(**model).model,
+                                                        nnx.Rngs(0))))[1]
+
+  loop._check_source_shapes(_config(fp8="delayed"), "train.restore_from='bf16'",
+                            params(fp8="none"), params(fp8="delayed"))
+  assert capsys.readouterr().out == (
+      "train.restore_from='bf16': the FP8 scaling state (model.fp8=delayed) starts fresh, "
+      "scales 1 and empty amax histories: the source's is missing or of other shapes\n")
+  loop._check_source_shapes(_config(fp8="delayed"), "w", params(fp8="delayed"),
+                            params(fp8="delayed"))
+  assert capsys.readouterr().out == ""
