@@ -29,7 +29,7 @@ Per kernel, per run:
   update (`_bytes`).
 - a GEMM's operand dtypes (`_gemm_operands`): under model.fp8 the
   projections' GEMMs read f8e4m3fn (inputs and weights) and f8e5m2 (output
-  gradients); their FLOPs still count at the chip's bf16 peak.
+  gradients); their FLOPs count at the chip's FP8 peak (`Chip.fp8_peak_flops`).
 - time at peak: FLOPs / peak FLOP/s, bytes / HBM bandwidth, and the larger
   of the two, plus `launch_seconds` per kernel (`LAUNCH_SECONDS`).
 
@@ -289,9 +289,9 @@ def _gemm_operands(instruction: _Instruction, shapes: dict[str, str],
   return ",".join(dtype for dtype, dims in arrays if dims)
 
 
-def is_fp8_gemm(kernel: dict) -> bool:
-  """Whether a kernel (a `summary` row) is a GEMM that reads FP8 operands."""
-  return any(d in _FP8_DTYPES for d in kernel["gemm_operands"].split(","))
+def reads_fp8(gemm_operands: str) -> bool:
+  """Whether a GEMM of these operand dtypes (`_gemm_operands`) reads FP8."""
+  return any(d in _FP8_DTYPES for d in gemm_operands.split(","))
 
 
 def _kind(instruction: _Instruction) -> str:
@@ -449,16 +449,18 @@ def _op_name(instruction: _Instruction) -> str:
 
 
 def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
-            launch_seconds: float) -> dict:
+            launch_seconds: float, fp8_peak_flops: float | None = None) -> dict:
   """Per step: the kernels' count, FLOPs, bytes, and the predicted time (the
-  sum over launches of max(FLOPs / peak, bytes / bandwidth) + launch), in
+  sum over launches of max(FLOPs / peak, bytes / bandwidth) + launch; a GEMM
+  that reads FP8 at `fp8_peak_flops`, default `peak_flops`), in
   all, per group (GROUPS order) and per kernel (longest first); also the
   FLOPs and bytes with each loop body counted once, as a compiler's cost
   analysis counts them; the GEMMs in all, and those that read FP8 operands
   (model.fp8) in all and by their operands' dtypes."""
   rows = []
   for k in found:
-    flop_s, byte_s = k.flops / peak_flops, (k.bytes_read + k.bytes_written) / hbm_bandwidth
+    peak = (fp8_peak_flops or peak_flops) if reads_fp8(k.gemm_operands) else peak_flops
+    flop_s, byte_s = k.flops / peak, (k.bytes_read + k.bytes_written) / hbm_bandwidth
     rows.append(dict(dataclasses.asdict(k), flop_seconds=flop_s, byte_seconds=byte_s,
                      bound="compute" if flop_s >= byte_s else "memory",
                      step_seconds=k.runs * (max(flop_s, byte_s) + launch_seconds)))
@@ -474,7 +476,7 @@ def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
             "step_seconds": sum(r["step_seconds"] for r in subset)}
 
   groups = {g: total([r for r in rows if r["group"] == g]) for g in GROUPS}
-  fp8 = [r for r in rows if is_fp8_gemm(r)]
+  fp8 = [r for r in rows if reads_fp8(r["gemm_operands"])]
   return {"total": total(rows),
           "gemms": total([r for r in rows if r["gemm_operands"]]),
           "fp8_gemms": {"all": total(fp8), **{
@@ -484,7 +486,8 @@ def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
                                "bytes": sum(k.bytes_read + k.bytes_written for k in found)},
           "groups": {g: t for g, t in groups.items() if t["kernels"]},
           "kernels": rows,
-          "peak_flops": peak_flops, "hbm_bandwidth": hbm_bandwidth,
+          "peak_flops": peak_flops, "fp8_peak_flops": fp8_peak_flops or peak_flops,
+          "hbm_bandwidth": hbm_bandwidth,
           "launch_seconds_per_kernel": launch_seconds}
 
 
@@ -533,7 +536,8 @@ def roofline_report(config, target) -> dict:
   found = kernels(compiled.as_text(), causal=config.model.family != "encoder")
   report = summary(found, peak_flops=chip.peak_flops,
                             hbm_bandwidth=chip.hbm_bandwidth,
-                            launch_seconds=LAUNCH_SECONDS[chip.platform])
+                            launch_seconds=LAUNCH_SECONDS[chip.platform],
+                            fp8_peak_flops=chip.fp8_peak_flops)
   model_flops = accounting.flops_per_step(config) / devices
   predicted = report["total"]["step_seconds"]
   cost = compiler.cost_analysis(compiled)

@@ -55,7 +55,8 @@ def format_report(report: dict, top: int) -> str:
            + (f", loss in chunks of {report['loss_chunk_size']}"
               if report["loss_chunk_size"] else "")
            + f", on {report['target']} ({report['devices']} device(s)); per device: peak "
-           f"{report['peak_flops'] / 1e12:.0f} TFLOP/s, {report['hbm_bandwidth'] / 1e12:.2f} "
+           f"{report['peak_flops'] / 1e12:.0f} TFLOP/s (FP8 "
+           f"{report['fp8_peak_flops'] / 1e12:.0f}), {report['hbm_bandwidth'] / 1e12:.2f} "
            f"TB/s HBM, {1e6 * report['launch_seconds_per_kernel']:.0f} us a kernel launch",
            "", f"top {top} kernels by time per step (flop and byte times per launch):",
            f"  {'kernel':<36} {'kind':<28} {'group':<20} {'runs':>4} {'GFLOP':>8} "

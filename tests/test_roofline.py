@@ -314,7 +314,10 @@ def test_fp8_gemms_are_counted_by_their_operands_dtypes():
   assert found["plain"].gemm_operands == "bf16,bf16" and found["neg"].gemm_operands == ""
   assert found["fwd"].bytes_read == 8 * 16 + 16 * 32 + 2 * 4  # one byte an element, the scales
   report = roofline.summary(list(found.values()), peak_flops=1e12, hbm_bandwidth=1e9,
-                            launch_seconds=0.0)
+                            launch_seconds=0.0, fp8_peak_flops=2e12)
+  rows = {r["name"]: r for r in report["kernels"]}
+  assert rows["fwd"]["flop_seconds"] == 2 * 8 * 16 * 32 / 2e12  # FP8 operands: the FP8 peak
+  assert rows["plain"]["flop_seconds"] == rows["plain"]["flops"] / 1e12
   assert report["gemms"]["kernels"] == 3
   fp8 = report["fp8_gemms"]
   assert fp8["all"]["kernels"] == 2
