@@ -14,16 +14,18 @@ its largest magnitude lands on the format's largest value.
   "max" over the history) quantizes with the scale kept from the previous
   steps: each projection keeps a scale and a history of the last
   `model.fp8_history` amaxes for each of its three tensors (input, kernel,
-  output gradient; `Fp8Meta`). After each step the newest amaxes are rolled
-  into the histories and the scales recomputed from the histories' maxima.
+  output gradient; `Fp8Scale`, `Fp8AmaxHistory`). After each step the
+  newest amaxes are rolled into the histories and the scales recomputed
+  from the histories' maxima.
 
 The state is part of the model (a checkpoint holds it) but is not trained:
 the backward pass returns the new scales and histories as their
 "gradients" (Flax's OVERWRITE_WITH_GRADIENT idea), and the train step
 writes them over the old values instead of handing them to the optimizer
-(`training/steps.py`). The head, the MoE experts, the router and the other
-small projections stay in the compute dtype; only attention's and the MLP's
-projections take `model.fp8`.
+(`training/steps.py`; micro-batches combine by `accumulate_grads`). The
+head, the routed MoE experts, the router and the other small projections
+stay in the compute dtype; only attention's and the MLP's projections
+(a MoE's shared experts are an MLP) take `model.fp8`.
 
 On a GPU the products need FP8 tensor cores, compute capability 8.9 (Ada,
 Hopper) or later (`check_backend`); XLA's CPU backend emulates them, so the
@@ -166,12 +168,6 @@ class Fp8Matmul(nnx.Module):
     return delayed_matmul(x_NK, w_KM, self.scales[...], self.amax_history[...], dtype)
 
 
-def _min_scale(carry, scale):
-  """The smaller scale (the larger amax); the carry's initial zeros (no
-  micro-batch yet: a scale is never 0) take `scale`."""
-  return jnp.where(carry == 0, scale, jnp.minimum(carry, scale))
-
-
 def state_shape(model_cfg) -> tuple[int, int] | None:
   """The shape of each projection's amax history under a model config (its
   scales are [3]); None where the model keeps no FP8 state. A checkpoint
@@ -183,6 +179,12 @@ def is_state_path(name: str) -> bool:
   """Whether a parameter path name, "decoder/layers/mlp/up/fp8/scales",
   names delayed-scaling state (`Fp8Matmul`'s variables)."""
   return name.split("/")[-2:] in (["fp8", "scales"], ["fp8", "amax_history"])
+
+
+def _min_scale(carry, scale):
+  """The smaller scale (the larger amax); the carry's initial zeros (no
+  micro-batch yet: a scale is never 0) take `scale`."""
+  return jnp.where(carry == 0, scale, jnp.minimum(carry, scale))
 
 
 def accumulate_grads(carry, grads):
