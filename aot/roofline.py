@@ -28,6 +28,9 @@ Per kernel, per run:
   their dtype size (what a kernel moves through HBM once), except that an
   operand only sliced counts its slices and a buffer updated in place its
   update (`_bytes`).
+- a GEMM's operand dtypes (`_gemm_operands`): under model.fp8 the
+  projections' GEMMs read f8e4m3fn (inputs and weights) and f8e5m2 (output
+  gradients); their FLOPs count at the chip's FP8 peak (`Chip.fp8_peak_flops`).
 - time at peak: FLOPs / peak FLOP/s, bytes / HBM bandwidth, and the larger
   of the two, plus `launch_seconds` per kernel (`LAUNCH_SECONDS`).
 
@@ -84,6 +87,7 @@ class Kernel:
   flops: float  # per launch
   bytes_read: int  # per launch
   bytes_written: int  # per launch
+  gemm_operands: str = ""  # a GEMM's (`_gemm_operands`) operand dtypes, "bf16,bf16"; else ""
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -280,6 +284,32 @@ def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_nam
   return 0.0
 
 
+_FP8_DTYPES = ("f8e4m3fn", "f8e5m2")
+
+
+def _gemm_operands(instruction: _Instruction, shapes: dict[str, str],
+                   computations: dict[str, list[_Instruction]]) -> str:
+  """For a GEMM kernel (a dot, a cuBLAS GEMM, a fusion with a dot inside),
+  the dtypes of the arrays it reads, scalars (a scale) left out, in operand
+  order ("f8e5m2,f8e4m3fn": an FP8 product of a gradient and a weight); ""
+  for any other kernel."""
+  def has_dot(i):
+    if i.opcode == "dot" or (i.opcode == "custom-call" and "cublas" in _kind(i)):
+      return True
+    return any(has_dot(j) for callee in _called(i, ("calls",))
+               for j in computations.get(callee, ()))
+
+  if not has_dot(instruction):
+    return ""
+  arrays = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))[:1]]
+  return ",".join(dtype for dtype, dims in arrays if dims)
+
+
+def reads_fp8(gemm_operands: str) -> bool:
+  """Whether a GEMM of these operand dtypes (`_gemm_operands`) reads FP8."""
+  return any(d in _FP8_DTYPES for d in gemm_operands.split(","))
+
+
 def _kind(instruction: _Instruction) -> str:
   """A fusion's kind (kLoop, kInput, kOutput, kCustom: with its emitter, as
   kCustom:__triton_nested_gemm_fusion), a custom call's target, else the opcode."""
@@ -370,7 +400,8 @@ def kernels(hlo_text: str, *, causal: bool = True) -> list[Kernel]:
       read, written = _bytes(instruction, shapes[computation], computations)
       out.append(Kernel(instruction.name, _kind(instruction), op_name,
                         group_of(op_name, instruction.opcode), runs.get(computation, 1),
-                        instruction_flops(instruction, computation, op_name), read, written))
+                        instruction_flops(instruction, computation, op_name), read, written,
+                        _gemm_operands(instruction, shapes[computation], computations)))
   return out
 
 
@@ -434,15 +465,18 @@ def _op_name(instruction: _Instruction) -> str:
 
 
 def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
-            launch_seconds: float) -> dict:
+            launch_seconds: float, fp8_peak_flops: float | None = None) -> dict:
   """Per step: the kernels' count, FLOPs, bytes, and the predicted time (the
-  sum over launches of max(FLOPs / peak, bytes / bandwidth) + launch), in
+  sum over launches of max(FLOPs / peak, bytes / bandwidth) + launch; a GEMM
+  that reads FP8 at `fp8_peak_flops`, default `peak_flops`), in
   all, per group (GROUPS order) and per kernel (longest first); also the
   FLOPs and bytes with each loop body counted once, as a compiler's cost
-  analysis counts them."""
+  analysis counts them; the GEMMs in all, and those that read FP8 operands
+  (model.fp8) in all and by their operands' dtypes."""
   rows = []
   for k in found:
-    flop_s, byte_s = k.flops / peak_flops, (k.bytes_read + k.bytes_written) / hbm_bandwidth
+    peak = (fp8_peak_flops or peak_flops) if reads_fp8(k.gemm_operands) else peak_flops
+    flop_s, byte_s = k.flops / peak, (k.bytes_read + k.bytes_written) / hbm_bandwidth
     rows.append(dict(dataclasses.asdict(k), flop_seconds=flop_s, byte_seconds=byte_s,
                      bound="compute" if flop_s >= byte_s else "memory",
                      step_seconds=k.runs * (max(flop_s, byte_s) + launch_seconds)))
@@ -458,12 +492,18 @@ def summary(found: list[Kernel], *, peak_flops: float, hbm_bandwidth: float,
             "step_seconds": sum(r["step_seconds"] for r in subset)}
 
   groups = {g: total([r for r in rows if r["group"] == g]) for g in GROUPS}
+  fp8 = [r for r in rows if reads_fp8(r["gemm_operands"])]
   return {"total": total(rows),
+          "gemms": total([r for r in rows if r["gemm_operands"]]),
+          "fp8_gemms": {"all": total(fp8), **{
+              operands: total([r for r in fp8 if r["gemm_operands"] == operands])
+              for operands in sorted({r["gemm_operands"] for r in fp8})}},
           "loop_bodies_once": {"flops": sum(k.flops for k in found),
                                "bytes": sum(k.bytes_read + k.bytes_written for k in found)},
           "groups": {g: t for g, t in groups.items() if t["kernels"]},
           "kernels": rows,
-          "peak_flops": peak_flops, "hbm_bandwidth": hbm_bandwidth,
+          "peak_flops": peak_flops, "fp8_peak_flops": fp8_peak_flops or peak_flops,
+          "hbm_bandwidth": hbm_bandwidth,
           "launch_seconds_per_kernel": launch_seconds}
 
 
@@ -513,7 +553,8 @@ def roofline_report(config, target) -> dict:
   found = kernels(compiled.as_text(), causal=config.model.family != "encoder")
   report = summary(found, peak_flops=chip.peak_flops,
                             hbm_bandwidth=chip.hbm_bandwidth,
-                            launch_seconds=LAUNCH_SECONDS[chip.platform])
+                            launch_seconds=LAUNCH_SECONDS[chip.platform],
+                            fp8_peak_flops=chip.fp8_peak_flops)
   model_flops = accounting.flops_per_step(config) / devices
   predicted = report["total"]["step_seconds"]
   cost = compiler.cost_analysis(compiled)

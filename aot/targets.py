@@ -44,11 +44,18 @@ class Chip:
   hbm_bandwidth: float  # bytes/s
   interconnect_bandwidth: float  # bytes/s per chip, both directions (ICI or NVLink)
   source: str
+  fp8_speedup: float = 1.0  # dense FP8 FLOP/s over dense bf16 (2: Hopper's tensor cores)
 
   @property
   def peak_flops(self) -> float:
     """Dense bf16 FLOP/s."""
     return hardware.peak_tflops(self.device_kind) * 1e12
+
+  @property
+  def fp8_peak_flops(self) -> float:
+    """Dense FLOP/s of a product of FP8 operands (model.fp8); the bf16 peak
+    where the chip has no faster FP8 path."""
+    return self.fp8_speedup * self.peak_flops
 
 
 CHIPS = {
@@ -62,7 +69,8 @@ CHIPS = {
     "v6e": Chip("tpu", "TPU v6 lite", 32 * GB, 1638 * GB, 800 * GB,
                 "cloud.google.com/tpu/docs/v6e"),
     "h200": Chip("gpu", "NVIDIA H200", 141 * GB, 4.8e12, 900 * GB,
-                 "NVIDIA H200 SXM datasheet (dense bf16 is half the sparse 1,979 TFLOP/s)"),
+                 "NVIDIA H200 SXM datasheet (dense bf16 is half the sparse 1,979 TFLOP/s, "
+                 "dense FP8 half the sparse 3,958)", fp8_speedup=2.0),
 }
 
 

@@ -57,8 +57,9 @@ def format_report(report: dict, top: int) -> str:
   lines = [f"train step, batch {report['batch_size']} x {report['seq_len']}"
            + (f", loss in chunks of {report['loss_chunk_size']}"
               if report["loss_chunk_size"] else "")
-           + f", remat {report['remat']}, on {report['target']} ({report['devices']} device(s)); per device: peak "
-           f"{report['peak_flops'] / 1e12:.0f} TFLOP/s, {report['hbm_bandwidth'] / 1e12:.2f} "
+           + f", remat {report['remat']}, on {report['target']} ({report['devices']} device(s)); "
+           f"per device: peak {report['peak_flops'] / 1e12:.0f} TFLOP/s (FP8 "
+           f"{report['fp8_peak_flops'] / 1e12:.0f}), {report['hbm_bandwidth'] / 1e12:.2f} "
            f"TB/s HBM, {1e6 * report['launch_seconds_per_kernel']:.0f} us a kernel launch",
            "", f"top {top} kernels by time per step (flop and byte times per launch):",
            f"  {'kernel':<36} {'kind':<28} {'group':<20} {'runs':>4} {'GFLOP':>8} "
@@ -76,6 +77,12 @@ def format_report(report: dict, top: int) -> str:
                  f"{g['bytes'] / 1e9:8.1f} {1e3 * g['flop_seconds']:8.2f} "
                  f"{1e3 * g['byte_seconds']:8.2f} {1e3 * g['launch_seconds']:9.2f} "
                  f"{1e3 * g['step_seconds']:8.2f}")
+  gemms, fp8 = report["gemms"], report["fp8_gemms"]
+  lines += ["", f"GEMMs: {gemms['kernels']} kernels a step, {gemms['bytes'] / 1e9:.1f} GB; "
+            f"with FP8 operands {fp8['all']['kernels']}, {fp8['all']['bytes'] / 1e9:.1f} GB"]
+  lines += [f"  {operands:<36} {g['kernels']:7d} kernels {g['bytes'] / 1e9:8.1f} GB "
+            f"{1e3 * g['step_seconds']:8.2f} ms"
+            for operands, g in fp8.items() if operands != "all"]
   lines += ["", f"predicted step {1e3 * total['step_seconds']:.1f} ms (the sum over kernels "
             "of max(FLOP time, byte time) + launch): MFU <= "
             f"{100 * report['mfu_bound']:.1f}% (model FLOPs "

@@ -151,6 +151,9 @@ def get_config() -> config_dict.ConfigDict:
   #   mosaic_tpu (interpreted on CPU)
   m.dtype = "float32"  # compute dtype: float32 | bfloat16 | float16
   m.param_dtype = "float32"  # parameter dtype: float32 | bfloat16
+  m.fp8 = "none"  # attention's and the MLP's projections as FP8 products (model/fp8.py): none |
+  #   current (each tensor scaled by its own amax) | delayed (by the amax history's maximum)
+  m.fp8_history = 16  # model.fp8=delayed: the amaxes each tensor's scale is taken over
   m.init_std = 0.02  # std of the normal initialiser of every weight matrix
   m.parametrization = "sp"  # sp (standard) | mup (maximal update, docs/models.md "μP"): the
   #   hidden matrices' init and learning rate, the logits and attention scale follow the width

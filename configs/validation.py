@@ -38,6 +38,7 @@ CHOICES = {
     "model.pallas_lowering": ("auto", "triton", "mosaic_gpu", "mosaic_tpu"),
     "model.dtype": ("float32", "bfloat16", "float16"),
     "model.param_dtype": ("float32", "bfloat16"),
+    "model.fp8": ("none", "current", "delayed"),
     "tokenizer.kind": ("bpe", "spm_bpe", "spm_unigram"),
     "data.source": ("stdlib", "pydoc", "embedded", "files", "jsonl", "arrayrecord",
                     "parquet"),
@@ -489,6 +490,7 @@ def validate_model(m: config_dict.ConfigDict) -> None:
     _fail("model.real_vocab_size", m.real_vocab_size,
           f"must be <= model.vocab_size={m.vocab_size} (the rows past it are padding)")
   _check_positive(m, p + "type_vocab_size", p, allow_zero=True)
+  _check_positive(m, p + "fp8_history", p)
   _validate_classifier(m)
   _validate_mla(m)
   if m.attention == "mha" and m.head_dim is None and m.d_model % m.num_heads:

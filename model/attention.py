@@ -703,15 +703,15 @@ class Attention(nnx.Module):
     self.pallas_lowering = cfg.pallas_lowering
     std = cfg.hidden_std
     self.q_proj = Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg, rngs=rngs,
-                        std=std)
+                        std=std, fp8=True)
     self.k_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
-                        rngs=rngs, std=std)
+                        rngs=rngs, std=std, fp8=True)
     self.v_proj = Dense(d, (K, Dh), ("embed", "kv_heads", "head_dim"), use_bias=b, cfg=cfg,
-                        rngs=rngs, std=std)
+                        rngs=rngs, std=std, fp8=True)
     self.o_proj = Dense((H, Dh), (d,), ("heads", "head_dim", "embed"), use_bias=b_out, cfg=cfg,
-                        rngs=rngs, in_axes=2, std=std)
+                        rngs=rngs, in_axes=2, std=std, fp8=True)
     self.gate_proj = (Dense(d, (H, Dh), ("embed", "heads", "head_dim"), use_bias=b, cfg=cfg,
-                            rngs=rngs, std=std) if cfg.attention_output_gate else None)
+                            rngs=rngs, std=std, fp8=True) if cfg.attention_output_gate else None)
     self.q_norm = make_qk_norm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
     self.k_norm = make_qk_norm(Dh, cfg=cfg, rngs=rngs) if cfg.qk_norm else None
 

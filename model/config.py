@@ -29,8 +29,8 @@ from model.scores import SCORES
 
 
 # Fields that say how the model is computed or initialised, not what it computes.
-_HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "init_std", "use_bias",
-        "scan_layers", "scan_unroll", "layer_cycle")
+_HOW = ("attention_impl", "pallas_lowering", "dtype", "param_dtype", "fp8", "fp8_history",
+        "init_std", "use_bias", "scan_layers", "scan_unroll", "layer_cycle")
 
 # Every option axis the model implements: its field -> its registry. Resolving
 # a config looks each chosen name up, so a name in CHOICES without an entry is
@@ -149,6 +149,8 @@ class ModelConfig:
   pallas_lowering: str
   dtype: Any
   param_dtype: Any
+  fp8: str
+  fp8_history: int
   init_std: float
   parametrization: str
   mup_base_width: int | None
@@ -159,7 +161,7 @@ class ModelConfig:
     """The fields that decide the function the model computes, each once.
 
     Left out: how it is computed (`attention_impl`, `pallas_lowering`,
-    `dtype`, `param_dtype`, `scan_layers`), how it is initialised (`init_std`), `use_bias`
+    `dtype`, `param_dtype`, `fp8`, `scan_layers`), how it is initialised (`init_std`), `use_bias`
     (the three per-projection biases resolve it), and the fields the others
     leave unused: those that only unchosen registry entries read (RoPE's
     without `pos_emb=rope`, the scaling parameters the scaling type does not

@@ -6,9 +6,13 @@ axis of a scanned stack's parameters: `model/transformer.py`);
 `training/sharding.py` maps them onto a device mesh by the rules in the
 config.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from model.fp8 import Fp8Matmul, check_backend
 
 # Config dtype names -> jnp dtypes (`model.config.ModelConfig` resolves them).
 # The logical axis of the layers of a scanned stack (its parameters' leading axis).
@@ -72,13 +76,16 @@ class Dense(nnx.Module):
   query projection is one [d, H, D] weight rather than a reshape of [d, H*D].
   Computes in `dtype` (default the model's `cfg.dtype`); the weights are
   stored in `cfg.param_dtype` and drawn with std `std` (default
-  `cfg.init_std`).
+  `cfg.init_std`). With `fp8` (attention's and the MLP's projections) the
+  product follows `cfg.fp8` (`model/fp8.py`): under `current` or `delayed`
+  it runs as one FP8 matrix product [tokens, in] . [in, out].
   """
 
   def __init__(self, in_features: int, out_shape: tuple[int, ...], axes: tuple[str, ...],
                *, use_bias: bool, cfg, rngs: nnx.Rngs, in_axes: int = 1, dtype=None,
-               std: float | None = None):
+               std: float | None = None, fp8: bool = False):
     self.in_axes = in_axes
+    self.fp8 = Fp8Matmul(cfg.fp8, cfg.fp8_history) if fp8 and cfg.fp8 != "none" else None
     self.dtype = cfg.dtype if dtype is None else dtype
     pdt = cfg.param_dtype
     in_shape = (in_features,) if in_axes == 1 else in_features
@@ -89,6 +96,12 @@ class Dense(nnx.Module):
 
   def __call__(self, x):
     kernel = self.kernel[...].astype(self.dtype)
+    y = self._fp8_product(x, kernel) if self.fp8 is not None else self._product(x, kernel)
+    if self.bias is not None:
+      y = y + self.bias[...].astype(self.dtype)
+    return y
+
+  def _product(self, x, kernel):
     lead = x.shape[:x.ndim - self.in_axes]
     flat = len(lead) > 1 and token_matrix_products()
     if flat:  # [B, T, ...] -> [B*T, ...]
@@ -96,8 +109,14 @@ class Dense(nnx.Module):
     contract = tuple(range(x.ndim - self.in_axes, x.ndim))
     y = jax.lax.dot_general(x.astype(self.dtype), kernel,
                             ((contract, tuple(range(self.in_axes))), ((), ())))
-    if flat:
-      y = y.reshape(*lead, *y.shape[1:])
-    if self.bias is not None:
-      y = y + self.bias[...].astype(self.dtype)
-    return y
+    return y.reshape(*lead, *y.shape[1:]) if flat else y
+
+  def _fp8_product(self, x, kernel):
+    """The same product as one FP8 matrix product [tokens, in] . [in, out];
+    refused on a GPU without FP8 tensor cores (`check_backend`)."""
+    check_backend(compile_device(), self.fp8.mode)
+    lead = x.shape[:x.ndim - self.in_axes]
+    in_size = math.prod(x.shape[len(lead):])
+    y_NM = self.fp8(x.astype(self.dtype).reshape(-1, in_size), kernel.reshape(in_size, -1),
+                    self.dtype)
+    return y_NM.reshape(*lead, *kernel.shape[self.in_axes:])

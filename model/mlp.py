@@ -65,10 +65,10 @@ class MLP(nnx.Module):
     kind = MLPS[cfg.mlp]
     self.activation = kind.activation
     std = cfg.hidden_std  # init_std, or under μP its hidden-matrix scaling
-    self.up = Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
-    self.gate = (Dense(d, (f,), ("embed", "mlp"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
-                 if kind.gated else None)
-    self.down = Dense(f, (d,), ("mlp", "embed"), use_bias=b, cfg=cfg, rngs=rngs, std=std)
+    dense = functools.partial(Dense, use_bias=b, cfg=cfg, rngs=rngs, std=std, fp8=True)
+    self.up = dense(d, (f,), ("embed", "mlp"))
+    self.gate = dense(d, (f,), ("embed", "mlp")) if kind.gated else None
+    self.down = dense(f, (d,), ("mlp", "embed"))
 
   def __call__(self, x_BTM):
     if self.gate is not None:

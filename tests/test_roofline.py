@@ -306,3 +306,42 @@ def test_tiny_roofline_for_one_h200(monkeypatch):
   attention = [k for k in report["kernels"] if k["kind"] == "mosaic_gpu_v2"]
   assert len(attention) == 3 and all(k["flops"] > 0 for k in attention)  # forward, dQ, dK/dV
   assert report["total"]["kernels"] > 10 and 0 < report["mfu_bound"] <= 1
+
+
+# model.fp8's GEMMs on a GPU: cuBLAS FP8 calls reading e4m3 operands (forward)
+# and an e5m2 gradient (backward), with scalar scales beside them.
+FP8_MODULE = """
+HloModule jit_train_step
+
+ENTRY %main (x: f8e4m3fn[8,16], w: f8e4m3fn[16,32], g: f8e5m2[8,32], s: f32[], y: bf16[8,16]) -> bf16[8,32] {
+  %x = f8e4m3fn[8,16]{1,0} parameter(0)
+  %w = f8e4m3fn[16,32]{1,0} parameter(1)
+  %g = f8e5m2[8,32]{1,0} parameter(2)
+  %s = f32[] parameter(3)
+  %y = bf16[8,16]{1,0} parameter(4)
+  %fwd = (bf16[8,32]{1,0}, s8[64]{0}) custom-call(%x, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"]}}}
+  %dx = (bf16[8,16]{1,0}, s8[64]{0}) custom-call(%g, %w, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["1"]}}}
+  %plain = (bf16[8,32]{1,0}, s8[64]{0}) custom-call(%y, %y), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["0"],"rhs_contracting_dimensions":["0"]}}}
+  ROOT %neg = bf16[8,32]{1,0} negate(%x)
+}
+"""
+
+
+def test_fp8_gemms_are_counted_by_their_operands_dtypes():
+  found = by_name(roofline.kernels(FP8_MODULE))
+  assert found["fwd"].gemm_operands == "f8e4m3fn,f8e4m3fn"
+  assert found["dx"].gemm_operands == "f8e5m2,f8e4m3fn"
+  assert found["plain"].gemm_operands == "bf16,bf16" and found["neg"].gemm_operands == ""
+  assert found["fwd"].bytes_read == 8 * 16 + 16 * 32 + 2 * 4  # one byte an element, the scales
+  report = roofline.summary(list(found.values()), peak_flops=1e12, hbm_bandwidth=1e9,
+                            launch_seconds=0.0, fp8_peak_flops=2e12)
+  rows = {r["name"]: r for r in report["kernels"]}
+  assert rows["fwd"]["flop_seconds"] == 2 * 8 * 16 * 32 / 2e12  # FP8 operands: the FP8 peak
+  assert rows["plain"]["flop_seconds"] == rows["plain"]["flops"] / 1e12
+  assert report["gemms"]["kernels"] == 3
+  fp8 = report["fp8_gemms"]
+  assert fp8["all"]["kernels"] == 2
+  assert fp8["all"]["bytes"] == sum(found[k].bytes_read + found[k].bytes_written
+                                    for k in ("fwd", "dx"))
+  assert {k: v["kernels"] for k, v in fp8.items() if k != "all"} == {
+      "f8e4m3fn,f8e4m3fn": 1, "f8e5m2,f8e4m3fn": 1}

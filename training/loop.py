@@ -36,7 +36,7 @@ from configs.errors import UserError
 from configs.validation import decay_start, eval_every as eval_every_of
 from configs.validation import trackers as tracker_names
 from data import classify, mixture, pipeline
-from model import accounting, build_model
+from model import accounting, build_model, fp8
 from model.resolve import resolve
 import tokenizer as tokenizer_lib
 from training import compile_cache, downstream, hardware, startup, trackers
@@ -627,9 +627,9 @@ def restore_source(config, workdir: str, this_abstract, mesh, rules) -> Source:
     _check_branch_step(config, where, step)
   tokenizer_path = _source_tokenizer(config, workdir, meta["tokenizer_fingerprint"])
   # Restored in the source's dtypes (so that its checksums are checked), then cast.
-  dtypes = {path: a.dtype for path, a in _by_path(abstract_params).items()}
-  params = {path: x.astype(dtypes[path]) for path, x in _by_path(state["params"]).items()
-            if path in dtypes}
+  ours = _by_path(abstract_params)
+  params = {path: x.astype(ours[path].dtype) for path, x in _by_path(state["params"]).items()
+            if path in ours and np.shape(x) == ours[path].shape}
   return Source(params, tokenizer_path, step, state if config.train.restore_branch else None)
 
 
@@ -687,9 +687,15 @@ def _check_source_shapes(config, where: str, source_params, params) -> None:
   """train.restore_from's parameters must have this run's shapes; only a
   classifier started from a language model (`model.num_labels`, the source
   without) leaves out the source's LM head and initialises its own head, as
-  transformers' `from_pretrained` does, saying so in one line."""
+  transformers' `from_pretrained` does, saying so in one line. FP8 scaling
+  state (model.fp8=delayed) comes from the source where it has the same
+  shapes, else starts fresh, also said in one line (`restore_source` takes only
+  the leaves of this run's shapes)."""
   theirs = {p: np.shape(x) for p, x in _by_path(source_params).items()}
   ours = {p: np.shape(x) for p, x in _by_path(params).items()}
+  fresh_scaling = any(theirs.get(p) != s for p, s in ours.items() if fp8.is_state_path(p))
+  theirs, ours = ({p: s for p, s in shapes.items() if not fp8.is_state_path(p)}
+                  for shapes in (theirs, ours))
   fresh, unused = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
   is_new_head = (config.model.num_labels > 0 and fresh
                  and all(p.startswith("classifier/") for p in fresh))
@@ -699,6 +705,9 @@ def _check_source_shapes(config, where: str, source_params, params) -> None:
   if fresh:
     _print(f"{where}: the classification head ({', '.join(fresh)}) is initialised fresh; "
            f"the source's {', '.join(unused) or 'nothing else'} is not used")
+  if fresh_scaling:
+    _print(f"{where}: the FP8 scaling state (model.fp8=delayed) starts fresh, scales 1 and "
+           "empty amax histories: the source's is missing or of other shapes")
 
 
 def _with_source(params, source: dict):

@@ -255,7 +255,9 @@ def trained_only(tx: optax.GradientTransformation) -> optax.GradientTransformati
 def model_optimizer(config) -> optax.GradientTransformation:
   """`make_optimizer` for a whole config: train.optimizer with the model's
   μP width and depth factors; `trained_only` where the model holds variables
-  other than parameters (a deepseek router's `ExpertBias`), so that the
+  other than parameters (a deepseek router's `ExpertBias`, the `Fp8Meta`
+  state of model.fp8=delayed), so that the
   optimizer state of every other model keeps its tree (and its checkpoints)."""
   tx = make_optimizer(config.train, mup_width(config.model), mup_depth(config.model))
-  return trained_only(tx) if has_score_bias(config.model) else tx
+  others = has_score_bias(config.model) or config.model.fp8 == "delayed"
+  return trained_only(tx) if others else tx

@@ -4,9 +4,13 @@ The model is split once (`nnx.split`) into a static graph definition and a
 parameter State; the step merges them inside `jax.jit` (no `nnx.jit`
 overhead), takes `jax.grad` of the objective, and applies the optimizer.
 The state is donated, so parameters and optimizer moments are updated in
-place. Gradient accumulation runs the micro-batches in a `lax.scan` and
-adds the gradients of the summed losses, so a step with accumulation equals
-the step on the whole batch.
+place. Under model.fp8=delayed the gradients of the projections' `Fp8Meta`
+variables are their new scales and amax histories: the step writes them
+over the old ones (combined over micro-batches by `accumulate_grads`), and
+the optimizer and the gradient norm see zeros in their place. Gradient
+accumulation runs the micro-batches in a `lax.scan` and adds the gradients
+of the summed losses, so a step with accumulation equals the step on the
+whole batch.
 
 A step whose loss or gradient norm is not finite leaves the parameters
 untouched and records its number in `state["bad_step"]` (-1 while all is
@@ -27,6 +31,7 @@ from flax import nnx
 from model import build_model, context_parallel
 from model.attention import check_context
 from model.config import ModelConfig
+from model.fp8 import accumulate_grads, overwrite_fp8_meta, zero_fp8_meta
 from model.moe import ExpertBias
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
@@ -182,7 +187,7 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
 
   def body(carry, mb):
     g, sums = grad_fn(params, mb)
-    return jax.tree.map(jnp.add, carry, (g, sums)), None
+    return (accumulate_grads(carry[0], g), jax.tree.map(jnp.add, carry[1], sums)), None
 
   # Zeros of the gradients' and sums' tree, shapes and dtypes, as the carry.
   zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
@@ -239,6 +244,8 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   if router_losses is not None:
     sums, router = sums
   loss_sum, count, correct, log_z_sq_sum = sums
+  fp8_meta = grads  # the new delayed-scaling state, where the model has one (model/fp8.py)
+  grads = zero_fp8_meta(grads)
   if grad_sharding is not None:
     grads = _sharded_grads(grads, grad_sharding)
   count = jnp.maximum(count, 1.0)
@@ -249,7 +256,7 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
     grad_norm = optax.global_norm(grads)
     ok = jnp.isfinite(loss) & jnp.isfinite(z_term) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    params = overwrite_fp8_meta(optax.apply_updates(state["params"], updates), fp8_meta)
     if bias_rate:
       params = balance_score_bias(graphdef, params, router[-1], bias_rate)
     # Keep the old values after a bad step; a select fuses into the update,

@@ -22,7 +22,7 @@ from ml_collections import config_dict
 from configs import base, validation
 from configs.errors import UserError
 from data import pipeline
-from model import accounting
+from model import accounting, fp8
 import tokenizer as tokenizer_lib
 from training.checkpoint import Checkpointer, DamagedCheckpoint, resolve_step
 from training.steps import abstract_state
@@ -198,8 +198,10 @@ def write_json_atomic(path: str, obj) -> None:
 
 def check_same_shapes(saved: config_dict.ConfigDict, config: config_dict.ConfigDict,
                       workdir: str) -> None:
-  """Refuses to resume a workdir whose parameters have other shapes."""
-  if accounting.parameter_shapes(saved.model) == accounting.parameter_shapes(config.model):
+  """Refuses to resume a workdir whose parameters or FP8 scaling state
+  (model.fp8=delayed) have other shapes."""
+  if (accounting.parameter_shapes(saved.model) == accounting.parameter_shapes(config.model)
+      and fp8.state_shape(saved.model) == fp8.state_shape(config.model)):
     return
   diffs = [f"model.{k}={saved.model[k]!r} (now {config.model[k]!r})"
            for k in config.model if k in saved.model and saved.model[k] != config.model[k]]
