@@ -91,19 +91,50 @@ def recurrent(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_
   return jnp.moveaxis(o_TBHV, 0, 1), state
 
 
-def unit_lower_solve(A, rhs, matmul=jnp.matmul):
-  """(I + A)^-1 rhs for A strictly lower triangular [..., C, C], in matrix
-  products only (`matmul`; the delta-rule kernel passes its own): A is
-  nilpotent (A^C = 0), so (I + A)^-1 = sum_k (-A)^k = (I - A)(I + A^2)
-  (I + A^4)... over ceil(log2 C) factors. No triangular-solve
-  call: XLA's CPU backend runs that as a LAPACK call, which wedged a
-  multithreaded train step (every thread waiting), and on accelerators a
-  few C x C products keep the matrix units busy where a solve is sequential."""
-  power, out = -A, rhs
-  for _ in range(max(1, math.ceil(math.log2(A.shape[-1])))):
-    out = out + matmul(power, out)
-    power = matmul(power, power)
-  return out
+def forward_substitution(A, rhs):
+  """(I + A)^-1 rhs for A strictly lower triangular [..., C, C], row by row:
+  x_i = rhs_i - sum_{j<i} A_ij x_j, one `lax.fori_loop` step a row, each a
+  masked reduction (no dynamic indexing, so the delta-rule kernel runs it
+  too). Forward substitution is backward stable; the power series of A is
+  not: with nearly equal keys (a run of one repeated token, beta near 1)
+  A's entries near 1 make (-A)^k's grow as binomial coefficients (C(63, 31)
+  ~ 1e18 at C = 64), and a product form of (I + A)^-1 lost every digit and
+  overflowed to NaN. No triangular-solve call either: XLA's CPU backend runs
+  that as a LAPACK call, which wedged a multithreaded train step."""
+  row = jax.lax.broadcasted_iota(jnp.int32, (A.shape[-1], 1), 0)
+
+  def step(i, x):
+    a_i = jnp.sum(jnp.where(row == i, A, 0.0), axis=-2)  # [..., C]: row i of A
+    return x - jnp.where(row == i, jnp.sum(a_i[..., :, None] * x, axis=-2)[..., None, :], 0.0)
+
+  return jax.lax.fori_loop(1, A.shape[-1], step, rhs)
+
+
+@jax.custom_vjp
+def unit_lower_solve(A, rhs):
+  """(I + A)^-1 rhs for A strictly lower triangular [..., C, C]
+  (`forward_substitution`), with the solve's own gradients: the cotangent
+  through (I + A^T)^-1 (the same substitution on the flipped transpose) and
+  dA = -tril(d_rhs x^T, -1), so that the backward pass keeps x, not one
+  copy of it per row of the loop."""
+  return forward_substitution(A, rhs)
+
+
+def _solve_fwd(A, rhs):
+  x = forward_substitution(A, rhs)
+  return x, (A, x)
+
+
+def _solve_bwd(residuals, dx):
+  A, x = residuals
+  flip = lambda y: jnp.flip(y, axis=-2)
+  d_rhs = flip(forward_substitution(jnp.flip(jnp.swapaxes(A, -1, -2), (-2, -1)), flip(dx)))
+  C = A.shape[-1]
+  lower = jnp.tril(jnp.ones((C, C), bool), -1)
+  return jnp.where(lower, -jnp.einsum("...iv,...jv->...ij", d_rhs, x), 0.0), d_rhs
+
+
+unit_lower_solve.defvjp(_solve_fwd, _solve_bwd)
 
 
 def chunked(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None, segment_ids_BT=None,
@@ -410,13 +441,12 @@ def rule_flops(cfg) -> int:
   """Forward matmul FLOPs per token of one layer's chunked rule (not halved
   for causal, as attention's 4 S d_attn): per value head and chunk of C
   tokens, beta K K^T and Q K^T (2 C^2 d_k each), `unit_lower_solve` for U
-  and W (m = ceil(log2 C) products of a C x C factor with the C x (d_v +
-  d_k) right-hand side and m - 1 squarings of the factor), W S, Q S and the
-  state update K^T V (2 C d_k d_v each) and the scores times V (2 C^2 d_v);
-  over C tokens, linear in the row's length."""
+  and W (C - 1 rows of substitution, each a C-long row of A times the C x
+  (d_v + d_k) right-hand side), W S, Q S and the state update K^T V (2 C d_k
+  d_v each) and the scores times V (2 C^2 d_v); over C tokens, linear in
+  the row's length."""
   C, Dk, Dv = cfg.linear_chunk_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-  m = max(1, math.ceil(math.log2(C)))
-  per_chunk = (4 * C * C * Dk + 2 * m * C * C * (Dv + Dk) + 2 * (m - 1) * C ** 3
+  per_chunk = (4 * C * C * Dk + 2 * (C - 1) * C * (Dv + Dk)
                + 6 * C * Dk * Dv + 2 * C * C * Dv)
   return cfg.linear_num_value_heads * per_chunk // C
 

@@ -12,8 +12,8 @@ XLA form computes (its WY form, `model/gated_deltanet.py`'s docstring):
   U = T (beta V);  W = T (beta K exp(G));  V' = U - W S
   O = (Q exp(G)) S + ((Q K^T) * decay) V';  S <- exp(G_C) S + (K exp(G_C - G))^T V'
 
-with T by `unit_lower_solve`'s doubling on the identity (matrix products
-only, as the XLA form: no triangular solve, which is sequential), then U
+with T by the XLA form's forward substitution (`forward_substitution`,
+stable where a product form of the inverse is not) on the identity, then U
 and W as two products with it. Every product is float32 at full precision.
 Segment ids reset the state at a document boundary exactly as the XLA form
 does; the row is padded to a whole number of chunks with tokens that write
@@ -35,7 +35,6 @@ speeds the forward (and prefill); gradients are the XLA form's, so they are
 exact by construction. A Pallas backward is left for later.
 """
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +70,7 @@ def _chunk_step(q_CK, k_CK, kT_KC, v_CV, G_1C, beta_1C, seg_1C, cont_1C, last_1C
   inside_CC = jnp.exp(jnp.where((rows >= cols) & (seg_C1 == seg_1C), G_C1 - G_1C, -jnp.inf))
   k_beta_CK = k_CK * beta_C1
   A_CC = jnp.where(rows > cols, _dot(k_beta_CK, kT_KC) * inside_CC, 0.0)
-  T_CC = gdn.unit_lower_solve(A_CC, diagonal.astype(jnp.float32), matmul=_dot)
+  T_CC = gdn.forward_substitution(A_CC, diagonal.astype(jnp.float32))
   reads_C1 = jnp.exp(G_C1) * cont_C1  # the decayed incoming state each token reads
   new_CV = _dot(T_CC, v_CV * beta_C1) - _dot(_dot(T_CC, k_beta_CK * reads_C1), S_KV)
   o_CV = _dot(q_CK * reads_C1, S_KV) + _dot(_dot(q_CK, kT_KC) * inside_CC, new_CV)
@@ -207,14 +206,13 @@ _rule.defvjp(_rule_fwd, _rule_bwd)
 def chunk_flops(C: int, d_k: int, d_v: int) -> int:
   """Matmul FLOPs of one chunk of C tokens of one value head as
   `_chunk_step` computes it (what the roofline counts per program and
-  chunk): beta K K^T and Q K^T (2 C^2 d_k each); T by doubling on the
-  identity, m = ceil(log2 C) products with it and m - 1 squarings (2 C^3
-  each; the last squaring is dead code); U and W as products with T (2 C^2
-  d_v, 2 C^2 d_k); W S, Q S and the state update (2 C d_k d_v each); the
-  scores times V' (2 C^2 d_v). The XLA form solves on [beta V, beta K exp(G)]
-  instead (`gated_deltanet.rule_flops`), which costs more once d_k + d_v > C."""
-  m = max(1, math.ceil(math.log2(C)))
-  return (4 * C * C * d_k + 2 * (2 * m - 1) * C ** 3 + 2 * C * C * (d_v + d_k)
+  chunk): beta K K^T and Q K^T (2 C^2 d_k each); T by forward substitution
+  on the identity (C - 1 rows, each a C-long row of A times C x C: 2 (C - 1)
+  C^2); U and W as products with T (2 C^2 d_v, 2 C^2 d_k); W S, Q S and the
+  state update (2 C d_k d_v each); the scores times V' (2 C^2 d_v). The XLA
+  form substitutes on [beta V, beta K exp(G)] instead
+  (`gated_deltanet.rule_flops`)."""
+  return (4 * C * C * d_k + 2 * (C - 1) * C * C + 2 * C * C * (d_v + d_k)
           + 6 * C * d_k * d_v + 2 * C * C * d_v)
 
 
