@@ -389,7 +389,7 @@ def test_eval_py_refuses_a_hub_task_it_cannot_reach_in_one_line_within_seconds(t
                          f", and the Hub ({CLOSED_HUB}, HF_ENDPOINT) does not answer ("), line
   assert "--task_dir with your task YAMLs" in line
   assert line.endswith("with HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 set"), line
-  assert seconds < 15
+  assert seconds < 45  # not the minute of retries; room for a busy machine's start-up
   assert not (tiny_run / "eval").exists()
 
 
@@ -403,7 +403,7 @@ def test_train_refuses_a_hub_task_it_cannot_reach_at_start_up(tmp_path):
                          "(ARC-Easy) from the Hugging Face Hub, not in the local cache"), line
   assert f"the Hub ({CLOSED_HUB}, HF_ENDPOINT) does not answer" in line
   assert "train.downstream_task_dir with your task YAMLs" in line
-  assert seconds < 15
+  assert seconds < 45  # as above: no minute of retries
   assert not (tmp_path / "run").exists()
 
 
