@@ -8,13 +8,13 @@ The linear layers keep tiny's heads (4 query/key heads and 4 value heads of
 32, the delta rule in chunks of 64, a convolution of width 4). At tiny's 128
 tokens a row the delta rule's chunked form costs more than softmax
 attention does (model/accounting.py counts the chunk's WY products and
-the solve): per step of 16 x 128 tokens, 13.7 GFLOPs all softmax, 21.2 the
-hybrid, 23.7 all linear. So the budget, 8.2e12 FLOPs (all softmax's 600
-steps), gives the hybrid 386 steps and all-linear 346: at this length a
-linear layer buys nothing per FLOP, and the ablation asks whether it buys
-loss per step, and whether a state of fixed size reads past the training
-length (eval.py --seq_len 512, four times it, `report`'s loss by
-position).
+the solve's substitution): per step of 16 x 128 tokens, 13.7 GFLOPs all
+softmax, 15.1 the hybrid, 15.6 all linear. So the budget, 8.2e12 FLOPs
+(all softmax's 598 steps), gives the hybrid 541 steps and all-linear 524:
+at this length a linear layer buys nothing per FLOP, and the ablation asks
+whether it buys loss per step, and whether a state of fixed size reads
+past the training length (eval.py --seq_len 512, four times it,
+`report`'s loss by position).
 
   python sweep.py run --sweep configs/sweeps/hybrid.py --parallel 2 \\
       --config.tokenizer.path=runs/tiny/tokenizer --config.train.flop_budget=8.2e12
