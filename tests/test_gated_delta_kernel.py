@@ -22,7 +22,7 @@ from configs.errors import UserError
 from model import build_model, gated_deltanet as gdn
 from model.config import ModelConfig
 from model.kernels import gated_delta
-from tests.helpers import ROOT, run_python
+from tests.helpers import ROOT, float32_tolerance, run_python
 from tests.test_gated_deltanet import model_cfg, rule_inputs
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
@@ -44,8 +44,8 @@ def test_kernel_equals_the_xla_form(lowering):
   loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
   grads_k = jax.grad(loss(kernel), argnums=range(6))(*inputs, state)
   grads_x = jax.grad(loss(xla), argnums=range(6))(*inputs, state)
-  for got, want in zip(grads_k, grads_x):
-    np.testing.assert_allclose(got, want, atol=1e-6)
+  for got, want in zip(grads_k, grads_x):  # the cotangents carry the forms' rounding
+    np.testing.assert_allclose(got, want, atol=float32_tolerance())
 
 
 def test_the_layers_follow_attention_impl():
