@@ -37,6 +37,16 @@ def with_libtpu(env: dict) -> dict:
 
 # Commands run as a user runs them.
 
+def run_on_cpu_devices(script: str, count: int) -> subprocess.CompletedProcess:
+  """`python -c script` in a fresh process with `count` CPU devices (the
+  host platform split by XLA_FLAGS), output captured."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
+  return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+                        capture_output=True, text=True, timeout=300, check=False)
+
+
 def run_python(args) -> subprocess.CompletedProcess:
   """`python args...` in the repository root, output captured."""
   return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,

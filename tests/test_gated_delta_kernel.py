@@ -8,8 +8,6 @@ for a v5p (with libtpu), the Triton one for an H200 (with JAX's CUDA
 plugin), no accelerator attached, with the roofline counting its FLOPs."""
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,7 @@ from configs.errors import UserError
 from model import build_model, gated_deltanet as gdn
 from model.config import ModelConfig
 from model.kernels import gated_delta
-from tests.helpers import ROOT, float32_tolerance, run_python
+from tests.helpers import float32_tolerance, run_on_cpu_devices, run_python
 from tests.test_gated_deltanet import model_cfg, rule_inputs
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
@@ -127,11 +125,7 @@ print(json.dumps([float(jnp.max(jnp.abs(a - b))) for a, b in zip(*map(jax.tree.l
 def test_on_a_mesh_each_device_runs_its_rows():
   """On 4 CPU devices (data 2 x tensor 2) the kernel runs under shard_map on
   each device's rows: the same loss and gradients as the XLA form."""
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4"
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, "-c", ON_4_DEVICES], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
+  proc = run_on_cpu_devices(ON_4_DEVICES, 4)
   assert proc.returncode == 0, proc.stderr[-4000:]
   assert max(json.loads(proc.stdout.strip().splitlines()[-1])) < 1e-5
 

@@ -7,10 +7,7 @@ train step holds no float32 logits of the whole batch; the memory estimate
 counts one chunk's logits; the config field is checked."""
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import jax
 import numpy as np
@@ -21,7 +18,7 @@ from flax import nnx
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model
-from tests.helpers import ROOT, small_cfg
+from tests.helpers import run_on_cpu_devices, small_cfg
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
@@ -247,11 +244,7 @@ print(json.dumps(checked))
 
 @pytest.mark.slow
 def test_the_chunked_step_on_8_devices_equals_the_unchunked():
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, "-c", ON_8_DEVICES], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
+  proc = run_on_cpu_devices(ON_8_DEVICES, 8)
   assert proc.returncode == 0, proc.stderr[-4000:]
   checked = json.loads(proc.stdout.strip().splitlines()[-1])
   assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
