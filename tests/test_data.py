@@ -220,12 +220,17 @@ def test_eval_batches_are_deterministic_and_cover_the_split(tmp_path):
 
 
 def test_small_validation_split_is_padded(tmp_path):
-  # Document names are paths under tmp_path, so the split varies by run: write
-  # files until one of them falls in the validation split.
-  count = 20
-  while not any(corpora.is_validation(str(tmp_path / f"d{i}.txt"), 10) for i in range(count)):
-    count += 1
-  write_files(tmp_path, {f"d{i}.txt": f"text {i}" for i in range(count)})
+  # Document names are paths under tmp_path, so the split varies by run: pick
+  # names so that exactly one document falls in the validation split.
+  names, in_validation, i = [], 0, 0
+  while len(names) < 20 or not in_validation:
+    name = f"d{i}.txt"
+    is_val = corpora.is_validation(str(tmp_path / name), 10)
+    if not (is_val and in_validation):
+      names.append(name)
+      in_validation += is_val
+    i += 1
+  write_files(tmp_path, {name: f"text {name}" for name in names})
   config = make_config(tmp_path, source="files", paths=str(tmp_path / "*.txt"),
                        val_percent=10)
   tok = ByteTokenizer()
