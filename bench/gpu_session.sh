@@ -108,7 +108,7 @@ elif [ "$PART" = speed ]; then
   LOGS=""
   for v in $(python3 -m bench.speed_variants names); do
     # shellcheck disable=SC2046  # the variant's overrides, one word each
-    stage "speed_$v" 75 python3 -m bench.train_throughput --config configs/gpt2_small.py \
+    stage "speed_$v" 65 python3 -m bench.train_throughput --config configs/gpt2_small.py \
       --ours_only --steps 10 --warmup 2 $(python3 -m bench.speed_variants flags "$v") \
       --out "$W/speed_$v.json"
     LOGS="$LOGS speed_$v"

@@ -2,11 +2,12 @@
 the roofline's prediction for it.
 
 A variant is configs/gpt2_small.py (32 x 1024 tokens, bf16 compute) with a
-few `--config.` overrides (`VARIANTS`): the step the H200 timed on
-2026-12-04 (`baseline`: scanned, remat none, the whole batch's logits, no
-FP8), its layers unscanned, the remat policies, the head and loss in
-chunks, FP8 matmuls with delayed scaling, and the same model with
-DeepSeek's latent attention (MLA) on our kernels. Three commands:
+few `--config.` overrides (`VARIANTS`): the preset as it is, the step the
+H200 timed on 2026-12-04 (`baseline`: scanned, remat none, the whole
+batch's logits, no FP8), its layers unscanned, the remat policies, the
+head and loss in chunks, FP8 matmuls with delayed scaling, and the same
+model with DeepSeek's latent attention (MLA) on our kernels. Three
+commands:
 
   # here, without a card: the roofline's prediction of every variant
   JAX_PLATFORMS=cpu venv-cuda/bin/python -m bench.speed_variants predict \\
@@ -16,7 +17,9 @@ DeepSeek's latent attention (MLA) on our kernels. Three commands:
   # ... timed by bench.train_throughput into DIR/speed_<variant>.json, then
   python3 -m bench.speed_variants table --measured_dir DIR
 
-`table` prints one row a variant, the measured step (the median of
+`predict --variants A B` recomputes those rows of the file and keeps the
+others; each row names the commit it was compiled at. `table` prints one
+row a variant, the measured step (the median of
 bench.train_throughput's timed steps) beside the predicted one and their
 ratio; a variant with no measurement, or no prediction, says so. Bad input
 (an unknown variant, a missing predictions file): one line, exit 2.
@@ -32,10 +35,12 @@ from configs.errors import UserError
 
 CONFIG = "configs/gpt2_small.py"
 PREDICTIONS = pathlib.Path(__file__).resolve().parent / "results" / "speed_variants_h200.json"
-BASELINE = ("--config.train.remat=none", "--config.train.loss_chunk_size=0",
-            "--config.model.fp8=none")
+BASELINE = ("--config.model.scan_layers=True", "--config.train.remat=none",
+            "--config.train.loss_chunk_size=0", "--config.model.fp8=none")
+# Latent attention at GPT-2 small's width: queries and keys 96 + 32 wide, the
+# width our Mosaic GPU kernels take (so `auto` runs them, values padded from 64).
 MLA = ("--config.model.attention=mla", "--config.model.pos_emb=rope",
-       "--config.model.kv_lora_rank=256", "--config.model.qk_nope_head_dim=64",
+       "--config.model.kv_lora_rank=256", "--config.model.qk_nope_head_dim=96",
        "--config.model.qk_rope_head_dim=32", "--config.model.v_head_dim=64")
 
 
@@ -46,6 +51,7 @@ def _with(*overrides: str) -> tuple[str, ...]:
 
 
 VARIANTS = {
+    "preset": (),
     "baseline": _with(),
     "unscanned": _with("--config.model.scan_layers=False"),
     "remat_save_dots": _with("--config.train.remat=save_dots"),
@@ -63,23 +69,25 @@ def variant_flags(name: str) -> tuple[str, ...]:
 
 
 def predict(names, target_name: str) -> dict:
-  """The roofline of each variant's step on `target_name` (compiled here)."""
+  """The roofline of each variant's step on `target_name` (compiled here),
+  by variant name."""
   from aot.roofline import parse_target, roofline_report  # pylint: disable=import-outside-toplevel
   from bench.bench_utils import git_commit  # pylint: disable=import-outside-toplevel
   from configs.cli import load_config  # pylint: disable=import-outside-toplevel
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  commit = git_commit()  # before the compiles: the tree they read
   target = parse_target(target_name)
   rows = {}
   for name in names:
     report = roofline_report(load_config(CONFIG, variant_flags(name)), target)
     total = report["total"]
-    rows[name] = {"flags": list(variant_flags(name)), "kernels": total["kernels"],
+    rows[name] = {"flags": list(variant_flags(name)), "target": target_name, "commit": commit,
+                  "date": datetime.date.today().isoformat(), "kernels": total["kernels"],
                   "tflop": total["flops"] / 1e12, "gb_moved": total["bytes"] / 1e9,
                   "predicted_ms": 1e3 * total["step_seconds"], "mfu_bound": report["mfu_bound"]}
     print(f"{name}: {rows[name]['predicted_ms']:.1f} ms predicted, {total['kernels']} kernels, "
           f"{rows[name]['gb_moved']:.1f} GB", flush=True)
-  return {"target": target_name, "config": CONFIG, "commit": git_commit(),
-          "date": datetime.date.today().isoformat(), "variants": rows}
+  return rows
 
 
 def _measured(directory: pathlib.Path, name: str):
@@ -92,18 +100,20 @@ def _measured(directory: pathlib.Path, name: str):
 
 def table(measured_dir: pathlib.Path, predictions: dict) -> str:
   """Measured against predicted, one row a variant (module docstring)."""
-  lines = [f"GPT-2 small train step, 32 x 1024; predictions: {predictions['target']} roofline "
-           f"at commit {predictions['commit']} ({predictions['date']})",
-           "| variant | predicted ms | MFU bound | measured ms | MFU | measured / predicted |",
-           "|---|---:|---:|---:|---:|---:|"]
+  lines = ["GPT-2 small train step, 32 x 1024: each variant measured here beside its "
+           "roofline prediction (compiled without a card at the commit named)",
+           "| variant | predicted ms | MFU bound | measured ms | MFU | measured / predicted "
+           "| predicted at |",
+           "|---|---:|---:|---:|---:|---:|---|"]
   for name in VARIANTS:
-    p = predictions["variants"].get(name)
+    p = predictions.get(name)
     m = _measured(measured_dir, name)
     pred = f"{p['predicted_ms']:.1f} | {100 * p['mfu_bound']:.1f}%" if p else "n/a | n/a"
     mfu = f"{100 * m['mfu']:.1f}%" if m and m.get("mfu") else "n/a"
     meas = f"{m['ms_per_step']:.1f} | {mfu}" if m else "not measured | n/a"
     ratio = f"{m['ms_per_step'] / p['predicted_ms']:.2f}" if m and p else "n/a"
-    lines.append(f"| {name} | {pred} | {meas} | {ratio} |")
+    where = f"{p['target']}, {p['commit']}" if p else "n/a"
+    lines.append(f"| {name} | {pred} | {meas} | {ratio} | {where} |")
   return "\n".join(lines)
 
 
@@ -127,8 +137,10 @@ def main(argv=None) -> None:
     elif args.command == "names":
       print(" ".join(VARIANTS))
     elif args.command == "predict":
-      result = predict(args.variants, args.target)
-      pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+      out = pathlib.Path(args.out)
+      kept = json.loads(out.read_text()) if out.is_file() else {}
+      kept.update(predict(args.variants, args.target))
+      out.write_text(json.dumps({n: kept[n] for n in VARIANTS if n in kept}, indent=1) + "\n")
       print(f"wrote {args.out}")
     else:
       path = pathlib.Path(args.predictions)

@@ -19,8 +19,9 @@ def _config(name):
 
 def test_each_variant_changes_what_its_name_says():
   base = _config("baseline")
-  assert (remat_name(base.train.remat), base.train.loss_chunk_size, base.model.fp8) == (
-      "none", 0, "none")
+  assert (remat_name(base.train.remat), base.train.loss_chunk_size, base.model.fp8,
+          base.model.scan_layers) == ("none", 0, "none", True)
+  assert _config("preset").to_dict() == load_config(sv.CONFIG).to_dict()
   assert _config("unscanned").model.scan_layers is False
   assert remat_name(_config("remat_save_dots").train.remat) == "save_dots"
   assert remat_name(_config("remat_full").train.remat) == "full"
@@ -34,17 +35,19 @@ def test_each_variant_changes_what_its_name_says():
 
 
 def test_table_puts_measured_beside_predicted(tmp_path):
-  predictions = {"target": "gpu:h200", "commit": "abc1234", "date": "2026-12-07",
-                 "variants": {"baseline": {"predicted_ms": 80.0, "mfu_bound": 0.35},
-                              "fp8_delayed": {"predicted_ms": 78.0, "mfu_bound": 0.36}}}
+  where = {"target": "gpu:h200", "commit": "abc1234"}
+  predictions = {"baseline": {"predicted_ms": 80.0, "mfu_bound": 0.35, **where},
+                 "fp8_delayed": {"predicted_ms": 78.0, "mfu_bound": 0.36, **where}}
   (tmp_path / "speed_baseline.json").write_text(json.dumps(
       {"rows": [{"name": "ours", "ms_per_step": 100.0, "mfu": 0.28}]}))
   lines = sv.table(tmp_path, predictions).splitlines()
   rows = {l.split("|")[1].strip(): l for l in lines if l.startswith("| ") and "variant" not in l}
   assert list(rows) == list(sv.VARIANTS)
-  assert rows["baseline"] == "| baseline | 80.0 | 35.0% | 100.0 | 28.0% | 1.25 |"
-  assert rows["fp8_delayed"] == "| fp8_delayed | 78.0 | 36.0% | not measured | n/a | n/a |"
-  assert rows["mla"] == "| mla | n/a | n/a | not measured | n/a | n/a |"
+  assert rows["baseline"] == ("| baseline | 80.0 | 35.0% | 100.0 | 28.0% | 1.25 "
+                              "| gpu:h200, abc1234 |")
+  assert rows["fp8_delayed"] == ("| fp8_delayed | 78.0 | 36.0% | not measured | n/a | n/a "
+                                 "| gpu:h200, abc1234 |")
+  assert rows["mla"] == "| mla | n/a | n/a | not measured | n/a | n/a | n/a |"
 
 
 @pytest.mark.parametrize("args,message", [
