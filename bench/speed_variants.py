@@ -1,12 +1,13 @@
 """The speed changes of GPT-2 small's train step, each timed on the card beside
 the roofline's prediction for it.
 
-A variant is configs/gpt2_small.py (32 x 1024 tokens, bf16 compute) with a
-few `--config.` overrides (`VARIANTS`): the preset as it is, the step the
-H200 timed on 2026-12-04 (`baseline`: scanned, remat none, the whole
-batch's logits, no FP8), its layers unscanned, the remat policies, the
-head and loss in chunks, FP8 matmuls with delayed scaling, and the same
-model with DeepSeek's latent attention (MLA) on our kernels. Three
+A variant is configs/gpt2_small.py (32 x 1024 tokens, bf16 compute) with
+a few `--config.` overrides (`VARIANTS`): the preset as it is, the step
+the H200 timed on 2026-12-04 (`baseline`: scanned, remat none, the whole
+batch's logits, no FP8), its layers unscanned, or scanned with the loop
+unrolled (the parameters stacked, the blocks inline), the remat policies,
+the head and loss in chunks, FP8 matmuls with delayed scaling, and the
+same model with DeepSeek's latent attention (MLA) on our kernels. Three
 commands:
 
   # here, without a card: the roofline's prediction of every variant
@@ -54,6 +55,7 @@ VARIANTS = {
     "preset": (),
     "baseline": _with(),
     "unscanned": _with("--config.model.scan_layers=False"),
+    "scan_unrolled": _with("--config.model.scan_unroll=12"),
     "remat_save_dots": _with("--config.train.remat=save_dots"),
     "remat_full": _with("--config.train.remat=full"),
     "loss_chunks_4096": _with("--config.train.loss_chunk_size=4096"),

@@ -23,6 +23,7 @@ def test_each_variant_changes_what_its_name_says():
           base.model.scan_layers) == ("none", 0, "none", True)
   assert _config("preset").to_dict() == load_config(sv.CONFIG).to_dict()
   assert _config("unscanned").model.scan_layers is False
+  assert _config("scan_unrolled").model.scan_unroll == _config("baseline").model.num_layers
   assert remat_name(_config("remat_save_dots").train.remat) == "save_dots"
   assert remat_name(_config("remat_full").train.remat) == "full"
   assert _config("loss_chunks_4096").train.loss_chunk_size == 4096
