@@ -16,7 +16,7 @@
 # MLP, and, if time is left, the context-parallel ring's kernel calls.
 # `grid`: every other row of the grid. `speed`: GPT-2 small's train step in
 # each variant of bench/speed_variants.py (the 2026-12-04 step, unscanned,
-# remat policies, loss chunks, FP8, MLA; about 60 s each), then its table:
+# remat policies, loss chunks, FP8, MLA; up to 60 s each), then its table:
 # each measured step beside the roofline's prediction for it (committed in
 # bench/results/speed_variants_h200.json, computed without a card). Each
 # stage has its own limit, cut to what is left of BUDGET seconds; a stage
@@ -108,7 +108,7 @@ elif [ "$PART" = speed ]; then
   LOGS=""
   for v in $(python3 -m bench.speed_variants names); do
     # shellcheck disable=SC2046  # the variant's overrides, one word each
-    stage "speed_$v" 65 python3 -m bench.train_throughput --config configs/gpt2_small.py \
+    stage "speed_$v" 60 python3 -m bench.train_throughput --config configs/gpt2_small.py \
       --ours_only --steps 10 --warmup 2 $(python3 -m bench.speed_variants flags "$v") \
       --out "$W/speed_$v.json"
     LOGS="$LOGS speed_$v"
