@@ -3,9 +3,9 @@ the backward's chunk step against `jax.vjp` of the forward's; both
 lowerings in the Pallas interpreter against the XLA chunked form
 (`gated_deltanet.chunked`), forward and gradients (the backward kernel's) in
 float32, with packed rows, a length no multiple of the chunk and an initial
-state; the linear
-layers following `model.attention_impl`; one-line refusals; the kernel on
-each device's rows of a 4-device CPU mesh; and the Mosaic lowering compiled
+state; the linear layers following `model.attention_impl`; one-line
+refusals; the kernel on each device's rows of a 4-device CPU mesh; and the
+Mosaic lowering compiled
 for a v5p (with libtpu), the Triton one for an H200 (with JAX's CUDA
 plugin), forward and backward, no accelerator attached, with the roofline
 counting both kernels' FLOPs."""
@@ -162,7 +162,7 @@ def test_on_a_mesh_each_device_runs_its_rows():
 @pytest.mark.tpu
 @pytest.mark.slow
 def test_compiles_for_v5p():
-  """Forward and backward through Mosaic and XLA for a v5p: d_k = d_v = 128,
+  """The forward and backward kernels through Mosaic for a v5p: d_k = d_v = 128,
   chunks of 64, packed rows of 1,000 tokens, bfloat16 inputs."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]

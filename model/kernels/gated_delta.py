@@ -29,10 +29,25 @@ step turns a row into a column by a masked reduction (no transposes, which
 Mosaic takes only for tile-aligned shapes). The keys come in twice, K and
 K^T per chunk, so that every product is a plain one.
 
-Backward: a `jax.custom_vjp` whose backward is the VJP of the XLA form
-(`gated_deltanet.chunked`), which recomputes the chunks in XLA. The kernel
-speeds the forward (and prefill); gradients are the XLA form's, so they are
-exact by construction. A Pallas backward is left for later.
+Backward: a `jax.custom_vjp` with a Pallas backward kernel in the same two
+lowerings. Under differentiation the forward kernel also writes each
+chunk's incoming state S_c ([B, h_v, N, d_k, d_v] float32, the residual;
+flash-linear-attention's chunk_fwd_h keeps the same). The backward program
+per (row, head) walks the chunks from the last to the first carrying the
+state's cotangent dS [d_k, d_v] in float32 (the Triton program's loop
+carry; on the Mosaic grid, index maps that flip the sequential axis and a
+VMEM scratch buffer), starting from the final state's cotangent and ending
+with the initial state's. Per chunk, `_chunk_step_vjp` recomputes the
+chunk's terms from S_c (T by forward substitution again) and applies the
+chunk step's VJP derived by hand: dV' from the outputs and the outgoing
+state, T^T products for the cotangents of U's and W's right-hand sides, dA =
+-(dB X^T) on A's strict lower triangle, the decays' cotangents to G, and
+dS <- keeps dS + (Q reads)^T dO - W^T dV'. Products with a transposed
+operand contract its first axis (`_dot_tn`, `_dot_nt`) rather than
+transpose it. The kernel returns the cotangents of the chunk-major q, k, v,
+G and beta; XLA takes them back through the normalisation, the head
+repeat, the padding and the cumulative sum of G (the VJP of
+`_chunk_major`).
 """
 import functools
 
@@ -431,7 +446,8 @@ def gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None,
                      interpret: bool | None = None, device=None):
   """The chunked gated delta rule by the kernel: the same (o [B, T, h_v, d_v]
   float32, final state [B, h_v, d_k, d_v]) as `gated_deltanet.chunked`,
-  differentiable in every float input (the XLA form's VJP).
+  differentiable in every float input (the backward kernel, module
+  docstring).
 
   lowering: "triton" or "mosaic_tpu"; default "mosaic_tpu" on a TPU, else
   "triton". interpret: run the Pallas interpreter; default when `device`
