@@ -287,6 +287,7 @@ def _segment_rows(segment_ids_BT, B: int, T: int, chunk: int):
               last=per_row((seg_BNC == seg_BNC[..., -1:]).astype(jnp.float32)))
 
 
+# The kernels' per-chunk inputs in their order (`_chunk_terms`' arguments).
 NAMES = ("q", "k", "kT", "v", "G", "beta", "seg", "cont", "last")
 
 
