@@ -2,7 +2,7 @@
 
   python -m bench.speculative [--workdir RUN | --steps 200 --mtp_depth 3 [--config PRESET]
       [--set KEY=VALUE ...]] [--depths 1,2,3] [--batch 1,2,4] [--new_tokens 128]
-      [--repeats 5] [--note TEXT] [--out bench/results/speculative.json]
+      [--context 0] [--repeats 5] [--note TEXT] [--out bench/results/speculative.json]
   python -m bench.speculative --costs 128x2,512x8 [--lengths 256,2048] [--depths 1,2,3]
       [--out bench/results/speculative_costs.json]
 
@@ -18,7 +18,8 @@ overrides (train.py's `--config.KEY=VALUE`) for `--steps` steps into a
 temporary folder (on the preset's corpus). For each depth and each batch
 size of `--batch` (the first prompts), both are compiled by a first call and
 timed over `--repeats` calls each, alternating, with no EOS so every row
-runs `--new_tokens` tokens; the table shows the median new tokens per
+runs `--new_tokens` tokens (after `--context` tokens of model/attention.py
+and the prompt: a long context); the table shows the median new tokens per
 second of each, the speedup, the share of drafts accepted and the tokens
 each main-model pass commits, and checks that both gave the same tokens,
 and the machine's load average (`os.getloadavg`, 1 minute) before and after
@@ -32,7 +33,8 @@ piece of a pass in a compiled loop of its own, timed interleaved with
 greedy's step like the calls above and given in greedy steps: the main
 model reading D+1 tokens against its cache (the verification) and the D
 modules reading the 2D positions a pass recomputes (the drafts, each with
-its head at the last position). A pass cannot cost less than their sum;
+its head at the last position), against a KV cache as long as the
+run's. A pass cannot cost less than their sum;
 with t tokens a pass the speedup is at most t over it.
 
 `--costs DxL,...` measures only those pass costs, on models of random
@@ -63,6 +65,8 @@ from training import hardware
 from training import workdir as workdir_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+# `--context N`: each prompt follows the first N tokens of this file (Python, like the corpus).
+CONTEXT = ROOT / "model" / "attention.py"
 PROMPTS = ["def ", "import os\n", "class ", "    return ", "for i in range(", "if __name__",
            "    def __init__(self", "# "]
 
@@ -148,7 +152,7 @@ def describe(parts: dict) -> str:
 
 
 def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens: int,
-          repeats: int) -> tuple[dict, list, list]:
+          repeats: int, context: int) -> tuple[dict, list, list]:
   config, tok, model, step = workdir_lib.load_run(workdir)
   if not config.train.mtp_depth:
     sys.exit(f"error: {workdir} was trained without train.mtp_depth; train one with it "
@@ -157,7 +161,11 @@ def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens
   if max(depths) > config.train.mtp_depth:
     sys.exit(f"error: --depths {max(depths)}: {workdir} has {config.train.mtp_depth} MTP "
              "modules; draft with at most that many")
-  prompts = [[tok.bos_id] + tok.encode(p) for p in PROMPTS]
+  context_ids = tok.encode(CONTEXT.read_text())[:context]
+  if len(context_ids) < context:
+    sys.exit(f"error: --context {context}: {CONTEXT.relative_to(ROOT)} has "
+             f"{len(context_ids)} tokens; ask for fewer")
+  prompts = [[tok.bos_id] + context_ids + tok.encode(p) for p in PROMPTS]
   width = max(map(len, prompts))
   m = config.model
   print(f"{workdir} at step {step}: {m.num_layers} layers, d={m.d_model}, V={m.vocab_size}, "
@@ -186,9 +194,10 @@ def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens
             f"{stats['tokens_per_pass']:.2f} | {drafted == plain} | "
             f"{load_before:.1f} / {load_after:.1f} |", flush=True)
   for depth in depths:
-    parts.append(components(model, repeats, depth))
+    parts.append(components(model, repeats, depth, length=width + new_tokens))
     print(describe(parts[-1]), flush=True)
-  run = {"workdir": workdir, "step": step, "mtp_depth": config.train.mtp_depth,
+  run = {"workdir": workdir, "step": step, "context_tokens": context,
+         "mtp_depth": config.train.mtp_depth,
          "mtp_weight": config.train.mtp_weight, "layers": m.num_layers, "d_model": m.d_model,
          "vocab_size": m.vocab_size}
   return run, results, parts
@@ -229,6 +238,8 @@ def main() -> None:
                       help="Draft depths, comma-separated (default: 1 to the run's modules).")
   parser.add_argument("--batch", default="1,2,4", help="Batch sizes, comma-separated.")
   parser.add_argument("--new_tokens", type=int, default=128)
+  parser.add_argument("--context", type=int, default=0, help="Tokens of model/attention.py "
+                      "before each prompt (a long context: a KV cache that many slots longer).")
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--costs", default="", metavar="DxL,...",
                       help="Only the pass costs of random-weight models of these shapes.")
@@ -261,7 +272,7 @@ def main() -> None:
         trained = {"config": args.config, "overrides": args.set, "steps": args.steps,
                    "seconds": round(time.perf_counter() - start, 1)}
       run, results, parts = bench(workdir, depths, [int(b) for b in args.batch.split(",")],
-                                  args.new_tokens, args.repeats)
+                                  args.new_tokens, args.repeats, args.context)
     if trained is not None:
       run = {**run, "workdir": None, "trained_here": trained}
     report.update(run=run, new_tokens=args.new_tokens, prompts=PROMPTS, results=results,
