@@ -4,7 +4,7 @@
       [--set KEY=VALUE ...]] [--depths 1,2,3] [--batch 1,2,4] [--new_tokens 128]
       [--context 0] [--repeats 5] [--note TEXT] [--out bench/results/speculative.json]
   python -m bench.speculative --costs 128x2,512x8 [--lengths 256,2048] [--depths 1,2,3]
-      [--out bench/results/speculative_costs.json]
+  python -m bench.speculative --products 256,512,1024
 
 A run trained with train.mtp_depth (`--workdir`; its newest checkpoint)
 completes the prompts below greedily, once plainly (`generate`: one pass of
@@ -42,6 +42,9 @@ weights (a cost does not depend on the weights, acceptance does) of
 configs/tiny.py's kind with d_model D and L layers (heads of 32, d_ff 3D),
 for each draft depth of `--depths` and each KV-cache length of `--lengths`:
 how the floor of a pass moves with the model's shape and its context.
+`--products D,...` times one layer's projection, [M, D] x [D, 3D] in float32
+for M = 1, 2, 3, 4, 8 rows: what reading M tokens through a weight costs
+against reading one.
 """
 import argparse
 import datetime
@@ -224,6 +227,36 @@ def shape_costs(shapes: list[str], depths: list[int], lengths: list[int], repeat
   return costs
 
 
+def product_costs(widths: list[int], repeats: int, rows: tuple = (1, 2, 3, 4, 8),
+                  layers: int = 16, steps: int = 20) -> list:
+  """Microseconds of one float32 product [M, d] x [d, 3d] (a layer's
+  projection: M tokens through a weight read from memory) for each M of
+  `rows` and d of `widths`: `layers` distinct weights in turn, `steps`
+  times, in one compiled loop, the median over `repeats` runs."""
+  costs = []
+  for d in widths:
+    weights = [jax.random.normal(jax.random.key(i), (d, 3 * d)) for i in range(layers)]
+
+    def loop(m: int):
+      @jax.jit
+      def run(x_MD, weights):
+        def body(_, x_MD):
+          for w_DN in weights:
+            x_MD = (x_MD @ w_DN)[:, :d] * 0.01
+          return x_MD
+        return jax.lax.fori_loop(0, steps, body, x_MD)
+      return lambda: run(jnp.ones((m, d)), weights).block_until_ready()
+
+    timed = median_seconds([loop(m) for m in rows], repeats)
+    micros = {m: seconds / steps / layers * 1e6 for m, (seconds, _) in zip(rows, timed)}
+    costs.append({"d": d, "weight_bytes": 12 * d * d, "load": os.getloadavg()[0],
+                  "microseconds_by_rows": micros})
+    print(f"[M, {d}] x [{d}, {3 * d}]: " + ", ".join(
+        f"M={m} {us:,.0f} us ({us / micros[rows[0]]:.2f}x)" for m, us in micros.items()),
+        flush=True)
+  return costs
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--workdir", help="A run trained with train.mtp_depth (default: train "
@@ -244,9 +277,12 @@ def main() -> None:
   parser.add_argument("--costs", default="", metavar="DxL,...",
                       help="Only the pass costs of random-weight models of these shapes.")
   parser.add_argument("--lengths", default="256", help="KV-cache lengths of --costs.")
+  parser.add_argument("--products", default="", metavar="D,...",
+                      help="Only the cost of [M, D] x [D, 3D] products for M = 1, 2, 3, 4, 8.")
   parser.add_argument("--note", default="", help="Recorded as is (e.g. what else ran).")
   parser.add_argument("--out", type=pathlib.Path, help="The JSON file (default: "
-                      "bench/results/speculative.json, speculative_costs.json with --costs).")
+                      "bench/results/speculative.json; speculative_costs.json with --costs, "
+                      "speculative_products.json with --products).")
   args = parser.parse_args()
   depths = [int(d) for d in args.depths.split(",") if d]
   report = {"command": command_line(), "commit": git_commit(),
@@ -256,7 +292,11 @@ def main() -> None:
                         "xla_threads": hardware.xla_cpu_threads(),
                         "load_average_at_start": os.getloadavg()},
             "note": args.note, "repeats": args.repeats}
-  if args.costs:
+  if args.products:
+    out = args.out or ROOT / "bench" / "results" / "speculative_products.json"
+    report["products"] = product_costs([int(d) for d in args.products.split(",")],
+                                       args.repeats)
+  elif args.costs:
     out = args.out or ROOT / "bench" / "results" / "speculative_costs.json"
     report["costs"] = shape_costs(args.costs.split(","), depths or [1, 2, 3],
                                   [int(n) for n in args.lengths.split(",")], args.repeats)
