@@ -62,6 +62,7 @@ from flax import nnx
 
 from bench.bench_utils import command_line, git_commit
 from configs import tiny
+from configs.errors import UserError
 from model import build_model
 from model.generate import generate, mtp_speculative
 from training import hardware
@@ -156,18 +157,19 @@ def describe(parts: dict) -> str:
 
 def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens: int,
           repeats: int, context: int) -> tuple[dict, list, list]:
+  modules = workdir_lib.load_config(workdir).train.mtp_depth  # refused before the checkpoint
+  if not modules:
+    raise UserError(f"{workdir} was trained without train.mtp_depth; train one with it "
+                    "(or leave out --workdir)")
+  depths = depths or list(range(1, modules + 1))
+  if not 1 <= min(depths) <= max(depths) <= modules:
+    raise UserError(f"--depths {','.join(map(str, depths))}: {workdir} has {modules} MTP "
+                    f"modules; draft with 1 to {modules} of them")
   config, tok, model, step = workdir_lib.load_run(workdir)
-  if not config.train.mtp_depth:
-    sys.exit(f"error: {workdir} was trained without train.mtp_depth; train one with it "
-             "(or leave out --workdir)")
-  depths = depths or list(range(1, config.train.mtp_depth + 1))
-  if max(depths) > config.train.mtp_depth:
-    sys.exit(f"error: --depths {max(depths)}: {workdir} has {config.train.mtp_depth} MTP "
-             "modules; draft with at most that many")
   context_ids = tok.encode(CONTEXT.read_text())[:context]
   if len(context_ids) < context:
-    sys.exit(f"error: --context {context}: {CONTEXT.relative_to(ROOT)} has "
-             f"{len(context_ids)} tokens; ask for fewer")
+    raise UserError(f"--context {context}: {CONTEXT.relative_to(ROOT)} has "
+                    f"{len(context_ids)} tokens; ask for fewer")
   prompts = [[tok.bos_id] + context_ids + tok.encode(p) for p in PROMPTS]
   width = max(map(len, prompts))
   m = config.model
@@ -311,8 +313,12 @@ def main() -> None:
         train_run(workdir, args.config, args.steps, args.mtp_depth, args.set)
         trained = {"config": args.config, "overrides": args.set, "steps": args.steps,
                    "seconds": round(time.perf_counter() - start, 1)}
-      run, results, parts = bench(workdir, depths, [int(b) for b in args.batch.split(",")],
-                                  args.new_tokens, args.repeats, args.context)
+      try:
+        run, results, parts = bench(workdir, depths, [int(b) for b in args.batch.split(",")],
+                                    args.new_tokens, args.repeats, args.context)
+      except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if trained is not None:
       run = {**run, "workdir": None, "trained_here": trained}
     report.update(run=run, new_tokens=args.new_tokens, prompts=PROMPTS, results=results,
