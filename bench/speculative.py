@@ -157,6 +157,8 @@ def describe(parts: dict) -> str:
 
 def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens: int,
           repeats: int, context: int) -> tuple[dict, list, list]:
+  """(the run, a row per draft depth and batch, `components` per depth) of
+  `workdir`: greedy and drafted calls timed alternately (module docstring)."""
   modules = workdir_lib.load_config(workdir).train.mtp_depth  # refused before the checkpoint
   if not modules:
     raise UserError(f"{workdir} was trained without train.mtp_depth; train one with it "
