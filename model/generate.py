@@ -267,8 +267,8 @@ def _generate(graphdef, state, tokens_BP, lengths_B, src_BS, src_lengths_B, rng,
 
 
 def _mtp_drafts(model, h0_BLM, tokens_BL, positions_BW, caches, limit):
-  """The MTP modules at the window `positions_BW` (each row's last position
-  n-1 last), module k reading h^{k-1} there (h^0: the main model's, from
+  """The first len(`caches`) MTP modules at the window `positions_BW` (each
+  row's last position n-1 last), module k reading h^{k-1} there (h^0: the main model's, from
   `h0_BLM`) and token j+k of `tokens_BL` at position j, writing its KV
   cache. Returns (tokens with module k's greedy choice at n-1 written as
   token n+k, which module k+1 reads, the new caches)."""
@@ -287,15 +287,15 @@ def _mtp_drafts(model, h0_BLM, tokens_BL, positions_BW, caches, limit):
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "pad_id",
-                                             "num_tokens"))
+                                             "num_tokens", "depth"))
 def _speculate(graphdef, state, tokens_BP, lengths_B, *, max_new_tokens, eos_id, pad_id,
-               num_tokens):
+               num_tokens, depth):
   """Greedy tokens [B, max_new_tokens] by self-speculative decoding with the
-  MTP modules (module docstring); per row, the verification passes and the
-  drafts accepted in them."""
+  first `depth` MTP modules (module docstring); per row, the verification
+  passes and the drafts accepted in them."""
   model = nnx.merge(graphdef, state)
   B, P = tokens_BP.shape
-  D = len(model.mtp)
+  D = depth
   W = 2 * D  # the MTP slots each round recomputes (module docstring)
   L = P + max_new_tokens + 2 * D + 2  # every slot a row writes before it is frozen, and more
   rows_B, rows_B1 = jnp.arange(B), jnp.arange(B)[:, None]
@@ -387,10 +387,13 @@ def _run(model, model_cfg, prompts, sources, *, max_new_tokens, eos_id, pad_id, 
 
 def mtp_speculative(model, model_cfg, prompts: list[list[int]], *, max_new_tokens: int,
                     eos_id: int = -1, pad_id: int = 0, prompt_width: int | None = None,
-                    num_tokens: int | None = None) -> tuple[list[list[int]], dict]:
+                    num_tokens: int | None = None, draft_depth: int | None = None
+                    ) -> tuple[list[list[int]], dict]:
   """Greedy decoding drafted by the MTP modules of a decoder trained with
   train.mtp_depth (module docstring): `generate`'s tokens at temperature 0,
-  and {"draft_depth" D, "passes" (the main model's verification passes,
+  drafted by the first `draft_depth` modules (default: all; module k reads
+  only the modules before it, so its first D draft as trained), and
+  {"draft_depth" D, "passes" (the main model's verification passes,
   each row's while it decodes), "drafted" (D per pass), "accepted" (drafts
   equal to the main model's greedy token), "acceptance_rate"
   (accepted / drafted), "tokens_per_pass" ((accepted + passes) / passes:
@@ -404,13 +407,17 @@ def mtp_speculative(model, model_cfg, prompts: list[list[int]], *, max_new_token
   if not len(getattr(model, "mtp", ())):
     raise UserError("draft=mtp drafts with the multi-token prediction modules, and this model "
                     "has none; train it with train.mtp_depth > 0, or generate without the draft")
+  depth = len(model.mtp) if draft_depth is None else draft_depth
+  if not 1 <= depth <= len(model.mtp):
+    raise UserError(f"draft_depth={depth}: the model has {len(model.mtp)} multi-token "
+                    f"prediction modules; draft with 1 to {len(model.mtp)} of them")
   tokens_BP, lengths_B = _pad_prompts(prompts, pad_id, prompt_width)
   _check_length(model_cfg, tokens_BP.shape[1] + max_new_tokens)
   graphdef, state = nnx.split(model)
   out_BT, passes_B, accepted_B = _speculate(
       graphdef, state, tokens_BP, lengths_B, max_new_tokens=max_new_tokens, eos_id=eos_id,
-      pad_id=pad_id, num_tokens=num_tokens)
-  depth, passes, accepted = len(model.mtp), int(passes_B.sum()), int(accepted_B.sum())
+      pad_id=pad_id, num_tokens=num_tokens, depth=depth)
+  passes, accepted = int(passes_B.sum()), int(accepted_B.sum())
   stats = {"draft_depth": depth, "passes": passes, "drafted": depth * passes,
            "accepted": accepted, "acceptance_rate": accepted / max(depth * passes, 1),
            "tokens_per_pass": (accepted + passes) / max(passes, 1)}

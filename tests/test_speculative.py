@@ -126,6 +126,20 @@ def test_copied_drafts_are_accepted_and_save_passes():
   assert stats["acceptance_rate"] == 0.5
 
 
+def test_the_first_modules_of_several_draft_alone():
+  """draft_depth=1 of two copying modules: greedy's tokens, 2 tokens a pass,
+  one draft a pass; a depth past the modules is refused."""
+  cfg = small_cfg(max_len=48, pos_emb="rope")
+  model = copying_model(cfg, D, D)
+  greedy = generate(model, cfg, PROMPTS, max_new_tokens=13)
+  tokens, stats = mtp_speculative(model, cfg, PROMPTS, max_new_tokens=13, draft_depth=1)
+  assert tokens == greedy
+  assert (stats["draft_depth"], stats["acceptance_rate"], stats["tokens_per_pass"]) == (1, 1.0, 2)
+  assert stats["drafted"] == stats["passes"] == len(PROMPTS) * 12 // 2
+  with pytest.raises(UserError, match="draft with 1 to 2 of them"):
+    mtp_speculative(model, cfg, PROMPTS, max_new_tokens=2, draft_depth=D + 1)
+
+
 def test_refusals_are_one_line():
   cfg = model_config()
   plain = build_model(cfg, nnx.Rngs(0))
