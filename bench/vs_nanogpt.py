@@ -123,9 +123,6 @@ def check_expressible(config) -> None:
   if remat_name(t.remat) != "none":
     raise _refuse("train.remat", t.remat, "nanoGPT recomputes nothing: "
                   "set --config.train.remat=none")
-  if config.data.packing != "concat":
-    raise _refuse("data.packing", config.data.packing, "nanoGPT reads windows of one token "
-                  "stream without document masks: set --config.data.packing=concat")
   for field, value in NANOGPT_MODEL.items():
     if m[field] != value:
       raise _refuse(f"model.{field}", m[field], f"its GPT-2 needs {value!r}: set "
@@ -141,13 +138,16 @@ def check_expressible(config) -> None:
   for field in ("qkv_bias", "out_bias", "mlp_bias"):
     if m[field] is not None and not m[field]:
       raise _refuse(f"model.{field}", m[field], "bias=True puts a bias in every projection: "
-                    f"unset it")
+                    "unset it")
   if m.d_ff != 4 * m.d_model:
     raise _refuse("model.d_ff", m.d_ff, f"its MLP is 4 x d_model wide: set "
                   f"--config.model.d_ff={4 * m.d_model}")
   if m.max_len != t.seq_len:
     raise _refuse("model.max_len", m.max_len, "its block_size is both the position table and "
                   f"the row length: set --config.model.max_len={t.seq_len} (train.seq_len)")
+  if config.data.packing != "concat":
+    raise _refuse("data.packing", config.data.packing, "it reads windows of one token "
+                  "stream without document masks: set --config.data.packing=concat")
   if m.vocab_size > 2**16:
     raise _refuse("model.vocab_size", m.vocab_size, "its train.bin holds uint16 tokens: at "
                   "most 65,536 ids")
@@ -352,7 +352,6 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   logging.set_verbosity(logging.WARNING)
-  from bench.vs_torch import get_tokenizer  # pylint: disable=import-outside-toplevel
   nanogpt_dir = pathlib.Path(FLAGS.nanogpt_dir).expanduser().resolve()
   with tempfile.TemporaryDirectory(prefix="vs_nanogpt-") as tmp:
     tmp = pathlib.Path(tmp)
@@ -361,6 +360,8 @@ def main(argv):
       check_flags(nanogpt_dir)
       config = bench_config(FLAGS.config, steps=FLAGS.steps, log_every=FLAGS.log_every,
                             tokenizer_dir=tokenizer_dir)
+      # After the checks: it imports torch and transformers.
+      from bench.vs_torch import get_tokenizer  # pylint: disable=import-outside-toplevel
       tokenizer = get_tokenizer(FLAGS.config)
     except (UserError, ValueError) as e:
       print(f"error: {e}", file=sys.stderr)
