@@ -35,6 +35,11 @@ and linear warm-up then cosine decay to learning_rate x min_lr_ratio at
 at 0. The initial parameters differ (nanoGPT's seed and its scaled init of
 the output projections), so the first-step losses are close, not equal.
 
+`--cpus N` pins the bench, and so both runs, to N of the usable CPUs (XLA's
+thread pool sizes itself by the affinity, torch's by OMP_NUM_THREADS=N): `--cpus 1` compares
+one thread against one, which a busy machine disturbs less than two threads
+that wait for each other.
+
 Runs alternate, ours then nanoGPT's, `--rounds` times; the first `--skip`
 steps of every run (compilation, warm-up) are not counted. Reported per
 side: the median ms a step over all counted windows (p10, p90), tokens/s,
@@ -104,6 +109,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("skip", 10, "First steps of each run not counted (compilation).")
   flags.DEFINE_integer("log_every", 1, "Our train.log_every, and the window nanoGPT's "
                        "per-iteration times are averaged over.")
+  flags.DEFINE_integer("cpus", 0, "Run both sides on the first this many usable CPUs (their "
+                       "thread pools follow the affinity); 0: all of them.")
   flags.DEFINE_boolean("nanogpt_compile", False, "nanoGPT's compile (torch.compile).")
   flags.DEFINE_string("out", None, "JSON output; default bench/results/vs_nanogpt.json.")
   flags.mark_flags_as_required(["nanogpt_dir"])
@@ -343,6 +350,9 @@ def check_flags(nanogpt_dir: pathlib.Path) -> None:
                     f"model.py there; git clone {NANOGPT_URL} and pass its directory")
   if FLAGS.rounds < 1 or FLAGS.log_every < 1 or FLAGS.skip < 1:
     raise UserError("--rounds, --log_every and --skip must be at least 1")
+  usable = len(os.sched_getaffinity(0))
+  if not 0 <= FLAGS.cpus <= usable:
+    raise UserError(f"--cpus={FLAGS.cpus}: between 1 and the {usable} usable CPUs, or 0 (all)")
   if FLAGS.steps < FLAGS.skip + 2 * FLAGS.log_every:
     raise UserError(f"--steps={FLAGS.steps}: at least --skip + 2 x --log_every = "
                     f"{FLAGS.skip + 2 * FLAGS.log_every}, so that windows are counted")
@@ -368,6 +378,9 @@ def main(argv):
       sys.exit(2)
     if not FLAGS.config.tokenizer.path:
       tokenizer.save(tokenizer_dir)
+    if FLAGS.cpus:  # before torch starts: both runs inherit the affinity and the count
+      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:FLAGS.cpus])
+      os.environ["OMP_NUM_THREADS"] = str(FLAGS.cpus)  # torch counts cores, not the affinity
     compare(config, tokenizer, nanogpt_dir, tmp)
 
 
