@@ -370,7 +370,10 @@ def main(argv):
       check_flags(nanogpt_dir)
       config = bench_config(FLAGS.config, steps=FLAGS.steps, log_every=FLAGS.log_every,
                             tokenizer_dir=tokenizer_dir)
-      # After the checks: it imports torch and transformers.
+      if FLAGS.cpus:  # before torch starts: both runs inherit the affinity and the count
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:FLAGS.cpus])
+        os.environ["OMP_NUM_THREADS"] = str(FLAGS.cpus)  # torch counts cores, not the affinity
+      # After the checks and the pinning: it imports torch and transformers.
       from bench.vs_torch import get_tokenizer  # pylint: disable=import-outside-toplevel
       tokenizer = get_tokenizer(FLAGS.config)
     except (UserError, ValueError) as e:
@@ -378,9 +381,6 @@ def main(argv):
       sys.exit(2)
     if not FLAGS.config.tokenizer.path:
       tokenizer.save(tokenizer_dir)
-    if FLAGS.cpus:  # before torch starts: both runs inherit the affinity and the count
-      os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:FLAGS.cpus])
-      os.environ["OMP_NUM_THREADS"] = str(FLAGS.cpus)  # torch counts cores, not the affinity
     compare(config, tokenizer, nanogpt_dir, tmp)
 
 
