@@ -63,7 +63,7 @@ def test_packed_rows_and_remat_are_refused():
 
 
 NANOGPT_LOG = """tokens per iteration will be: 2,048
-found vocab_size = 1024 (inside /tmp/x/meta.pkl)
+found vocab_size = 1024 (inside data/meta.pkl)
 Initializing a new model from scratch
 number of parameters: 0.53M
 num decayed parameter tensors: 10, with 540,672 parameters
