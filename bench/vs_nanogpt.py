@@ -35,10 +35,12 @@ and linear warm-up then cosine decay to learning_rate x min_lr_ratio at
 at 0. The initial parameters differ (nanoGPT's seed and its scaled init of
 the output projections), so the first-step losses are close, not equal.
 
-`--cpus N` pins the bench, and so both runs, to N of the usable CPUs (XLA's
-thread pool sizes itself by the affinity, torch's by OMP_NUM_THREADS=N): `--cpus 1` compares
-one thread against one, which a busy machine disturbs less than two threads
-that wait for each other.
+`--cpus N` pins the bench, and so both runs, to N of the usable CPUs
+(XLA's thread pool sizes itself by the affinity, torch's by
+OMP_NUM_THREADS=N): `--cpus 1` compares one thread against one, which a
+busy machine disturbs less than two threads that wait for each other.
+torch.compile is off by default: on this project's 2-core machine it ran
+nanoGPT's step slower and compiled for minutes (docs/results.md).
 
 Runs alternate, ours then nanoGPT's, `--rounds` times; the first `--skip`
 steps of every run (compilation, warm-up) are not counted. Reported per
@@ -109,14 +111,15 @@ def _define_flags() -> None:
   flags.DEFINE_integer("skip", 10, "First steps of each run not counted (compilation).")
   flags.DEFINE_integer("log_every", 1, "Our train.log_every, and the window nanoGPT's "
                        "per-iteration times are averaged over.")
-  flags.DEFINE_integer("cpus", 0, "Run both sides on the first this many usable CPUs (their "
-                       "thread pools follow the affinity); 0: all of them.")
+  flags.DEFINE_integer("cpus", 0, "Run both sides on the first this many usable CPUs, with "
+                       "OMP_NUM_THREADS set to it for torch; 0: all of them.")
   flags.DEFINE_boolean("nanogpt_compile", False, "nanoGPT's compile (torch.compile).")
   flags.DEFINE_string("out", None, "JSON output; default bench/results/vs_nanogpt.json.")
   flags.mark_flags_as_required(["nanogpt_dir"])
 
 
 def _refuse(field: str, value, fix: str) -> UserError:
+  """The one-line refusal of `field`'s `value`, with its `fix`."""
   return UserError(f"{field}={value!r}: nanoGPT cannot express it; {fix}")
 
 
