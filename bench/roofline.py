@@ -23,7 +23,8 @@ each loop body counted once, as the compiler counts them. For GPT-2 small
 The report names its train.remat policy; `python compile.py ... --remat_policies`
 sets every policy side by side (memory, recomputed FLOPs).
 
-`gpu:h200` is one H200 (`gpu:h200:1`). Prints a table (the `--top` kernels
+`gpu:h200` is one H200 (`gpu:h200:1`). `cpu` is this machine's CPU, its
+peaks measured by probes (bench/cpu_roofline.py). Prints a table (the `--top` kernels
 by time, then the groups); `--json` prints the report as JSON instead,
 `--out FILE` writes it there too. Bad input: one line on stderr, exit 2.
 """
@@ -35,13 +36,14 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from aot.roofline import parse_target, roofline_report
+from bench.cpu_roofline import cpu_report, probe_peaks
 from configs.cli import parse_flags
 from configs.errors import UserError
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/*.py file.",
                                           lock_config=True)
 _TARGET = flags.DEFINE_string("target", None, "gpu:h200 (one H200), gpu:h200:<gpus> or "
-                              "tpu:<chip>:<topology> (tpu:v5e:2x2).")
+                              "tpu:<chip>:<topology> (tpu:v5e:2x2), or cpu (this machine's).")
 _JSON = flags.DEFINE_bool("json", False, "Print the report as JSON.")
 _OUT = flags.DEFINE_string("out", None, "Also write the report as JSON to this file.")
 _TOP = flags.DEFINE_integer("top", 20, "Kernels to list, longest first.")
@@ -58,8 +60,8 @@ def format_report(report: dict, top: int) -> str:
            + (f", loss in chunks of {report['loss_chunk_size']}"
               if report["loss_chunk_size"] else "")
            + f", remat {report['remat']}, on {report['target']} ({report['devices']} device(s)); "
-           f"per device: peak {report['peak_flops'] / 1e12:.0f} TFLOP/s (FP8 "
-           f"{report['fp8_peak_flops'] / 1e12:.0f}), {report['hbm_bandwidth'] / 1e12:.2f} "
+           f"per device: peak {report['peak_flops'] / 1e12:.3g} TFLOP/s (FP8 "
+           f"{report['fp8_peak_flops'] / 1e12:.3g}), {report['hbm_bandwidth'] / 1e12:.3g} "
            f"TB/s HBM, {1e6 * report['launch_seconds_per_kernel']:.0f} us a kernel launch",
            "", f"top {top} kernels by time per step (flop and byte times per launch):",
            f"  {'kernel':<36} {'kind':<28} {'group':<20} {'runs':>4} {'GFLOP':>8} "
@@ -113,7 +115,10 @@ def main(argv):
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   try:
-    report = roofline_report(_CONFIG.value, parse_target(_TARGET.value))
+    if _TARGET.value == "cpu":
+      report = cpu_report(_CONFIG.value, probe_peaks())
+    else:
+      report = roofline_report(_CONFIG.value, parse_target(_TARGET.value))
   except UserError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
