@@ -23,7 +23,9 @@ Per kernel, per run:
   3.5 in all. A cuDNN call's mask type says whether it is causal; a Pallas
   kernel's mask is compiled into its code, so `causal` (the model's) says
   it. The gated delta rule's kernel counts its chunks' matmuls
-  (`gated_delta.chunk_flops`). Every other op counts 0 FLOPs.
+  (`gated_delta.chunk_flops`), the fused head-and-loss kernels theirs
+  (`fused_loss.kernel_flops`: the forward 2 N V M, 4 N V M differentiated,
+  dW 4 N V M). Every other op counts 0 FLOPs.
 - bytes read and written: the operands' and the results' array shapes x
   their dtype size (what a kernel moves through HBM once), except that an
   operand only sliced counts its slices and a buffer updated in place its
@@ -47,7 +49,7 @@ from aot import compiler, targets
 from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
 from configs import gpt2_small, validation
 from model import accounting
-from model.kernels import gated_delta
+from model.kernels import fused_loss, gated_delta
 from model.resolve import resolve
 
 # Seconds a kernel costs beyond its FLOPs and bytes, a stated constant, not a
@@ -258,6 +260,18 @@ def _delta_rule_flops(instruction: _Instruction, shapes: dict[str, str]) -> floa
   return float(B * H * N * gated_delta.chunk_flops(C, d_k, d_v))
 
 
+def _fused_loss_flops(instruction: _Instruction, shapes: dict[str, str], kernel: str) -> float:
+  """The fused head-and-loss kernels (`model/kernels/fused_loss.py`):
+  `fused_loss.kernel_flops` from their first two operands, h [N, M] and W
+  [V, M]; a forward with four results computes P W as well."""
+  two_d = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))
+           if len(a[1]) == 2]
+  if len(two_d) < 2:
+    return 0.0
+  (N, M), V = two_d[0][1], two_d[1][1][0]
+  return fused_loss.kernel_flops(kernel, N, V, M, with_pw=len(_arrays(instruction.shape)) == 4)
+
+
 def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_name: str,
                        causal: bool, split_backward: bool) -> float:
   """A custom call's FLOPs: a cuBLAS GEMM's dot, a cuDNN or Pallas attention
@@ -275,6 +289,8 @@ def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_nam
   kernel = _kernel_name(op_name)
   if target in KERNEL_CALLS and "gated_delta_rule" in kernel:
     return _delta_rule_flops(instruction, shapes)
+  if target in KERNEL_CALLS and kernel.startswith("fused_loss"):
+    return _fused_loss_flops(instruction, shapes, kernel)
   if target in KERNEL_CALLS and "attention" in kernel:
     for suffix, factor in _ATTENTION_FACTORS:
       if kernel.endswith(suffix):
