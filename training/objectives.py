@@ -44,6 +44,8 @@ adds weight x mean over targets of (log Z)^2, pulling it to 0 so that the
 logits stay in the range where float32 and bfloat16 softmaxes are exact
 (`training_loss_sum`); the reported loss stays the cross-entropy.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -51,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
 from model.kernels import fused_loss
-from model.layers import compile_device
+from model.layers import batch_axes, compile_device
 from model.mtp import depth_weights, shift
 from model.transformer import PADDED_LOGIT
 
@@ -150,24 +152,45 @@ def _whole_on_every_device(model, stack):
 def fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT):
   """`loss_sums` of the LM head's logits by the fused head-and-loss kernel
   (train.loss_impl=pallas, model/kernels/fused_loss.py): per target its log Z,
-  logit and whether it is the largest, the logits never made; on one
-  device (the kernel is not split over a mesh yet)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if not mesh.empty and mesh.size > 1:
-    raise UserError(f"train.loss_impl=pallas runs on one device; this mesh has {mesh.size}; "
-                    "use train.loss_impl=xla")
+  logit and whether it is the largest, the logits never made; one kernel
+  per device on a mesh (`_per_device`)."""
   device = compile_device()
   reason = fused_loss.refusal(device.platform)
   if reason:
     raise UserError(reason)
   x_BTM, w_VM, mult, real_vocab = model.head_operands(stack, hidden_BTM)
-  B, T, M = x_BTM.shape
+
+  def kernel(x_BTM, w_VM, targets_BT):
+    B, T, M = x_BTM.shape
+    outs = fused_loss.fused_head_loss(x_BTM.reshape(B * T, M), w_VM, targets_BT.reshape(B * T),
+                                      mult=mult, real_vocab=real_vocab,
+                                      padded_logit=PADDED_LOGIT, device=device)
+    return tuple(x_N.reshape(B, T) for x_N in outs)
+
   with jax.named_scope("loss"):
-    lse_N, target_N, correct_N = fused_loss.fused_head_loss(
-        x_BTM.reshape(B * T, M), w_VM, targets_BT.reshape(B * T), mult=mult,
-        real_vocab=real_vocab, padded_logit=PADDED_LOGIT, device=device)
-    return _weighted_sums(lse_N.reshape(B, T), target_N.reshape(B, T),
-                          correct_N.reshape(B, T), weights_BT.astype(jnp.float32))
+    lse_BT, target_BT, correct_BT = _per_device(kernel, x_BTM, w_VM, targets_BT)
+    return _weighted_sums(lse_BT, target_BT, correct_BT, weights_BT.astype(jnp.float32))
+
+
+def _per_device(kernel, x_BTM, w_VM, targets_BT):
+  """`kernel(x_BTM, w_VM, targets_BT)` -> per-token [B, T] arrays, under
+  `jax.shard_map` on a mesh of several devices (XLA cannot split a Pallas
+  call): each device takes its rows (the batch axes) and positions (the
+  context axis) and the head's weight whole; shard_map sums W's gradient
+  over the devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(x_BTM, w_VM, targets_BT)
+  batch = batch_axes(mesh)
+  rows = math.prod(mesh.shape[axis] for axis in batch)
+  if x_BTM.shape[0] % rows:
+    raise UserError(f"train.loss_impl=pallas: {x_BTM.shape[0]} rows (per micro-batch) do not "
+                    f"split over the {rows} devices of the batch axes {' x '.join(batch)}; "
+                    "make train.batch_size / train.grad_accum_steps a multiple of it")
+  tokens = P(batch, "context" if "context" in mesh.axis_names else None)
+  # check_vma=False: the pallas_call's outputs do not declare how they vary over the mesh.
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(tokens, P(), tokens),
+                       out_specs=(tokens,) * 3, check_vma=False)(x_BTM, w_VM, targets_BT)
 
 
 def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0,
