@@ -577,6 +577,7 @@ def roofline_report(config, target) -> dict:
   report.update(
       target=target.name, devices=devices, batch_size=config.train.batch_size,
       seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      loss_impl=config.train.loss_impl,
       remat=validation.remat_name(config.train.remat),
       model_flops_per_device=model_flops,
       mfu_bound=model_flops / (predicted * chip.peak_flops),

@@ -47,7 +47,7 @@ CHOICES = {
                   "stdlib_package", "labelled"),
     "data.task_addition_format": ("plain", "aligned"),
     "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
-    "train.loss_impl": ("xla", "pallas"),
+    "train.loss_impl": ("xla", "pallas", "auto"),
     "train.optimizer": ("adamw", "adafactor", "lion", "muon"),
     "train.schedule": ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
     "train.remat": ("none", "full", "save_dots", "save_dots_except_mlp", "save_qkv_proj",

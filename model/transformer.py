@@ -522,16 +522,22 @@ class _WithHead(nnx.Module):
       x_BTM = x_BTM * self.head_input_scale
     return x_BTM
 
+  @property
+  def head_fuses(self) -> bool:
+    """Whether the fused head-and-loss kernel takes this head: an LM head
+    without a soft-cap or a bias over the vocabulary."""
+    return (self.classifier is None and self.final_softcap is None
+            and self.output_bias is None)
+
   @jax.named_scope("logits")
   def head_operands(self, stack: _Stack, x_BTM):
     """What the fused head-and-loss kernel takes in place of `logits`
     (model/kernels/fused_loss.py, train.loss_impl=pallas): (the projection's
     input [B, T, M], its weight as vocabulary rows [V, M] (the tied
     embedding, or the untied kernel transposed), the logits' multiplier or
-    None, the real vocabulary size or None). A soft-cap or an output bias it
-    does not take (configs/validation.py refuses them)."""
-    if self.classifier is not None or self.final_softcap is not None or (
-        self.output_bias is not None):
+    None, the real vocabulary size or None); only for a head it takes
+    (`head_fuses`; configs/validation.py refuses the others)."""
+    if not self.head_fuses:
       raise ValueError("head_operands: the fused loss takes an LM head without soft-cap or bias")
     w_VM = stack.embed.embedding[...] if self.head is None else self.head.kernel[...].T
     return self._projection_input(x_BTM), w_VM, self.logit_mult, self.real_vocab_size

@@ -193,14 +193,23 @@ def _per_device(kernel, x_BTM, w_VM, targets_BT):
                        out_specs=(tokens,) * 3, check_vma=False)(x_BTM, w_VM, targets_BT)
 
 
+def fused_by_auto(model, chunk_size: int) -> bool:
+  """What train.loss_impl=auto picks: the fused kernel (`fused_loss_sums`)
+  where it is compiled, on a GPU, for a head it takes (`head_fuses`) and
+  no loss chunks; else the xla loss (on a CPU the kernel would run in the
+  Pallas interpreter)."""
+  return compile_device().platform == "gpu" and model.head_fuses and not chunk_size
+
+
 def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0,
                    impl: str = "xla"):
   """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
-  final hidden states `hidden_BTM`: with `impl` "pallas" (train.loss_impl) by
-  the fused kernel (`fused_loss_sums`); else with `chunk_size` > 0 chunk by
+  final hidden states `hidden_BTM`: with `impl` "pallas" (train.loss_impl),
+  or "auto" where `fused_by_auto`, by the fused kernel (`fused_loss_sums`);
+  else with `chunk_size` > 0 chunk by
   chunk (`chunked_loss_sums`, the head's weights whole on every device:
   `_whole_on_every_device`), with 0 from the whole batch's logits."""
-  if impl == "pallas":
+  if impl == "pallas" or (impl == "auto" and fused_by_auto(model, chunk_size)):
     return fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT)
   if not chunk_size:
     return loss_sums(model.logits(stack, hidden_BTM), targets_BT, weights_BT)
