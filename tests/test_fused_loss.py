@@ -18,12 +18,12 @@ from flax import nnx
 from configs import base, validation
 from configs.errors import UserError
 from model import build_model
-from model.kernels import fused_loss
+from model.kernels import fused_loss, fuses_loss
 from tests.helpers import run_on_cpu_devices
 from tests.test_loss_chunks import (Z_LOSS, assert_close, encoder_decoder_batch, lm_batch,
                                     model_cfg, perturbed, with_predicted_targets)
-from training.objectives import (batch_loss, fused_by_auto, mtp_training_sum, mtp_weights,
-                                 next_token_mtp_loss, training_loss_sum)
+from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
+                                 training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
 
 # Tiles of 16 over N = 50 tokens, V = 70 rows, M = 40: ragged in all three
@@ -168,7 +168,9 @@ def test_the_config_refuses_what_the_kernel_does_not_take(overrides, field):
 def test_auto_fuses_only_compiled_for_a_gpu_a_head_the_kernel_takes():
   """On this CPU auto is the xla loss; the kernel takes neither a soft-cap nor a bias."""
   model = build_model(model_cfg(), nnx.Rngs(0))
-  assert model.head_fuses and not fused_by_auto(model, 0)
+  assert model.head_fuses and not fuses_loss("auto", "cpu", head_fuses=True, chunk_size=0)
+  assert fuses_loss("auto", "gpu", head_fuses=True, chunk_size=0)
+  assert not fuses_loss("auto", "gpu", head_fuses=True, chunk_size=4096)
   for head in (dict(final_softcap=30.0), dict(output_bias=True)):
     assert not build_model(model_cfg(**head), nnx.Rngs(0)).head_fuses
 

@@ -52,7 +52,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from configs.errors import UserError
-from model.kernels import fused_loss
+from model.kernels import fused_loss, fuses_loss
 from model.layers import batch_axes, compile_device
 from model.mtp import depth_weights, shift
 from model.transformer import PADDED_LOGIT
@@ -193,23 +193,16 @@ def _per_device(kernel, x_BTM, w_VM, targets_BT):
                        out_specs=(tokens,) * 3, check_vma=False)(x_BTM, w_VM, targets_BT)
 
 
-def fused_by_auto(model, chunk_size: int) -> bool:
-  """What train.loss_impl=auto picks: the fused kernel (`fused_loss_sums`)
-  where it is compiled, on a GPU, for a head it takes (`head_fuses`) and
-  no loss chunks; else the xla loss (on a CPU the kernel would run in the
-  Pallas interpreter)."""
-  return compile_device().platform == "gpu" and model.head_fuses and not chunk_size
-
-
 def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0,
                    impl: str = "xla"):
   """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
-  final hidden states `hidden_BTM`: with `impl` "pallas" (train.loss_impl),
-  or "auto" where `fused_by_auto`, by the fused kernel (`fused_loss_sums`);
+  final hidden states `hidden_BTM`: where `impl` (train.loss_impl) says so
+  (`model.kernels.fuses_loss`), by the fused kernel (`fused_loss_sums`);
   else with `chunk_size` > 0 chunk by
   chunk (`chunked_loss_sums`, the head's weights whole on every device:
   `_whole_on_every_device`), with 0 from the whole batch's logits."""
-  if impl == "pallas" or (impl == "auto" and fused_by_auto(model, chunk_size)):
+  if fuses_loss(impl, compile_device().platform, head_fuses=model.head_fuses,
+                chunk_size=chunk_size):
     return fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT)
   if not chunk_size:
     return loss_sums(model.logits(stack, hidden_BTM), targets_BT, weights_BT)

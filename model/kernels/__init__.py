@@ -3,7 +3,8 @@ entry point), one file per kernel (`flash_attention_triton.py`,
 `flash_attention_hopper.py` over its pipeline machinery `hopper_pipeline.py`,
 `flash_attention_tpu.py`), and what they share (`common.py`, the block-sparse
 plans of `block_sparse.py`); and the chunked gated delta rule's kernel
-(`gated_delta.py`, the linear_attention layers').
+(`gated_delta.py`, the linear_attention layers'); the LM head and its
+cross-entropy in one kernel (`fused_loss.py`, train.loss_impl).
 
 What each kernel takes, declared here so that the attention dispatcher
 (`model/attention.py`) can check a config without importing the kernels.
@@ -35,6 +36,15 @@ def is_hopper(device_kind: str) -> bool:
 # Powers of two, as Triton's blocks must be, from 16, the smallest side of
 # its matrix products, to 128, whose C x C products still fit on chip.
 LINEAR_KERNEL_CHUNKS = (16, 32, 64, 128)
+
+
+def fuses_loss(loss_impl: str, platform: str, *, head_fuses: bool, chunk_size: int) -> bool:
+  """Whether train.loss_impl runs the fused head-and-loss kernel
+  (`fused_loss.py`): `pallas` always; `auto` compiled for a GPU, for a head
+  it takes (`head_fuses`: no soft-cap, no bias over the vocabulary) and
+  without loss chunks (on a CPU it would run in the Pallas interpreter)."""
+  return loss_impl == "pallas" or (loss_impl == "auto" and platform == "gpu" and head_fuses
+                                   and not chunk_size)
 
 
 def triton_takes_head_dims(*dims: int) -> bool:
