@@ -15,9 +15,9 @@ import optax
 import pytest
 from flax import nnx
 
-from configs import base, validation
+from configs import base, gpt2_small, validation
 from configs.errors import UserError
-from model import build_model
+from model import accounting, build_model
 from model.kernels import fused_loss, fuses_loss
 from tests.helpers import run_on_cpu_devices
 from tests.test_loss_chunks import (Z_LOSS, assert_close, encoder_decoder_batch, lm_batch,
@@ -228,3 +228,13 @@ def test_the_fused_step_on_8_devices_equals_the_xla_step():
   assert proc.returncode == 0, proc.stderr[-4000:]
   checked = json.loads(proc.stdout.strip().splitlines()[-1])
   assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
+
+
+def test_the_memory_estimate_counts_no_logits_with_the_kernel():
+  """GPT-2 small's preset (auto): on a GPU its P W (4 M bytes a token) for
+  the f32 logits (4 V)."""
+  config = gpt2_small.get_config()
+  config.model.attention_impl = "xla"  # the same attention on both
+  on_cpu, on_gpu = (accounting.training_memory_bytes(config, b)["activations"]
+                    for b in ("cpu", "gpu"))
+  assert on_cpu - on_gpu == 32 * 1024 * 4 * (50304 - 768)
