@@ -6,8 +6,6 @@ tiles, targets outside the vocabulary); every objective with an LM head and
 the train and eval steps equal the xla loss; the config refuses what the
 kernel does not take; the roofline counts its FLOPs."""
 
-import json
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,9 +17,9 @@ from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model
 from model.kernels import fused_loss, fuses_loss
-from tests.helpers import run_on_cpu_devices
-from tests.test_loss_chunks import (Z_LOSS, assert_close, encoder_decoder_batch, lm_batch,
-                                    model_cfg, perturbed, with_predicted_targets)
+from tests.test_loss_chunks import (Z_LOSS, assert_close, check_on_8_devices,
+                                    encoder_decoder_batch, lm_batch, model_cfg, perturbed,
+                                    with_predicted_targets)
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
@@ -182,59 +180,7 @@ def test_the_roofline_counts_the_kernels_flops():
   assert fused_loss.kernel_flops("fused_loss_forward", 8, 5, 3, with_pw=False) == 2 * 120
 
 
-# One SGD step with the fused loss and with XLA's on meshes of 8 CPU devices:
-# the kernel under shard_map, rows over data x fsdp (and positions over
-# context in the second mesh), the tied embedding whole on each device.
-ON_8_DEVICES = """
-import json
-import jax, numpy as np, optax
-from flax import nnx
-from configs import base
-from model import build_model
-from tests.helpers import small_cfg
-from tests.test_loss_chunks import lm_batch
-from training.sharding import batch_sharding, make_mesh, train_state_shardings
-from training.steps import init_state, jit_train_step
-
-checked = []
-for data, fsdp, context, tensor in ((2, 2, 1, 2), (2, 2, 2, 1)):
-  c = base.get_config()
-  c.model = small_cfg(vocab_size=72, num_layers=1, max_len=16, real_vocab_size=70,
-                      attention_impl="xla")
-  c.mesh.update(data=data, fsdp=fsdp, context=context, tensor=tensor)
-  mesh = make_mesh(c.mesh, jax.devices())
-  out = []
-  for impl in ("xla", "pallas"):
-    graphdef, params = nnx.split(build_model(c.model, nnx.Rngs(0)))
-    tx = optax.sgd(1.0)
-    state = init_state(params, tx, 0)
-    shardings = train_state_shardings(jax.eval_shape(lambda: state), mesh, c.mesh.rules)
-    step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", 1,
-                          state_sharding=shardings, batch_sharding=batch_sharding(mesh),
-                          z_loss=1e-2, loss_impl=impl)
-    new, metrics = step(jax.device_put(state, shardings),
-                        jax.device_put(lm_batch(), batch_sharding(mesh)))
-    out.append(jax.device_get((metrics, new["params"])))
-  for a, b in zip(*map(jax.tree.leaves, out)):
-    np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=2e-5, atol=2e-6)
-  checked.append(dict(mesh.shape))
-print(json.dumps(checked))
-"""
-
-
 @pytest.mark.slow
 def test_the_fused_step_on_8_devices_equals_the_xla_step():
-  proc = run_on_cpu_devices(ON_8_DEVICES, 8)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  checked = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
-
-
-def test_the_memory_estimate_counts_no_logits_with_the_kernel():
-  """GPT-2 small's preset (auto): on a GPU its P W (4 M bytes a token) for
-  the f32 logits (4 V)."""
-  config = gpt2_small.get_config()
-  config.model.attention_impl = "xla"  # the same attention on both
-  on_cpu, on_gpu = (accounting.training_memory_bytes(config, b)["activations"]
-                    for b in ("cpu", "gpu"))
-  assert on_cpu - on_gpu == 32 * 1024 * 4 * (50304 - 768)
+  """The kernel under shard_map, the tied embedding whole on each device."""
+  check_on_8_devices([dict(loss_impl="xla"), dict(loss_impl="pallas")])

@@ -201,10 +201,9 @@ def test_the_train_and_eval_steps_pass_the_chunk_size_on():
   assert_close(chunked, whole)
 
 
-# One SGD step, chunked (12 tokens) and not, on meshes of
-# 8 CPU devices: the chunked head's weights are gathered whole before its
-# loop (objectives._whole_on_every_device), the rows split over data x fsdp,
-# and over context too in the second mesh.
+# One SGD step of each of VARIANTS (train-step keyword arguments) of a small
+# decoder (with MODEL's fields) on meshes of 8 CPU devices, the rows split
+# over data x fsdp, and over context too in the second mesh; the steps must agree.
 ON_8_DEVICES = """
 import json
 import jax, numpy as np, optax
@@ -220,18 +219,18 @@ checked = []
 for data, fsdp, context, tensor in ((2, 2, 1, 2), (2, 2, 2, 1)):
   c = base.get_config()
   c.model = small_cfg(vocab_size=72, num_layers=1, max_len=16, real_vocab_size=70,
-                      output_bias=True, attention_impl="xla")
+                      attention_impl="xla", **MODEL)
   c.mesh.update(data=data, fsdp=fsdp, context=context, tensor=tensor)
   mesh = make_mesh(c.mesh, jax.devices())
   out = []
-  for chunk_size in (0, 12):
+  for variant in VARIANTS:
     graphdef, params = nnx.split(build_model(c.model, nnx.Rngs(0)))
     tx = optax.sgd(1.0)
     state = init_state(params, tx, 0)
     shardings = train_state_shardings(jax.eval_shape(lambda: state), mesh, c.mesh.rules)
     step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", 1,
                           state_sharding=shardings, batch_sharding=batch_sharding(mesh),
-                          z_loss=1e-2, loss_chunk_size=chunk_size)
+                          z_loss=1e-2, **variant)
     new, metrics = step(jax.device_put(state, shardings),
                         jax.device_put(lm_batch(), batch_sharding(mesh)))
     out.append(jax.device_get((metrics, new["params"])))
@@ -242,12 +241,20 @@ print(json.dumps(checked))
 """
 
 
-@pytest.mark.slow
-def test_the_chunked_step_on_8_devices_equals_the_unchunked():
-  proc = run_on_cpu_devices(ON_8_DEVICES, 8)
+def check_on_8_devices(variants: list[dict], **model) -> None:
+  """Runs `ON_8_DEVICES` with these variants and model fields."""
+  script = ON_8_DEVICES.replace("VARIANTS", repr(variants)).replace("MODEL", repr(model))
+  proc = run_on_cpu_devices(script, 8)
   assert proc.returncode == 0, proc.stderr[-4000:]
   checked = json.loads(proc.stdout.strip().splitlines()[-1])
   assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
+
+
+@pytest.mark.slow
+def test_the_chunked_step_on_8_devices_equals_the_unchunked():
+  """The chunked head's weights are gathered whole before its loop
+  (objectives._whole_on_every_device)."""
+  check_on_8_devices([dict(loss_chunk_size=0), dict(loss_chunk_size=12)], output_bias=True)
 
 
 def f32_logit_shapes(text: str) -> list[str]:
