@@ -6,6 +6,7 @@ and eval steps pass it on, on one device and on meshes of 8; the compiled
 train step holds no float32 logits of the whole batch; the memory estimate
 counts one chunk's logits; the config field is checked."""
 
+import functools
 import json
 import re
 
@@ -154,10 +155,12 @@ def test_encoder_decoder_loss_and_gradients_equal_the_unchunked():
   check_objective("seq2seq", model, with_predicted_targets(batch, logits, "tgt_out"))
 
 
-def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
-  """The main head and every MTP depth's head chunked alike."""
-  depth, weight = 2, 0.3
-  model = perturbed(build_model(model_cfg(pos_emb="rope", output_bias=True), nnx.Rngs(0),
+def mtp_grad(depth: int = 2, weight: float = 0.3, **model):
+  """The jitted gradient of the multi-token prediction training loss of a
+  small decoder with `depth` MTP modules (and `model`'s fields) on
+  `lm_batch()`, every other target its argmax: (chunk_size, impl) ->
+  (gradients, (sums, each depth's sums))."""
+  model = perturbed(build_model(model_cfg(pos_emb="rope", **model), nnx.Rngs(0),
                                 mtp_depth=depth))
   batch = lm_batch()
   hidden = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"],
@@ -166,15 +169,20 @@ def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
   counts = [w.sum() for w in mtp_weights(batch, depth)]
   graphdef, params = nnx.split(model)
 
-  def loss(p, chunk_size):
-    sums, depth_sums = next_token_mtp_loss(nnx.merge(graphdef, p), batch, chunk_size)
+  def loss(p, head):
+    sums, depth_sums = next_token_mtp_loss(nnx.merge(graphdef, p), batch, *head)
     total = training_loss_sum(sums, Z_LOSS) + mtp_training_sum(depth_sums, weight, sums[1],
                                                                counts)
     return total, (sums, depth_sums)
 
-  grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)
-  whole_grads, whole_sums = grad(params, 0)
-  grads, sums = grad(params, CHUNK)
+  return functools.partial(jax.jit(jax.grad(loss, has_aux=True), static_argnums=1), params)
+
+
+def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
+  """The main head and every MTP depth's head chunked alike."""
+  grad = mtp_grad(output_bias=True)
+  whole_grads, whole_sums = grad((0, "xla"))
+  grads, sums = grad((CHUNK, "xla"))
   assert [float(s[1]) for s in sums[1]] == [float(s[1]) for s in whole_sums[1]]
   assert_close((sums, grads), (whole_sums, whole_grads))
 
