@@ -65,14 +65,17 @@ def _fit(block: int, length: int) -> int:
 
 
 def choose_blocks(tokens: int, vocab: int, width: int, *, backend: str) -> Blocks:
-  """The tiles for a device and shape. On a GPU: 32 tokens x 64 vocabulary
-  rows forward and 32 rows x 64 tokens for dW, over 128-wide chunks of the
-  hidden width, 8 warps, so that a program's f32 accumulator (32 x M: P W or
-  dW) takes 96 registers a thread at M = 768; a starting point compiled for
-  the H200, not yet timed on a card. In the interpreter (no GPU), tiles of
-  128: its cost is per loop step. Every tile is shrunk to cover the shape."""
+  """The tiles for a device and shape. On a GPU: 32 tokens x 32 vocabulary
+  rows forward and 32 rows x 16 tokens for dW, over 128-wide chunks of the
+  hidden width, 8 warps: a program's f32 accumulator (32 x M: P W or dW)
+  takes 96 registers a thread at M = 768, and the forward also holds its
+  32 x M hidden states. Compiled for the H200 at M = 768 (ptxas): the
+  forward at 255 registers with 1 KB of spills, dW at 254 with none; wider
+  tiles spill more (32 x 64 forward: 12 KB). Not yet timed on a card. In
+  the interpreter (no GPU), tiles of 128: its cost is per loop step. Every
+  tile is shrunk to cover the shape."""
   if backend == "gpu":
-    blocks = Blocks(block_n=32, block_v=64, block_v_dw=32, block_n_dw=64, block_m=128,
+    blocks = Blocks(block_n=32, block_v=32, block_v_dw=32, block_n_dw=16, block_m=128,
                     num_warps=8, num_stages=2)
   else:
     blocks = Blocks(block_n=128, block_v=128, block_v_dw=128, block_n_dw=128, block_m=128,
