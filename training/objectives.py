@@ -25,11 +25,12 @@ With `train.loss_chunk_size` > 0 the objectives with an LM head (all but
 made, forward or backward, and the sums equal the unchunked ones to
 float32 rounding.
 
-With `train.loss_impl=pallas` the same objectives compute the head and the
-loss in one kernel (`fused_loss_sums`, model/kernels/fused_loss.py) that
-keeps every tile of logits on chip: per target it returns log Z, the
-target's logit and whether it is the largest, of which the four sums are
-made (`_weighted_sums`), and its backward recomputes the softmax from log Z.
+With `train.loss_impl=pallas` (or `auto`, compiled for a GPU) the same
+objectives compute the head and the loss in one kernel (`fused_loss_sums`,
+model/kernels/fused_loss.py) that keeps every tile of logits on chip: per
+target it returns log Z, the target's logit and whether it is the largest,
+of which the four sums are made (`_weighted_sums`), and its backward
+recomputes the softmax from log Z.
 
 Multi-token prediction (DeepSeek-V3; `train.mtp_depth` = D > 0, next_token
 decoders): `next_token_mtp_loss` returns the main sums and, per depth k, the
@@ -198,9 +199,9 @@ def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size:
   """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
   final hidden states `hidden_BTM`: where `impl` (train.loss_impl) says so
   (`model.kernels.fuses_loss`), by the fused kernel (`fused_loss_sums`);
-  else with `chunk_size` > 0 chunk by
-  chunk (`chunked_loss_sums`, the head's weights whole on every device:
-  `_whole_on_every_device`), with 0 from the whole batch's logits."""
+  else with `chunk_size` > 0 chunk by chunk (`chunked_loss_sums`, the
+  head's weights whole on every device: `_whole_on_every_device`), with 0
+  from the whole batch's logits."""
   if fuses_loss(impl, compile_device().platform, head_fuses=model.head_fuses,
                 chunk_size=chunk_size):
     return fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT)
