@@ -92,12 +92,17 @@ if [ "$PART" = main ]; then
   stage train_gpt2_pallas 45 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --config.model.attention_impl=pallas --ours_only \
     --steps 20 --warmup 3 --out "$W/train_gpt2_pallas.json"
+  # The preset's loss is the fused head-and-loss kernel (train.loss_impl=auto): the xla loss beside it.
+  stage train_gpt2_xla_loss 45 python3 -m bench.train_throughput \
+    --config configs/gpt2_small.py --config.train.loss_impl=xla --ours_only \
+    --steps 20 --warmup 3 --out "$W/train_gpt2_xla_loss.json"
   stage attention_tune 120 python3 -m bench.attention --no_memory --tune --warmup 2 \
     --repeats 5 --only ours_mosaic ours_triton --rows 64:4096:yes \
     --out "$W/attention_tune.json"
   stage moe 45 python3 -m bench.moe --deadline_s 40 --out "$W/moe.json"
   stage ring_blocks 60 python3 -m bench.ring_blocks --out "$W/ring_blocks.json"
-  LOGS="tests attention_key train_gpt2 train_gpt2_pallas attention_tune moe ring_blocks"
+  LOGS="tests attention_key train_gpt2 train_gpt2_pallas train_gpt2_xla_loss attention_tune moe
+    ring_blocks"
 else
   ALL=$(python3 -c "from bench.attention import grid_cases, row_name
 print(' '.join(row_name(c) for c in grid_cases(False)))")
