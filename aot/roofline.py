@@ -289,7 +289,7 @@ def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_nam
   kernel = _kernel_name(op_name)
   if target in KERNEL_CALLS and "gated_delta_rule" in kernel:
     return _delta_rule_flops(instruction, shapes)
-  if target in KERNEL_CALLS and kernel.startswith("fused_loss"):
+  if target in KERNEL_CALLS and "fused_loss" in kernel:
     return _fused_loss_flops(instruction, shapes, kernel)
   if target in KERNEL_CALLS and "attention" in kernel:
     for suffix, factor in _ATTENTION_FACTORS:

@@ -6,6 +6,8 @@ tiles, targets outside the vocabulary); every objective with an LM head and
 the train and eval steps equal the xla loss; the config refuses what the
 kernel does not take; the roofline counts its FLOPs."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
+from aot import roofline
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model
@@ -170,3 +173,29 @@ def test_the_roofline_counts_the_kernels_flops():
 def test_the_fused_step_on_8_devices_equals_the_xla_step():
   """The kernel under shard_map, the tied embedding whole on each device."""
   check_on_8_devices([dict(loss_impl="xla"), dict(loss_impl="pallas")])
+
+
+@pytest.mark.cuda
+def test_compiles_for_h200_and_the_roofline_counts_it():
+  """Forward and backward through Triton and XLA for a compile-only H200
+  (`bench/compile_h200.py`'s): the roofline finds both kernels once, at 4
+  and 4 x N V M FLOPs (the forward with P W, then dW)."""
+  from bench.compile_h200 import h200_device  # pylint: disable=import-outside-toplevel
+  device = h200_device()
+  tokens, vocab, width = 256, 512, 128
+  sharding = jax.sharding.SingleDeviceSharding(device)
+  specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in
+           (((tokens, width), jnp.float32), ((vocab, width), jnp.float32), ((tokens,), jnp.int32))]
+
+  def grads(h, w, targets):
+    def loss(h, w):
+      lse, target, _ = fused_loss.fused_head_loss(h, w, targets, device=device)
+      return (lse - target).sum()
+    return jax.grad(loss, argnums=(0, 1))(h, w)
+
+  with jax.default_device(device):
+    lowered = jax.jit(grads).trace(*specs).lower(lowering_platforms=("cuda",))
+  found = [(re.search(r"fused_loss_\w+", k.op_name).group(), k.flops)
+           for k in roofline.kernels(lowered.compile().as_text()) if "fused_loss" in k.op_name]
+  nvm = tokens * vocab * width
+  assert sorted(found) == [("fused_loss_dw", 4.0 * nvm), ("fused_loss_forward", 4.0 * nvm)]

@@ -249,13 +249,14 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 def kernel_flops(name: str, tokens: int, vocab: int, width: int, *, with_pw: bool) -> float:
   """FLOPs of one launch of kernel `name` ("fused_loss_forward" or
-  "fused_loss_dw") on h [tokens, width] and W [vocab, width]: the logits
+  "fused_loss_dw", as in a program's op names, e.g. "jvp(fused_loss_forward)")
+  on h [tokens, width] and W [vocab, width]: the logits
   are 2 N V M; the forward adds P W (2 N V M) when differentiated
   (`with_pw`); dW recomputes the logits and adds dS^T h. Forward and
   backward of a training step: 4 x 2 N V M in all, where XLA's head and
   loss take 3 (the logits, dH, dW) and keep the logits in HBM."""
   logits = 2.0 * tokens * vocab * width
-  if name.endswith("fused_loss_dw"):
+  if "fused_loss_dw" in name:
     return 2 * logits
   return 2 * logits if with_pw else logits
 
