@@ -1,10 +1,10 @@
 """train.loss_impl=pallas (model/kernels/fused_loss.py, in the Pallas
-interpreter, float32): the fused head-and-loss kernel gives the XLA head's
-per-token log Z, target logit and 'correct', and their gradients in h and W,
-to float32 rounding (padded vocabulary rows, a logit multiplier, ragged
-tiles, targets outside the vocabulary); every objective with an LM head and
-the train and eval steps equal the xla loss; the config refuses what the
-kernel does not take; the roofline counts its FLOPs."""
+interpreter, float32): the fused head-and-loss kernel (both lowerings) gives
+the XLA head's per-token log Z, target logit and 'correct', and their
+gradients in h and W, to float32 rounding (padded vocabulary rows, a logit
+multiplier, ragged tiles, targets outside the vocabulary); every objective
+with an LM head and the train and eval steps equal the xla loss; the config
+refuses what the kernel does not take; the roofline counts its FLOPs."""
 
 import re
 
@@ -31,6 +31,9 @@ from training.steps import init_state, jit_eval_step, jit_train_step
 SMALL = fused_loss.Blocks(block_n=16, block_v=16, block_v_dw=32, block_n_dw=32, block_m=16,
                           num_warps=4, num_stages=1)
 N, V, M, REAL = 50, 70, 40, 66
+# The Mosaic TPU lowering's: the hidden width whole (padded to the 128 lanes).
+SMALL_TPU = fused_loss.Blocks(block_n=16, block_v=32, block_v_dw=32, block_n_dw=16, block_m=128,
+                              num_warps=4, num_stages=1)
 
 
 def reference(h_NM, w_VM, targets_N, mult):
@@ -43,16 +46,19 @@ def reference(h_NM, w_VM, targets_N, mult):
   return lse_N, target_N, (target_N >= max_N).astype(jnp.float32)
 
 
-def test_kernel_equals_the_xla_head_with_gradients():
-  """Padded rows, a multiplier, z-loss, weights with zeros, a target in the
-  padded rows and one outside the vocabulary (-100, masked LM's ignore id)."""
+@pytest.mark.parametrize("lowering, blocks", [("triton", SMALL), ("mosaic_tpu", SMALL_TPU)])
+def test_kernel_equals_the_xla_head_with_gradients(lowering, blocks):
+  """Both lowerings: padded rows, a multiplier, z-loss, weights with zeros,
+  a target in the padded rows and one outside the vocabulary (-100, masked
+  LM's ignore id)."""
   keys = jax.random.split(jax.random.key(0), 4)
   h = jax.random.normal(keys[0], (N, M))
   w = 0.3 * jax.random.normal(keys[1], (V, M))
   targets = jax.random.randint(keys[2], (N,), 0, REAL).at[3].set(REAL + 1).at[7].set(-100)
   weights = (jax.random.uniform(keys[3], (N,)) > 0.3).astype(jnp.float32)
   kernel = lambda h, w: fused_loss.fused_head_loss(h, w, targets, mult=0.7, real_vocab=REAL,
-                                                   blocks=SMALL)
+                                                   blocks=blocks, lowering=lowering,
+                                                   interpret=True)
   xla = lambda h, w: reference(h, w, targets, 0.7)
 
   def loss(head):
@@ -181,8 +187,20 @@ def test_compiles_for_h200_and_the_roofline_counts_it():
   (`bench/compile_h200.py`'s): the roofline finds both kernels once, at 4
   and 4 x N V M FLOPs (the forward with P W, then dW)."""
   from bench.compile_h200 import h200_device  # pylint: disable=import-outside-toplevel
-  device = h200_device()
-  tokens, vocab, width = 256, 512, 128
+  assert_roofline_counts_the_kernels(h200_device(), "cuda")
+
+
+@pytest.mark.tpu
+def test_compiles_for_v5p_and_the_roofline_counts_it():
+  """The same through Mosaic for a v5p (libtpu)."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
+  assert_roofline_counts_the_kernels(device, "tpu")
+
+
+def assert_roofline_counts_the_kernels(device, platform: str):
+  """Compiles the kernels' forward and backward for `device` (abstract)."""
+  tokens, vocab, width = 512, 1024, 128
   sharding = jax.sharding.SingleDeviceSharding(device)
   specs = [jax.ShapeDtypeStruct(shape, dtype, sharding=sharding) for shape, dtype in
            (((tokens, width), jnp.float32), ((vocab, width), jnp.float32), ((tokens,), jnp.int32))]
@@ -194,8 +212,8 @@ def test_compiles_for_h200_and_the_roofline_counts_it():
     return jax.grad(loss, argnums=(0, 1))(h, w)
 
   with jax.default_device(device):
-    lowered = jax.jit(grads).trace(*specs).lower(lowering_platforms=("cuda",))
-  found = [(re.search(r"fused_loss_\w+", k.op_name).group(), k.flops)
+    lowered = jax.jit(grads).trace(*specs).lower(lowering_platforms=(platform,))
+  found = [(re.search(r"fused_loss_(forward|dw)", k.op_name).group(), k.flops)
            for k in roofline.kernels(lowered.compile().as_text()) if "fused_loss" in k.op_name]
   nvm = tokens * vocab * width
   assert sorted(found) == [("fused_loss_dw", 4.0 * nvm), ("fused_loss_forward", 4.0 * nvm)]

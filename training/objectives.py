@@ -156,9 +156,6 @@ def fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT):
   logit and whether it is the largest, the logits never made; one kernel
   per device on a mesh (`_per_device`)."""
   device = compile_device()
-  reason = fused_loss.refusal(device.platform)
-  if reason:
-    raise UserError(reason)
   x_BTM, w_VM, mult, real_vocab = model.head_operands(stack, hidden_BTM)
 
   def kernel(x_BTM, w_VM, targets_BT):

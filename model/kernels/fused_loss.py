@@ -27,7 +27,10 @@ The padded vocabulary rows past `real_vocab` (`model.transformer`'s
 `PADDED_LOGIT`) get that logit, as `model.logits` gives them, and no
 gradient; rows padded to whole blocks here get -inf. The kernel is a
 plain `pl.pallas_call`: the Triton lowering on an NVIDIA GPU, the Pallas
-interpreter on the CPU; no Mosaic TPU lowering yet (`refusal`).
+interpreter on the CPU; on a TPU the Mosaic lowering
+(`_tpu_forward_kernel`, `_tpu_dw_kernel`), whose grid streams the blocks
+(the vocabulary's, or the tokens') along its last, sequential axis with the
+loop's carry in VMEM scratch.
 """
 import dataclasses
 import functools
@@ -36,9 +39,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+LOWERINGS = ("triton", "mosaic_tpu")
 MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
+LANES = 128  # Mosaic TPU: the hidden width is padded to a multiple of the lane width
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +79,14 @@ def choose_blocks(tokens: int, vocab: int, width: int, *, backend: str) -> Block
   forward at 255 registers with 1 KB of spills, dW at 254 with none; wider
   tiles spill more (32 x 64 forward: 12 KB). Not yet timed on a card. In
   the interpreter (no GPU), tiles of 128: its cost is per loop step. Every
-  tile is shrunk to cover the shape."""
-  if backend == "gpu":
+  tile is shrunk to cover the shape. On a TPU (Mosaic): 256 tokens x 512
+  vocabulary rows both ways over the whole hidden width (one chunk), about
+  6 MB of VMEM at M = 768 with the f32 accumulator."""
+  if backend == "tpu":
+    width = -(-width // LANES) * LANES
+    blocks = Blocks(block_n=256, block_v=512, block_v_dw=512, block_n_dw=256, block_m=width,
+                    num_warps=4, num_stages=1)
+  elif backend == "gpu":
     blocks = Blocks(block_n=32, block_v=32, block_v_dw=32, block_n_dw=16, block_m=128,
                     num_warps=8, num_stages=2)
   else:
@@ -83,7 +95,7 @@ def choose_blocks(tokens: int, vocab: int, width: int, *, backend: str) -> Block
   return dataclasses.replace(
       blocks, block_n=_fit(blocks.block_n, tokens), block_v=_fit(blocks.block_v, vocab),
       block_v_dw=_fit(blocks.block_v_dw, vocab), block_n_dw=_fit(blocks.block_n_dw, tokens),
-      block_m=_fit(blocks.block_m, width))
+      block_m=blocks.block_m if backend == "tpu" else _fit(blocks.block_m, width))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +106,7 @@ class _Config:
   padded_logit: float
   mult: float | None  # the head's scalar output multiplier (μP), or None
   blocks: Blocks
+  lowering: str  # one of LOWERINGS
   interpret: bool
 
 
@@ -181,9 +194,116 @@ def _dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_target_ref, dw_ref, *,
     dw_ref[:, k] = acc * cfg.mult if cfg.mult is not None else acc
 
 
+def _tpu_forward_kernel(h_ref, w_ref, t_ref, lse_ref, target_ref, correct_ref, *rest,
+                        cfg: _Config):
+  """Mosaic TPU: one (token block, vocabulary block) grid step of
+  `_forward_kernel`'s loop, its carry in VMEM scratch across the sequential
+  vocabulary axis; per-token values are [block, 1] columns."""
+  pw_ref = rest[0] if len(rest) == 5 else None
+  m_ref, l_ref, tgt_ref, acc_ref = rest[-4:]
+  j = pl.program_id(1)
+
+  @pl.when(j == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, -jnp.inf, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    tgt_ref[...] = jnp.zeros(tgt_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  s_NV, ids_1V = _logits_tile(h_ref, w_ref, slice(None), slice(None), j * w_ref.shape[0], cfg)
+  m_N1 = m_ref[...]
+  m_new_N1 = jnp.maximum(m_N1, jnp.max(s_NV, axis=1, keepdims=True))
+  correction_N1 = jnp.exp(m_N1 - m_new_N1)
+  p_NV = jnp.exp(s_NV - m_new_N1)
+  l_ref[...] = correction_N1 * l_ref[...] + jnp.sum(p_NV, axis=1, keepdims=True)
+  tgt_ref[...] += jnp.sum(jnp.where(ids_1V == t_ref[...], s_NV, 0.0), axis=1, keepdims=True)
+  m_ref[...] = m_new_N1
+  if pw_ref is not None:
+    acc_ref[...] = correction_N1 * acc_ref[...] + _dot(p_NV, w_ref[...], 1, 0)
+
+  @pl.when(j == pl.num_programs(1) - 1)
+  def _finish():
+    m_N1, l_N1, tgt_N1 = m_ref[...], l_ref[...], tgt_ref[...]
+    lse_ref[...] = m_N1 + jnp.log(l_N1)
+    target_ref[...] = tgt_N1
+    correct_ref[...] = (tgt_N1 >= m_N1).astype(jnp.float32)
+    if pw_ref is not None:
+      pw_ref[...] = acc_ref[...] / l_N1
+
+
+def _tpu_dw_kernel(h_ref, w_ref, t_ref, lse_ref, g_lse_ref, g_target_ref, dw_ref, acc_ref, *,
+                   cfg: _Config):
+  """Mosaic TPU: one (vocabulary block, token block) grid step of
+  `_dw_kernel`'s loop, dW accumulated in VMEM across the token axis."""
+  i = pl.program_id(1)
+
+  @pl.when(i == 0)
+  def _init():
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  s_NV, ids_1V = _logits_tile(h_ref, w_ref, slice(None), slice(None),
+                              pl.program_id(0) * w_ref.shape[0], cfg)
+  p_NV = jnp.exp(s_NV - lse_ref[...])
+  hit_NV = (ids_1V == t_ref[...]) & (ids_1V < cfg.real_vocab)
+  ds_NV = g_lse_ref[...] * p_NV + jnp.where(hit_NV, g_target_ref[...], 0.0)
+  acc_ref[...] += _dot(ds_NV, h_ref[...], 0, 0)
+
+  @pl.when(i == pl.num_programs(1) - 1)
+  def _finish():
+    dw_ref[...] = acc_ref[...] * cfg.mult if cfg.mult is not None else acc_ref[...]
+
+
+def _tpu_params():
+  """Mosaic TPU: the first grid axis parallel, the streamed one sequential."""
+  return pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"))
+
+
+def _tpu_forward(h_NM, w_VM, targets_N, cfg: _Config, *, with_pw: bool):
+  """`_forward` by the Mosaic TPU kernel."""
+  N, M = h_NM.shape
+  block_n, block_v = cfg.blocks.block_n, cfg.blocks.block_v
+  column = pl.BlockSpec((block_n, 1), lambda i, j: (i, 0))
+  tokens = pl.BlockSpec((block_n, M), lambda i, j: (i, 0))
+  out_shape = [jax.ShapeDtypeStruct((N, 1), jnp.float32)] * 3
+  outs = pl.pallas_call(
+      functools.partial(_tpu_forward_kernel, cfg=cfg),
+      grid=(N // block_n, w_VM.shape[0] // block_v),
+      in_specs=[tokens, pl.BlockSpec((block_v, M), lambda i, j: (j, 0)), column],
+      out_specs=[column] * 3 + ([tokens] if with_pw else []),
+      out_shape=out_shape + ([jax.ShapeDtypeStruct((N, M), jnp.float32)] if with_pw else []),
+      scratch_shapes=[pltpu.VMEM((block_n, 1), jnp.float32)] * 3
+      + [pltpu.VMEM((block_n, M) if with_pw else (8, LANES), jnp.float32)],
+      compiler_params=_tpu_params(),
+      interpret=cfg.interpret,
+      name="fused_loss_forward_tpu",
+  )(h_NM, w_VM, targets_N[:, None])
+  return [x[:, 0] for x in outs[:3]] + list(outs[3:])
+
+
+def _tpu_dw(h_NM, w_VM, targets_N, lse_N, g_lse_N, g_target_N, cfg: _Config):
+  """`_dw` by the Mosaic TPU kernel."""
+  N, M = h_NM.shape
+  block_n, block_v = cfg.blocks.block_n_dw, cfg.blocks.block_v_dw
+  column = pl.BlockSpec((block_n, 1), lambda j, i: (i, 0))
+  vocab_rows = pl.BlockSpec((block_v, M), lambda j, i: (j, 0))
+  return pl.pallas_call(
+      functools.partial(_tpu_dw_kernel, cfg=cfg),
+      grid=(w_VM.shape[0] // block_v, N // block_n),
+      in_specs=[pl.BlockSpec((block_n, M), lambda j, i: (i, 0)), vocab_rows] + [column] * 4,
+      out_specs=vocab_rows,
+      out_shape=jax.ShapeDtypeStruct(w_VM.shape, jnp.float32),
+      scratch_shapes=[pltpu.VMEM((block_v, M), jnp.float32)],
+      compiler_params=_tpu_params(),
+      interpret=cfg.interpret,
+      name="fused_loss_dw_tpu",
+  )(h_NM, w_VM, *(x[:, None] for x in (targets_N, lse_N, g_lse_N, g_target_N)))
+
+
 def _forward(h_NM, w_VM, targets_N, cfg: _Config, *, with_pw: bool):
   """Launches the forward kernel: (lse, target logit, correct) [N] f32,
   and with `with_pw` P W [N, M] f32."""
+  if cfg.lowering == "mosaic_tpu":
+    return _tpu_forward(h_NM, w_VM, targets_N, cfg, with_pw=with_pw)
   N, M = h_NM.shape
   block_n = cfg.blocks.block_n
   row = pl.BlockSpec((block_n,), lambda i: (i,))
@@ -204,6 +324,8 @@ def _forward(h_NM, w_VM, targets_N, cfg: _Config, *, with_pw: bool):
 
 def _dw(h_NM, w_VM, targets_N, lse_N, g_lse_N, g_target_N, cfg: _Config):
   """Launches the dW kernel: dW [V, M] f32."""
+  if cfg.lowering == "mosaic_tpu":
+    return _tpu_dw(h_NM, w_VM, targets_N, lse_N, g_lse_N, g_target_N, cfg)
   N, M = h_NM.shape
   block_v = cfg.blocks.block_v_dw
   whole_row = pl.BlockSpec((N,), lambda j: (0,))
@@ -261,17 +383,10 @@ def kernel_flops(name: str, tokens: int, vocab: int, width: int, *, with_pw: boo
   return 2 * logits if with_pw else logits
 
 
-def refusal(backend: str) -> str | None:
-  """Why the kernel cannot run compiled for `backend`, or None: it has the
-  Triton lowering (GPU) and the interpreter (CPU), not Mosaic TPU's."""
-  if backend == "tpu":
-    return "train.loss_impl=pallas has no TPU lowering yet; use train.loss_impl=xla on a TPU"
-  return None
-
-
 def fused_head_loss(h_NM, w_VM, targets_N, *, mult: float | None = None,
                     real_vocab: int | None = None, padded_logit: float = -1e9,
-                    blocks: Blocks | None = None, interpret: bool | None = None, device=None):
+                    blocks: Blocks | None = None, lowering: str | None = None,
+                    interpret: bool | None = None, device=None):
   """Per token: (lse, target logit, correct) [N] f32 of the logits
   mult x h W^T [N, V] (float32 products), without making them.
 
@@ -285,7 +400,10 @@ def fused_head_loss(h_NM, w_VM, targets_N, *, mult: float | None = None,
     mult: a scalar the logits are multiplied by (μP's output multiplier).
     real_vocab: rows at or past it have logit `padded_logit` (default V).
     blocks: the tiles; default `choose_blocks` for `device`.
-    interpret: run the Pallas interpreter; default when `device` is no GPU.
+    lowering: "triton" or "mosaic_tpu"; default "mosaic_tpu" on a TPU, else
+      "triton".
+    interpret: run the Pallas interpreter; default when `device` is not the
+      lowering's platform.
     device: the device the call is compiled for; default `jax.devices()[0]`.
 
   Differentiable in h and W (`jax.custom_vjp`); the arrays are padded here
@@ -296,14 +414,15 @@ def fused_head_loss(h_NM, w_VM, targets_N, *, mult: float | None = None,
     raise ValueError(f"fused_head_loss: h {h_NM.shape} and W {w_VM.shape}: want h [N, M] and "
                      "W [V, M]")
   device = device or jax.devices()[0]
-  reason = refusal(device.platform)
-  if reason:
-    raise ValueError(reason)
+  lowering = lowering or ("mosaic_tpu" if device.platform == "tpu" else "triton")
+  if lowering not in LOWERINGS:
+    raise ValueError(f"fused_head_loss: lowering={lowering!r}; choose one of {LOWERINGS}")
+  if interpret is None:
+    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
   blocks = blocks or choose_blocks(N, V, M, backend=device.platform)
   cfg = _Config(vocab=V, real_vocab=V if real_vocab is None else min(real_vocab, V),
                 padded_logit=float(padded_logit), mult=None if mult is None else float(mult),
-                blocks=blocks,
-                interpret=device.platform != "gpu" if interpret is None else interpret)
+                blocks=blocks, lowering=lowering, interpret=interpret)
   n_multiple = max(blocks.block_n, blocks.block_n_dw)
   v_multiple = max(blocks.block_v, blocks.block_v_dw)
   pad_n, pad_v, pad_m = -N % n_multiple, -V % v_multiple, -M % blocks.block_m
