@@ -38,6 +38,24 @@ def is_hopper(device_kind: str) -> bool:
 LINEAR_KERNEL_CHUNKS = (16, 32, 64, 128)
 
 
+# The lowerings of the kernels other than attention's (`gated_delta.py`, `fused_loss.py`).
+TRITON_AND_TPU = ("triton", "mosaic_tpu")
+
+
+def lowering_for(device, lowering: str | None, interpret: bool | None, *,
+                 kernel: str) -> tuple[str, bool]:
+  """(lowering, interpret) of a call of a kernel with the `TRITON_AND_TPU`
+  lowerings (`kernel` names it in the error): by default "mosaic_tpu" on a
+  TPU, else "triton"; the interpreter where `device` is not the lowering's
+  platform."""
+  lowering = lowering or ("mosaic_tpu" if device.platform == "tpu" else "triton")
+  if lowering not in TRITON_AND_TPU:
+    raise ValueError(f"{kernel}: lowering={lowering!r}; choose one of {TRITON_AND_TPU}")
+  if interpret is None:
+    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  return lowering, interpret
+
+
 def fuses_loss(loss_impl: str, platform: str, *, head_fuses: bool, chunk_size: int) -> bool:
   """Whether train.loss_impl runs the fused head-and-loss kernel
   (`fused_loss.py`): `pallas` always; `auto` compiled for a GPU, for a head

@@ -42,7 +42,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
-LOWERINGS = ("triton", "mosaic_tpu")
+from model.kernels import lowering_for
+
 MIN_BLOCK = 16  # Triton's tl.dot needs every tile dimension >= 16.
 LANES = 128  # Mosaic TPU: the hidden width is padded to a multiple of the lane width
 
@@ -106,7 +107,7 @@ class _Config:
   padded_logit: float
   mult: float | None  # the head's scalar output multiplier (μP), or None
   blocks: Blocks
-  lowering: str  # one of LOWERINGS
+  lowering: str  # "triton" or "mosaic_tpu"
   interpret: bool
 
 
@@ -414,11 +415,7 @@ def fused_head_loss(h_NM, w_VM, targets_N, *, mult: float | None = None,
     raise ValueError(f"fused_head_loss: h {h_NM.shape} and W {w_VM.shape}: want h [N, M] and "
                      "W [V, M]")
   device = device or jax.devices()[0]
-  lowering = lowering or ("mosaic_tpu" if device.platform == "tpu" else "triton")
-  if lowering not in LOWERINGS:
-    raise ValueError(f"fused_head_loss: lowering={lowering!r}; choose one of {LOWERINGS}")
-  if interpret is None:
-    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  lowering, interpret = lowering_for(device, lowering, interpret, kernel="fused_head_loss")
   blocks = blocks or choose_blocks(N, V, M, backend=device.platform)
   cfg = _Config(vocab=V, real_vocab=V if real_vocab is None else min(real_vocab, V),
                 padded_logit=float(padded_logit), mult=None if mult is None else float(mult),
