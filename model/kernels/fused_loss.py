@@ -81,8 +81,9 @@ def choose_blocks(tokens: int, vocab: int, width: int, *, backend: str) -> Block
   tiles spill more (32 x 64 forward: 12 KB). Not yet timed on a card. In
   the interpreter (no GPU), tiles of 128: its cost is per loop step. Every
   tile is shrunk to cover the shape. On a TPU (Mosaic): 256 tokens x 512
-  vocabulary rows both ways over the whole hidden width (one chunk), about
-  6 MB of VMEM at M = 768 with the f32 accumulator."""
+  vocabulary rows both ways over the whole hidden width (one chunk): 8 to
+  11 MB of VMEM at M = 768 with the double-buffered blocks and the f32
+  accumulator (it compiles for a v5p)."""
   if backend == "tpu":
     width = -(-width // LANES) * LANES
     blocks = Blocks(block_n=256, block_v=512, block_v_dw=512, block_n_dw=256, block_m=width,
