@@ -23,9 +23,10 @@ Per kernel, per run:
   3.5 in all. A cuDNN call's mask type says whether it is causal; a Pallas
   kernel's mask is compiled into its code, so `causal` (the model's) says
   it. The gated delta rule's kernel counts its chunks' matmuls
-  (`gated_delta.chunk_flops`), the fused head-and-loss kernels theirs
-  (`fused_loss.kernel_flops`: the forward 2 N V M, 4 N V M differentiated,
-  dW 4 N V M). Every other op counts 0 FLOPs.
+  (`gated_delta.chunk_flops`), its backward kernel the backward's
+  (`gated_delta.backward_chunk_flops`), the fused head-and-loss kernels
+  theirs (`fused_loss.kernel_flops`: the forward 2 N V M, 4 N V M
+  differentiated, dW 4 N V M). Every other op counts 0 FLOPs.
 - bytes read and written: the operands' and the results' array shapes x
   their dtype size (what a kernel moves through HBM once), except that an
   operand only sliced counts its slices and a buffer updated in place its
@@ -248,16 +249,19 @@ def _attention_flops(instruction: _Instruction, shapes: dict[str, str], factor: 
   return factor * 4.0 * math.prod(q) * s / (2 if causal else 1)
 
 
-def _delta_rule_flops(instruction: _Instruction, shapes: dict[str, str]) -> float:
-  """The gated delta rule kernel's forward (`model/kernels/gated_delta.py`):
-  `chunk_flops` per (row, value head, chunk), from its first and fourth
-  5-D operands, q [B, H, N, C, d_k] and v [B, H, N, C, d_v]."""
+def _delta_rule_flops(instruction: _Instruction, shapes: dict[str, str],
+                      backward: bool) -> float:
+  """The gated delta rule's kernels (`model/kernels/gated_delta.py`):
+  `chunk_flops` (the forward) or `backward_chunk_flops` (the `backward`)
+  per (row, value head, chunk), from their first and fourth 5-D operands,
+  q [B, H, N, C, d_k] and v [B, H, N, C, d_v]."""
   five_d = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))
             if len(a[1]) == 5]
   if len(five_d) < 4:
     return 0.0
   (B, H, N, C, d_k), d_v = five_d[0][1], five_d[3][1][-1]
-  return float(B * H * N * gated_delta.chunk_flops(C, d_k, d_v))
+  per_chunk = gated_delta.backward_chunk_flops if backward else gated_delta.chunk_flops
+  return float(B * H * N * per_chunk(C, d_k, d_v))
 
 
 def _fused_loss_flops(instruction: _Instruction, shapes: dict[str, str], kernel: str) -> float:
@@ -288,7 +292,7 @@ def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_nam
                             bool(mask) and "CAUSAL" in mask.group(1), heads_first=False)
   kernel = _kernel_name(op_name)
   if target in KERNEL_CALLS and "gated_delta_rule" in kernel:
-    return _delta_rule_flops(instruction, shapes)
+    return _delta_rule_flops(instruction, shapes, backward="backward" in kernel)
   if target in KERNEL_CALLS and "fused_loss" in kernel:
     return _fused_loss_flops(instruction, shapes, kernel)
   if target in KERNEL_CALLS and "attention" in kernel:

@@ -5,6 +5,7 @@
 #
 #   BUDGET=570 bash bench/gpu_session.sh main   # checks, acceptance rows, training, tiles
 #   BUDGET=150 bash bench/gpu_session.sh grid   # the rest of the attention grid
+#   BUDGET=570 bash bench/gpu_session.sh speed  # the speed variants beside their predictions
 #
 # `main`: the kernel tests compiled on the card (Mosaic GPU, Triton, the
 # block-sparse plans; about 120 s), the acceptance rows of the attention
@@ -13,8 +14,13 @@
 # head_dim 64 (about 7 s a candidate; head_dim 128's were timed on
 # 2026-12-04, bench/RESULTS.md), the MoE grouped matmuls against a dense
 # MLP, and, if time is left, the context-parallel ring's kernel calls.
-# `grid`: every other row of the grid. Each stage has its own limit, cut to
-# what is left of BUDGET seconds; a stage with under 15 s left is skipped.
+# `grid`: every other row of the grid. `speed`: GPT-2 small's train step in
+# each variant of bench/speed_variants.py (the 2026-12-04 step, unscanned,
+# remat policies, loss chunks, FP8, MLA; up to 60 s each), then its table:
+# each measured step beside the roofline's prediction for it (committed in
+# bench/results/speed_variants_h200.json, computed without a card). Each
+# stage has its own limit, cut to what is left of BUDGET seconds; a stage
+# with under 15 s left is skipped.
 # The attention, ring and MoE benches write their JSON after every row (and
 # tile), so a stage stopped at its limit keeps what it measured.
 #
@@ -92,17 +98,23 @@ if [ "$PART" = main ]; then
   stage train_gpt2_pallas 45 python3 -m bench.train_throughput \
     --config configs/gpt2_small.py --config.model.attention_impl=pallas --ours_only \
     --steps 20 --warmup 3 --out "$W/train_gpt2_pallas.json"
-  # The preset's loss is the fused head-and-loss kernel (train.loss_impl=auto): the xla loss beside it.
-  stage train_gpt2_xla_loss 45 python3 -m bench.train_throughput \
-    --config configs/gpt2_small.py --config.train.loss_impl=xla --ours_only \
-    --steps 20 --warmup 3 --out "$W/train_gpt2_xla_loss.json"
   stage attention_tune 120 python3 -m bench.attention --no_memory --tune --warmup 2 \
     --repeats 5 --only ours_mosaic ours_triton --rows 64:4096:yes \
     --out "$W/attention_tune.json"
   stage moe 45 python3 -m bench.moe --deadline_s 40 --out "$W/moe.json"
   stage ring_blocks 60 python3 -m bench.ring_blocks --out "$W/ring_blocks.json"
-  LOGS="tests attention_key train_gpt2 train_gpt2_pallas train_gpt2_xla_loss attention_tune moe
-    ring_blocks"
+  LOGS="tests attention_key train_gpt2 train_gpt2_pallas attention_tune moe ring_blocks"
+elif [ "$PART" = speed ]; then
+  LOGS=""
+  for v in $(python3 -m bench.speed_variants names); do
+    # shellcheck disable=SC2046  # the variant's overrides, one word each
+    stage "speed_$v" 60 python3 -m bench.train_throughput --config configs/gpt2_small.py \
+      --ours_only --steps 10 --warmup 2 $(python3 -m bench.speed_variants flags "$v") \
+      --out "$W/speed_$v.json"
+    LOGS="$LOGS speed_$v"
+  done
+  python3 -m bench.speed_variants table --measured_dir "$W" > "$W/speed_table.log" 2>&1
+  LOGS="$LOGS speed_table"
 else
   ALL=$(python3 -c "from bench.attention import grid_cases, row_name
 print(' '.join(row_name(c) for c in grid_cases(False)))")

@@ -32,7 +32,6 @@ import json
 import pathlib
 
 import jax
-import jax.numpy as jnp
 
 from bench.attention import make_inputs, time_median
 from bench.bench_utils import command_line, git_commit

@@ -45,9 +45,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 STRATEGIES = ("ring", "all_gather")
 LAYOUTS = ("zigzag", "contiguous")

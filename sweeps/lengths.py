@@ -4,8 +4,8 @@ at, read from each variant's eval_lengths.json (`training/lengths.py`). A
 section of report.md and its own report_lengths.csv, so that the main table
 stays as it is."""
 import csv
-import math
 import os
+import textwrap
 
 from matplotlib.figure import Figure
 
@@ -84,8 +84,8 @@ def _plot_by_position(path: str, entries: list[dict], groups: list[str],
   eval_lengths.json), at the buckets' middles."""
   labels = _labels(entries)
   variants = list(dict.fromkeys(groups))
-  rows_of_legend = math.ceil(len(variants) / 4)
-  fig = Figure(figsize=(5 * len(labels), 4 + 0.2 * rows_of_legend))
+  names, ncol, legend_lines = _legend_layout(variants, width_inches=5 * len(labels))
+  fig = Figure(figsize=(5 * len(labels), 4 + 0.15 * legend_lines))
   axes = fig.subplots(1, len(labels), sharey=True, squeeze=False)[0]
   lines = {}
   for ax, label in zip(axes, labels):
@@ -109,10 +109,27 @@ def _plot_by_position(path: str, entries: list[dict], groups: list[str],
     ax.set_xlabel("position in the row")
     ax.grid(alpha=0.3)
   axes[0].set_ylabel("validation loss (nats per token)")
-  fig.legend([lines[g] for g in variants if g in lines], [g for g in variants if g in lines],
-             loc="lower center", ncol=4, fontsize=7)
-  fig.tight_layout(rect=(0, 0.06 * rows_of_legend, 1, 1))
+  shown = [i for i, g in enumerate(variants) if g in lines]
+  fig.legend([lines[variants[i]] for i in shown], [names[i] for i in shown],
+             loc="lower center", ncol=ncol, fontsize=7)
+  fig.tight_layout(rect=(0, 0.15 * legend_lines / (4 + 0.15 * legend_lines), 1, 1))
   fig.savefig(path, dpi=100)
+
+
+def _legend_layout(variants: list[str], width_inches: float) -> tuple[list[str], int, int]:
+  """(each variant's legend label: the comma-separated fields of its name
+  that not every variant shares, wrapped to fit a column; the legend's
+  columns, at most 4, none narrower than 28 characters; its lines of text,
+  for the space below the panels). 7-point text fits about 14 characters
+  an inch."""
+  fields = [v.split(",") for v in variants]
+  shared = set.intersection(*map(set, fields)) if len(fields) > 1 else set()
+  short = [", ".join(f for f in parts if f not in shared) or v for parts, v in zip(fields, variants)]
+  ncol = max(1, min(4, len(short), int(14 * width_inches) // 34))
+  width = int(14 * width_inches / ncol) - 6  # less the marker
+  names = [textwrap.fill(v, width, break_long_words=False) for v in short]
+  rows = [names[i:i + ncol] for i in range(0, len(names), ncol)]
+  return names, ncol, sum(max(n.count("\n") + 1 for n in row) for row in rows) + 1
 
 
 def _summaries(titles: list[str], rows: list[list], groups: list[str]) -> dict:

@@ -37,14 +37,28 @@ def with_libtpu(env: dict) -> dict:
 
 # Commands run as a user runs them.
 
-def run_on_cpu_devices(script: str, count: int) -> subprocess.CompletedProcess:
-  """`python -c script` in a fresh process with `count` CPU devices (the
-  host platform split by XLA_FLAGS), output captured."""
+def python_on_cpu_devices(args, count: int) -> subprocess.CompletedProcess:
+  """`python args...` in the repository root, in a fresh process with `count`
+  CPU devices (the host platform split by XLA_FLAGS, beside the suite's own
+  flags), output captured."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
   flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={count}"
   env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
-  return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT,
+  return subprocess.run([sys.executable, *map(str, args)], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=300, check=False)
+
+
+def run_on_cpu_devices(script: str, count: int) -> subprocess.CompletedProcess:
+  """`python -c script` on `count` CPU devices (`python_on_cpu_devices`)."""
+  return python_on_cpu_devices(["-c", script], count)
+
+
+def json_on_cpu_devices(script: str, count: int, *args) -> dict:
+  """`python -c script args...` on `count` CPU devices; the JSON object its
+  last line of output prints (the test fails with its stderr's tail if not)."""
+  proc = python_on_cpu_devices(["-c", script, *args], count)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_python(args) -> subprocess.CompletedProcess:

@@ -340,18 +340,12 @@ def test_bench_prints_memory_and_step_time_per_context(tmp_path):
   context) with the compiler's memory, the ring's collective-permutes where
   context > 1 (none at 1), and a step time; the JSON holds the same rows."""
   import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-  from tests.test_sharding import ROOT  # pylint: disable=import-outside-toplevel
+  from tests.helpers import python_on_cpu_devices  # pylint: disable=import-outside-toplevel
   out = tmp_path / "cp.json"
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-  result = subprocess.run(
-      [sys.executable, "-m", "bench.context_parallel", "--config", "configs/tiny.py",
+  result = python_on_cpu_devices(
+      ["-m", "bench.context_parallel", "--config", "configs/tiny.py",
        "--config.model.num_layers=1", "--seq_lens", "128", "--contexts", "1,4", "--steps", "1",
-       "--strategy", "ring", "--out", str(out)], cwd=ROOT, env=env, capture_output=True,
-      text=True, timeout=300, check=False)
+       "--strategy", "ring", "--out", out], 4)
   assert result.returncode == 0, result.stderr[-3000:]
   assert "| seq_len | context |" in result.stdout
   rows = json.loads(out.read_text())["rows"]

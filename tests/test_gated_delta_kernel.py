@@ -1,11 +1,14 @@
 """The chunked gated delta rule's Pallas kernel (`model/kernels/gated_delta.py`):
-both lowerings in the Pallas interpreter against the XLA chunked form
-(`gated_deltanet.chunked`), forward and gradients in float32, with packed
-rows, a length no multiple of the chunk and an initial state; the linear
-layers following `model.attention_impl`; one-line refusals; the kernel on
-each device's rows of a 4-device CPU mesh; and the Mosaic lowering compiled
+the backward's chunk step against `jax.vjp` of the forward's; both
+lowerings in the Pallas interpreter against the XLA chunked form
+(`gated_deltanet.chunked`), forward and gradients (the backward kernel's) in
+float32, with packed rows, a length no multiple of the chunk and an initial
+state; the linear layers following `model.attention_impl`; one-line
+refusals; the kernel on each device's rows of a 4-device CPU mesh; and the
+Mosaic lowering compiled
 for a v5p (with libtpu), the Triton one for an H200 (with JAX's CUDA
-plugin), no accelerator attached, with the roofline counting its FLOPs."""
+plugin), forward and backward, no accelerator attached, with the roofline
+counting both kernels' FLOPs."""
 import json
 import os
 
@@ -26,21 +29,47 @@ from tests.test_gated_deltanet import model_cfg, rule_inputs
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only, beside others
 
 
+def test_the_backward_chunk_step_is_the_forward_steps_vjp():
+  """`_chunk_step_vjp` (the backward kernel's chunk) gives what `jax.vjp` of
+  `_chunk_step` gives: a chunk of three documents, the state coming in
+  reaching the first, the state going out the last; and one document the
+  chunk continues to its end."""
+  rng = np.random.default_rng(0)
+  C, K, V = 16, 8, 4
+  normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+  q, k = gdn.l2_normalize(normal(C, K)), gdn.l2_normalize(normal(C, K))  # as the kernel's
+  v, S, do, dS = normal(C, V), normal(K, V), normal(C, V), normal(K, V)
+  G = jnp.cumsum(-jnp.abs(normal(1, C)) * 0.3, axis=1)
+  beta = jax.nn.sigmoid(normal(1, C))
+  seg = jnp.asarray([[1] * 5 + [2] * 7 + [3] * 4], jnp.int32)
+  for seg, cont, last in [(seg, seg == 1, seg == 3), (seg * 0, seg > 0, seg > 0)]:
+    rows = (seg, cont.astype(jnp.float32), last.astype(jnp.float32))
+    step = lambda q, k, v, G, beta, S: gated_delta._chunk_step(q, k, k.T, v, G, beta, *rows, S)
+    want = jax.jit(lambda *x: jax.vjp(step, *x)[1]((do, dS)))(q, k, v, G, beta, S)
+    got = jax.jit(lambda *x: gated_delta._chunk_step_vjp(*x, do, dS))(q, k, k.T, v, G, beta,
+                                                                      *rows, S)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("lowering", gated_delta.LOWERINGS)
 def test_kernel_equals_the_xla_form(lowering):
   """Three documents over a row of 40 tokens (chunks of 16: the last one
   padded, boundaries inside chunks), two value heads per key head, from a
-  given state: outputs, final states and every input's gradient."""
+  given state: outputs, final states and every input's gradient, which
+  the backward kernel computes."""
   inputs = rule_inputs(40, Hk=1, Hv=2, K=16, V=16)
   state = jnp.asarray(np.random.default_rng(1).normal(size=(2, 2, 16, 16)), jnp.float32)
   seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 4]], [13, 20, 7], axis=1), jnp.int32)
   kernel = lambda *x: gated_delta.gated_delta_rule(*x, seg, chunk=16, lowering=lowering)
   xla = lambda *x: gdn.chunked(*x, seg, chunk=16)
-  (o_k, s_k), (o_x, s_x) = kernel(*inputs, state), xla(*inputs, state)
+  (o_k, s_k), (o_x, s_x) = jax.jit(kernel)(*inputs, state), xla(*inputs, state)
   np.testing.assert_allclose(o_k, o_x, atol=2e-6)
   np.testing.assert_allclose(s_k, s_x, atol=2e-6)
   loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
-  grads_k = jax.grad(loss(kernel), argnums=range(6))(*inputs, state)
+  grad_kernel = jax.grad(loss(kernel), argnums=range(6))
+  assert "gated_delta_rule_backward" in str(jax.make_jaxpr(grad_kernel)(*inputs, state))
+  grads_k = jax.jit(grad_kernel)(*inputs, state)  # jitted, the interpreter runs 3x faster
   grads_x = jax.grad(loss(xla), argnums=range(6))(*inputs, state)
   for got, want in zip(grads_k, grads_x):  # the cotangents carry the forms' rounding
     np.testing.assert_allclose(got, want, atol=float32_tolerance())
@@ -133,7 +162,7 @@ def test_on_a_mesh_each_device_runs_its_rows():
 @pytest.mark.tpu
 @pytest.mark.slow
 def test_compiles_for_v5p():
-  """Forward and backward through Mosaic and XLA for a v5p: d_k = d_v = 128,
+  """The forward and backward kernels through Mosaic for a v5p: d_k = d_v = 128,
   chunks of 64, packed rows of 1,000 tokens, bfloat16 inputs."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   device = topologies.get_topology_desc(platform="tpu", topology_name="v5p:2x2x1").devices[0]
@@ -153,10 +182,14 @@ def test_compiles_for_h200():
 
 def assert_roofline_counts_the_kernel(hlo_text: str, D: int, B: int = 2, T: int = 1000,
                                       Hv: int = 4):
-  """The roofline finds the kernel once in the compiled step and counts its
-  chunks' FLOPs (`gated_delta.chunk_flops`, chunks of 64)."""
-  found = [k for k in roofline.kernels(hlo_text) if "gated_delta_rule_forward" in k.op_name]
-  assert [k.flops for k in found] == [B * Hv * -(-T // 64) * gated_delta.chunk_flops(64, D, D)]
+  """The roofline finds the forward and the backward kernel once each in the
+  compiled step and counts their chunks' FLOPs (`gated_delta.chunk_flops`,
+  `gated_delta.backward_chunk_flops`, chunks of 64)."""
+  chunks = B * Hv * -(-T // 64)
+  for name, per_chunk in (("forward", gated_delta.chunk_flops),
+                          ("backward", gated_delta.backward_chunk_flops)):
+    found = [k for k in roofline.kernels(hlo_text) if f"gated_delta_rule_{name}" in k.op_name]
+    assert [k.flops for k in found] == [chunks * per_chunk(64, D, D)]
 
 
 def compile_forward_and_backward(device, platform: str, B: int = 2, T: int = 1000,

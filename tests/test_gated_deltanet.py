@@ -16,7 +16,7 @@ from model.config import ModelConfig
 from model.generate import generate
 from model.summary import format_table, summarize
 from model.transformer import Segment, layer_plan
-from tests.helpers import scanned_copy
+from tests.helpers import run_on_cpu_devices, scanned_copy
 
 
 def rule_inputs(T: int, B: int = 2, Hk: int = 2, Hv: int = 4, K: int = 8, V: int = 6,
@@ -321,3 +321,27 @@ def test_a_run_of_one_repeated_token_stays_finite_and_equals_the_recurrence():
   assert np.isfinite(np.asarray(o)).all()
   np.testing.assert_allclose(o, o_ref, rtol=1e-4, atol=1e-4)
   np.testing.assert_allclose(state, state_ref, rtol=1e-4, atol=1e-4)
+
+
+ROWS_DO_NOT_SPLIT = """
+import jax, numpy as np
+from jax.sharding import AxisType
+from configs.errors import UserError
+from model import gated_deltanet as gdn
+from tests.test_gated_deltanet import rule_inputs
+mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Auto,))
+with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+  try:
+    gdn._rows_on_each_device(lambda *a: (a[0], a[0]), *rule_inputs(8, B=3))
+  except UserError as e:
+    print(e)
+"""
+
+
+def test_rows_that_do_not_split_over_the_mesh_are_one_line():
+  """The delta-rule kernel runs each device's rows under shard_map: 3 rows
+  on 2 data devices is a UserError naming the fix, not a traceback."""
+  proc = run_on_cpu_devices(ROWS_DO_NOT_SPLIT, 2)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "3 rows (per micro-batch) do not split over the 2 devices of the batch axes data" \
+      in proc.stdout and "train.batch_size" in proc.stdout

@@ -9,8 +9,6 @@ token; then exports it with `convert.py to_hf` and loads that with
 """
 import json
 import os
-import subprocess
-import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -31,8 +29,9 @@ from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
-from tests.helpers import (assert_close, convert_error_line, edit_hf_config, randomised, ROOT,
-                           run_command, run_convert, save_hf, tiny_gpt2, tiny_llama)
+from tests.helpers import (assert_close, convert_error_line, edit_hf_config, python_on_cpu_devices,
+                           randomised, run_command, run_convert, save_hf, tiny_gpt2,
+                           tiny_llama)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
@@ -163,11 +162,9 @@ def test_import_onto_a_sharded_mesh(tok, tmp_path):
   """convert.py on 4 (host) devices with mesh fsdp=2, tensor=2: the weights are
   placed in their shards as read; the run has the same logits."""
   hf_model = tiny_llama().eval()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  result = subprocess.run(
-      [sys.executable, "convert.py", "from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
-       "--workdir", str(tmp_path / "run"), "--fsdp", "2", "--tensor", "2"],
-      capture_output=True, text=True, check=False, cwd=ROOT, env=env)
+  result = python_on_cpu_devices(
+      ["convert.py", "from_hf", "--hf_dir", save_hf(hf_model, tok, tmp_path / "hf"),
+       "--workdir", tmp_path / "run", "--fsdp", "2", "--tensor", "2"], 4)
   assert result.returncode == 0, result.stderr[-2000:]
   config, _, model, _ = load_run(str(tmp_path / "run"))
   assert (config.mesh.fsdp, config.mesh.tensor) == (2, 2)

@@ -140,3 +140,16 @@ def test_sweep_report_aggregates_the_seeds_of_each_length(tmp_path):
   assert rope["variant"] == "rope" and rope["loss@32_n"] == "3"
   assert abs(float(rope["loss@64_ci_high"]) - (3.5 + half_64)) < 1e-9
 
+
+
+def test_legend_labels_keep_what_differs_and_fit_their_column():
+  """The loss-by-position legend drops the name fields every variant shares
+  and wraps the rest to its column (long hybrid layer lists were cut off)."""
+  variants = ["num_layers=4,layer_types=full_attention",
+              "num_layers=4,layer_types=" + "-".join(["linear_attention"] * 3 + ["full_attention"])]
+  names, ncol, lines = sweep_lengths._legend_layout(variants, width_inches=5)
+  assert ncol == 2 and names[0] == "layer_types=full_attention"
+  assert "num_layers" not in names[1] and names[1].replace("\n", "") == variants[1][13:]
+  assert max(len(l) for n in names for l in n.splitlines()) <= 14 * 5 / 2 - 6
+  assert lines == max(n.count("\n") + 1 for n in names) + 1
+  assert sweep_lengths._legend_layout(["rope"], 5)[0] == ["rope"]

@@ -7,7 +7,6 @@ train step holds no float32 logits of the whole batch; the memory estimate
 counts one chunk's logits; the config field is checked."""
 
 import functools
-import json
 import re
 
 import jax
@@ -19,7 +18,7 @@ from flax import nnx
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model
-from tests.helpers import run_on_cpu_devices, small_cfg
+from tests.helpers import json_on_cpu_devices, small_cfg
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
@@ -252,9 +251,7 @@ print(json.dumps(checked))
 def check_on_8_devices(variants: list[dict], **model) -> None:
   """Runs `ON_8_DEVICES` with these variants and model fields."""
   script = ON_8_DEVICES.replace("VARIANTS", repr(variants)).replace("MODEL", repr(model))
-  proc = run_on_cpu_devices(script, 8)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  checked = json.loads(proc.stdout.strip().splitlines()[-1])
+  checked = json_on_cpu_devices(script, 8)
   assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
 
 

@@ -168,7 +168,7 @@ def test_depth_mup_at_its_base_depth_changes_nothing_and_deeper_scales_branches_
   """model.mup_base_depth = num_layers: the model and updates of no base
   depth. Base 1 at 4 layers: each residual branch and each hidden matrix's
   update times sqrt(1 / 4) = 1/2, the rest as without."""
-  plain, at_base = _config(), _config(mup_base_depth=2)
+  at_base = _config(mup_base_depth=2)
   assert ModelConfig.resolve(at_base.model).branch_mult is None
   assert optim.mup_depth(at_base.model) is None
   deep = _config(num_layers=4, mup_base_depth=1)
@@ -203,11 +203,11 @@ def test_depth_mup_keeps_the_residual_stream_from_growing_with_depth():
   config = tiny.get_config()
   tokens = coord_check.text_batch(config, 4)
   rms = {}
-  for base, layers in ((None, 2), (None, 8), (2, 8)):
+  for base_depth, layers in ((None, 2), (None, 8), (2, 8)):
     c = coord_check.at_width(config, 64, "sp", base_width=64, ff_mult=3, lr=1e-2, steps=5)
-    c.model.update(num_layers=layers, mup_base_depth=base)
+    c.model.update(num_layers=layers, mup_base_depth=base_depth)
     validate(c)
-    rms[base, layers] = coord_check.coordinates(c, tokens)[-1][f"block {layers - 1}"]
+    rms[base_depth, layers] = coord_check.coordinates(c, tokens)[-1][f"block {layers - 1}"]
   assert rms[None, 8] / rms[None, 2] > 2.5, rms
   assert rms[2, 8] / rms[None, 2] < 1, rms
 

@@ -14,12 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 from configs import base, validation
 from configs.errors import UserError
 from hf import convert as hf_convert
-from model import accounting, build_model
+from model import accounting
 from model.choices import choices_markdown
 from model.config import REGISTRIES, ModelConfig
 from model.mlp import MLPKind

@@ -9,16 +9,12 @@ with one. JAX fixes its device count when it first initialises, so every run
 is a fresh Python (as in tests/test_sharding.py) that prints one JSON line.
 """
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
+from tests.helpers import json_on_cpu_devices
 from training.metrics import read_metrics
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 6
 UP = "decoder/layers/mlp/up/kernel/value"  # scanned: [layers=1, embed, mlp]
 
@@ -93,15 +89,7 @@ print(json.dumps(out))
 
 def run_python(code: str, args: dict, devices: int) -> dict:
   """Runs `code` in a fresh Python with `devices` CPU devices; its JSON line."""
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
-  env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-  if devices > 1:
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
-  proc = subprocess.run([sys.executable, "-c", code, json.dumps(args)], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return json_on_cpu_devices(code, devices, json.dumps(args))
 
 
 def train_losses(workdir: str) -> list[float]:

@@ -5,14 +5,10 @@ the same pytest process import it first, so each check runs in a fresh Python
 with 8 host devices and prints its measurements as one JSON line.
 """
 import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import json_on_cpu_devices
 
 PRELUDE = """
 import json
@@ -61,14 +57,7 @@ def error(fn):
 
 def run_on_8_devices(code: str) -> dict:
   """Runs PRELUDE + `code` in a fresh Python with 8 CPU devices; its JSON line."""
-  env = {k: v for k, v in os.environ.items() if k != "JAX_NUM_CPU_DEVICES"}
-  # The suite's XLA flags (conftest.py), and 8 CPU devices.
-  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8"
-  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip(), PYTHONPATH=str(ROOT))
-  proc = subprocess.run([sys.executable, "-c", PRELUDE + code], env=env, cwd=ROOT,
-                        capture_output=True, text=True, timeout=300, check=False)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return json_on_cpu_devices(PRELUDE + code, 8)
 
 
 MESH_CHECKS = """

@@ -4,7 +4,6 @@ lines, status and report, how each exit status of train.py ends a run, the
 local launcher's lines and its stop on SIGINT/SIGTERM, a variant run as a
 submitit job, and the requeue path (checkpoint() stops train.py with SIGTERM)."""
 import csv
-import json
 import os
 import pathlib
 import pickle
