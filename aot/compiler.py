@@ -124,7 +124,7 @@ def _lower_train(config, mesh):
                         batch_sharding=batch_sharding(mesh), z_loss=tc.z_loss,
                         context_strategy=config.mesh.context_strategy,
                         router_losses=router_losses(config),
-                        loss_chunk_size=tc.loss_chunk_size)
+                        loss_chunk_size=tc.loss_chunk_size, loss_impl=tc.loss_impl)
   held = {"parameters": _shard_bytes(state["params"]),
           "optimizer_state": _shard_bytes(state["opt_state"]), "batch": _shard_bytes(batch)}
   return step.lower(state, batch), held
@@ -141,7 +141,8 @@ def _lower_eval(config, mesh):
   batch = abstract_batch(config, mesh)
   held = {"parameters": _shard_bytes(params), "optimizer_state": 0, "batch": _shard_bytes(batch)}
   return (jit_eval_step(graphdef, config.train.objective, mesh, config.mesh.context_strategy,
-                        loss_chunk_size=config.train.loss_chunk_size).lower(params, batch),
+                        loss_chunk_size=config.train.loss_chunk_size,
+                        loss_impl=config.train.loss_impl).lower(params, batch),
           held)
 
 

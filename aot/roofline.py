@@ -24,7 +24,9 @@ Per kernel, per run:
   kernel's mask is compiled into its code, so `causal` (the model's) says
   it. The gated delta rule's kernel counts its chunks' matmuls
   (`gated_delta.chunk_flops`), its backward kernel the backward's
-  (`gated_delta.backward_chunk_flops`). Every other op counts 0 FLOPs.
+  (`gated_delta.backward_chunk_flops`), the fused head-and-loss kernels
+  theirs (`fused_loss.kernel_flops`: the forward 2 N V M, 4 N V M
+  differentiated, dW 4 N V M). Every other op counts 0 FLOPs.
 - bytes read and written: the operands' and the results' array shapes x
   their dtype size (what a kernel moves through HBM once), except that an
   operand only sliced counts its slices and a buffer updated in place its
@@ -48,7 +50,7 @@ from aot import compiler, targets
 from aot.compiler import COLLECTIVES, KERNEL_CALLS, multiplicities
 from configs import gpt2_small, validation
 from model import accounting
-from model.kernels import gated_delta
+from model.kernels import fused_loss, gated_delta
 from model.resolve import resolve
 
 # Seconds a kernel costs beyond its FLOPs and bytes, a stated constant, not a
@@ -262,6 +264,18 @@ def _delta_rule_flops(instruction: _Instruction, shapes: dict[str, str],
   return float(B * H * N * per_chunk(C, d_k, d_v))
 
 
+def _fused_loss_flops(instruction: _Instruction, shapes: dict[str, str], kernel: str) -> float:
+  """The fused head-and-loss kernels (`model/kernels/fused_loss.py`):
+  `fused_loss.kernel_flops` from their first two operands, h [N, M] and W
+  [V, M]; a forward with four results computes P W as well."""
+  two_d = [a for name in instruction.operands for a in _arrays(shapes.get(name, ""))
+           if len(a[1]) == 2]
+  if len(two_d) < 2:
+    return 0.0
+  (N, M), V = two_d[0][1], two_d[1][1][0]
+  return fused_loss.kernel_flops(kernel, N, V, M, with_pw=len(_arrays(instruction.shape)) == 4)
+
+
 def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_name: str,
                        causal: bool, split_backward: bool) -> float:
   """A custom call's FLOPs: a cuBLAS GEMM's dot, a cuDNN or Pallas attention
@@ -279,6 +293,8 @@ def _custom_call_flops(instruction: _Instruction, shapes: dict[str, str], op_nam
   kernel = _kernel_name(op_name)
   if target in KERNEL_CALLS and "gated_delta_rule" in kernel:
     return _delta_rule_flops(instruction, shapes, backward="backward" in kernel)
+  if target in KERNEL_CALLS and "fused_loss" in kernel:
+    return _fused_loss_flops(instruction, shapes, kernel)
   if target in KERNEL_CALLS and "attention" in kernel:
     for suffix, factor in _ATTENTION_FACTORS:
       if kernel.endswith(suffix):
@@ -565,6 +581,7 @@ def roofline_report(config, target) -> dict:
   report.update(
       target=target.name, devices=devices, batch_size=config.train.batch_size,
       seq_len=config.train.seq_len, loss_chunk_size=config.train.loss_chunk_size,
+      loss_impl=config.train.loss_impl,
       remat=validation.remat_name(config.train.remat),
       model_flops_per_device=model_flops,
       mfu_bound=model_flops / (predicted * chip.peak_flops),

@@ -59,6 +59,7 @@ def format_report(report: dict, top: int) -> str:
   lines = [f"train step, batch {report['batch_size']} x {report['seq_len']}"
            + (f", loss in chunks of {report['loss_chunk_size']}"
               if report["loss_chunk_size"] else "")
+           + f", loss_impl {report['loss_impl']}"
            + f", remat {report['remat']}, on {report['target']} ({report['devices']} device(s)); "
            f"per device: peak {report['peak_flops'] / 1e12:.3g} TFLOP/s (FP8 "
            f"{report['fp8_peak_flops'] / 1e12:.3g}), {report['hbm_bandwidth'] / 1e12:.3g} "

@@ -6,7 +6,7 @@ a few `--config.` overrides (`VARIANTS`): the preset as it is, the step
 the H200 timed on 2026-12-04 (`baseline`: scanned, remat none, the whole
 batch's logits, no FP8), its layers unscanned, or scanned with the loop
 unrolled (the parameters stacked, the blocks inline), the remat policies,
-the head and loss in chunks, FP8 matmuls with delayed scaling, and the
+the head and loss in chunks or in one fused kernel, FP8 matmuls with delayed scaling, and the
 same model with DeepSeek's latent attention (MLA) on our kernels. Three
 commands:
 
@@ -37,7 +37,8 @@ from configs.errors import UserError
 CONFIG = "configs/gpt2_small.py"
 PREDICTIONS = pathlib.Path(__file__).resolve().parent / "results" / "speed_variants_h200.json"
 BASELINE = ("--config.model.scan_layers=True", "--config.train.remat=none",
-            "--config.train.loss_chunk_size=0", "--config.model.fp8=none")
+            "--config.train.loss_chunk_size=0", "--config.train.loss_impl=xla",
+            "--config.model.fp8=none")
 # Latent attention at GPT-2 small's width: queries and keys 96 + 32 wide, the
 # width our Mosaic GPU kernels take (so `auto` runs them, values padded from 64).
 MLA = ("--config.model.attention=mla", "--config.model.pos_emb=rope",
@@ -59,6 +60,7 @@ VARIANTS = {
     "remat_save_dots": _with("--config.train.remat=save_dots"),
     "remat_full": _with("--config.train.remat=full"),
     "loss_chunks_4096": _with("--config.train.loss_chunk_size=4096"),
+    "fused_loss": _with("--config.train.loss_impl=pallas"),
     "fp8_delayed": _with("--config.model.fp8=delayed"),
     "mla": _with(*MLA),
 }

@@ -271,6 +271,11 @@ def get_config() -> config_dict.ConfigDict:
   #   block, keep what the name says); True and False (configs, flags and runs from before the
   #   names) mean full and none
   tr.loss_chunk_size = 0  # tokens per chunk of the LM head and loss (no f32 [B, T, V]); 0: off
+  tr.loss_impl = "xla"  # the LM head and loss: xla (the logits as an array, whole or in
+  #   loss_chunk_size chunks) | pallas (one fused kernel, model/kernels/fused_loss.py: the
+  #   logits never leave the chip; Triton on a GPU, Mosaic on a TPU, the interpreter on a
+  #   CPU) | auto (pallas compiled for a GPU, for a head without soft-cap or bias and no loss
+  #   chunks; else xla)
   tr.compilation_cache_dir = ""  # persistent compilation cache: a restarted run on the same
   #   machine type reads its compiled steps back; "": $TRANSFORMER_LAB_COMPILATION_CACHE, else
   #   jax/ in $TRANSFORMER_LAB_CACHE or ~/.cache/transformer_lab; "none": compile at every start

@@ -47,6 +47,7 @@ CHOICES = {
                   "stdlib_package", "labelled"),
     "data.task_addition_format": ("plain", "aligned"),
     "train.objective": ("next_token", "seq2seq", "mlm", "classify"),
+    "train.loss_impl": ("xla", "pallas", "auto"),
     "train.optimizer": ("adamw", "adafactor", "lion", "muon"),
     "train.schedule": ("cosine", "linear", "constant", "inverse_sqrt", "wsd"),
     "train.remat": ("none", "full", "save_dots", "save_dots_except_mlp", "save_qkv_proj",
@@ -830,7 +831,7 @@ def validate(config: config_dict.ConfigDict) -> None:
   """Checks a whole run config (model, tokenizer, data, train, mesh)."""
   validate_model(config.model)
   for field in ("tokenizer.kind", "data.source", "data.packing", "data.task",
-                "data.task_addition_format", "train.objective"):
+                "data.task_addition_format", "train.objective", "train.loss_impl"):
     _check_choice(config, field)
   for field in ("train.num_steps", "train.batch_size", "train.seq_len",
                 "train.grad_accum_steps", "train.log_every", "train.eval_steps", "train.checkpoint_every", "train.keep_checkpoints",
@@ -884,6 +885,7 @@ def validate(config: config_dict.ConfigDict) -> None:
             "model); set it to 0")
   _validate_bias_update(config)
   _validate_mtp(config)
+  _validate_loss_impl(config)
   if not 0 < config.train.mlm_probability < 1:
     _fail("train.mlm_probability", config.train.mlm_probability, "must be in (0, 1)")
   for axis in ("data", "fsdp", "context", "tensor"):
@@ -922,6 +924,27 @@ def _validate_expert(config) -> None:
   if m.num_experts % n:
     _fail("mesh.expert", n, f"must divide model.num_experts={m.num_experts} (each device "
           "holds num_experts / expert of them)")
+
+
+def _validate_loss_impl(config) -> None:
+  """train.loss_impl=pallas (model/kernels/fused_loss.py): an LM head the
+  fused kernel computes (no soft-cap, no bias over the vocabulary), whole
+  (the kernel keeps the logits on chip: no loss chunks)."""
+  t, m = config.train, config.model
+  if t.loss_impl != "pallas":
+    return
+  if t.objective == "classify":
+    _fail("train.loss_impl", t.loss_impl, "fuses an LM head and its loss; train.objective="
+          "classify has none; use train.loss_impl=xla")
+  if m.final_softcap is not None:
+    _fail("train.loss_impl", t.loss_impl, f"has no soft-capped logits (model.final_softcap="
+          f"{m.final_softcap}); use train.loss_impl=xla")
+  if m.output_bias:
+    _fail("train.loss_impl", t.loss_impl, "has no bias over the vocabulary (model.output_bias"
+          "=True); use train.loss_impl=xla")
+  if t.loss_chunk_size:
+    _fail("train.loss_chunk_size", t.loss_chunk_size, "chunks the xla loss; train.loss_impl="
+          "pallas never makes the logits; set train.loss_chunk_size=0")
 
 
 def _validate_mtp(config) -> None:

@@ -55,6 +55,7 @@ from model.attention import model_implementation
 from model.attention_kinds import ATTENTIONS
 from model.config import ModelConfig
 from model.gated_deltanet import linear_params, rule_flops, state_shapes
+from model.kernels import fuses_loss
 from model.mlp import MLPS
 from model.norms import NORMS
 from model.positions import POSITIONS
@@ -620,7 +621,9 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
   With train.loss_chunk_size the float32 logits (4 V bytes a token, each
   head's) count for one chunk of that many tokens instead
   (training/objectives.py `chunked_loss_sums`: a chunk's logits live at a
-  time, recomputed in the backward pass).
+  time, recomputed in the backward pass); with the fused loss kernel
+  (`model.kernels.fuses_loss`: train.loss_impl pallas, or auto on a "gpu"
+  `backend`) none, but its saved P W, 4 M bytes a token.
   """
   m, t = ModelConfig.resolve(config.model), config.train
   params = formula_params(m, t.mtp_depth)
@@ -633,7 +636,11 @@ def training_memory_bytes(config, backend: str | None = None) -> dict[str, int]:
     per_token += t.mtp_depth * mtp_activation_bytes_per_token(m, t.seq_len, backend, context,
                                                               config.mesh.get("expert", 1))
   activations = tokens * per_token
-  if t.loss_chunk_size:
+  if fuses_loss(t.loss_impl, backend or jax.default_backend(),
+                head_fuses=m.final_softcap is None and not m.output_bias,
+                chunk_size=t.loss_chunk_size):
+    activations -= tokens * (1 + t.mtp_depth) * 4 * (m.vocab_size - m.d_model)
+  elif t.loss_chunk_size:
     logits_per_token = 4 * m.vocab_size
     activations -= tokens * (1 + t.mtp_depth) * logits_per_token
     activations += min(tokens, t.loss_chunk_size) * logits_per_token

@@ -513,15 +513,41 @@ class _WithHead(nnx.Module):
     return self.classifier(self.padded_hidden(tokens_BT, padding_mask_BT, token_type_ids_BT),
                            padding_mask_BT)
 
+  def _projection_input(self, x_BTM):
+    """The final hidden states as the output projection takes them: after
+    the optional transform and the input scale."""
+    if self.head_transform is not None:
+      x_BTM = self.head_transform(x_BTM)
+    if self.head_input_scale is not None:
+      x_BTM = x_BTM * self.head_input_scale
+    return x_BTM
+
+  @property
+  def head_fuses(self) -> bool:
+    """Whether the fused head-and-loss kernel takes this head: an LM head
+    without a soft-cap or a bias over the vocabulary."""
+    return (self.classifier is None and self.final_softcap is None
+            and self.output_bias is None)
+
+  @jax.named_scope("logits")
+  def head_operands(self, stack: _Stack, x_BTM):
+    """What the fused head-and-loss kernel takes in place of `logits`
+    (model/kernels/fused_loss.py, train.loss_impl=pallas): (the projection's
+    input [B, T, M], its weight as vocabulary rows [V, M] (the tied
+    embedding, or the untied kernel transposed), the logits' multiplier or
+    None, the real vocabulary size or None); only for a head it takes
+    (`head_fuses`; configs/validation.py refuses the others)."""
+    if not self.head_fuses:
+      raise ValueError("head_operands: the fused loss takes an LM head without soft-cap or bias")
+    w_VM = stack.embed.embedding[...] if self.head is None else self.head.kernel[...].T
+    return self._projection_input(x_BTM), w_VM, self.logit_mult, self.real_vocab_size
+
   @jax.named_scope("logits")
   def logits(self, stack: _Stack, x_BTM):
     """Float32 logits [B, T, V] of the final hidden states."""
     if self.classifier is not None:
       raise ValueError("a classifier (model.num_labels > 0) has no LM head; use classify")
-    if self.head_transform is not None:
-      x_BTM = self.head_transform(x_BTM)
-    if self.head_input_scale is not None:
-      x_BTM = x_BTM * self.head_input_scale
+    x_BTM = self._projection_input(x_BTM)
     logits_BTV = stack.embed.attend(x_BTM) if self.head is None else self.head(x_BTM)
     if self.logit_mult is not None:
       logits_BTV = logits_BTV * self.logit_mult

@@ -249,6 +249,7 @@ def test_activations_follow_the_dispatchers_choice_for_auto():
   def activations(impl, dtype, backend=None):
     config = gpt2_small.get_config()
     config.model.update(attention_impl=impl, dtype=dtype)
+    config.train.loss_impl = "xla"  # the same loss on every backend: attention's choice alone
     return accounting.training_memory_bytes(config, backend)["activations"]
 
   for dtype in ("float32", "bfloat16"):

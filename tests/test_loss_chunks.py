@@ -6,7 +6,7 @@ and eval steps pass it on, on one device and on meshes of 8; the compiled
 train step holds no float32 logits of the whole batch; the memory estimate
 counts one chunk's logits; the config field is checked."""
 
-import json
+import functools
 import re
 
 import jax
@@ -18,7 +18,7 @@ from flax import nnx
 from configs import base, gpt2_small, validation
 from configs.errors import UserError
 from model import accounting, build_model
-from tests.helpers import run_on_cpu_devices, small_cfg
+from tests.helpers import json_on_cpu_devices, small_cfg
 from training.objectives import (batch_loss, mtp_training_sum, mtp_weights, next_token_mtp_loss,
                                  training_loss_sum)
 from training.steps import init_state, jit_eval_step, jit_train_step
@@ -154,10 +154,12 @@ def test_encoder_decoder_loss_and_gradients_equal_the_unchunked():
   check_objective("seq2seq", model, with_predicted_targets(batch, logits, "tgt_out"))
 
 
-def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
-  """The main head and every MTP depth's head chunked alike."""
-  depth, weight = 2, 0.3
-  model = perturbed(build_model(model_cfg(pos_emb="rope", output_bias=True), nnx.Rngs(0),
+def mtp_grad(depth: int = 2, weight: float = 0.3, **model):
+  """The jitted gradient of the multi-token prediction training loss of a
+  small decoder with `depth` MTP modules (and `model`'s fields) on
+  `lm_batch()`, every other target its argmax: (chunk_size, impl) ->
+  (gradients, (sums, each depth's sums))."""
+  model = perturbed(build_model(model_cfg(pos_emb="rope", **model), nnx.Rngs(0),
                                 mtp_depth=depth))
   batch = lm_batch()
   hidden = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"],
@@ -166,15 +168,20 @@ def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
   counts = [w.sum() for w in mtp_weights(batch, depth)]
   graphdef, params = nnx.split(model)
 
-  def loss(p, chunk_size):
-    sums, depth_sums = next_token_mtp_loss(nnx.merge(graphdef, p), batch, chunk_size)
+  def loss(p, head):
+    sums, depth_sums = next_token_mtp_loss(nnx.merge(graphdef, p), batch, *head)
     total = training_loss_sum(sums, Z_LOSS) + mtp_training_sum(depth_sums, weight, sums[1],
                                                                counts)
     return total, (sums, depth_sums)
 
-  grad = jax.jit(jax.grad(loss, has_aux=True), static_argnums=1)
-  whole_grads, whole_sums = grad(params, 0)
-  grads, sums = grad(params, CHUNK)
+  return functools.partial(jax.jit(jax.grad(loss, has_aux=True), static_argnums=1), params)
+
+
+def test_multi_token_prediction_loss_and_gradients_equal_the_unchunked():
+  """The main head and every MTP depth's head chunked alike."""
+  grad = mtp_grad(output_bias=True)
+  whole_grads, whole_sums = grad((0, "xla"))
+  grads, sums = grad((CHUNK, "xla"))
   assert [float(s[1]) for s in sums[1]] == [float(s[1]) for s in whole_sums[1]]
   assert_close((sums, grads), (whole_sums, whole_grads))
 
@@ -201,10 +208,9 @@ def test_the_train_and_eval_steps_pass_the_chunk_size_on():
   assert_close(chunked, whole)
 
 
-# One SGD step, chunked (12 tokens) and not, on meshes of
-# 8 CPU devices: the chunked head's weights are gathered whole before its
-# loop (objectives._whole_on_every_device), the rows split over data x fsdp,
-# and over context too in the second mesh.
+# One SGD step of each of VARIANTS (train-step keyword arguments) of a small
+# decoder (with MODEL's fields) on meshes of 8 CPU devices, the rows split
+# over data x fsdp, and over context too in the second mesh; the steps must agree.
 ON_8_DEVICES = """
 import json
 import jax, numpy as np, optax
@@ -220,18 +226,18 @@ checked = []
 for data, fsdp, context, tensor in ((2, 2, 1, 2), (2, 2, 2, 1)):
   c = base.get_config()
   c.model = small_cfg(vocab_size=72, num_layers=1, max_len=16, real_vocab_size=70,
-                      output_bias=True, attention_impl="xla")
+                      attention_impl="xla", **MODEL)
   c.mesh.update(data=data, fsdp=fsdp, context=context, tensor=tensor)
   mesh = make_mesh(c.mesh, jax.devices())
   out = []
-  for chunk_size in (0, 12):
+  for variant in VARIANTS:
     graphdef, params = nnx.split(build_model(c.model, nnx.Rngs(0)))
     tx = optax.sgd(1.0)
     state = init_state(params, tx, 0)
     shardings = train_state_shardings(jax.eval_shape(lambda: state), mesh, c.mesh.rules)
     step = jit_train_step(graphdef, tx, optax.constant_schedule(1.0), "next_token", 1,
                           state_sharding=shardings, batch_sharding=batch_sharding(mesh),
-                          z_loss=1e-2, loss_chunk_size=chunk_size)
+                          z_loss=1e-2, **variant)
     new, metrics = step(jax.device_put(state, shardings),
                         jax.device_put(lm_batch(), batch_sharding(mesh)))
     out.append(jax.device_get((metrics, new["params"])))
@@ -242,12 +248,18 @@ print(json.dumps(checked))
 """
 
 
+def check_on_8_devices(variants: list[dict], **model) -> None:
+  """Runs `ON_8_DEVICES` with these variants and model fields."""
+  script = ON_8_DEVICES.replace("VARIANTS", repr(variants)).replace("MODEL", repr(model))
+  checked = json_on_cpu_devices(script, 8)
+  assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
+
+
 @pytest.mark.slow
 def test_the_chunked_step_on_8_devices_equals_the_unchunked():
-  proc = run_on_cpu_devices(ON_8_DEVICES, 8)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  checked = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert [(m["fsdp"], m["context"], m["tensor"]) for m in checked] == [(2, 1, 2), (2, 2, 1)]
+  """The chunked head's weights are gathered whole before its loop
+  (objectives._whole_on_every_device)."""
+  check_on_8_devices([dict(loss_chunk_size=0), dict(loss_chunk_size=12)], output_bias=True)
 
 
 def f32_logit_shapes(text: str) -> list[str]:

@@ -19,14 +19,15 @@ def _config(name):
 
 def test_each_variant_changes_what_its_name_says():
   base = _config("baseline")
-  assert (remat_name(base.train.remat), base.train.loss_chunk_size, base.model.fp8,
-          base.model.scan_layers) == ("none", 0, "none", True)
+  assert (remat_name(base.train.remat), base.train.loss_chunk_size, base.train.loss_impl,
+          base.model.fp8, base.model.scan_layers) == ("none", 0, "xla", "none", True)
   assert _config("preset").to_dict() == load_config(sv.CONFIG).to_dict()
   assert _config("unscanned").model.scan_layers is False
   assert _config("scan_unrolled").model.scan_unroll == _config("baseline").model.num_layers
   assert remat_name(_config("remat_save_dots").train.remat) == "save_dots"
   assert remat_name(_config("remat_full").train.remat) == "full"
   assert _config("loss_chunks_4096").train.loss_chunk_size == 4096
+  assert _config("fused_loss").train.loss_impl == "pallas"
   assert _config("fp8_delayed").model.fp8 == "delayed"
   mla = _config("mla")
   assert (mla.model.attention, mla.model.v_head_dim) == ("mla", 64)

@@ -553,7 +553,8 @@ def run_eval(workdir: str, *, step: int | None = None, data: str | None = None,
   with Staged(folder, None if out else workdir, f"evaluating step {step}") as staged:
     graphdef, params = nnx.split(model)
     eval_fn = jit_eval_step(graphdef, config.train.objective, mtp_depth=config.train.mtp_depth,
-                            loss_chunk_size=config.train.loss_chunk_size)
+                            loss_chunk_size=config.train.loss_chunk_size,
+                            loss_impl=config.train.loss_impl)
     mix = mixture.sources(config)
     if mix:
       source_batches = pipeline.make_source_eval_batches(config, tok, None)

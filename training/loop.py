@@ -358,9 +358,9 @@ def _run(config, workdir, lock, mesh, rules, stop, memory, changes, *, resuming:
                            z_loss=tc.z_loss, context_strategy=config.mesh.context_strategy,
                            router_losses=router_losses(config), mtp=mtp_of(config),
                            bias_rate=tc.moe_bias_update_rate,
-                           loss_chunk_size=tc.loss_chunk_size)
+                           loss_chunk_size=tc.loss_chunk_size, loss_impl=tc.loss_impl)
   eval_fn = jit_eval_step(graphdef, tc.objective, mesh, config.mesh.context_strategy,
-                          tc.mtp_depth, tc.loss_chunk_size)
+                          tc.mtp_depth, tc.loss_chunk_size, tc.loss_impl)
   writer = None  # opened after the first step: an interrupted start writes nothing
   profiler = StepProfiler(tc, workdir)
   failed = False

@@ -25,6 +25,13 @@ With `train.loss_chunk_size` > 0 the objectives with an LM head (all but
 made, forward or backward, and the sums equal the unchunked ones to
 float32 rounding.
 
+With `train.loss_impl=pallas` (or `auto`, compiled for a GPU) the same
+objectives compute the head and the loss in one kernel (`fused_loss_sums`,
+model/kernels/fused_loss.py) that keeps every tile of logits on chip: per
+target it returns log Z, the target's logit and whether it is the largest,
+of which the four sums are made (`_weighted_sums`), and its backward
+recomputes the softmax from log Z.
+
 Multi-token prediction (DeepSeek-V3; `train.mtp_depth` = D > 0, next_token
 decoders): `next_token_mtp_loss` returns the main sums and, per depth k, the
 sums of the MTP modules' predictions of token i+k+1 (`model/mtp.py`); the
@@ -38,12 +45,18 @@ adds weight x mean over targets of (log Z)^2, pulling it to 0 so that the
 logits stay in the range where float32 and bfloat16 softmaxes are exact
 (`training_loss_sum`); the reported loss stays the cross-entropy.
 """
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from configs.errors import UserError
+from model.kernels import fused_loss, fuses_loss
+from model.layers import batch_axes, compile_device
 from model.mtp import depth_weights, shift
+from model.transformer import PADDED_LOGIT
 
 
 def loss_sums(logits_BTV, targets_BT, weights_BT):
@@ -74,10 +87,14 @@ def _loss_sums(logits_BTV, targets_BT, weights_BT):
   max_BT = jax.lax.stop_gradient(logits_BTV.max(axis=-1))
   lse_BT = max_BT + jnp.log(jnp.exp(logits_BTV - max_BT[..., None]).sum(axis=-1))
   target_BT = _selected_target(logits_BTV, targets_BT)
-  losses_BT = lse_BT - target_BT
-  correct_BT = (target_BT >= max_BT).astype(jnp.float32)
-  return ((losses_BT * weights_BT).sum(), weights_BT.sum(), (correct_BT * weights_BT).sum(),
-          (jnp.square(lse_BT) * weights_BT).sum())
+  return _weighted_sums(lse_BT, target_BT, (target_BT >= max_BT).astype(jnp.float32), weights_BT)
+
+
+def _weighted_sums(lse_BT, target_BT, correct_BT, weights_BT):
+  """The four sums of `loss_sums` from each target's log Z, logit and
+  whether it is the largest (1.0 or 0.0)."""
+  return (((lse_BT - target_BT) * weights_BT).sum(), weights_BT.sum(),
+          (correct_BT * weights_BT).sum(), (jnp.square(lse_BT) * weights_BT).sum())
 
 
 def chunked_loss_sums(logits_fn, hidden_BTM, targets_BT, weights_BT, chunk_size: int):
@@ -133,11 +150,58 @@ def _whole_on_every_device(model, stack):
   return nnx.merge(graphdef, whole, rest)
 
 
-def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0):
+def fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT):
+  """`loss_sums` of the LM head's logits by the fused head-and-loss kernel
+  (train.loss_impl=pallas, model/kernels/fused_loss.py): per target its log Z,
+  logit and whether it is the largest, the logits never made; one kernel
+  per device on a mesh (`_per_device`)."""
+  device = compile_device()
+  x_BTM, w_VM, mult, real_vocab = model.head_operands(stack, hidden_BTM)
+
+  def kernel(x_BTM, w_VM, targets_BT):
+    B, T, M = x_BTM.shape
+    outs = fused_loss.fused_head_loss(x_BTM.reshape(B * T, M), w_VM, targets_BT.reshape(B * T),
+                                      mult=mult, real_vocab=real_vocab,
+                                      padded_logit=PADDED_LOGIT, device=device)
+    return tuple(x_N.reshape(B, T) for x_N in outs)
+
+  with jax.named_scope("loss"):
+    lse_BT, target_BT, correct_BT = _per_device(kernel, x_BTM, w_VM, targets_BT)
+    return _weighted_sums(lse_BT, target_BT, correct_BT, weights_BT.astype(jnp.float32))
+
+
+def _per_device(kernel, x_BTM, w_VM, targets_BT):
+  """`kernel(x_BTM, w_VM, targets_BT)` -> per-token [B, T] arrays, under
+  `jax.shard_map` on a mesh of several devices (XLA cannot split a Pallas
+  call): each device takes its rows (the batch axes) and positions (the
+  context axis) and the head's weight whole; shard_map sums W's gradient
+  over the devices."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return kernel(x_BTM, w_VM, targets_BT)
+  batch = batch_axes(mesh)
+  rows = math.prod(mesh.shape[axis] for axis in batch)
+  if x_BTM.shape[0] % rows:
+    raise UserError(f"train.loss_impl=pallas: {x_BTM.shape[0]} rows (per micro-batch) do not "
+                    f"split over the {rows} devices of the batch axes {' x '.join(batch)}; "
+                    "make train.batch_size / train.grad_accum_steps a multiple of it")
+  tokens = P(batch, "context" if "context" in mesh.axis_names else None)
+  # check_vma=False: the pallas_call's outputs do not declare how they vary over the mesh.
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(tokens, P(), tokens),
+                       out_specs=(tokens,) * 3, check_vma=False)(x_BTM, w_VM, targets_BT)
+
+
+def head_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT, chunk_size: int = 0,
+                   impl: str = "xla"):
   """`loss_sums` of the LM head's logits (`model.logits(stack, .)`) of the
-  final hidden states `hidden_BTM`: with `chunk_size` > 0 chunk by chunk
-  (`chunked_loss_sums`, the head's weights whole on every device:
-  `_whole_on_every_device`), with 0 from the whole batch's logits."""
+  final hidden states `hidden_BTM`: where `impl` (train.loss_impl) says so
+  (`model.kernels.fuses_loss`), by the fused kernel (`fused_loss_sums`);
+  else with `chunk_size` > 0 chunk by chunk (`chunked_loss_sums`, the
+  head's weights whole on every device: `_whole_on_every_device`), with 0
+  from the whole batch's logits."""
+  if fuses_loss(impl, compile_device().platform, head_fuses=model.head_fuses,
+                chunk_size=chunk_size):
+    return fused_loss_sums(model, stack, hidden_BTM, targets_BT, weights_BT)
   if not chunk_size:
     return loss_sums(model.logits(stack, hidden_BTM), targets_BT, weights_BT)
   model, stack = _whole_on_every_device(model, stack)
@@ -172,12 +236,13 @@ def next_token_logits(model, batch):
                positions=batch["positions"])
 
 
-def next_token_loss(model, batch, chunk_size: int = 0):
-  """Causal LM loss (`chunk_size`: train.loss_chunk_size, `head_loss_sums`)."""
+def next_token_loss(model, batch, chunk_size: int = 0, impl: str = "xla"):
+  """Causal LM loss (`chunk_size`: train.loss_chunk_size, `impl`:
+  train.loss_impl, `head_loss_sums`)."""
   hidden_BTM = model.hidden(batch["inputs"], segment_ids=batch.get("segment_ids"),
                             positions=batch["positions"])
   return head_loss_sums(model, model.decoder, hidden_BTM, batch["targets"], batch["loss_mask"],
-                        chunk_size)
+                        chunk_size, impl)
 
 
 def mtp_weights(batch, depth: int) -> list:
@@ -188,20 +253,20 @@ def mtp_weights(batch, depth: int) -> list:
           for k in range(1, depth + 1)]
 
 
-def next_token_mtp_loss(model, batch, chunk_size: int = 0):
+def next_token_mtp_loss(model, batch, chunk_size: int = 0, impl: str = "xla"):
   """(the causal LM's `loss_sums`, and per multi-token prediction depth k =
   1..D its (loss sum, target count, correct count)): one pass of the
   decoder, whose final hidden states the MTP modules continue from
   (`Decoder.mtp_hidden`); depth k's targets are the batch's targets k
-  positions on. Every head's loss is chunked alike (`head_loss_sums`)."""
+  positions on. Every head's loss is chunked (or fused) alike (`head_loss_sums`)."""
   segment_ids, positions = batch.get("segment_ids"), batch["positions"]
   hidden_BTM = model.hidden(batch["inputs"], segment_ids=segment_ids, positions=positions)
   sums = head_loss_sums(model, model.decoder, hidden_BTM, batch["targets"], batch["loss_mask"],
-                        chunk_size)
+                        chunk_size, impl)
   depth_hidden = model.mtp_hidden(hidden_BTM, batch["inputs"], segment_ids, positions)
   weights = mtp_weights(batch, len(depth_hidden))
   mtp = tuple(head_loss_sums(model, model.decoder, h_BTM, shift(batch["targets"], k), w_BT,
-                             chunk_size)[:3]
+                             chunk_size, impl)[:3]
               for k, (h_BTM, w_BT) in enumerate(zip(depth_hidden, weights), start=1))
   return sums, mtp
 
@@ -217,19 +282,19 @@ def mtp_training_sum(mtp, weight: float, count, depth_counts):
   return weight / len(mtp) * sum(terms) * count
 
 
-def encoder_decoder_loss(model, batch, chunk_size: int = 0):
+def encoder_decoder_loss(model, batch, chunk_size: int = 0, impl: str = "xla"):
   src_padding_mask = batch["src_mask"] > 0
   hidden_BTM = model.decode_hidden(batch["tgt_in"], model.encode(batch["src"], src_padding_mask),
                                    src_padding_mask)
   return head_loss_sums(model, model.decoder, hidden_BTM, batch["tgt_out"], batch["loss_mask"],
-                        chunk_size)
+                        chunk_size, impl)
 
 
-def masked_lm_loss(model, batch, chunk_size: int = 0):
+def masked_lm_loss(model, batch, chunk_size: int = 0, impl: str = "xla"):
   hidden_BTM = model.hidden(batch["inputs"], segment_ids=batch["segment_ids"],
                             positions=batch["positions"])
   return head_loss_sums(model, model.encoder, hidden_BTM, batch["targets"], batch["loss_mask"],
-                        chunk_size)
+                        chunk_size, impl)
 
 
 def classify_loss(model, batch):
@@ -237,14 +302,15 @@ def classify_loss(model, batch):
   return loss_sums(logits_BL, batch["labels"], batch["weights"])
 
 
-def batch_loss(objective: str, model, batch, chunk_size: int = 0):
+def batch_loss(objective: str, model, batch, chunk_size: int = 0, impl: str = "xla"):
   """(loss sum, target count, correct count, (log Z)^2 sum) of `batch` for
-  `objective`; `chunk_size`: train.loss_chunk_size of the objectives with an
-  LM head (`head_loss_sums`; a classifier's logits are [B, num_labels])."""
+  `objective`; `chunk_size`: train.loss_chunk_size and `impl`:
+  train.loss_impl of the objectives with an LM head (`head_loss_sums`; a
+  classifier's logits are [B, num_labels])."""
   if objective == "mlm":
-    return masked_lm_loss(model, batch, chunk_size)
+    return masked_lm_loss(model, batch, chunk_size, impl)
   if objective == "classify":
     return classify_loss(model, batch)
   if objective == "seq2seq" and "src" in batch:
-    return encoder_decoder_loss(model, batch, chunk_size)
-  return next_token_loss(model, batch, chunk_size)
+    return encoder_decoder_loss(model, batch, chunk_size, impl)
+  return next_token_loss(model, batch, chunk_size, impl)

@@ -67,18 +67,19 @@ def abstract_state(config, remat: bool | str = False):
 
 
 def _loss_sums(graphdef, params, batch, objective, router: bool = False, mtp: bool = False,
-               loads: bool = False, chunk_size: int = 0):
+               loads: bool = False, chunk_size: int = 0, loss_impl: str = "xla"):
   """The objective's sums of a batch (`chunk_size`: train.loss_chunk_size,
-  tokens per chunk of the head and loss; 0: unchunked); with `router` (a mixture of experts),
+  tokens per chunk of the head and loss; 0: unchunked; `loss_impl`:
+  train.loss_impl, "pallas" for the fused head-and-loss kernel); with `router` (a mixture of experts),
   also the router's terms, each summed as its mean over the MoE layers times
   the batch's target count (`router_sums`; with `loads`, followed by each
   layer's assignments per expert); with `mtp` (train.mtp_depth > 0), (those,
   every multi-token prediction depth's sums)."""
   model = nnx.merge(graphdef, params)
   if mtp:
-    sums, depth_sums = next_token_mtp_loss(model, batch, chunk_size)
+    sums, depth_sums = next_token_mtp_loss(model, batch, chunk_size, loss_impl)
   else:
-    sums = batch_loss(objective, model, batch, chunk_size)
+    sums = batch_loss(objective, model, batch, chunk_size, loss_impl)
   out = (sums, router_sums(model, sums[1], loads)) if router else sums
   return (out, depth_sums) if mtp else out
 
@@ -157,7 +158,7 @@ def mean_abs_score_bias(params):
 
 
 def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_losses=None,
-           mtp=None, loads: bool = False, chunk_size: int = 0):
+           mtp=None, loads: bool = False, chunk_size: int = 0, loss_impl: str = "xla"):
   """Gradient of the summed training loss (cross-entropy plus `z_loss` x
   (log Z)^2, plus with `router_losses` = (aux weight, z weight) the MoE
   router's losses, plus with `mtp` = (train.mtp_weight, the whole batch's
@@ -165,11 +166,12 @@ def _grads(graphdef, params, batch, objective, accum_steps, z_loss=0.0, router_l
   (with the router's sums when `router_losses` is given, and with `loads`
   each MoE layer's assignments per expert after them; then, with `mtp`,
   (those, each depth's sums)), over accum_steps micro-batches; `chunk_size`:
-  train.loss_chunk_size (`_loss_sums`)."""
+  train.loss_chunk_size, `loss_impl`: train.loss_impl (`_loss_sums`)."""
 
   def sum_loss(p, micro):
     out = _loss_sums(graphdef, p, micro, objective, router=router_losses is not None,
-                     mtp=mtp is not None, loads=loads, chunk_size=chunk_size)
+                     mtp=mtp is not None, loads=loads, chunk_size=chunk_size,
+                     loss_impl=loss_impl)
     if mtp is not None:
       out, depth_sums = out
     sums = out if router_losses is None else out[0]
@@ -212,7 +214,7 @@ def _sharded_grads(grads, grad_sharding):
 
 def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_steps: int,
                grad_sharding=None, z_loss: float = 0.0, router_losses=None, mtp=None,
-               bias_rate: float = 0.0, loss_chunk_size: int = 0):
+               bias_rate: float = 0.0, loss_chunk_size: int = 0, loss_impl: str = "xla"):
   """One optimizer step; `grad_sharding`: the parameters' shardings, to which
   the gradients are held (`_sharded_grads`) on a mesh; `z_loss`: the weight
   of (log Z)^2 (train.z_loss), whose term is reported as metric `z_loss`;
@@ -230,13 +232,16 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
   the whole step's loads, micro-batches added; not after a bad step), their
   mean |b| reported as `moe_bias_abs`; `loss_chunk_size`: train.loss_chunk_size,
   the head and loss computed that many tokens at a time (0: the whole batch's
-  logits at once; training/objectives.py `chunked_loss_sums`)."""
+  logits at once; training/objectives.py `chunked_loss_sums`); `loss_impl`:
+  train.loss_impl, "pallas" for the fused head-and-loss kernel
+  (`fused_loss_sums`)."""
   depth_counts = None
   if mtp is not None:
     depth_counts = [w.sum() for w in mtp_weights(batch, mtp[0])]
     mtp = (mtp[1], batch["loss_mask"].sum(), depth_counts)
   grads, sums = _grads(graphdef, state["params"], batch, objective, accum_steps, z_loss,
-                       router_losses, mtp, loads=bool(bias_rate), chunk_size=loss_chunk_size)
+                       router_losses, mtp, loads=bool(bias_rate), chunk_size=loss_chunk_size,
+                       loss_impl=loss_impl)
   depth_sums = None
   if mtp is not None:
     sums, depth_sums = sums
@@ -282,14 +287,15 @@ def train_step(state, batch, *, graphdef, tx, schedule, objective: str, accum_st
 
 
 def eval_step(params, batch, *, graphdef, objective: str, mtp_depth: int = 0,
-              loss_chunk_size: int = 0):
+              loss_chunk_size: int = 0, loss_impl: str = "xla"):
   """(loss sum, target count, correct count, (log Z)^2 sum) of one batch;
   with `mtp_depth`, followed by each depth's (loss sum, target count,
-  correct count), flat; `loss_chunk_size` as `train_step`'s."""
+  correct count), flat; `loss_chunk_size` and `loss_impl` as `train_step`'s."""
   if not mtp_depth:
-    return _loss_sums(graphdef, params, batch, objective, chunk_size=loss_chunk_size)
+    return _loss_sums(graphdef, params, batch, objective, chunk_size=loss_chunk_size,
+                      loss_impl=loss_impl)
   sums, depth_sums = _loss_sums(graphdef, params, batch, objective, mtp=True,
-                                chunk_size=loss_chunk_size)
+                                chunk_size=loss_chunk_size, loss_impl=loss_impl)
   return (*sums, *(x for depth in depth_sums for x in depth))
 
 
@@ -312,11 +318,11 @@ def traced_on(mesh, fn, context_strategy: str = "auto"):
 def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_sharding=None,
                    batch_sharding=None, z_loss: float = 0.0, context_strategy: str = "auto",
                    router_losses=None, mtp=None, bias_rate: float = 0.0,
-                   loss_chunk_size: int = 0):
+                   loss_chunk_size: int = 0, loss_impl: str = "xla"):
   fn = functools.partial(train_step, graphdef=graphdef, tx=tx, schedule=schedule,
                          objective=objective, accum_steps=accum_steps, z_loss=z_loss,
                          router_losses=router_losses, mtp=mtp, bias_rate=bias_rate,
-                         loss_chunk_size=loss_chunk_size)
+                         loss_chunk_size=loss_chunk_size, loss_impl=loss_impl)
   if state_sharding is None:
     return jax.jit(fn, donate_argnums=(0,))
   fn = functools.partial(fn, grad_sharding=state_sharding["params"])
@@ -326,7 +332,8 @@ def jit_train_step(graphdef, tx, schedule, objective, accum_steps, state_shardin
 
 
 def jit_eval_step(graphdef, objective, mesh=None, context_strategy: str = "auto",
-                  mtp_depth: int = 0, loss_chunk_size: int = 0):
+                  mtp_depth: int = 0, loss_chunk_size: int = 0, loss_impl: str = "xla"):
   fn = functools.partial(eval_step, graphdef=graphdef, objective=objective,
-                         mtp_depth=mtp_depth, loss_chunk_size=loss_chunk_size)
+                         mtp_depth=mtp_depth, loss_chunk_size=loss_chunk_size,
+                         loss_impl=loss_impl)
   return jax.jit(fn if mesh is None else traced_on(mesh, fn, context_strategy))

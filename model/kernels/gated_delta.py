@@ -59,9 +59,10 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
 from model import gated_deltanet as gdn
-from model.kernels import LINEAR_KERNEL_CHUNKS, triton_takes_head_dims
+from model.kernels import (LINEAR_KERNEL_CHUNKS, TRITON_AND_TPU, lowering_for,
+                           triton_takes_head_dims)
 
-LOWERINGS = ("triton", "mosaic_tpu")
+LOWERINGS = TRITON_AND_TPU
 
 
 def _dot(a, b):
@@ -458,11 +459,7 @@ def gated_delta_rule(q_BTHK, k_BTHK, v_BTHV, g_BTH, beta_BTH, state_BHKV=None,
   if reason is not None:
     raise ValueError(f"gated_delta_rule: {reason}")
   device = device or jax.devices()[0]
-  lowering = lowering or ("mosaic_tpu" if device.platform == "tpu" else "triton")
-  if lowering not in LOWERINGS:
-    raise ValueError(f"gated_delta_rule: lowering={lowering!r}; choose one of {LOWERINGS}")
-  if interpret is None:
-    interpret = device.platform != ("tpu" if lowering == "mosaic_tpu" else "gpu")
+  lowering, interpret = lowering_for(device, lowering, interpret, kernel="gated_delta_rule")
   dims = (k_BTHK.shape[-1], v_BTHV.shape[-1])
   if lowering == "triton" and not interpret and not triton_takes_head_dims(*dims):
     raise ValueError(f"gated_delta_rule: the Triton lowering takes head dims that are powers "
