@@ -30,7 +30,9 @@ def rule_inputs(T: int, B: int = 2, Hk: int = 2, Hv: int = 4, K: int = 8, V: int
   return normal(B, T, Hk, K), normal(B, T, Hk, K), normal(B, T, Hv, V), g, beta
 
 
-@pytest.mark.parametrize("T,chunk", [(150, 64), (64, 64), (7, 4), (33, 8), (1, 16)])
+@pytest.mark.parametrize("T,chunk", [
+    pytest.param(150, 64, marks=pytest.mark.slow), (64, 64), (7, 4), (33, 8),
+    pytest.param(1, 16, marks=pytest.mark.slow)])
 def test_chunked_equals_recurrent_at_any_length(T, chunk):
   """Outputs, final states and every input's gradient, also where T is no
   multiple of the chunk (its last chunk padded) and from a given state."""
@@ -149,6 +151,7 @@ def test_the_layer_equals_qwen3_next_gated_deltanet():
   np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.slow
 def test_the_layer_on_a_packed_row_is_each_document_alone():
   """Convolution and rule both stop at a document boundary."""
   layer = gdn.GatedDeltaNet(ModelConfig.resolve(model_cfg()), rngs=nnx.Rngs(0))
@@ -172,6 +175,7 @@ def test_the_weights_mix_the_values_as_the_rule_does():
   assert np.all(np.triu(np.asarray(m_BHTT), 1) == 0)  # causal
 
 
+@pytest.mark.slow
 def test_a_hybrid_scans_by_its_cycle_as_the_loop_and_counts_as_its_formula():
   """Linear and full layers: the scanned stack (one cycle body, 2 repeats)
   gives the loop's logits and gradients; the parameter count read off the

@@ -111,6 +111,7 @@ def test_each_optimizer_takes_its_hidden_learning_rate(optimizer, option, mult):
   assert optim.hidden_lr_mult(c.train, 4.0) == mult
 
 
+@pytest.mark.slow
 def test_logits_stay_flat_across_width_under_mup_and_grow_under_sp():
   """The coordinate check on configs/tiny.py's text, widths 64 and 512 (4
   heads, d_ff 3d), 5 AdamW steps at 1e-2: the logits' RMS moves by at most
@@ -193,6 +194,7 @@ def test_depth_mup_at_its_base_depth_changes_nothing_and_deeper_scales_branches_
                                rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_depth_mup_keeps_the_residual_stream_from_growing_with_depth():
   """configs/tiny.py at d 64, 2 and 8 layers, 5 AdamW steps at 1e-2 on one
   batch of text: the last block's output grows about with depth without a

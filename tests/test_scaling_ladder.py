@@ -98,6 +98,7 @@ def test_the_dry_run_prints_each_cells_train_and_eval_commands(tmp_path):
   assert not os.listdir(tmp_path)
 
 
+@pytest.mark.slow
 def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path):
   """The ladder's manifest, every run but one given an eval report whose loss
   follows a known law: `sweep.py scaling` fits 19 runs, says 1 is left out."""

@@ -210,6 +210,7 @@ def _weight_decay_and_muon(segments_path: tuple, overrides: dict) -> tuple:
   return decays[kernel], decays[scale], muon[kernel].reduction_axis
 
 
+@pytest.mark.slow
 def test_differing_layers_scan_in_runs_as_the_loop():
   """DeepSeek-V3's layout in small (a dense layer, then experts, a window on
   the last two): `scan_layers=True` stacks each run of identical layers
@@ -233,6 +234,7 @@ def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):
   assert workdir_lib.keep_layout(asked, str(tmp_path)).model.scan_layers is True
 
 
+@pytest.mark.slow
 def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
   """A 2-step run started again with the same config (a requeued job) reads
   every compiled program from the persistent cache: hits, no miss, no new entry."""
