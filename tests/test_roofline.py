@@ -280,9 +280,12 @@ def test_gpu_h200_is_one_card_and_the_measured_step_is_gpt2_small_on_it():
   assert (one.name, one.num_devices) == ("gpu:h200:1", 1)
   c = gpt2_small.get_config()
   c.model.scan_layers, c.train.loss_chunk_size = False, 4096
-  assert not roofline.is_measured_run(c, one)  # the preset's save_dots; the card ran none
-  c.train.remat = "none"
+  assert not roofline.is_measured_run(c, one)  # the preset's fused loss; the card ran XLA's
+  c.train.loss_impl = "xla"
   assert roofline.is_measured_run(c, one)
+  c.train.remat = "save_dots"
+  assert not roofline.is_measured_run(c, one)
+  c.train.remat = "none"
   assert not roofline.is_measured_run(c, roofline.parse_target("gpu:h200:8"))
   assert not roofline.is_measured_run(tiny.get_config(), one)
   c.train.remat = False  # a bool from before the names: False is none
