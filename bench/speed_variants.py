@@ -36,7 +36,8 @@ from configs.errors import UserError
 
 CONFIG = "configs/gpt2_small.py"
 PREDICTIONS = pathlib.Path(__file__).resolve().parent / "results" / "speed_variants_h200.json"
-BASELINE = ("--config.model.scan_layers=True", "--config.train.remat=none",
+BASELINE = ("--config.model.scan_layers=True", "--config.model.scan_unroll=2",
+            "--config.train.remat=none",
             "--config.train.loss_chunk_size=0", "--config.train.loss_impl=xla",
             "--config.model.fp8=none")
 # Latent attention at GPT-2 small's width: queries and keys 96 + 32 wide, the
