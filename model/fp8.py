@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from configs.errors import UserError
@@ -45,7 +46,9 @@ MODES = ("none", "current", "delayed")
 
 # The rows of a projection's delayed-scaling state: input, kernel, output gradient.
 FORMATS = (E4M3, E4M3, E5M2)
-FMAX_3 = jnp.array([float(jnp.finfo(f).max) for f in FORMATS], jnp.float32)
+# numpy, not a jax array: importing the model must not start JAX's backend
+# (jax.distributed.initialize comes first in a multi-process run).
+FMAX_3 = np.array([float(jnp.finfo(f).max) for f in FORMATS], np.float32)
 
 # The oldest GPU with FP8 tensor cores: Ada (sm_89); Hopper is 9.0.
 MIN_COMPUTE_CAPABILITY = (8, 9)

@@ -24,6 +24,11 @@ def _modules(package: str) -> list[str]:
   return [n.removesuffix(".__init__") for n in names]
 
 
+def _source(module: str) -> str:
+  path = ROOT / module.replace(".", "/")
+  return (path / "__init__.py" if path.is_dir() else path.with_suffix(".py")).read_text()
+
+
 def _run(code: str) -> None:
   result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
@@ -142,3 +147,21 @@ def test_every_file_parses_on_this_python():
   assert len(paths) > 100
   for path in paths:
     compile(path.read_text(), str(path), "exec")
+
+
+def test_importing_the_library_starts_no_jax_backend():
+  """A multi-process run calls jax.distributed.initialize() after train.py's
+  imports, and JAX refuses it once a backend has started: no module of the
+  library may make a JAX array (or ask for devices) when imported."""
+  packages = ("configs", "data", "model", "tokenizer", "training", "hf", "aot", "sweeps")
+  # Command-line modules define absl flags (twice would be an error); what
+  # they import is imported here on its own.
+  library = [m for p in packages for m in _modules(p)
+             if "app.run(" not in _source(m)]
+  _run(f"""
+import importlib
+import jax._src.xla_bridge as xla_bridge
+for name in {library!r}:
+  importlib.import_module(name)
+  assert not xla_bridge._backends, f"importing {{name}} started JAX's backend"
+""")
