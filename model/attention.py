@@ -55,7 +55,6 @@ declare is refused in one line naming it, never dropped.
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -70,7 +69,7 @@ from model.gated_deltanet import rule_refusal
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
 from model.kernels.common import common_head_width
-from model.layers import Dense, batch_axes, compile_device
+from model.layers import Dense, batch_axes, check_rows_split, compile_device
 from model.norms import make_qk_norm
 from model.positions import POSITIONS
 from model.registry import Registry
@@ -339,12 +338,8 @@ def sharded_kernel(kernel, q_BTHD, k_BSKD, v_BSKD, q_seg_BT=None, kv_seg_BS=None
     return kernel(q_BTHD, k_BSKD, v_BSKD, q_seg_BT, kv_seg_BS)
   B, _, H, _ = q_BTHD.shape
   K = k_BSKD.shape[2]
+  check_rows_split(B, mesh, "attention_impl=pallas")
   batch = batch_axes(mesh)
-  rows = math.prod(mesh.shape[axis] for axis in batch)
-  if B % rows:
-    raise UserError(f"attention_impl=pallas: {B} rows (per micro-batch) do not split over "
-                    f"the {rows} devices of the batch axes {' x '.join(batch)}; make "
-                    "train.batch_size / train.grad_accum_steps a multiple of it")
   tensor = mesh.shape["tensor"] if "tensor" in mesh.axis_names else 1
   split = kernel_head_split(H, K, tensor)
   heads = None if split == "whole" else "tensor"

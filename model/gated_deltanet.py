@@ -43,10 +43,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from configs.errors import UserError
 from model import context_parallel
 from model.kernels import LINEAR_KERNEL_CHUNKS, triton_takes_head_dims
-from model.layers import Dense, batch_axes, compile_device, param
+from model.layers import Dense, batch_axes, check_rows_split, compile_device, param
 
 
 def l2_normalize(x, eps: float = 1e-6):
@@ -244,12 +243,8 @@ def _rows_on_each_device(rule, *arrays):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return rule(*arrays)
+  check_rows_split(arrays[0].shape[0], mesh, "the delta-rule kernel")
   batch = batch_axes(mesh)
-  rows, B = math.prod(mesh.shape[axis] for axis in batch), arrays[0].shape[0]
-  if B % rows:
-    raise UserError(f"the delta-rule kernel: {B} rows (per micro-batch) do not split over the "
-                    f"{rows} devices of the batch axes {' x '.join(batch)}; make "
-                    "train.batch_size / train.grad_accum_steps a multiple of it")
   given = [i for i, x in enumerate(arrays) if x is not None]
 
   def local(*xs):

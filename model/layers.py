@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from configs.errors import UserError
+
 from model.fp8 import Fp8Matmul, check_backend
 
 # Config dtype names -> jnp dtypes (`model.config.ModelConfig` resolves them).
@@ -28,6 +30,18 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float
 def batch_axes(mesh) -> tuple[str, ...]:
   """The batch axes (`BATCH_AXES`) that `mesh` has."""
   return tuple(axis for axis in BATCH_AXES if axis in mesh.axis_names)
+
+
+def check_rows_split(B: int, mesh, what: str) -> None:
+  """Raises `UserError` (naming `what`, the kernel) unless B rows split
+  evenly over `mesh`'s batch axes, as a kernel run on each device's rows
+  under `shard_map` needs."""
+  batch = batch_axes(mesh)
+  rows = math.prod(mesh.shape[axis] for axis in batch)
+  if B % rows:
+    raise UserError(f"{what}: {B} rows (per micro-batch) do not split over the {rows} devices "
+                    f"of the batch axes {' x '.join(batch)}; make train.batch_size / "
+                    "train.grad_accum_steps a multiple of it")
 
 
 def param(rngs: nnx.Rngs, init, shape: tuple[int, ...], axes: tuple[str, ...],
