@@ -221,6 +221,9 @@ def get_config() -> config_dict.ConfigDict:
   tr.optimizer = "adamw"  # adamw | adafactor | lion | muon (docs/training.md, Optimizers)
   tr.learning_rate = 3e-3  # peak learning rate (lion: about 3-10x lower than adamw's; muon: of
   #   its AdamW part, and of its matrices unless muon_lr)
+  tr.embedding_lr_mult = 1.0  # the input weights' update (token embedding, so a tied head's
+  #   weights too, and a learned position table) times this: their learning rate relative to
+  #   learning_rate's (under μP a width-independent hyperparameter, as learning_rate is)
   tr.schedule = "cosine"  # after the linear warm-up: cosine | linear | constant | inverse_sqrt |
   #   wsd (warm-up, stable, decay); formulas in docs/training.md
   tr.warmup_steps = 100  # linear warm-up steps

@@ -1054,7 +1054,7 @@ def _validate_optimizer(t: config_dict.ConfigDict) -> None:
   if t.decay_fraction is not None and t.schedule != "wsd":
     _fail("train.decay_fraction", t.decay_fraction,
           f"is for train.schedule=wsd (not {t.schedule}); unset it")
-  for field in ("learning_rate", "muon_lr"):
+  for field in ("learning_rate", "muon_lr", "embedding_lr_mult"):
     if t[field] is not None and not t[field] > 0:
       _fail(f"train.{field}", t[field], "must be positive")
   for field in ("b1", "b2", "lion_b1", "lion_b2", "adafactor_momentum", "muon_momentum"):

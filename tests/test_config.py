@@ -118,6 +118,7 @@ RUN_CASES = [
     ("train.seq_len", 512, "train.seq_len=512: exceeds the learned position table"),
     ("train.grad_accum_steps", 3, "train.grad_accum_steps=3: must divide train.batch_size=16"),
     ("train.learning_rate", 0.0, "train.learning_rate=0.0: must be positive"),
+    ("train.embedding_lr_mult", -1.0, "train.embedding_lr_mult=-1.0: must be positive"),
     ("train.num_steps", 0, "train.num_steps=0: must be a positive integer"),
     ("train.warmup_steps", -1, "train.warmup_steps=-1: must be a positive integer or 0"),
     ("tokenizer.vocab_size", 4096, "tokenizer.vocab_size=4096: exceeds model.vocab_size=1024"),

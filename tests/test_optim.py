@@ -132,6 +132,25 @@ def labels_by_name(model_cfg) -> dict:
           jax.tree_util.tree_flatten_with_path(optim.muon_labels(params))[0]}
 
 
+@pytest.mark.parametrize("pos_emb", ["rope", "learned"])
+def test_embedding_lr_mult_scales_the_input_weights_updates_and_nothing_else(pos_emb):
+  params = random_params(small_cfg(num_layers=2, pos_emb=pos_emb, tie_embeddings=True))
+  grads = random_tree(params, 1)
+  txs = [optim.make_optimizer(train_config(embedding_lr_mult=mult).train) for mult in (1.0, 0.25)]
+  updates = [tx.update(grads, tx.init(params), params)[0] for tx in txs]
+  picked = []
+  for (path, plain), scaled in zip(jax.tree_util.tree_flatten_with_path(updates[0])[0],
+                                   jax.tree.leaves(updates[1])):
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    if optim.is_input_weight(path, plain):
+      picked.append(name)
+      np.testing.assert_allclose(scaled, 0.25 * plain, rtol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(scaled, plain, err_msg=name)
+  assert sorted(picked) == sorted(
+      ["decoder/embed/embedding/value"] + (["decoder/positions/table/value"] if pos_emb == "learned" else []))
+
+
 @pytest.mark.parametrize("scan", [True, False])
 def test_muon_takes_the_block_kernels_and_adamw_the_rest(scan):
   labels = labels_by_name(small_cfg(scan_layers=scan, tie_embeddings=False))

@@ -208,15 +208,30 @@ def hidden_lr_mult(train_cfg, width: float) -> float:
   return 1.0 / width
 
 
-def _scale_hidden(mult: float) -> optax.GradientTransformation:
-  """The hidden matrices' updates (the kernels inside the blocks, as Muon
-  takes them: `muon_dimensions`) times `mult`; every other update as it is.
-  Stateless, so it resumes exactly and fits any schedule."""
+def is_hidden(path, x) -> bool:
+  """Whether `x` is a hidden matrix: a kernel inside the blocks, as Muon takes
+  them (`muon_dimensions`)."""
+  return muon_dimensions(path, x) is not None
+
+
+def is_input_weight(path, x) -> bool:
+  """Whether `x` is an input weight (Tensor Programs V's term): a token
+  embedding (`.../embedding`, a tied head's weights too) or a learned position
+  table (`.../positions/table`)."""
+  del x
+  parts = _name(path).split("/")
+  return parts[-1] == "embedding" or parts[-2:] == ["positions", "table"]
+
+
+def _scale_where(select, mult: float) -> optax.GradientTransformation:
+  """The updates of the parameters `select(path, x)` picks times `mult` (their
+  weight decay with them); every other update as it is. Stateless, so it
+  resumes exactly and fits any schedule."""
 
   def update(updates, state, params=None):
     del params
     return jax.tree_util.tree_map_with_path(
-        lambda path, u: u if muon_dimensions(path, u) is None else u * mult, updates), state
+        lambda path, u: u * mult if select(path, u) else u, updates), state
 
   return optax.GradientTransformation(optax.init_empty_state, update)
 
@@ -227,14 +242,17 @@ def make_optimizer(train_cfg, width: float | None = None,
   `mup_width`) the hidden matrices' updates scaled by `hidden_lr_mult`, with
   `depth` (depth-μP's branch factor, `mup_depth`) by it too: no update rule
   here has a size that follows the gradient's, so each takes the same
-  1 / sqrt(depth) (Tensor Programs VI, for Adam)."""
+  1 / sqrt(depth) (Tensor Programs VI, for Adam). train.embedding_lr_mult
+  scales the input weights' updates (`is_input_weight`)."""
   parts = []
   if train_cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(train_cfg.grad_clip))
   parts.append(OPTIMIZERS[train_cfg.optimizer](train_cfg, learning_rate_schedule(train_cfg)))
   if width is not None or depth is not None:
     mult = (1.0 if width is None else hidden_lr_mult(train_cfg, width)) * (depth or 1.0)
-    parts.append(_scale_hidden(mult))
+    parts.append(_scale_where(is_hidden, mult))
+  if train_cfg.get("embedding_lr_mult", 1.0) != 1.0:
+    parts.append(_scale_where(is_input_weight, train_cfg.embedding_lr_mult))
   return optax.chain(*parts)
 
 
