@@ -7,8 +7,6 @@ transferred pair (base width 32, model.mup_output_mult 4, learning rate
   learning rate is the same at every width);
 - the embedding's learning rate a quarter of it (train.embedding_lr_mult
   0.25) at both widths, a width-independent choice μP could transfer;
-- at 256 an eighth, so that it falls as 1 / m from 128 to 256 (m = d_model /
-  32): the standard parametrization's embedding rate, which μP does not ask;
 - an untied head (model.tie_embeddings=False), the readout no longer the
   embedding.
 
@@ -26,8 +24,7 @@ CONFIG = "configs/tiny_ladder.py"
 SEEDS = 3
 LEARNING_RATE = 2.0 ** -6  # μP's best at every width of configs/sweeps/mup_transfer.py
 ARMS = {128: ({}, {"train.embedding_lr_mult": 0.25}, {"model.tie_embeddings": False}),
-        256: ({}, {"train.embedding_lr_mult": 0.25}, {"train.embedding_lr_mult": 0.125},
-              {"model.tie_embeddings": False})}
+        256: ({}, {"model.tie_embeddings": False}, {"train.embedding_lr_mult": 0.25})}
 
 
 def get_sweep():
