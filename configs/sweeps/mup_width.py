@@ -8,7 +8,8 @@ transferred pair (base width 32, model.mup_output_mult 4, learning rate
 - the embedding's learning rate a quarter of it (train.embedding_lr_mult
   0.25) at both widths, a width-independent choice μP could transfer;
 - an untied head (model.tie_embeddings=False), the readout no longer the
-  embedding.
+  embedding; and at the base width, untied, the rates around 2^-6, to see
+  whether the pair tuned with a tied head still holds without it.
 
   python sweep.py run --sweep configs/sweeps/mup_width.py --parallel 2 \\
       --config.train.num_steps=300 --config.train.eval_every=300 --config.train.eval_steps=32
@@ -23,12 +24,15 @@ NAME = "mup_width"
 CONFIG = "configs/tiny_ladder.py"
 SEEDS = 3
 LEARNING_RATE = 2.0 ** -6  # μP's best at every width of configs/sweeps/mup_transfer.py
-ARMS = {128: ({}, {"train.embedding_lr_mult": 0.25}, {"model.tie_embeddings": False}),
-        256: ({}, {"model.tie_embeddings": False}, {"train.embedding_lr_mult": 0.25})}
+UNTIED = {"model.tie_embeddings": False}
+ARMS = {128: ({}, {"train.embedding_lr_mult": 0.25}, UNTIED),
+        256: ({}, UNTIED, {"train.embedding_lr_mult": 0.25}),
+        BASE_WIDTH: tuple({**UNTIED, "train.learning_rate": 2.0 ** e} for e in (-7, -6, -5))}
 
 
 def get_sweep():
   return [{"model.d_model": width, "model.d_ff": 3 * width, **arm,
            "model.parametrization": "mup", "model.mup_base_width": BASE_WIDTH,
-           "model.mup_output_mult": OUTPUT_MULT, "train.learning_rate": LEARNING_RATE}
+           "model.mup_output_mult": OUTPUT_MULT,
+           "train.learning_rate": arm.get("train.learning_rate", LEARNING_RATE)}
           for width, arms in ARMS.items() for arm in arms]
