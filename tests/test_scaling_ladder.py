@@ -21,6 +21,7 @@ from model import accounting
 import sweeps as sweep_lib
 from sweeps import ladder as ladder_lib
 from sweeps.scaling import synthetic
+from sweeps.scaling.from_sweep import BUDGET, SIZE_FIELDS
 from sweeps.state import REPORT
 from tests.helpers import ROOT, small_flags, sweep_cli, TINY, write_sweep
 
@@ -40,7 +41,9 @@ def ladder():
 def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
   family = ladder_lib.family(ladder, tiny_ladder.get_config())
   params = {json.dumps(overrides): n for overrides, n, _ in family}
-  sweep = [v for v in sweep_lib.load_sweep(LADDER).overrides if v["model.pos_emb"] == "rope"]
+  first = ladder["variants"][0]  # the first variant's cells
+  sweep = [v for v in sweep_lib.load_sweep(LADDER).overrides
+           if {f: x for f, x in v.items() if f not in SIZE_FIELDS + (BUDGET,)} == first]
   budgets = sorted(set(float(v["train.flop_budget"]) for v in sweep) - set(ladder["holdout"]))
   assert len(budgets) >= 4 and budgets[-1] / budgets[0] >= 30
   assert min(ladder["holdout"]) >= 4 * budgets[-1]
@@ -48,8 +51,7 @@ def test_each_budget_has_five_sizes_evenly_in_log_n_around_its_optimum(ladder):
     (cell,) = [v for v in sweep if float(v["train.flop_budget"]) == budget]
   for budget in budgets:
     cells = [v for v in sweep if float(v["train.flop_budget"]) == budget]
-    n = sorted(params[json.dumps({f: v for f, v in c.items()
-                                  if f not in ("train.flop_budget", "model.pos_emb")})]
+    n = sorted(params[json.dumps({f: v for f, v in c.items() if f in SIZE_FIELDS})]
                for c in cells)
     assert len(n) >= 5
     gaps = np.diff(np.log(n)) / math.log(ladder["spacing"])
@@ -89,8 +91,10 @@ def test_the_dry_run_prints_each_cells_train_and_eval_commands(tmp_path):
   result = sweep_cli("run", "--sweep", LADDER, "--dry_run", "--root", str(tmp_path))
   assert result.returncode == 0, result.stderr
   names = [line[:-1] for line in result.stdout.splitlines() if line.endswith(":")]
-  assert len(names) == 42 and names[0] == "pos_emb=rope,flop_budget=3e+10,d_model=8,d_ff=24"
+  assert len(names) == 63 and names[0] == "pos_emb=rope,flop_budget=3e+10,d_model=8,d_ff=24"
   assert names[20] == "pos_emb=rope,flop_budget=4e+12,d_model=76,d_ff=228"  # held out
+  assert names[21] == ("pos_emb=rope,parametrization=mup,mup_base_width=32,mup_output_mult=4.0,"
+                       "learning_rate=0.015625,flop_budget=3e+10,d_model=8,d_ff=24")
   train = result.stdout.splitlines()[1]
   assert ("--config.model.pos_emb=rope --config.train.flop_budget=3e+10 "
           "--config.model.d_model=8 --config.model.d_ff=24") in train
@@ -101,7 +105,8 @@ def test_the_dry_run_prints_each_cells_train_and_eval_commands(tmp_path):
 @pytest.mark.slow
 def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path):
   """The ladder's manifest, every run but one given an eval report whose loss
-  follows a known law: `sweep.py scaling` fits 19 runs, says 1 is left out."""
+  follows a known law: `sweep.py scaling` fits the 59 others (3 held out), says
+  1 is left out."""
   root = str(tmp_path / "root")
   sweep = sweep_lib.load_sweep(LADDER)
   config_path = str(ROOT / "configs" / "tiny_ladder.py")
@@ -122,7 +127,7 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
                      "budget>=4e12", "--starts", "16")
   assert result.returncode == 0, result.stderr
   assert "left out 1 unfinished run(s)" in result.stdout
-  assert "fitted 39 runs (2 held out)" in result.stdout, result.stdout
+  assert "fitted 59 runs (3 held out)" in result.stdout, result.stdout
   out = json.load(open(os.path.join(root, "scaling", "scaling.json"), encoding="utf-8"))
   text = json.dumps(out)
   assert "params" in text and "base" in text
@@ -131,7 +136,7 @@ def test_scaling_fits_the_finished_runs_of_a_ladder_and_counts_the_rest(tmp_path
   assert "C / (6·N·D): median 1." in out["compute"]
   assert {v["frontier_flop_model"] for v in out["variants"].values()} == {out["flop_model"]}
   # One RoPE cell is unfinished: the variants no longer share every cell, so unpaired.
-  assert [c["paired"] for c in out["comparisons"]] == [False]
+  assert [c["paired"] for c in out["comparisons"]] == [False, False]
   wrong = sweep_cli("scaling", "--root", root, "--params", "tokens")
   assert wrong.returncode == 2 and len(wrong.stderr.strip().splitlines()) == 1
 

@@ -32,25 +32,24 @@ least 4x the largest of the budgets) run one cell each, the middle size, for
 the held-out check: `sweep.py scaling --holdout 'budget>=X'` predicts them
 from the others' laws.
 
-The variants make one sweep of several ladders, an override dict each (here
-RoPE against learned positions): every cell runs under each, named
-`pos_emb=rope,flop_budget=...`, and `sweep.py scaling` fits one law per
-variant and compares them; `[]` is one ladder. The sizes are chosen on
-CONFIG alone; a variant or --config.* override that changes a model's
-parameters or FLOPs moves its cells off the aims (learned positions add
-max_len x d_model parameters; the budgets stay exact: train.flop_budget).
+The variants make one sweep of several ladders, an override dict each: RoPE
+under the standard parametrization, the same under μP, and learned
+positions. Every cell runs under each, named `pos_emb=rope,flop_budget=...`,
+and `sweep.py scaling` fits one law per variant and compares each with the
+first on the cells they share (paired); `[]` is one ladder. The sizes are
+chosen on CONFIG alone; a variant or --config.* override that changes a
+model's parameters or FLOPs moves its cells off the aims (learned positions
+add max_len x d_model parameters; the budgets stay exact: train.flop_budget).
+μP changes neither, so its cells are the standard ones, size for size.
 
-The learning rate is tiny's, 3e-3, at every size, under the standard
-parametrization: the laws are this recipe's. Under
-`--config.model.parametrization=mup --config.model.mup_base_width=32
---config.model.mup_output_mult=4 --config.train.learning_rate=0.015625` the
-pair tuned at width 32 serves every width: in the transfer sweep on this
-ladder's config (configs/sweeps/mup_transfer.py, widths 32 to 256, 2 seeds;
-docs/sweeps.md) μP's best AdamW rate was 2^-6 at every width, while the
-standard parametrization's moved 4 grid steps, and μP's loss there was
-within the seeds' spread of the standard parametrization's at its own best
-rate. The ladder's widths reach below 32 (8 to 104), where that was not
-measured.
+The standard variants train every size at tiny's learning rate, 3e-3. The μP
+variant carries the pair tuned at width 32 with its tied head (base width 32,
+output multiplier 4, AdamW at 2^-6; configs/sweeps/mup_output_mult.py) to
+every width: in the transfer sweep (configs/sweeps/mup_transfer.py, widths 32
+to 256) that rate was μP's best at every width while the standard
+parametrization's moved 4 grid steps. The ladder's widths reach below 32 (8
+to 104), where the transfer was not measured: the μP law says whether it
+holds there.
 """
 NAME = "ladder"
 CONFIG = "configs/tiny_ladder.py"
@@ -63,5 +62,9 @@ LADDER = {
     "width_fields": {"model.d_model": 4, "model.d_ff": 12},  # width k: d_model = 4k, d_ff = 12k
     "holdout": (4e12,),  # budgets run at their compute-optimal size only, for the held-out check
     "max_steps": 100_000,
-    "variants": [{"model.pos_emb": "rope"}, {"model.pos_emb": "learned"}],
+    "variants": [{"model.pos_emb": "rope"},
+                 {"model.pos_emb": "rope", "model.parametrization": "mup",
+                  "model.mup_base_width": 32, "model.mup_output_mult": 4.0,
+                  "train.learning_rate": 2.0 ** -6},
+                 {"model.pos_emb": "learned"}],
 }
