@@ -112,8 +112,15 @@ def _plot(path: str, curves: dict, best: dict, panel_field: str | None,
           colour_field: str | None) -> None:
   """One panel per value of `panel_field` (the parametrization in the μP
   sweep; None: one panel), one line per curve in it, each curve's best point
-  circled; a value of `colour_field` (the width) has one colour in every panel."""
+  circled; a value of `colour_field` (the width) has one colour in every panel,
+  where it tells a panel's curves apart; else the fields that do have one."""
   panels = list(dict.fromkeys(dict(key).get(panel_field) for key in curves))
+  in_panels = [[k for k in curves if dict(k).get(panel_field) == v] for v in panels]
+  if colour_field and any(len({dict(k).get(colour_field) for k in in_panel}) < len(in_panel)
+                          for in_panel in in_panels):
+    colour_field = None
+  varying = {f for in_panel in in_panels for key in in_panel for f, _ in key
+             if len({dict(k).get(f) for k in in_panel}) > 1}
   fig = Figure(figsize=(4.5 * len(panels) + 1.5, 4.5))
   axes = fig.subplots(1, len(panels), sharey=True, squeeze=False)[0]
   colours: dict = {}
@@ -123,7 +130,8 @@ def _plot(path: str, curves: dict, best: dict, panel_field: str | None,
         continue
       rest = tuple((f, v) for f, v in key if f != panel_field)
       lrs = sorted(curve)
-      colour = dict(key).get(colour_field) if colour_field else rest
+      colour = (dict(key).get(colour_field) if colour_field
+                else tuple((f, v) for f, v in rest if f in varying))
       line, = ax.plot(lrs, [curve[lr][0] for lr in lrs], marker=".", label=_label(rest),
                       color=colours.get(colour))
       colours[colour] = line.get_color()
