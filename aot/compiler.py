@@ -157,10 +157,10 @@ def _lower_generate(config, mesh):
   graphdef, params = _abstract_params(config, mesh)
   B, L = config.train.batch_size, config.train.seq_len
 
-  def cache_sharding(x):  # k, v [(layers,) B, L, K, D]: rows over data x fsdp, KV heads
+  def cache_sharding(x):  # k, v [(layers,) B, K, L, D]: rows over data x fsdp, KV heads
     layers = (None,) * (x.ndim - 4)  # over tensor; a scanned stack's layers axis whole
-    heads = "tensor" if x.shape[-2] % mesh.shape["tensor"] == 0 else None
-    return NamedSharding(mesh, P(*layers, BATCH_AXES, None, heads, None))
+    heads = "tensor" if x.shape[-3] % mesh.shape["tensor"] == 0 else None
+    return NamedSharding(mesh, P(*layers, BATCH_AXES, heads, None, None))
 
   def make_cache():
     model = nnx.merge(graphdef, params)

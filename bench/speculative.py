@@ -115,8 +115,7 @@ def components(model, repeats: int, depth: int, steps: int = 64, length: int = 2
     def run(state, token_B):
       model = nnx.merge(graphdef, state)
       blocks = model.decoder.blocks()
-      caches = [{name: jnp.zeros((1, length, *shape)) for name, shape
-                 in model.decoder.cache_shapes} for _ in range(D)]
+      caches = [model.decoder.kv_cache(1, length) for _ in range(D)]
 
       def body(i, carry):
         token_B, cache, caches = carry

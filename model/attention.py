@@ -200,21 +200,28 @@ def _options(options, fields) -> AttentionOptions:
   return dataclasses.replace(options, **fields) if fields else options
 
 
-def _grouped_scores(q_BTHD, k_BSKD, o: AttentionOptions):
+# The key and value layouts the reference einsums take: sequence-first
+# [B, S, K, D] (training's, the kernels') or heads-first [B, K, S, D] (the KV
+# cache's: `Attention.decode`).
+_KV_SPEC = {False: "bskd", True: "bksd"}
+
+
+def _grouped_scores(q_BTHD, k, o: AttentionOptions, heads_first: bool = False):
   """The float32 scores softcap(Q K^T * scale) + bias as [B, K, T*G, S] (H =
   K * G heads; row t*G + g is query t of head k*G + g), and the boolean mask
-  broadcastable to them (None: every key visible).
+  broadcastable to them (None: every key visible); `k` is [B, S, K, D], or
+  [B, K, S, D] when `heads_first`.
 
   One 4-D batched product per KV head group: XLA's CPU backend runs the 5-D
   [B, K, G, T, S] form with a transpose of the scores on either side, and
   this form without (docs/benchmarks.md, "Where a CPU step's time goes").
   Same products and sums."""
   B, T, H, D = q_BTHD.shape
-  S, K = k_BSKD.shape[1], k_BSKD.shape[2]
+  K, S = (k.shape[1], k.shape[2]) if heads_first else (k.shape[2], k.shape[1])
   G = H // K
   scale = D ** -0.5 if o.scale is None else o.scale
   q_BKXD = q_BTHD.reshape(B, T, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, T * G, D)
-  scores = jnp.einsum("bkxd,bskd->bkxs", q_BKXD, k_BSKD,
+  scores = jnp.einsum(f"bkxd,{_KV_SPEC[heads_first]}->bkxs", q_BKXD, k,
                       preferred_element_type=jnp.float32) * scale
   scores = soft_cap(scores, o.softcap)
   if o.bias is not None:
@@ -243,23 +250,25 @@ def attention_weights(q_BTHD, k_BSKD, options: AttentionOptions | None = None, *
   return weights.reshape(B, K, T, H // K, -1).transpose(0, 1, 3, 2, 4)
 
 
-def reference_attention(q_BTHD, k_BSKD, v_BSKD, options: AttentionOptions | None = None,
-                        **fields):
+def reference_attention(q_BTHD, k, v, options: AttentionOptions | None = None, *,
+                        heads_first: bool = False, **fields):
   """The lesson's math: the weights of `attention_weights`, times V (whose
-  head width may differ from q's and k's: the output has V's).
+  head width may differ from q's and k's: the output has V's). k and v are
+  [B, S, K, D], or [B, K, S, D] when `heads_first` (the KV cache's layout,
+  which the products read without a copy).
 
   Under softmax a fully masked query row is set to zero in the output
   [B, T, H, D] rather than in the weights [.., T, S]: the same result (its
   weights are zeros either way) with one pass fewer over the weights."""
   o = _options(options, fields)
   B, T, H, _ = q_BTHD.shape
-  K, D = k_BSKD.shape[2], v_BSKD.shape[3]
-  scores, valid = _grouped_scores(q_BTHD, k_BSKD, o)
+  K, D = k.shape[1 if heads_first else 2], v.shape[3]
+  scores, valid = _grouped_scores(q_BTHD, k, o, heads_first)
   if o.score == "softmax" and valid is not None:
     weights = jax.nn.softmax(jnp.where(valid, scores, jnp.finfo(jnp.float32).min), axis=-1)
   else:
     weights = SCORES[o.score].weights(scores, valid)
-  out = jnp.einsum("bkxs,bskd->bkxd", weights.astype(v_BSKD.dtype), v_BSKD,
+  out = jnp.einsum(f"bkxs,{_KV_SPEC[heads_first]}->bkxd", weights.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   out = out.reshape(B, K, T, H // K, D).transpose(0, 2, 1, 3, 4).reshape(B, T, H, D)
   if o.score == "softmax" and valid is not None:
@@ -773,37 +782,44 @@ class Attention(nnx.Module):
   def decode(self, x_BTM, positions_BT, cache, bias=None, layer=None):
     """Self-attention against a KV cache (generation).
 
-    `cache` holds k, v [B, L, g, d_k], or with `layer` every layer's
-    [layers, B, L, g, d_k] (a scanned stack's cache, updated in place at
+    `cache` holds k, v [B, g, L, d_k], or with `layer` every layer's
+    [layers, B, g, L, d_k] (a scanned stack's cache, updated in place at
     `layer`: no per-layer copy of it in the token loop); the new keys and
     values of the tokens at `positions_BT` are written at those slots, and
     query t of row b sees slots 0..positions_BT[b, t] (the last `window` of
     them with a sliding window). Rows may sit at different positions, so a
     batch of prompts of different lengths decodes exactly like each prompt
-    alone. The slot mask is dense, so every implementation but `reference`
-    runs this step with `xla` (which takes every option `reference` does); a
+    alone. The cache is heads-first, the layout the score and value
+    products read, so no step copies it (sequence-first, XLA transposed
+    every layer's k and v, the whole cache, at every step); the step runs
+    the reference einsums on that layout whatever `attention_impl` (a
     single decoding query is memory-bound and gains nothing from a fused
-    kernel. `auto` too: on a CPU, where it trains with `reference`, greedy
-    decoding was faster with `xla` at batch 1 and slower at batch 8
-    (docs/results.md, "Against PyTorch"), and batch 1 is the common case.
-    The layer's options (scale, soft-cap, score) are the training call's:
-    the one `AttentionOptions` value serves both.
-    `bias` [1 or B, H, T, L] is added to the scores over the cache slots.
-    Returns (output, updated cache).
+    kernel, and the slot mask is dense). The layer's options (scale,
+    soft-cap, score) are the training call's: the one `AttentionOptions`
+    value serves both. `bias` [1 or B, H, T, L] is added to the scores over
+    the cache slots. Returns (output, updated cache).
     """
     q_BTHD = self.project_q(x_BTM, positions_BT)
     k_BTKD, v_BTKD = self.project_kv(x_BTM, positions_BT)
-    rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
-    slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
-    cache = dict(cache, k=cache["k"].at[slot].set(k_BTKD.astype(cache["k"].dtype)),
-                 v=cache["v"].at[slot].set(v_BTKD.astype(cache["v"].dtype)))
-    k_BLKD, v_BLKD = ((cache["k"], cache["v"]) if layer is None
+    cache = dict(cache, k=write_slots(cache["k"], k_BTKD, positions_BT, layer),
+                 v=write_slots(cache["v"], v_BTKD, positions_BT, layer))
+    k_BKLD, v_BKLD = ((cache["k"], cache["v"]) if layer is None
                       else (cache["k"][layer], cache["v"][layer]))
-    mask_BTL = cache_slot_mask(positions_BT, k_BLKD.shape[1], self.window)
+    mask_BTL = cache_slot_mask(positions_BT, k_BKLD.shape[2], self.window)
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
-    out_BTHD = attention(q_BTHD, k_BLKD.astype(q_BTHD.dtype), v_BLKD.astype(q_BTHD.dtype),
-                         options, implementation=decode_implementation(self.implementation))
+    out_BTHD = reference_attention(q_BTHD, k_BKLD.astype(q_BTHD.dtype),
+                                   v_BKLD.astype(q_BTHD.dtype), options, heads_first=True)
     return self.project_out(out_BTHD, x_BTM), cache
+
+
+def write_slots(cache_BKLD, new_BTKD, positions_BT, layer=None):
+  """A heads-first cache array [B, K, L, D] (with `layer`: [layers, B, K,
+  L, D], written at that layer) with each row's new entries [B, T, K, D]
+  at its slots `positions_BT`."""
+  rows_B1 = jnp.arange(new_BTKD.shape[0])[:, None]
+  slot = (rows_B1, slice(None), positions_BT)
+  slot = slot if layer is None else (layer, *slot)
+  return cache_BKLD.at[slot].set(new_BTKD.astype(cache_BKLD.dtype))
 
 
 def cache_slot_mask(positions_BT, length: int, window: int | None):
@@ -815,13 +831,6 @@ def cache_slot_mask(positions_BT, length: int, window: int | None):
   if window is not None:
     mask_BTL = mask_BTL & (slots_L[None, None, :] > positions_BT[:, :, None] - window)
   return mask_BTL
-
-
-def decode_implementation(implementation: str) -> str:
-  """The implementation a KV-cache decoding step runs for the model's
-  `attention_impl`: `reference` for reference, else `xla` (the slot mask is
-  dense; see `Attention.decode`)."""
-  return "reference" if implementation == "reference" else "xla"
 
 
 def mha_params(m) -> int:

@@ -102,7 +102,7 @@ def _check_length(model_cfg, total: int) -> None:
 
 def _cache_rows(fn, cache):
   """`fn(array, axis)` on the batch axis of every cache array: k and v are
-  [..., B, L, g, d_k] (MLA's latent [..., B, L, 1, r + d_r]) and
+  [..., B, g, L, d_k] (MLA's latent [..., B, 1, L, r + d_r]) and
   cross-attention k and v [..., B, S, g, d_k], with a leading layers axis in
   a scanned stack's cache."""
   return jax.tree.map(lambda c: fn(c, c.ndim - 4), cache)
@@ -322,8 +322,7 @@ def _speculate(graphdef, state, tokens_BP, lengths_B, *, max_new_tokens, eos_id,
                                   prefill=True)
   tokens_BL = jnp.full((B, L), pad_id, jnp.int32).at[:, :P].set(tokens_BP)
   tokens_BL = tokens_BL.at[rows_B, lengths_B].set(greedy_BP[rows_B, lengths_B - 1])
-  caches = [{name: jnp.zeros((B, L, *shape), dtype) for name, shape in model.decoder.cache_shapes}
-            for _ in range(D)]
+  caches = [model.decoder.kv_cache(B, L, dtype) for _ in range(D)]
   # The modules over the prompts: the slots before the first window.
   _, caches = _mtp_drafts(model, h0_BLM, tokens_BL, prompt_BP, caches, limit)
   slots_L = jnp.arange(L)

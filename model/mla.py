@@ -26,7 +26,7 @@ Training runs the expanded heads through the attention dispatcher: queries
 and keys d_n + d_r wide, values d_v (the `value_head_dim` shape, which
 `reference` and `xla` take; `cudnn` and `pallas` refuse it by declaration).
 KV-cache decoding keeps per token and layer only [c, k_r], r + d_r values
-(the cache array `latent`, [B, L, 1, r + d_r]), and never expands it:
+(the cache array `latent`, [B, 1, L, r + d_r]), and never expands it:
 kv_b_proj's key part W_UK is absorbed into the query (q_n,i W_UK,i^T, r
 wide) and its value part W_UV into the output, so that a step is
 multi-query attention of [q_n,i W_UK,i^T, q_r,i] against the cached [c, k_r]
@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 from model.attention import (AttentionOptions, attention, attention_weights, cache_slot_mask,
-                             decode_implementation)
+                             reference_attention, write_slots)
 from model.embeddings import apply_rope
 from model.layers import Dense
 from model.norms import RMSNorm
@@ -154,33 +154,30 @@ class LatentAttention(nnx.Module):
     """Self-attention against the latent cache, with the up-projections
     absorbed (see the module docstring).
 
-    `cache` holds `latent` [B, L, 1, r + d_r], or with `layer` every
-    layer's [layers, B, L, 1, r + d_r] (a scanned stack's, updated in place
-    at `layer`); the tokens at `positions_BT` write their [c, k_r] at those
+    `cache` holds `latent` [B, 1, L, r + d_r], or with `layer` every
+    layer's [layers, B, 1, L, r + d_r] (a scanned stack's, updated in place
+    at `layer`; heads-first, one head, as `Attention.decode`'s); the tokens at `positions_BT` write their [c, k_r] at those
     slots and see slots 0..position (the last `window` of them with a
     sliding window), as `Attention.decode`. With `prefill` the tokens are
     every row's first T (positions 0..T-1 of an empty cache, the prompt) and
     attend to one another in the expanded form (`prefill`). Returns (output,
     updated cache).
     """
-    rows_B1 = jnp.arange(x_BTM.shape[0])[:, None]
-    slot = (rows_B1, positions_BT) if layer is None else (layer, rows_B1, positions_BT)
-    stored = cache["latent"]
     latent_BT1C = self.latent(x_BTM, positions_BT)
-    cache = dict(cache, latent=stored.at[slot].set(latent_BT1C.astype(stored.dtype)))
+    cache = dict(cache, latent=write_slots(cache["latent"], latent_BT1C, positions_BT, layer))
     if prefill:
       return self.prefill(x_BTM, positions_BT, latent_BT1C, bias), cache
     q_nope_BTHD, q_rope_BTHD = self.project_q(x_BTM, positions_BT)
-    latent_BL1C = (cache["latent"] if layer is None else cache["latent"][layer]).astype(
+    latent_B1LC = (cache["latent"] if layer is None else cache["latent"][layer]).astype(
         q_nope_BTHD.dtype)
     w_RHD = self.kv_b_proj.kernel[...].astype(q_nope_BTHD.dtype)  # [r, h, d_n + d_v]
     q_latent_BTHR = jnp.einsum("bthn,rhn->bthr", q_nope_BTHD, w_RHD[..., :self.nope])
     q_BTHC = jnp.concatenate([q_latent_BTHR, q_rope_BTHD], axis=-1)
     options = dataclasses.replace(
-        self.options, mask=cache_slot_mask(positions_BT, latent_BL1C.shape[1], self.window),
+        self.options, mask=cache_slot_mask(positions_BT, latent_B1LC.shape[2], self.window),
         bias=bias)
-    out_BTHR = attention(q_BTHC, latent_BL1C, latent_BL1C[..., :self.rank], options,
-                         implementation=decode_implementation(self.implementation))
+    out_BTHR = reference_attention(q_BTHC, latent_B1LC, latent_B1LC[..., :self.rank], options,
+                                   heads_first=True)
     out_BTHD = jnp.einsum("bthr,rhv->bthv", out_BTHR, w_RHD[..., self.nope:])
     return self.o_proj(out_BTHD), cache
 

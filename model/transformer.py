@@ -126,8 +126,9 @@ class _Stack(nnx.Module):
     self.num_layers = num_layers
     self.final_norm = (make_norm(cfg.d_model, cfg=cfg, rngs=rngs)
                        if cfg.norm_position == "pre" else None)
-    # The KV cache per token and layer: array name -> trailing shape (the
-    # `model.attention` entry's: k and v [g, d_k], or MLA's latent [1, r + d_r]).
+    # The KV cache per token and layer: array name -> (heads, width) (the
+    # `model.attention` entry's: k and v [g, d_k], or MLA's latent [1, r + d_r]);
+    # the arrays are heads-first, [B, heads, L, width] (`kv_cache`).
     self.cache_shapes = tuple(ATTENTIONS[cfg.attention].cache(cfg).items())
     # A linear_attention layer's state instead, per sequence (no token axis).
     self.state_shapes = tuple(gated_deltanet.state_shapes(cfg).items())
@@ -210,21 +211,27 @@ class _Stack(nnx.Module):
       self.router_stats = nnx.Intermediate(stats)
     return self.final_norm(x_BTM) if self.final_norm is not None else x_BTM
 
+  def kv_cache(self, batch: int, length: int, dtype=jnp.float32, count: tuple = ()):
+    """Zeros for one attention layer's KV cache (or, with `count` = (n,),
+    n layers' stacked), heads-first: k, v [*count, batch, g, length, d_k],
+    MLA's latent [*count, batch, 1, length, r + d_r]; the layout the
+    decoding step's products read (`Attention.decode`)."""
+    return {name: jnp.zeros((*count, batch, heads, length, width), dtype)
+            for name, (heads, width) in self.cache_shapes}
+
   def init_cache(self, batch: int, length: int, dtype=jnp.float32):
-    """Zeros for every layer: the self-attention's arrays [batch, length,
-    ...] (k, v [batch, length, g, d_k]; MLA's latent [batch, length, 1, r +
-    d_r]), or a linear_attention layer's state [batch, ...] (its rule's
-    state in float32, its convolutions' last inputs in `dtype`); scanned,
-    one dict whose arrays are stacked over the layers of their kind
-    [layers, batch, ...]."""
+    """Zeros for every layer: the self-attention's arrays (`kv_cache`), or
+    a linear_attention layer's state [batch, ...] (its rule's state in
+    float32, its convolutions' last inputs in `dtype`); scanned, one dict
+    whose arrays are stacked over the layers of their kind [layers, batch,
+    ...]."""
 
     def layer_cache(linear: bool, count: tuple = ()):
       if linear:
         return {name: jnp.zeros((*count, batch, *shape),
                                 jnp.float32 if name == "state" else dtype)
                 for name, shape in self.state_shapes}
-      return {name: jnp.zeros((*count, batch, length, *shape), dtype)
-              for name, shape in self.cache_shapes}
+      return self.kv_cache(batch, length, dtype, count)
 
     if not self.scan:
       return [layer_cache(linear) for linear in self.linear]
@@ -268,7 +275,7 @@ class _Stack(nnx.Module):
     bias = None
     if self.relative_bias is not None:
       kv = cache if self.scan else cache[self.linear.index(False)]
-      length = kv[self.cache_shapes[0][0]].shape[-3]
+      length = kv[self.cache_shapes[0][0]].shape[-2]
       bias = self.self_bias(positions_BT, positions_row(length))
     new_cache = cache if self.scan else []
     for i, block in enumerate(blocks):

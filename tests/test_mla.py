@@ -289,8 +289,8 @@ def test_latent_cache_decoding_equals_the_full_forward_pass(overrides):
                                rtol=1e-5)
   layers = section.num_layers
   shapes = [leaf.shape for leaf in jax.tree.leaves(model.init_cache(2, 12))]
-  assert shapes == ([(layers, 2, 12, 1, R + ROPE)] if section.scan_layers
-                    else [(2, 12, 1, R + ROPE)] * layers)
+  assert shapes == ([(layers, 2, 1, 12, R + ROPE)] if section.scan_layers
+                    else [(2, 1, 12, R + ROPE)] * layers)
   step = nnx.jit(lambda m, tokens, positions, cache: m.decode_step(tokens, positions, cache))
   prefill = nnx.jit(lambda m, tokens, positions, cache: m.decode_step(tokens, positions, cache,
                                                                       prefill=True))
