@@ -1,6 +1,8 @@
 """The plots of a scaling analysis (matplotlib's object API, as training/plots.py):
 isoFLOP curves with their parabolas, loss against compute with the frontier,
 predicted against measured loss."""
+import textwrap
+
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.figure import Figure
@@ -48,7 +50,8 @@ def plot_isoflop(path: str, result) -> None:
                 color=colour, markersize=11, markeredgecolor="black")
     ax.set_xscale("log")
     ax.set_xlabel(f"N ({f.runs.params})")
-    ax.set_title(f"{f.name}: isoFLOP parabolas (star: minimum; x: flagged)", fontsize=10)
+    ax.set_title(textwrap.fill(f"{f.name}: isoFLOP parabolas (star: minimum; x: flagged)", 60),
+                 fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
   axes[0].set_ylabel("loss")
@@ -60,7 +63,7 @@ def plot_compute(path: str, result) -> None:
   """Every run's loss against its compute in the runs' FLOP model (held out:
   hollow, black edge), each variant's parametric frontier out to the target
   with its 95% band."""
-  fig = Figure(figsize=(8, 5))
+  fig = Figure(figsize=(8, 5 + 0.17 * 3 * len(result.fits)), layout="constrained")
   ax = fig.subplots()
   low = min(float(f.runs.flops.min()) for f in result.fits)
   grid = np.geomspace(low / 2, result.target * 1.5, 80)
@@ -86,15 +89,14 @@ def plot_compute(path: str, result) -> None:
   ax.set_ylabel("loss")
   ax.set_title("loss against compute, compute-optimal frontier with its 95% band", fontsize=10)
   ax.grid(alpha=0.3, which="both")
-  ax.legend(fontsize=7)
-  fig.tight_layout()
+  _legend_below(fig, ax)
   fig.savefig(path, dpi=100)
 
 
 def plot_predicted(path: str, result) -> None:
   """The parametric law's prediction against the measured loss, one colour
   per variant; held-out runs with their 95% prediction intervals, outlined."""
-  fig = Figure(figsize=(6, 6))
+  fig = Figure(figsize=(9, 6 + 0.17 * 2 * len(result.fits)), layout="constrained")
   ax = fig.subplots()
   lows, highs = [], []
   for k, f in enumerate(result.fits):
@@ -120,6 +122,10 @@ def plot_predicted(path: str, result) -> None:
   ax.set_ylabel("predicted loss (approach 3)")
   ax.set_title("predicted against measured", fontsize=10)
   ax.grid(alpha=0.3)
-  ax.legend(fontsize=7)
-  fig.tight_layout()
+  _legend_below(fig, ax)
   fig.savefig(path, dpi=100)
+
+
+def _legend_below(fig, ax) -> None:
+  """The axes' legend under the plot, off the lines (variant names are long)."""
+  fig.legend(*ax.get_legend_handles_labels(), loc="outside lower center", fontsize=7)
