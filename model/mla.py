@@ -156,12 +156,13 @@ class LatentAttention(nnx.Module):
 
     `cache` holds `latent` [B, 1, L, r + d_r], or with `layer` every
     layer's [layers, B, 1, L, r + d_r] (a scanned stack's, updated in place
-    at `layer`; heads-first, one head, as `Attention.decode`'s); the tokens at `positions_BT` write their [c, k_r] at those
-    slots and see slots 0..position (the last `window` of them with a
-    sliding window), as `Attention.decode`. With `prefill` the tokens are
-    every row's first T (positions 0..T-1 of an empty cache, the prompt) and
-    attend to one another in the expanded form (`prefill`). Returns (output,
-    updated cache).
+    at `layer`; heads-first, one head, as `Attention.decode`'s); the tokens
+    at `positions_BT` write their [c, k_r] at those slots and see slots
+    0..position (the last `window` of them with a sliding window), as
+    `Attention.decode`. With `prefill` the tokens are every row's first T
+    (positions 0..T-1 of an empty cache, the prompt) and attend to one
+    another in the expanded form (`prefill`). Returns (output, updated
+    cache).
     """
     latent_BT1C = self.latent(x_BTM, positions_BT)
     cache = dict(cache, latent=write_slots(cache["latent"], latent_BT1C, positions_BT, layer))

@@ -147,8 +147,8 @@ def test_embedding_lr_mult_scales_the_input_weights_updates_and_nothing_else(pos
       np.testing.assert_allclose(scaled, 0.25 * plain, rtol=1e-6, err_msg=name)
     else:
       np.testing.assert_array_equal(scaled, plain, err_msg=name)
-  assert sorted(picked) == sorted(
-      ["decoder/embed/embedding/value"] + (["decoder/positions/table/value"] if pos_emb == "learned" else []))
+  table = ["decoder/positions/table/value"] if pos_emb == "learned" else []
+  assert sorted(picked) == sorted(["decoder/embed/embedding/value"] + table)
 
 
 @pytest.mark.parametrize("scan", [True, False])

@@ -104,7 +104,7 @@ def muon_dimensions(path, x) -> MuonDimensionNumbers | None:
 def muon_labels(params):
   """"muon" for the hidden matrices (`muon_dimensions`), "adamw" for the rest."""
   return jax.tree_util.tree_map_with_path(
-      lambda path, x: "adamw" if muon_dimensions(path, x) is None else "muon", params)
+      lambda path, x: "muon" if is_hidden(path, x) else "adamw", params)
 
 
 def _muon_dimension_tree(updates):
@@ -251,7 +251,7 @@ def make_optimizer(train_cfg, width: float | None = None,
   if width is not None or depth is not None:
     mult = (1.0 if width is None else hidden_lr_mult(train_cfg, width)) * (depth or 1.0)
     parts.append(_scale_where(is_hidden, mult))
-  if train_cfg.get("embedding_lr_mult", 1.0) != 1.0:
+  if train_cfg.embedding_lr_mult != 1.0:
     parts.append(_scale_where(is_input_weight, train_cfg.embedding_lr_mult))
   return optax.chain(*parts)
 
