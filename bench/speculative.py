@@ -103,10 +103,10 @@ def median_seconds(fns, repeats: int):
 
 def components(model, repeats: int, depth: int, steps: int = 64, length: int = 256) -> dict:
   """Seconds of one greedy step (one token through the main model and its
-  head), of one verification (D+1 tokens) and of the first D = `depth`
-  modules' drafts (2D positions each), batch 1, a KV cache of `length`
-  slots, each the median over `repeats` runs of a loop of `steps`; the last
-  two also in greedy steps."""
+  head), of one verification (D+1 tokens, the head at each) and of the
+  first D = `depth` modules' drafts (2D positions each), batch 1, a KV
+  cache of `length` slots, each the median over `repeats` runs of a loop
+  of `steps`; the last two also in greedy steps."""
   graphdef, state = nnx.split(model)
   D = depth
 
@@ -123,7 +123,8 @@ def components(model, repeats: int, depth: int, steps: int = 64, length: int = 2
         tokens_BT = jnp.broadcast_to(token_B[:, None], (1, tokens))
         if not modules:
           x_BTM, cache = model.decoder.decode_step(tokens_BT, positions_BT, cache, blocks=blocks)
-          return jnp.argmax(model.logits(model.decoder, x_BTM)[:, -1], -1), cache, caches
+          # The head at every token, as a verification reads it.
+          return jnp.argmax(model.logits(model.decoder, x_BTM), -1).max(-1), cache, caches
         h_BTM, new = model.decoder.embed_tokens(tokens_BT, positions_BT), []
         for module, module_cache in zip(list(model.mtp)[:D], caches):
           h_BTM, normed_BTM, module_cache = module.decode(h_BTM, h_BTM, positions_BT=positions_BT,

@@ -69,7 +69,8 @@ from model.gated_deltanet import rule_refusal
 from model import context_parallel
 from model.kernels import KERNEL_TAKES, MOSAIC_GPU_DTYPES, MOSAIC_GPU_HEAD_DIMS, is_hopper
 from model.kernels.common import common_head_width
-from model.layers import Dense, batch_axes, check_rows_split, compile_device
+from model.layers import (Dense, batch_axes, check_rows_split, compile_device,
+                          token_matrix_products)
 from model.norms import make_qk_norm
 from model.positions import POSITIONS
 from model.registry import Registry
@@ -807,9 +808,34 @@ class Attention(nnx.Module):
                       else (cache["k"][layer], cache["v"][layer]))
     mask_BTL = cache_slot_mask(positions_BT, k_BKLD.shape[2], self.window)
     options = dataclasses.replace(self.options, mask=mask_BTL, bias=bias)
-    out_BTHD = reference_attention(q_BTHD, k_BKLD.astype(q_BTHD.dtype),
-                                   v_BKLD.astype(q_BTHD.dtype), options, heads_first=True)
+    out_BTHD = cache_attention(q_BTHD, k_BKLD.astype(q_BTHD.dtype), v_BKLD.astype(q_BTHD.dtype),
+                               options)
     return self.project_out(out_BTHD, x_BTM), cache
+
+
+# Up to this many decoding queries, `cache_attention` on a CPU runs them one at a time.
+CACHE_QUERIES_ONE_BY_ONE = 3
+
+
+def cache_attention(q_BTHD, k_BKLD, v_BKLD, options: AttentionOptions):
+  """`reference_attention` of T decoding queries against a heads-first
+  cache (`options` holding the slot mask [B, T, L] and the bias [1 or B, H,
+  T, L]). On one CPU device (`token_matrix_products`), 2 to
+  CACHE_QUERIES_ONE_BY_ONE queries (a speculative pass verifying drafts)
+  run one at a time, each as a greedy step's query: XLA's CPU backend hands
+  the score and value products of two queries or more to a library kernel
+  that costs about ten times a one-query product at decoding's sizes
+  (docs/evaluation.md, "Where a drafted pass loses")."""
+  T = q_BTHD.shape[1]
+  if not (token_matrix_products() and 1 < T <= CACHE_QUERIES_ONE_BY_ONE):
+    return reference_attention(q_BTHD, k_BKLD, v_BKLD, options, heads_first=True)
+
+  def query(t):
+    row = dataclasses.replace(options, mask=options.mask[:, t:t + 1],
+                              bias=None if options.bias is None else options.bias[:, :, t:t + 1])
+    return reference_attention(q_BTHD[:, t:t + 1], k_BKLD, v_BKLD, row, heads_first=True)
+
+  return jnp.concatenate([query(t) for t in range(T)], axis=1)
 
 
 def write_slots(cache_BKLD, new_BTKD, positions_BT, layer=None):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.layers import dense_init, param, row_products, token_matrix_products
+from model.layers import dense_init, param, token_matrix_products
 from model.registry import Registry
 
 
@@ -38,14 +38,12 @@ class Embed(nnx.Module):
 
   def attend(self, x_BTM):
     """Logits x E^T [B, T, V], computed in float32 whatever the model dtype
-    (over the [B*T, M] rows on one CPU device: `token_matrix_products`,
-    `row_products`)."""
+    (as one [B*T, V] product on one CPU device: `token_matrix_products`)."""
     B, T, M = x_BTM.shape
     x = x_BTM.astype(jnp.float32)
     if token_matrix_products():
-      embedding_VM = self.embedding[...].astype(jnp.float32)
-      return row_products(lambda x_NM: jnp.einsum("nm,vm->nv", x_NM, embedding_VM),
-                          x.reshape(B * T, M)).reshape(B, T, -1)
+      return jnp.einsum("nm,vm->nv", x.reshape(B * T, M),
+                        self.embedding[...].astype(jnp.float32)).reshape(B, T, -1)
     return jnp.einsum("btm,vm->btv", x, self.embedding[...].astype(jnp.float32))
 
 

@@ -79,26 +79,6 @@ def token_matrix_products() -> bool:
   return (mesh.empty or mesh.size == 1) and compile_device().platform == "cpu"
 
 
-# Up to this many token rows, a CPU product runs one matrix-vector product
-# per row (`row_products`).
-MATVEC_ROWS = 3
-
-
-def row_products(product, x):
-  """`product` (a product of rows with one weight) of the rows x [N, ...],
-  on one CPU device (`token_matrix_products`): with 2 to MATVEC_ROWS rows (a
-  batch of a few rows decoding, or a speculative pass verifying a few
-  tokens), one matrix-vector product per row. XLA's CPU backend runs one
-  row at about the memory's bandwidth and 2 to 8 rows as a matrix-matrix
-  product that costs about 1.5 to 1.9 times that, while a second row's
-  pass over a weight just read finds it in the cache (1.0 to 1.2 times one
-  row's for weights of 0.75 to 3 MiB; docs/evaluation.md, "Where a drafted
-  pass loses")."""
-  if 1 < x.shape[0] <= MATVEC_ROWS:
-    return jnp.concatenate([product(x[i:i + 1]) for i in range(x.shape[0])])
-  return product(x)
-
-
 def dense_init(std: float):
   return jax.nn.initializers.normal(std)
 
@@ -136,20 +116,15 @@ class Dense(nnx.Module):
     return y
 
   def _product(self, x, kernel):
-    """x . W; on one CPU device over the rows [B*T, ...]
-    (`token_matrix_products`), a few of them one by one (`row_products`)."""
+    """x . W; on one CPU device over the rows [B*T, ...] (`token_matrix_products`)."""
     lead = x.shape[:x.ndim - self.in_axes]
-    cpu = token_matrix_products()
-    if cpu:  # [B, T, ...] -> [B*T, ...]
+    flat = len(lead) > 1 and token_matrix_products()
+    if flat:  # [B, T, ...] -> [B*T, ...]
       x = x.reshape(-1, *x.shape[len(lead):])
     contract = tuple(range(x.ndim - self.in_axes, x.ndim))
-
-    def product(x):
-      return jax.lax.dot_general(x.astype(self.dtype), kernel,
-                                 ((contract, tuple(range(self.in_axes))), ((), ())))
-
-    y = row_products(product, x) if cpu else product(x)
-    return y.reshape(*lead, *y.shape[1:]) if cpu else y
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel,
+                            ((contract, tuple(range(self.in_axes))), ((), ())))
+    return y.reshape(*lead, *y.shape[1:]) if flat else y
 
   def _fp8_product(self, x, kernel):
     """The same product as one FP8 matrix product [tokens, in] . [in, out];

@@ -45,8 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from model.attention import (AttentionOptions, attention, attention_weights, cache_slot_mask,
-                             reference_attention, write_slots)
+from model.attention import (AttentionOptions, attention, attention_weights, cache_attention,
+                             cache_slot_mask, write_slots)
 from model.embeddings import apply_rope
 from model.layers import Dense
 from model.norms import RMSNorm
@@ -177,8 +177,7 @@ class LatentAttention(nnx.Module):
     options = dataclasses.replace(
         self.options, mask=cache_slot_mask(positions_BT, latent_B1LC.shape[2], self.window),
         bias=bias)
-    out_BTHR = reference_attention(q_BTHC, latent_B1LC, latent_B1LC[..., :self.rank], options,
-                                   heads_first=True)
+    out_BTHR = cache_attention(q_BTHC, latent_B1LC, latent_B1LC[..., :self.rank], options)
     out_BTHD = jnp.einsum("bthr,rhv->bthv", out_BTHR, w_RHD[..., self.nope:])
     return self.o_proj(out_BTHD), cache
 
