@@ -41,7 +41,10 @@ with t tokens a pass the speedup is at most t over it.
 weights (a cost does not depend on the weights, acceptance does) of
 configs/tiny.py's kind with d_model D and L layers (heads of 32, d_ff 3D),
 for each draft depth of `--depths` and each KV-cache length of `--lengths`:
-how the floor of a pass moves with the model's shape and its context.
+how the floor of a pass moves with the model's shape and its context; and
+what a pass of the drafted loop itself costs in greedy steps (`loop_pass`:
+`generate` and `mtp_speculative` timed at two lengths, the difference per
+pass), the floor plus the loop's own work and memory traffic.
 `--products D,...` times one layer's projection, [M, D] x [D, 3D] in float32
 for M = 1, 2, 3, 4, 8 rows: what reading M tokens through a weight costs
 against reading one.
@@ -145,6 +148,32 @@ def components(model, repeats: int, depth: int, steps: int = 64, length: int = 2
           "pass_floor_in_greedy_steps": (verify_s + drafts_s) / greedy_s}
 
 
+def loop_pass(model, model_cfg, depth: int, repeats: int, length: int, short: int = 16) -> dict:
+  """Seconds of one pass of the drafted loop itself (`mtp_speculative` with
+  the first `depth` modules) and of one step of greedy's (`generate`),
+  batch 1: each run for `short` new tokens and for enough to fill about
+  `length` cache slots after a 4-token prompt, the four calls alternating
+  (`median_seconds`); the difference of a long and a short call over the
+  difference of their passes (greedy: of their tokens) leaves out the
+  prefill and the call's own costs. Random weights accept few drafts, so
+  nearly every pass commits one token: this is what a pass costs, the
+  floor of `components` plus what the loop adds to it."""
+  prompt, long = [[1, 2, 3, 4]], length - 4 - 2 * depth - 2
+  short = min(short, long // 2)
+  common = dict(eos_id=-1, pad_id=0)
+  (greedy_short, _), (greedy_long, _), (spec_short, (_, short_stats)), (spec_long, (_, long_stats)) = (
+      median_seconds([lambda: generate(model, model_cfg, prompt, max_new_tokens=short, **common),
+                      lambda: generate(model, model_cfg, prompt, max_new_tokens=long, **common),
+                      lambda: mtp_speculative(model, model_cfg, prompt, max_new_tokens=short,
+                                              draft_depth=depth, **common),
+                      lambda: mtp_speculative(model, model_cfg, prompt, max_new_tokens=long,
+                                              draft_depth=depth, **common)], repeats))
+  step_s = (greedy_long - greedy_short) / (long - short)
+  pass_s = (spec_long - spec_short) / (long_stats["passes"] - short_stats["passes"])
+  return {"loop_greedy_step_seconds": step_s, "loop_pass_seconds": pass_s,
+          "loop_pass_in_greedy_steps": pass_s / step_s}
+
+
 def describe(parts: dict) -> str:
   """One line of `components`' pass floor."""
   D, floor = parts["draft_depth"], parts["pass_floor_in_greedy_steps"]
@@ -211,9 +240,9 @@ def bench(workdir: str, depths: list[int] | None, batches: list[int], new_tokens
 
 
 def shape_costs(shapes: list[str], depths: list[int], lengths: list[int], repeats: int) -> list:
-  """`components` of random-weight models of configs/tiny.py's kind, one per
-  "DxL" of `shapes` (d_model D, L layers, heads of 32, d_ff 3D), at each
-  draft depth and KV-cache length."""
+  """`components` and `loop_pass` of random-weight models of
+  configs/tiny.py's kind, one per "DxL" of `shapes` (d_model D, L layers,
+  heads of 32, d_ff 3D), at each draft depth and KV-cache length."""
   costs = []
   for shape in shapes:
     d_model, layers = (int(x) for x in shape.split("x"))
@@ -224,10 +253,12 @@ def shape_costs(shapes: list[str], depths: list[int], lengths: list[int], repeat
     for length in lengths:
       for depth in depths:
         parts = components(model, repeats, depth, length=length)
+        parts.update(loop_pass(model, config.model, depth, repeats, length))
         costs.append({"d_model": d_model, "layers": layers, "vocab_size": config.model.vocab_size,
                       "load": os.getloadavg()[0], **parts})
-        print(f"d_model {d_model}, {layers} layers, {describe(parts)} (load "
-              f"{costs[-1]['load']:.1f})", flush=True)
+        print(f"d_model {d_model}, {layers} layers, {describe(parts)}; the loop's pass "
+              f"{parts['loop_pass_in_greedy_steps']:.2f} steps (load {costs[-1]['load']:.1f})",
+              flush=True)
   return costs
 
 

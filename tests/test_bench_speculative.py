@@ -1,7 +1,8 @@
 """bench/speculative.py's pass costs on the CPU: `--costs` times a
 random-weight shape's greedy step, verification and drafts at each depth and
-cache length, `--products` an M-row product against one row's; a run it
-cannot draft with is refused in one line, exit 2, before its checkpoint."""
+cache length and the drafted loop's own pass, `--products` an M-row product
+against one row's; a run it cannot draft with is refused in one line, exit
+2, before its checkpoint."""
 import pytest
 
 from bench import speculative
@@ -18,6 +19,10 @@ def test_shape_costs_give_a_floor_per_depth_and_length():
     assert c["pass_floor_in_greedy_steps"] == pytest.approx(
         c["verify_in_greedy_steps"] + c["drafts_in_greedy_steps"])
     assert c["greedy_step_seconds"] > 0 and c["verify_seconds"] > 0
+    # The loop's own pass, from generate and mtp_speculative at two lengths
+    # (a difference of timings: at this size it can be noise of either sign).
+    assert c["loop_pass_in_greedy_steps"] == pytest.approx(
+        c["loop_pass_seconds"] / c["loop_greedy_step_seconds"])
 
 
 def test_product_costs_time_each_row_count():
