@@ -51,6 +51,7 @@ against reading one.
 """
 import argparse
 import datetime
+import functools
 import os
 import pathlib
 import statistics
@@ -161,15 +162,14 @@ def loop_pass(model, model_cfg, depth: int, repeats: int, length: int, short: in
   prompt, long = [[1, 2, 3, 4]], length - 4 - 2 * depth - 2
   short = min(short, long // 2)
   common = dict(eos_id=-1, pad_id=0)
-  (greedy_short, _), (greedy_long, _), (spec_short, (_, short_stats)), (spec_long, (_, long_stats)) = (
-      median_seconds([lambda: generate(model, model_cfg, prompt, max_new_tokens=short, **common),
-                      lambda: generate(model, model_cfg, prompt, max_new_tokens=long, **common),
-                      lambda: mtp_speculative(model, model_cfg, prompt, max_new_tokens=short,
-                                              draft_depth=depth, **common),
-                      lambda: mtp_speculative(model, model_cfg, prompt, max_new_tokens=long,
-                                              draft_depth=depth, **common)], repeats))
-  step_s = (greedy_long - greedy_short) / (long - short)
-  pass_s = (spec_long - spec_short) / (long_stats["passes"] - short_stats["passes"])
+  calls = [functools.partial(generate, model, model_cfg, prompt, max_new_tokens=n, **common)
+           for n in (short, long)]
+  calls += [functools.partial(mtp_speculative, model, model_cfg, prompt, max_new_tokens=n,
+                              draft_depth=depth, **common) for n in (short, long)]
+  (g_short, _), (g_long, _), (s_short, (_, short_stats)), (s_long, (_, long_stats)) = (
+      median_seconds(calls, repeats))
+  step_s = (g_long - g_short) / (long - short)
+  pass_s = (s_long - s_short) / (long_stats["passes"] - short_stats["passes"])
   return {"loop_greedy_step_seconds": step_s, "loop_pass_seconds": pass_s,
           "loop_pass_in_greedy_steps": pass_s / step_s}
 

@@ -1,8 +1,6 @@
 """model.attention.cache_attention: a few decoding queries against a
 heads-first cache run one at a time on a CPU, with the values of the one
 batched product (the reference einsums)."""
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -43,7 +41,6 @@ def test_a_fully_masked_query_is_zero_one_by_one_too():
   q_BTHD = jnp.ones((1, 2, 2, 4))
   kv_BKLD = jnp.ones((1, 2, 6, 4))
   mask_BTL = jnp.array([[[True] * 6, [False] * 6]])
-  out = cache_attention(q_BTHD, kv_BKLD, kv_BKLD, dataclasses.replace(AttentionOptions(),
-                                                                       mask=mask_BTL))
+  out = cache_attention(q_BTHD, kv_BKLD, kv_BKLD, AttentionOptions(mask=mask_BTL))
   np.testing.assert_array_equal(out[0, 1], 0)
   np.testing.assert_allclose(out[0, 0], 1, rtol=1e-6)
