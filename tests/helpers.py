@@ -252,9 +252,9 @@ def write_sweep(tmp_path, text: str, name: str = "s.py") -> str:
   return str(path)
 
 
-def sweep_cli(*args) -> subprocess.CompletedProcess:
+def sweep_cli(*args, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
   return subprocess.run([sys.executable, "sweep.py", *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=300, check=False)
+                        text=True, timeout=300, check=False, env=env)
 
 
 # Attention kernels against the reference.
