@@ -63,14 +63,14 @@ def test_kernel_equals_the_xla_form(lowering):
   seg = jnp.asarray(np.repeat([[1, 2, 3], [1, 1, 4]], [13, 20, 7], axis=1), jnp.int32)
   kernel = lambda *x: gated_delta.gated_delta_rule(*x, seg, chunk=16, lowering=lowering)
   xla = lambda *x: gdn.chunked(*x, seg, chunk=16)
-  (o_k, s_k), (o_x, s_x) = jax.jit(kernel)(*inputs, state), xla(*inputs, state)
+  (o_k, s_k), (o_x, s_x) = jax.jit(kernel)(*inputs, state), jax.jit(xla)(*inputs, state)
   np.testing.assert_allclose(o_k, o_x, atol=2e-6)
   np.testing.assert_allclose(s_k, s_x, atol=2e-6)
   loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
   grad_kernel = jax.grad(loss(kernel), argnums=range(6))
   assert "gated_delta_rule_backward" in str(jax.make_jaxpr(grad_kernel)(*inputs, state))
   grads_k = jax.jit(grad_kernel)(*inputs, state)  # jitted, the interpreter runs 3x faster
-  grads_x = jax.grad(loss(xla), argnums=range(6))(*inputs, state)
+  grads_x = jax.jit(jax.grad(loss(xla), argnums=range(6)))(*inputs, state)
   for got, want in zip(grads_k, grads_x):  # the cotangents carry the forms' rounding
     np.testing.assert_allclose(got, want, atol=float32_tolerance())
 
@@ -87,8 +87,9 @@ def test_the_layers_follow_attention_impl():
   assert gdn.rule_implementation("auto", 64, "gpu", (96, 128)) == "xla"  # not Triton's
   assert gdn.rule_implementation("reference", 64, "gpu", dims) == "xla"
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, 64, (2, 20)), jnp.int32)
-  logits = {impl: build_model(model_cfg(attention_impl=impl, linear_chunk_size=16),
-                              nnx.Rngs(0))(tokens) for impl in ("xla", "pallas")}
+  forward = nnx.jit(lambda model, tokens: model(tokens))
+  logits = {impl: forward(build_model(model_cfg(attention_impl=impl, linear_chunk_size=16),
+                                      nnx.Rngs(0)), tokens) for impl in ("xla", "pallas")}
   np.testing.assert_allclose(logits["pallas"], logits["xla"], atol=2e-5)
 
 

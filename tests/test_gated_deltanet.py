@@ -2,6 +2,8 @@
 recurrent one and against transformers' own, packed rows, the layer against
 Qwen3-Next's, and hybrid decoders (`model.layer_types` with linear_attention)
 trained, scanned and decoded."""
+from functools import partial
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,13 +40,13 @@ def test_chunked_equals_recurrent_at_any_length(T, chunk):
   multiple of the chunk (its last chunk padded) and from a given state."""
   inputs = rule_inputs(T)
   state = jnp.asarray(np.random.default_rng(1).normal(size=(2, 4, 8, 6)), jnp.float32)
-  o_r, s_r = gdn.recurrent(*inputs, state_BHKV=state)
-  o_c, s_c = gdn.chunked(*inputs, state_BHKV=state, chunk=chunk)
+  o_r, s_r = jax.jit(gdn.recurrent)(*inputs, state_BHKV=state)
+  o_c, s_c = jax.jit(partial(gdn.chunked, chunk=chunk))(*inputs, state_BHKV=state)
   np.testing.assert_allclose(o_c, o_r, atol=2e-6)
   np.testing.assert_allclose(s_c, s_r, atol=2e-6)
   loss = lambda form: lambda *x: jnp.sum(jnp.sin(form(*x)[0])) + jnp.sum(form(*x)[1] ** 2)
-  grads_r = jax.grad(loss(gdn.recurrent), argnums=range(5))(*inputs)
-  grads_c = jax.grad(loss(lambda *x: gdn.chunked(*x, chunk=chunk)), argnums=range(5))(*inputs)
+  grads_r = jax.jit(jax.grad(loss(gdn.recurrent), argnums=range(5)))(*inputs)
+  grads_c = jax.jit(jax.grad(loss(partial(gdn.chunked, chunk=chunk)), argnums=range(5)))(*inputs)
   for got, want in zip(grads_c, grads_r):
     np.testing.assert_allclose(got, want, atol=5e-5, rtol=1e-5)
 
@@ -56,12 +58,12 @@ def test_packed_rows_reset_the_state_at_each_document():
   q, k, v, g, beta = rule_inputs(100)
   seg = np.ones((2, 100), np.int32)
   seg[:, 30:], seg[:, 77:], seg[1, 9:] = 2, 3, 5
-  o_r, s_r = gdn.recurrent(q, k, v, g, beta, segment_ids_BT=seg)
-  o_c, s_c = gdn.chunked(q, k, v, g, beta, segment_ids_BT=seg, chunk=16)
+  chunked = jax.jit(partial(gdn.chunked, chunk=16))
+  o_r, s_r = jax.jit(gdn.recurrent)(q, k, v, g, beta, segment_ids_BT=seg)
+  o_c, s_c = chunked(q, k, v, g, beta, segment_ids_BT=seg)
   np.testing.assert_allclose(o_c, o_r, atol=2e-6)
   np.testing.assert_allclose(s_c, s_r, atol=2e-6)
-  alone = lambda a, b: gdn.chunked(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b],
-                                   chunk=16)
+  alone = lambda a, b: chunked(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b])
   for a, b in ((0, 30), (30, 77), (77, 100)):
     np.testing.assert_allclose(o_c[0, a:b], alone(a, b)[0][0], atol=2e-6)
   np.testing.assert_allclose(s_c[0], alone(77, 100)[1][0], atol=2e-6)
