@@ -19,6 +19,7 @@ from tokenizers import Regex, trainers
 import convert
 from aot.targets import LIBTPU_DIR
 from configs import base
+from data import corpora
 from model.attention import attention
 from model.kernels.router import flash_attention
 from model.transformer import segment
@@ -123,6 +124,17 @@ def write_files(directory, texts: dict[str, str]) -> None:
   for name, text in texts.items():
     (directory / name).parent.mkdir(parents=True, exist_ok=True)
     (directory / name).write_text(text, encoding="utf-8")
+
+
+def both_splits(name_of, val_percent: int, at_least: int) -> int:
+  """How many of the documents name_of(0), name_of(1), ... (at least
+  `at_least`) a test writes so that both splits have one: documents are split
+  by a hash of their name (`corpora.is_validation`), and a name holds the
+  test's temporary directory, so a fixed count can leave a split empty."""
+  count = at_least
+  while len({corpora.is_validation(name_of(i), val_percent) for i in range(count)}) < 2:
+    count += 1
+  return count
 
 
 def assert_batches_equal(a, b):

@@ -26,8 +26,8 @@ from model.generate import generate
 from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training.workdir import load_run
-from tests.helpers import (assert_close, convert_error_line, edit_hf_config, run_command,
-                           run_convert, save_hf)
+from tests.helpers import (assert_close, both_splits, convert_error_line, edit_hf_config,
+                           run_command, run_convert, save_hf)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
@@ -281,7 +281,9 @@ def test_bart_commands_evaluate_finetune_export(tok, tmp_path):
   file, train.py fine-tunes it on data.paths, to_hf exports the fine-tune."""
   workdir = _import(_bart(tok), tok, tmp_path)
   pairs = tmp_path / "pairs.tsv"
-  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
+  count = both_splits(lambda i: f"{pairs}:{i + 2}", 50, 6)  # named path:line, after the header
+  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n"
+                                          for i in range(count)))
 
   run_command("eval.py", "--workdir", workdir, "--data", pairs, "--max_examples", 2,
               "--beam_size", 2)

@@ -29,9 +29,9 @@ from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
 from training.objectives import cross_entropy_sums
-from tests.helpers import (assert_close, convert_error_line, edit_hf_config, python_on_cpu_devices,
-                           randomised, run_command, run_convert, save_hf, tiny_gpt2,
-                           tiny_llama)
+from tests.helpers import (assert_close, both_splits, convert_error_line, edit_hf_config,
+                           python_on_cpu_devices, randomised, run_command, run_convert, save_hf,
+                           tiny_gpt2, tiny_llama)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
@@ -251,7 +251,7 @@ def test_llama_refuses_unsupported_fields(tok, tmp_path, capsys):
 def test_commands_import_evaluate_finetune_export(tok, tmp_path):
   """docs/huggingface.md's worked example with the real commands: convert.py from_hf,
   eval.py, train.py from the imported run, convert.py to_hf of the fine-tune."""
-  for i in range(9):
+  for i in range(both_splits(lambda i: str(tmp_path / f"doc{i}.txt"), 60, 9)):
     (tmp_path / f"doc{i}.txt").write_text(f"def f{i}(a, b):\n    return a + b * {i}\n")
 
   run_command("convert.py", "from_hf", "--hf_dir", save_hf(tiny_gpt2(), tok, tmp_path / "hf"),

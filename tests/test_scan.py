@@ -18,7 +18,7 @@ from model.generate import beam_search, generate
 from model.transformer import Segment, layer_plan, segment
 from training import compile_cache, loop, optim, sharding, workdir as workdir_lib
 from training.steps import balance_score_bias
-from tests.helpers import final_params, scanned_copy
+from tests.helpers import both_splits, final_params, scanned_copy
 
 FAMILIES = {
     "decoder": dict(family="decoder"),
@@ -238,7 +238,7 @@ def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):
 def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
   """A 2-step run started again with the same config (a requeued job) reads
   every compiled program from the persistent cache: hits, no miss, no new entry."""
-  for i in range(16):  # split by name hash: half of them held out
+  for i in range(both_splits(lambda i: str(tmp_path / f"doc{i}.txt"), 50, 16)):
     (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
                                           f"the lazy dog {i} times.\n" * 40)
   c = base.get_config()
@@ -368,7 +368,7 @@ def test_a_layer_types_run_trains_resumes_and_resolves_its_config_once(tmp_path,
   """train.py's path (`loop.train`) on layers of two kinds scanned by their
   cycle: the config is validated once and its model section resolved once
   (`model.resolve`), and the run resumes from its checkpoint."""
-  for i in range(8):
+  for i in range(both_splits(lambda i: str(tmp_path / f"doc{i}.txt"), 50, 8)):
     (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
                                           f"the lazy dog {i} times.\n" * 40)
   c = base.get_config()

@@ -25,8 +25,8 @@ from hf import convert as hf_convert
 from hf import mappings as hf_mappings
 from training import workdir as workdir_lib
 from training.workdir import load_run
-from tests.helpers import (assert_close, convert_error_line, edit_hf_config, run_command,
-                           run_convert, save_hf)
+from tests.helpers import (assert_close, both_splits, convert_error_line, edit_hf_config,
+                           run_command, run_convert, save_hf)
 
 pytestmark = pytest.mark.hf  # transformers and torch
 
@@ -362,7 +362,9 @@ def test_t5_commands_import_evaluate_finetune_export(tok, tmp_path):
   with objective seq2seq, convert.py to_hf of the fine-tune, loaded by
   transformers."""
   pairs = tmp_path / "pairs.tsv"
-  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n" for i in range(6)))
+  count = both_splits(lambda i: f"{pairs}:{i + 2}", 50, 6)  # named path:line, after the header
+  pairs.write_text("src\ttgt\n" + "".join(f"def f{i}(a):\treturn a + {i}\n"
+                                          for i in range(count)))
 
   run_command("convert.py", "from_hf", "--hf_dir",
       save_hf(_t5("v1.0", num_layers=1, num_decoder_layers=2), tok, tmp_path / "hf"),
