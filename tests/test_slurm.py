@@ -3,7 +3,8 @@ array that trains and evaluates, a bad variant that fails alone, a rerun that
 skips what is done, a variant requeued by `scontrol requeue` and by its time
 limit that ends with the parameters of an uninterrupted run, a 2-task job with
 jax.distributed from SLURM's environment, the check of a request against
-sinfo, and `data.prepare` as a job array. Run by `make test-slurm` (all `slow`: about 6.5 minutes on 2 cores)."""
+sinfo, and `data.prepare` as a job array. Run by `make test-slurm` (all `slow`: about 6 minutes
+on 2 cores)."""
 import csv
 import json
 import os
