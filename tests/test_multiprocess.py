@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from tests.helpers import ROOT, small_config, train_cmd
+from tests.helpers import ROOT, both_splits, small_config, train_cmd
 
 
 from data import corpora
@@ -44,12 +44,9 @@ def _two_processes(cmd):
 
 
 def _corpus_of_files(directory, val_percent: int) -> int:
-  """pydoc's topics as text files, at least one of them held out; how many."""
+  """pydoc's topics as text files, some held out and some not; how many."""
   topics = [text for _, text in corpora.pydoc_documents()]
-  count = 8
-  while not any(corpora.is_validation(str(directory / f"t{i}.txt"), val_percent)
-                for i in range(count)):
-    count += 1
+  count = both_splits(lambda i: str(directory / f"t{i}.txt"), val_percent, 8)
   directory.mkdir()
   for i in range(count):
     (directory / f"t{i}.txt").write_text("\n".join(topics[i::count]), encoding="utf-8")

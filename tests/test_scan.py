@@ -234,13 +234,19 @@ def test_a_run_saved_before_the_field_keeps_its_loop(tmp_path):
   assert workdir_lib.keep_layout(asked, str(tmp_path)).model.scan_layers is True
 
 
+def write_documents(directory, at_least: int) -> None:
+  """doc0.txt, doc1.txt, ... in `directory`: at least `at_least`, and as many
+  as a split of half of them (data.val_percent=50) needs to have both sides."""
+  for i in range(both_splits(lambda i: str(directory / f"doc{i}.txt"), 50, at_least)):
+    (directory / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
+                                           f"the lazy dog {i} times.\n" * 40)
+
+
 @pytest.mark.slow
 def test_a_second_start_compiles_nothing(tmp_path, monkeypatch):
   """A 2-step run started again with the same config (a requeued job) reads
   every compiled program from the persistent cache: hits, no miss, no new entry."""
-  for i in range(both_splits(lambda i: str(tmp_path / f"doc{i}.txt"), 50, 16)):
-    (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
-                                          f"the lazy dog {i} times.\n" * 40)
+  write_documents(tmp_path, 16)
   c = base.get_config()
   c.model.update(vocab_size=288, d_model=16, num_layers=2, num_heads=2, d_ff=32, max_len=16)
   c.tokenizer.update(vocab_size=260)
@@ -368,9 +374,7 @@ def test_a_layer_types_run_trains_resumes_and_resolves_its_config_once(tmp_path,
   """train.py's path (`loop.train`) on layers of two kinds scanned by their
   cycle: the config is validated once and its model section resolved once
   (`model.resolve`), and the run resumes from its checkpoint."""
-  for i in range(both_splits(lambda i: str(tmp_path / f"doc{i}.txt"), 50, 8)):
-    (tmp_path / f"doc{i}.txt").write_text(f"document {i}: the quick brown fox jumps over "
-                                          f"the lazy dog {i} times.\n" * 40)
+  write_documents(tmp_path, 8)
   c = base.get_config()
   c.model.update(vocab_size=288, d_model=16, num_layers=4, num_heads=2, d_ff=32, max_len=16,
                  sliding_window=4, layer_types=("sliding_attention", "full_attention"))
